@@ -1,0 +1,130 @@
+// The ops the sharded model is written against, as forward/backward pairs. A backend
+// owns one rank's device: its allocator (and so its memory ledger) and its stream. The
+// CPU and CUDA paths differ only below this interface.
+//
+// Conventions: tensors are row-major and contiguous; "[M,K]" lists the shape an op
+// expects (it throws Error naming the tensor's tag when shapes or dtypes disagree).
+// Float tensors of one call share one dtype (f32 or f64); ids and labels are i64.
+// Linear weights are [out,in] as in PyTorch. "+=" means the op accumulates into its
+// output; every other output is overwritten.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tpsim {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;  // "cpu", "cuda:0"
+  virtual Allocator& allocator() = 0;
+
+  Tensor empty(const Shape& s, DType dt, MemCategory c, std::string tag) {
+    return Tensor::empty(s, dt, allocator(), c, std::move(tag));
+  }
+
+  // ---- data movement -------------------------------------------------------------
+  virtual void fill(Tensor& t, double value) = 0;
+  virtual void copy(Tensor& dst, const Tensor& src) = 0;             // same numel and dtype
+  virtual void from_host(Tensor& dst, const double* src) = 0;        // float dst, numel values
+  virtual void from_host_i64(Tensor& dst, const std::int64_t* src) = 0;  // i64 dst
+  virtual std::vector<double> to_host(const Tensor& src) = 0;       // float src, as f64
+  // dst[M,n] = src[M,N][:, col0 : col0+n]
+  virtual void copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) = 0;
+  // dst[M,N][:, col0 : col0+n] = src[M,n]
+  virtual void set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) = 0;
+  virtual void add_inplace(Tensor& dst, const Tensor& src) = 0;     // dst += src
+  virtual void scale_inplace(Tensor& t, double s) = 0;              // t *= s
+
+  // ---- GEMM ----------------------------------------------------------------------
+  // out = alpha * op(a) · op(b) + beta * out, op(x) = xᵀ when trans_x. 2-D tensors:
+  // op(a) is [M,K], op(b) is [K,N], out is [M,N]. beta 0 ignores out's old contents.
+  virtual void gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+                    double alpha = 1.0, double beta = 0.0) = 0;
+
+  // ---- elementwise activations -----------------------------------------------------
+  virtual void relu_forward(Tensor& out, const Tensor& inp) = 0;
+  virtual void relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) = 0;
+  // Exact GELU: x·Φ(x) = 0.5·x·(1 + erf(x/√2)).
+  virtual void gelu_forward(Tensor& out, const Tensor& inp) = 0;
+  virtual void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) = 0;
+
+  // ---- LayerNorm without bias ------------------------------------------------------
+  // out[N,C] = (inp - mean) * rstd * weight[C]; mean[N], rstd[N] = 1/sqrt(var + eps)
+  // with the biased variance, saved for backward.
+  virtual void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                                 const Tensor& weight, double eps) = 0;
+  // dinp[N,C] += ∂L/∂inp; dweight[C] += ∂L/∂weight.
+  virtual void layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                  const Tensor& inp, const Tensor& weight, const Tensor& mean,
+                                  const Tensor& rstd) = 0;
+
+  // ---- causal self-attention over h local heads of size d --------------------------
+  // q, k, v, out: [B*T, h*d], head j in columns [j*d, (j+1)*d). probs: [B, h, T, T],
+  // probs[b,j,t,s] = softmax over s <= t of scale · q[b,t,j]·k[b,s,j]; 0 for s > t.
+  // out[b,t,j] = Σ_s probs[b,j,t,s] · v[b,s,j].
+  virtual void attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
+                                 double scale) = 0;
+  // dq, dk, dv [B*T, h*d] are overwritten.
+  virtual void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
+                                  const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& probs, std::int64_t B, std::int64_t T,
+                                  std::int64_t h, double scale) = 0;
+
+  // ---- embedding over a row range of a table ----------------------------------------
+  // table [R,C] holds rows [row0, row0+R) of the full table. out[N,C]: row i is
+  // table[ids[i] - row0] when row0 <= ids[i] < row0+R, else 0 (Megatron's masked lookup).
+  virtual void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                                 std::int64_t row0) = 0;
+  // dtable[R,C] += scatter-add of dout[N,C] rows whose id lies in the range.
+  virtual void embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                                  std::int64_t row0) = 0;
+
+  // ---- cross-entropy over a column range of the vocabulary ---------------------------
+  // logits [N,Vl] hold vocabulary columns [col0, col0+Vl) of the full logits; only the
+  // first `valid` local columns are real (the rest are vocab padding and never count).
+  // targets [N] are i64; kIgnoreIndex (-100) rows are skipped by every op below.
+  // rowmax[N] = max over the valid local columns (-inf when valid == 0).
+  virtual void ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) = 0;
+  // target_logit[N] = logits[i, targets[i]-col0] when the target is in range, else 0.
+  virtual void ce_target_logit(Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                               std::int64_t col0, std::int64_t valid) = 0;
+  // sumexp[N] = Σ over valid local columns of exp(logits - rowmax).
+  virtual void ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                          std::int64_t valid) = 0;
+  // loss[N] = log(sumexp) + rowmax - target_logit; 0 on ignored rows. rowmax, sumexp and
+  // target_logit here are the global (all-reduced) values.
+  virtual void ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
+                       const Tensor& target_logit, const Tensor& targets) = 0;
+  // dlogits[N,Vl] = scale · (softmax - onehot(target)) on valid columns of non-ignored
+  // rows; 0 on padded columns and ignored rows. scale is dloss/dmean = 1/num_valid_rows.
+  virtual void ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                           const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                           std::int64_t valid, double scale) = 0;
+  // Σ of a float tensor, accumulated in f64 (for the loss and MSE).
+  virtual double sum(const Tensor& t) = 0;
+
+  // ---- mean squared error (the MLP's loss) -----------------------------------------
+  // returns mean((y - target)^2); dy = 2 (y - target) / numel.
+  virtual double mse_forward(const Tensor& y, const Tensor& target) = 0;
+  virtual void mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) = 0;
+
+  // ---- optimizers (torch.optim semantics) --------------------------------------------
+  virtual void sgd_update(Tensor& param, const Tensor& grad, double lr) = 0;
+  // g' = grad + wd·param; m = b1·m + (1-b1)·g'; v = b2·v + (1-b2)·g'²;
+  // param -= lr · (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps). step counts from 1.
+  virtual void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
+                           double beta1, double beta2, double eps, double weight_decay,
+                           std::int64_t step) = 0;
+};
+
+// A CPU "device": host memory, ops run on the calling thread.
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace tpsim

@@ -1,0 +1,78 @@
+#include "core/memory_ledger.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace tpsim {
+
+namespace {
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+const char* mem_category_name(MemCategory c) {
+  switch (c) {
+    case MemCategory::Parameter: return "parameters";
+    case MemCategory::Gradient: return "gradients";
+    case MemCategory::OptimizerState: return "optimizer";
+    case MemCategory::Activation: return "activations";
+    case MemCategory::Temporary: return "temporaries";
+    case MemCategory::CommBuffer: return "comm";
+    case MemCategory::Input: return "inputs";
+  }
+  return "?";
+}
+
+MemoryLedger::MemoryLedger() : t0_ns_(now_ns()) {}
+
+void MemoryLedger::record_alloc(MemCategory c, std::int64_t bytes, const std::string& tag) {
+  std::lock_guard lock(mu_);
+  auto i = static_cast<std::size_t>(c);
+  current_[i] += bytes;
+  peak_[i] = std::max(peak_[i], current_[i]);
+  current_total_ += bytes;
+  peak_total_ = std::max(peak_total_, current_total_);
+  if (keep_timeline_) timeline_.push_back({now_ns() - t0_ns_, c, bytes, tag});
+}
+
+void MemoryLedger::record_free(MemCategory c, std::int64_t bytes, const std::string& tag) {
+  std::lock_guard lock(mu_);
+  current_[static_cast<std::size_t>(c)] -= bytes;
+  current_total_ -= bytes;
+  if (keep_timeline_) timeline_.push_back({now_ns() - t0_ns_, c, -bytes, tag});
+}
+
+std::int64_t MemoryLedger::current(MemCategory c) const {
+  std::lock_guard lock(mu_);
+  return current_[static_cast<std::size_t>(c)];
+}
+std::int64_t MemoryLedger::peak(MemCategory c) const {
+  std::lock_guard lock(mu_);
+  return peak_[static_cast<std::size_t>(c)];
+}
+std::int64_t MemoryLedger::current_total() const {
+  std::lock_guard lock(mu_);
+  return current_total_;
+}
+std::int64_t MemoryLedger::peak_total() const {
+  std::lock_guard lock(mu_);
+  return peak_total_;
+}
+void MemoryLedger::set_timeline(bool on) {
+  std::lock_guard lock(mu_);
+  keep_timeline_ = on;
+}
+std::vector<MemEvent> MemoryLedger::timeline() const {
+  std::lock_guard lock(mu_);
+  return timeline_;
+}
+void MemoryLedger::reset_peaks() {
+  std::lock_guard lock(mu_);
+  peak_ = current_;
+  peak_total_ = current_total_;
+}
+
+}  // namespace tpsim
