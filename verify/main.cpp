@@ -1,1 +1,3 @@
-int main() { return 0; }
+#include "verify/cli.h"
+
+int main(int argc, char** argv) { return tpsim::cli_main(argc, argv); }

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what tpsim needs from Debian's packages, only when something is missing.
+# Run as root (or with sudo) on a fresh Debian machine.
+set -euo pipefail
+
+need=(cmake ninja-build g++ clang libclang-rt-14-dev libeigen3-dev libcli11-dev catch2
+      nlohmann-json3-dev)
+missing=()
+for p in "${need[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi

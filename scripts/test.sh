@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The README's second command: set up, build, and run the whole test suite:
+#   1. every Catch2 test under ctest (Release build);
+#   2. the communicator and rank tests again under ThreadSanitizer;
+#   3. the safetensors reader under libFuzzer with ASan/UBSan, for a bounded time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+scripts/build.sh
+jobs=$(nproc)
+
+echo "== ctest (Release)"
+ctest --test-dir build --output-on-failure -j "$jobs"
+
+echo "== ThreadSanitizer: communicator, mappings and ranks"
+cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPSIM_SANITIZE=thread \
+  -DTPSIM_WERROR=ON -DTPSIM_TEST_FILTER='thread_comm|rank_runner|mappings' >/dev/null
+cmake --build build-tsan -j "$jobs" --target tpsim_tests
+TSAN_OPTIONS="halt_on_error=1" build-tsan/tests/tpsim_tests '[comm],[mappings]'
+
+echo "== libFuzzer: safetensors reader (${FUZZ_SECONDS:-60} s)"
+scripts/fuzz.sh "${FUZZ_SECONDS:-60}"

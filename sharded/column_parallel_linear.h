@@ -1,0 +1,31 @@
+// ColumnParallelLinear: Y = X·Wᵀ with W [out,in] split by output rows, so rank r computes
+// the output columns [r·out/t, (r+1)·out/t) from the whole input.
+//
+// The mapping that brings X into the tensor-parallel region (f = copy_to_tp_region, or
+// gather_from_sp_region under sequence parallelism) is the caller's: several column-
+// parallel layers that read one input (q, k, v) share one f, hence one backward
+// all-reduce, as in Megatron's fused QKV.
+#pragma once
+
+#include "backend/backend.h"
+#include "sharded/parameter.h"
+
+namespace tpsim {
+
+struct ColumnParallelLinear {
+  Parameter* weight = nullptr;  // [out/t, in]
+
+  // out [N,out/t] = inp [N,in] · W_rᵀ
+  void forward(Backend& be, Tensor& out, const Tensor& inp) const {
+    be.gemm(out, inp, false, weight->value, true);
+  }
+  // dW_r [out/t,in] += doutᵀ · inp; dinp [N,in] (+= when accumulate) = dout · W_r, this
+  // rank's share of the input gradient: f's backward sums the shares.
+  void backward(Backend& be, Tensor& dinp, const Tensor& dout, const Tensor& inp,
+                bool accumulate) const {
+    be.gemm(weight->grad, dout, true, inp, false, 1.0, 1.0);
+    be.gemm(dinp, dout, false, weight->value, false, 1.0, accumulate ? 1.0 : 0.0);
+  }
+};
+
+}  // namespace tpsim

@@ -1,0 +1,424 @@
+#include "sharded/gpt.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "sharded/column_parallel_linear.h"
+#include "sharded/mappings.h"
+#include "sharded/row_parallel_linear.h"
+#include "sharded/vocab_parallel_cross_entropy.h"
+
+namespace tpsim {
+
+std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t) {
+  if (!p.loss_parallel) return c.vocab_size;
+  const std::int64_t m = std::max<std::int64_t>(1, p.make_vocab_divisible_by) * t;
+  return (c.vocab_size + m - 1) / m * m;
+}
+
+struct ShardedGpt::CrossEntropyState {
+  VocabParallelCrossEntropy ce;
+};
+
+// One transformer block's parameters, the layers over them, and what its forward saves
+// for its backward. N tokens in all, Nl in this rank's residual stream, Hl = H/t.
+struct ShardedGpt::Block {
+  Parameter *ln1, *ln2;
+  ColumnParallelLinear q, k, v, ffn1;
+  RowParallelLinear o, ffn2;
+
+  Tensor h1;                  // [Nl,H]  ln1 output
+  Tensor ln1_mean, ln1_rstd;  // [Nl]
+  Tensor h1_full;             // [N,H]   h1 in the TP region (gathered over tokens under SP)
+  Tensor q_out, k_out, v_out; // [N,Hl]  this rank's heads
+  Tensor probs;               // [B,A/t,T,T]
+  Tensor att;                 // [N,Hl]  attention output, heads side by side
+  Tensor x_mid;               // [Nl,H]  residual after attention
+  Tensor h2;                  // [Nl,H]  ln2 output
+  Tensor ln2_mean, ln2_rstd;  // [Nl]
+  Tensor h2_full;             // [N,H]
+  Tensor u;                   // [N,4H/t] ffn1 output
+  Tensor a;                   // [N,4H/t] gelu output
+  Tensor x_out;               // [Nl,H]  residual after the MLP
+};
+
+namespace {
+
+// Scratch shared by every block's backward (and the partial sums of forward).
+struct Scratch {
+  Tensor partial;   // [N,H]    row-parallel output before g; its gradient after g's backward
+  Tensor reduced;   // [Nl,H]   g's output under SP
+  Tensor dh_full;   // [N,H]    input gradient of the column-parallel layers, before f's backward
+  Tensor dh;        // [Nl,H]   after f's backward (SP); non-SP uses dh_full
+  Tensor datt;      // [N,Hl]
+  Tensor dq, dk, dv;  // [N,Hl]
+  Tensor da, du;    // [N,4H/t]
+  Tensor dres[2];   // [Nl,H]   residual-stream gradients, ping-pong between blocks
+};
+
+}  // namespace
+
+Parameter& ShardedGpt::param(const std::string& name) {
+  for (auto& p : params_)
+    if (p.spec.name == name) return p;
+  throw Error("ShardedGpt: no parameter " + name);
+}
+
+ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
+                       const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
+                       std::uint64_t seed, Fault fault)
+    : ShardedModel(be), cfg_(cfg), adam_(adam), par_(par), comm_(comm), dtype_(dtype),
+      fault_(fault), rank_(comm.rank()), world_(comm.world_size()) {
+  const int r = rank_, t = world_;
+  const std::int64_t H = cfg.hidden;
+  B_ = batch.B;
+  T_ = batch.T;
+  N_ = B_ * T_;
+  if (par.sequence_parallel && N_ % t != 0)
+    throw UsageError("--sequence-parallel: batch x sequence = " + std::to_string(N_) +
+                     " tokens do not split evenly over tp " + std::to_string(t) +
+                     " (no padding: choose a divisible --batch-size/--seq-len)");
+  Nl_ = par.sequence_parallel ? N_ / t : N_;
+  tok0_ = par.sequence_parallel ? Nl_ * r : 0;
+  Vp_ = padded_vocab(cfg, par, t);
+  n_valid_ = static_cast<std::int64_t>(batch.labels.size()) - batch.num_ignored();
+
+  // ---- parameters, by the shard map ----
+  for (const auto& p : gpt_param_specs(cfg)) {
+    const std::string& n = p.name;
+    auto ends = [&](const char* s) { return n.size() >= std::strlen(s) && n.ends_with(s); };
+    ShardSpec s;
+    if (n == "wte.weight")
+      s = par.loss_parallel ? split(p, 0, r, t, Vp_) : replicate(p, r, t);
+    else if (ends("q_proj.weight") || ends("k_proj.weight") || ends("v_proj.weight") ||
+             ends("ffn1.weight"))
+      s = split(p, 0, r, t);  // column-parallel: output rows
+    else if (ends("o_proj.weight") || ends("ffn2.weight"))
+      s = split(p, 1, r, t);  // row-parallel: input columns
+    else
+      s = replicate(p, r, t);  // wpe, LayerNorm weights
+    params_.push_back(make_parameter(be, s, dtype, seed));
+    if (fault == Fault::GptQkHeadMismatch && ends("k_proj.weight") && t > 1) {
+      // The bug: k's heads come from the next rank's slice while q's are this rank's.
+      ShardSpec wrong = split(p, 0, (r + 1) % t, t);
+      std::vector<double> v(static_cast<std::size_t>(shape_numel(wrong.local_shape())));
+      init_block<double>(v.data(), seed, n, p.init, p.shape, 0, wrong.offset, wrong.length);
+      be.from_host(params_.back().value, v.data());
+    }
+  }
+
+  // ---- inputs ----
+  std::vector<std::int64_t> ids(batch.input_ids.begin() + tok0_,
+                                batch.input_ids.begin() + tok0_ + Nl_);
+  std::vector<std::int64_t> pos(static_cast<std::size_t>(Nl_)), targets(static_cast<std::size_t>(N_));
+  for (std::int64_t i = 0; i < Nl_; ++i) pos[i] = (tok0_ + i) % T_;
+  for (std::int64_t n = 0; n < N_; ++n) {
+    const std::int64_t b = n / T_, tt = n % T_;
+    targets[n] = tt < T_ - 1 ? batch.labels[b * (T_ - 1) + tt] : kIgnoreIndex;
+  }
+  ids_ = be.empty({Nl_}, DType::I64, MemCategory::Input, "input_ids");
+  be.from_host_i64(ids_, ids.data());
+  ids_all_ = be.empty({N_}, DType::I64, MemCategory::Input, "input_ids.all");
+  be.from_host_i64(ids_all_, batch.input_ids.data());
+  pos_ = be.empty({Nl_}, DType::I64, MemCategory::Input, "positions");
+  be.from_host_i64(pos_, pos.data());
+  // Logits rows: every token with loss parallel; this rank's tokens under SP without it.
+  const bool rows_local = par.sequence_parallel && !par.loss_parallel;
+  const std::int64_t Nce = rows_local ? Nl_ : N_;
+  targets_ = be.empty({Nce}, DType::I64, MemCategory::Input, "targets");
+  be.from_host_i64(targets_, targets.data() + (rows_local ? tok0_ : 0));
+
+  // ---- activations saved for backward ----
+  const std::int64_t Hl = H / t, Fl = 4 * H / t, Al = cfg.heads / t;
+  auto act = [&](Shape s, const std::string& tag) {
+    return be.empty(s, dtype, MemCategory::Activation, tag);
+  };
+  x0_ = act({Nl_, H}, "embedding.out");
+  if (par.loss_parallel) emb_full_ = be.empty({N_, H}, dtype, MemCategory::Temporary, "embedding.partial");
+  for (std::int64_t l = 0; l < cfg.layers; ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    auto blk = std::make_unique<Block>();
+    blk->ln1 = &param(p + "ln1.weight");
+    blk->ln2 = &param(p + "ln2.weight");
+    blk->q.weight = &param(p + "attn.q_proj.weight");
+    blk->k.weight = &param(p + "attn.k_proj.weight");
+    blk->v.weight = &param(p + "attn.v_proj.weight");
+    blk->o.weight = &param(p + "attn.o_proj.weight");
+    blk->ffn1.weight = &param(p + "mlp.ffn1.weight");
+    blk->ffn2.weight = &param(p + "mlp.ffn2.weight");
+    blk->h1 = act({Nl_, H}, p + "ln1.out");
+    blk->ln1_mean = act({Nl_}, p + "ln1.mean");
+    blk->ln1_rstd = act({Nl_}, p + "ln1.rstd");
+    blk->h1_full = par.sequence_parallel ? act({N_, H}, p + "ln1.out.gathered") : blk->h1;
+    blk->q_out = act({N_, Hl}, p + "attn.q");
+    blk->k_out = act({N_, Hl}, p + "attn.k");
+    blk->v_out = act({N_, Hl}, p + "attn.v");
+    blk->probs = act({B_, Al, T_, T_}, p + "attn.probs");
+    blk->att = act({N_, Hl}, p + "attn.out");
+    blk->x_mid = act({Nl_, H}, p + "residual.mid");
+    blk->h2 = act({Nl_, H}, p + "ln2.out");
+    blk->ln2_mean = act({Nl_}, p + "ln2.mean");
+    blk->ln2_rstd = act({Nl_}, p + "ln2.rstd");
+    blk->h2_full = par.sequence_parallel ? act({N_, H}, p + "ln2.out.gathered") : blk->h2;
+    blk->u = act({N_, Fl}, p + "mlp.ffn1.out");
+    blk->a = act({N_, Fl}, p + "mlp.gelu.out");
+    blk->x_out = act({Nl_, H}, p + "residual.out");
+    blocks_.push_back(std::move(blk));
+  }
+  hf_ = act({Nl_, H}, "ln_f.out");
+  lnf_mean_ = act({Nl_}, "ln_f.mean");
+  lnf_rstd_ = act({Nl_}, "ln_f.rstd");
+  if (par.loss_parallel && par.sequence_parallel) hf_full_ = act({N_, H}, "ln_f.out.gathered");
+  else hf_full_ = hf_;
+  const Parameter& wte = param("wte.weight");
+  logits_col0_ = par.loss_parallel ? wte.spec.offset : 0;
+  logits_valid_ = par.loss_parallel ? wte.spec.valid_length() : cfg.vocab_size;
+  logits_ = act({Nce, wte.value.dim(0)}, "logits");
+  ce_ = std::make_unique<CrossEntropyState>();
+  ce_->ce.col0 = logits_col0_;
+  ce_->ce.valid = logits_valid_;
+  ce_->ce.split = par.loss_parallel;
+  ce_->ce.fault = fault;
+}
+
+ShardedGpt::~ShardedGpt() = default;
+
+double ShardedGpt::forward_backward() {
+  zero_grads(be_, params_);
+  forward();
+  backward();
+  return loss_;
+}
+
+void ShardedGpt::optimizer_step() { adam_step(be_, params_, adam_, ++step_); }
+
+void ShardedGpt::forward() {
+  const std::int64_t H = cfg_.hidden, Al = cfg_.heads / world_;
+  const bool sp = par_.sequence_parallel;
+  Parameter& wte = param("wte.weight");
+  Parameter& wpe = param("wpe.weight");
+  Tensor partial = be_.empty({N_, H}, dtype_, MemCategory::Temporary, "partial");
+  Tensor reduced = sp ? be_.empty({Nl_, H}, dtype_, MemCategory::Temporary, "reduced") : partial;
+  // f (copy_to_tp_region, or gather_from_sp_region under SP): in = this rank's tokens.
+  auto enter_tp = [&](Tensor& full, const Tensor& local) {
+    if (sp) gather_from_sp_region_forward(comm_, full, local);
+    else (void)copy_to_tp_region_forward(local);  // identity: `full` aliases `local`
+  };
+  // g (reduce_from_tp_region, or reduce_scatter_to_sp_region under SP).
+  auto leave_tp = [&]() -> Tensor& {
+    if (sp) reduce_scatter_to_sp_region_forward(comm_, reduced, partial);
+    else reduce_from_tp_region_forward(comm_, partial);
+    return reduced;
+  };
+
+  // ---- embeddings: x0 [Nl,H] = wte[ids] + wpe[pos] ----
+  comm_.set_label("embedding");
+  if (par_.loss_parallel) {
+    // Vocab-parallel lookup of every token: rows outside this rank's range are 0 ...
+    std::int64_t row0 = wte.spec.offset;
+    if (fault_ == Fault::VocabRangeOffByOne && rank_ == 1) row0 += 1;
+    be_.embedding_forward(emb_full_, ids_all_, wte.value, row0);
+    // ... and the sum over ranks completes them (reduce-scattered to tokens under SP).
+    if (sp) reduce_scatter_to_sp_region_forward(comm_, x0_, emb_full_);
+    else {
+      reduce_from_tp_region_forward(comm_, emb_full_);
+      be_.copy(x0_, emb_full_);
+    }
+  } else {
+    be_.embedding_forward(x0_, ids_, wte.value, 0);
+  }
+  Tensor pos_emb = be_.empty({Nl_, H}, dtype_, MemCategory::Temporary, "wpe.lookup");
+  be_.embedding_forward(pos_emb, pos_, wpe.value, 0);
+  be_.add_inplace(x0_, pos_emb);
+
+  // ---- blocks ----
+  const double head_dim = static_cast<double>(cfg_.head_dim());
+  const double width = fault_ == Fault::GptLocalSoftmaxScale
+                           ? static_cast<double>(cfg_.hidden / world_) : head_dim;
+  const double scale = 1.0 / std::sqrt(width);
+  const Tensor* x = &x0_;
+  for (std::size_t l = 0; l < blocks_.size(); ++l) {
+    Block& b = *blocks_[l];
+    comm_.set_label("h." + std::to_string(l) + ".attn");
+    be_.layernorm_forward(b.h1, b.ln1_mean, b.ln1_rstd, *x, b.ln1->value, cfg_.ln_eps);
+    enter_tp(b.h1_full, b.h1);
+    b.q.forward(be_, b.q_out, b.h1_full);
+    b.k.forward(be_, b.k_out, b.h1_full);
+    b.v.forward(be_, b.v_out, b.h1_full);
+    be_.attention_forward(b.att, b.probs, b.q_out, b.k_out, b.v_out, B_, T_, Al, scale);
+    b.o.forward(be_, partial, b.att);
+    Tensor& attn_out = leave_tp();
+    be_.copy(b.x_mid, *x);
+    be_.add_inplace(b.x_mid, attn_out);
+
+    comm_.set_label("h." + std::to_string(l) + ".mlp");
+    be_.layernorm_forward(b.h2, b.ln2_mean, b.ln2_rstd, b.x_mid, b.ln2->value, cfg_.ln_eps);
+    enter_tp(b.h2_full, b.h2);
+    b.ffn1.forward(be_, b.u, b.h2_full);
+    be_.gelu_forward(b.a, b.u);
+    b.ffn2.forward(be_, partial, b.a);
+    Tensor* mlp_out = &partial;
+    if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp();
+    be_.copy(b.x_out, b.x_mid);
+    be_.add_inplace(b.x_out, *mlp_out);
+    x = &b.x_out;
+  }
+
+  // ---- head: ln_f, logits = hf · wteᵀ, cross-entropy ----
+  comm_.set_label("head");
+  be_.layernorm_forward(hf_, lnf_mean_, lnf_rstd_, *x, param("ln_f.weight").value, cfg_.ln_eps);
+  if (par_.loss_parallel) enter_tp(hf_full_, hf_);
+  be_.gemm(logits_, hf_full_, false, wte.value, true);
+  comm_.set_label("cross_entropy");
+  loss_ = ce_->ce.forward(be_, comm_, logits_, targets_, n_valid_,
+                          /*rows_split=*/sp && !par_.loss_parallel);
+}
+
+void ShardedGpt::backward() {
+  const std::int64_t H = cfg_.hidden, Hl = H / world_, Fl = 4 * H / world_,
+                     Al = cfg_.heads / world_;
+  const bool sp = par_.sequence_parallel;
+  Parameter& wte = param("wte.weight");
+  Parameter& wpe = param("wpe.weight");
+  auto tmp = [&](Shape s, const char* tag) {
+    return be_.empty(s, dtype_, MemCategory::Temporary, tag);
+  };
+  Scratch s;
+  s.partial = tmp({N_, H}, "partial.grad");
+  s.dh_full = tmp({N_, H}, "ln.out.grad");
+  s.dh = sp ? tmp({Nl_, H}, "ln.out.grad.local") : s.dh_full;
+  s.datt = tmp({N_, Hl}, "attn.out.grad");
+  s.dq = tmp({N_, Hl}, "attn.q.grad");
+  s.dk = tmp({N_, Hl}, "attn.k.grad");
+  s.dv = tmp({N_, Hl}, "attn.v.grad");
+  s.da = tmp({N_, Fl}, "mlp.gelu.out.grad");
+  s.du = tmp({N_, Fl}, "mlp.ffn1.out.grad");
+  s.dres[0] = tmp({Nl_, H}, "residual.grad.0");
+  s.dres[1] = tmp({Nl_, H}, "residual.grad.1");
+  // g's backward: the gradient of the full sum, on every rank's [N,H].
+  auto g_backward = [&](const Tensor& d_local) -> const Tensor& {
+    if (sp) {
+      reduce_scatter_to_sp_region_backward(comm_, s.partial, d_local);
+      return s.partial;
+    }
+    return reduce_from_tp_region_backward(d_local);
+  };
+  // f's backward: sum the ranks' shares of dh_full into dh [Nl,H].
+  auto f_backward = [&]() -> Tensor& {
+    if (sp) {
+      if (fault_ == Fault::SpSwapBackwardCollectives) {
+        // The bug: take this rank's tokens without summing the other ranks' shares.
+        be_.copy(s.dh, s.dh_full.narrow0(tok0_, Nl_));
+      } else {
+        gather_from_sp_region_backward(comm_, s.dh, s.dh_full);
+      }
+    } else {
+      copy_to_tp_region_backward(comm_, s.dh_full);
+    }
+    return s.dh;
+  };
+
+  // ---- head ----
+  comm_.set_label("head");
+  Tensor dlogits = tmp(logits_.shape(), "logits.grad");
+  ce_->ce.backward(be_, dlogits, logits_, targets_, n_valid_);
+  Tensor* dwte_head = &wte.grad;
+  Tensor untied;
+  if (fault_ == Fault::GptUntiedEmbeddingGrad) {
+    untied = tmp(wte.grad.shape(), "wte.head.grad");
+    be_.fill(untied, 0.0);
+    dwte_head = &untied;
+  }
+  be_.gemm(*dwte_head, dlogits, true, hf_full_, false, 1.0, 1.0);
+  Tensor dhf;  // [Nl,H] gradient of ln_f's output
+  if (par_.loss_parallel) {
+    // The logits are split by vocabulary: each rank's dhf is a share; f's backward sums.
+    be_.gemm(s.dh_full, dlogits, false, wte.value, false);
+    dhf = f_backward();
+  } else {
+    dhf = s.dh_full.narrow0(0, Nl_);  // this rank's logits rows are its own tokens
+    be_.gemm(dhf, dlogits, false, wte.value, false);
+  }
+  Tensor* dx = &s.dres[0];
+  be_.fill(*dx, 0.0);
+  Parameter& lnf = param("ln_f.weight");
+  be_.layernorm_backward(*dx, lnf.grad, dhf, blocks_.empty() ? x0_ : blocks_.back()->x_out,
+                         lnf.value, lnf_mean_, lnf_rstd_);
+
+  // ---- blocks, last to first ----
+  const double head_dim = static_cast<double>(cfg_.head_dim());
+  const double width = fault_ == Fault::GptLocalSoftmaxScale
+                           ? static_cast<double>(cfg_.hidden / world_) : head_dim;
+  const double scale = 1.0 / std::sqrt(width);
+  for (std::size_t li = blocks_.size(); li-- > 0;) {
+    Block& b = *blocks_[li];
+    const Tensor& x_in = li == 0 ? x0_ : blocks_[li - 1]->x_out;
+    Tensor* dx_prev = dx == &s.dres[0] ? &s.dres[1] : &s.dres[0];
+
+    // x_out = x_mid + mlp(ln2(x_mid))
+    comm_.set_label("h." + std::to_string(li) + ".mlp");
+    const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(*dx) : *dx;
+    b.ffn2.backward(be_, s.da, dmlp, b.a);
+    be_.gelu_backward(s.du, s.da, b.u);
+    b.ffn1.backward(be_, s.dh_full, s.du, b.h2_full, /*accumulate=*/false);
+    Tensor& dh2 = f_backward();
+    be_.layernorm_backward(*dx, b.ln2->grad, dh2, b.x_mid, b.ln2->value, b.ln2_mean, b.ln2_rstd);
+
+    // x_mid = x_in + attn(ln1(x_in))
+    comm_.set_label("h." + std::to_string(li) + ".attn");
+    const Tensor& dattn = g_backward(*dx);
+    b.o.backward(be_, s.datt, dattn, b.att);
+    be_.attention_backward(s.dq, s.dk, s.dv, s.datt, b.q_out, b.k_out, b.v_out, b.probs, B_, T_,
+                           Al, scale);
+    b.q.backward(be_, s.dh_full, s.dq, b.h1_full, /*accumulate=*/false);
+    b.k.backward(be_, s.dh_full, s.dk, b.h1_full, /*accumulate=*/true);
+    b.v.backward(be_, s.dh_full, s.dv, b.h1_full, /*accumulate=*/true);
+    Tensor* dh1 = &s.dh_full;
+    if (sp || fault_ != Fault::GptMissingF) dh1 = &f_backward();
+    be_.copy(*dx_prev, *dx);
+    be_.layernorm_backward(*dx_prev, b.ln1->grad, *dh1, x_in, b.ln1->value, b.ln1_mean,
+                           b.ln1_rstd);
+    dx = dx_prev;
+  }
+
+  // ---- embeddings ----
+  comm_.set_label("embedding");
+  be_.embedding_backward(wpe.grad, *dx, pos_, 0);
+  if (par_.loss_parallel) {
+    std::int64_t row0 = wte.spec.offset;
+    if (fault_ == Fault::VocabRangeOffByOne && rank_ == 1) row0 += 1;
+    const Tensor* demb = dx;
+    if (sp) {  // the reduce-scatter's backward: all-gather the token gradients
+      reduce_scatter_to_sp_region_backward(comm_, s.partial, *dx);
+      demb = &s.partial;
+    }
+    be_.embedding_backward(wte.grad, *demb, ids_all_, row0);
+  } else {
+    be_.embedding_backward(wte.grad, *dx, ids_, 0);
+  }
+
+  // ---- sequence parallel: replicated parameters saw only this rank's tokens ----
+  if (sp) {
+    comm_.set_label("sp.grad_sync");
+    for (auto& p : params_) {
+      if (!p.spec.replicated()) continue;
+      const bool is_ln = p.spec.name.find("ln") != std::string::npos;
+      if (is_ln && fault_ == Fault::SpLnGradNotSummed) continue;
+      comm_.all_reduce(p.grad, ReduceOp::Sum);
+    }
+  }
+}
+
+std::vector<Observation> ShardedGpt::observe_forward() {
+  const ParamSpec logits{"logits", {N_, cfg_.vocab_size}, {}};
+  ShardSpec spec;
+  if (par_.loss_parallel) spec = split(logits, 1, rank_, world_, Vp_);
+  else if (par_.sequence_parallel) spec = split(logits, 0, rank_, world_);
+  else spec = replicate(logits, rank_, world_);
+  std::vector<Observation> obs;
+  obs.push_back({"loss", replicate(ParamSpec{"loss", {1}, {}}, rank_, world_), {loss_}});
+  obs.push_back(observe("logits", spec, logits_));
+  return obs;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,90 @@
+// The seed's GPT under Megatron-style tensor parallelism, as explicit forward/backward
+// pairs. Per block (pre-LayerNorm, no biases):
+//
+//   x ─ ln1 ─f─ q,k,v (cols: A/t heads) ─ attention ─ o (rows) ─g─ + x
+//     ─ ln2 ─f─ ffn1 (cols: 4H/t) ─ gelu ─ ffn2 (rows) ─g─ + x
+//
+// Options, both off by default:
+//  - loss parallel: wte (tied to the LM head) split by vocabulary rows, padded to a
+//    multiple of t·M; the embedding lookup is masked and all-reduced (or reduce-
+//    scattered), the logits stay split and the cross-entropy never gathers them.
+//  - sequence parallel: the residual stream and LayerNorms hold only this rank's tokens
+//    (B·T/t of them); f becomes an all-gather and g a reduce-scatter over tokens, and
+//    the gradients of replicated parameters, which now see a slice of the tokens, are
+//    all-reduced at the end of backward.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "model/config.h"
+#include "sharded/faults.h"
+#include "sharded/sharded_model.h"
+
+namespace tpsim {
+
+struct GptParallelism {
+  bool loss_parallel = false;
+  bool sequence_parallel = false;
+  std::int64_t make_vocab_divisible_by = 1;
+};
+
+// The padded vocabulary: V rounded up to a multiple of t·M when loss parallel, else V.
+std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t);
+
+class ShardedGpt final : public ShardedModel {
+ public:
+  ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
+             const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
+             std::uint64_t seed, Fault fault = Fault::None);
+  ~ShardedGpt() override;
+
+  double forward_backward() override;
+  void optimizer_step() override;
+  std::vector<Observation> observe_forward() override;
+  std::vector<Observation> observe_activation_grads() override { return {}; }
+  std::vector<Parameter>& params() override { return params_; }
+
+ private:
+  struct Block;
+  void forward();
+  void backward();
+  // Index of a parameter by name in params_.
+  Parameter& param(const std::string& name);
+
+  GptConfig cfg_;
+  AdamConfig adam_;
+  GptParallelism par_;
+  Communicator& comm_;
+  DType dtype_;
+  Fault fault_;
+  std::int64_t step_ = 0;
+  double loss_ = 0.0;
+
+  int rank_, world_;
+  std::int64_t B_, T_, N_;   // batch, sequence, tokens = B·T
+  std::int64_t Nl_;          // tokens in this rank's residual stream: N, or N/t under SP
+  std::int64_t tok0_;        // first token of this rank's residual stream
+  std::int64_t Vp_;          // padded vocabulary
+  std::int64_t n_valid_;     // non-ignored labels in the batch
+
+  std::vector<Parameter> params_;  // forward order, as gpt_param_specs
+  std::vector<std::unique_ptr<Block>> blocks_;
+
+  Tensor ids_;        // [Nl] i64   token ids of the residual stream's tokens
+  Tensor ids_all_;    // [N] i64    every token (the vocab-parallel lookup sees all)
+  Tensor pos_;        // [Nl] i64   their positions
+  Tensor targets_;    // [Nce] i64  label per logits row; -100 at each row's last position
+  Tensor x0_;         // [Nl,H]     embedding output
+  Tensor emb_full_;   // [N,H]      vocab-parallel lookup before its reduce (loss parallel)
+  Tensor xf_;         // [Nl,H]     residual stream after the last block
+  Tensor hf_;         // [Nl,H]     ln_f output
+  Tensor lnf_mean_, lnf_rstd_;  // [Nl]
+  Tensor hf_full_;    // [N,H]      ln_f output gathered over tokens (SP with loss parallel)
+  Tensor logits_;     // [Nce, Vl]  rows: N (or Nl under SP without loss parallel)
+  std::int64_t logits_col0_ = 0, logits_valid_ = 0;
+  struct CrossEntropyState;
+  std::unique_ptr<CrossEntropyState> ce_;
+};
+
+}  // namespace tpsim

@@ -1,0 +1,51 @@
+#include "sharded/parameter.h"
+
+namespace tpsim {
+
+Parameter make_parameter(Backend& be, ShardSpec spec, DType dtype, std::uint64_t seed) {
+  Parameter p;
+  const Shape shape = spec.local_shape();
+  std::vector<double> host(static_cast<std::size_t>(shape_numel(shape)));
+  init_block<double>(host.data(), seed, spec.name, spec.init, spec.full_shape, spec.split_dim,
+                     spec.offset, spec.length);
+  p.value = be.empty(shape, dtype, MemCategory::Parameter, spec.name);
+  be.from_host(p.value, host.data());
+  p.grad = be.empty(shape, dtype, MemCategory::Gradient, spec.name + ".grad");
+  be.fill(p.grad, 0.0);
+  p.spec = std::move(spec);
+  return p;
+}
+
+void load_full(Backend& be, Parameter& p, const std::vector<double>& full) {
+  if (static_cast<std::int64_t>(full.size()) != shape_numel(p.spec.full_shape))
+    throw Error("load_full(" + p.spec.name + "): got " + std::to_string(full.size()) +
+                " values for " + shape_str(p.spec.full_shape));
+  auto block = slice_full(full, p.spec);
+  be.from_host(p.value, block.data());
+}
+
+void zero_grads(Backend& be, std::vector<Parameter>& params) {
+  for (auto& p : params) be.fill(p.grad, 0.0);
+}
+
+void sgd_step(Backend& be, std::vector<Parameter>& params, double lr) {
+  for (auto& p : params) be.sgd_update(p.value, p.grad, lr);
+}
+
+void adam_step(Backend& be, std::vector<Parameter>& params, const AdamConfig& c,
+               std::int64_t step) {
+  for (auto& p : params) {
+    if (!p.adam_m.defined()) {
+      p.adam_m = be.empty(p.value.shape(), p.value.dtype(), MemCategory::OptimizerState,
+                          p.spec.name + ".adam_m");
+      p.adam_v = be.empty(p.value.shape(), p.value.dtype(), MemCategory::OptimizerState,
+                          p.spec.name + ".adam_v");
+      be.fill(p.adam_m, 0.0);
+      be.fill(p.adam_v, 0.0);
+    }
+    be.adam_update(p.value, p.grad, p.adam_m, p.adam_v, c.lr, c.beta1, c.beta2, c.eps,
+                   c.weight_decay, step);
+  }
+}
+
+}  // namespace tpsim

@@ -1,0 +1,62 @@
+#include "sharded/sharded_model.h"
+
+namespace tpsim {
+
+Observation ShardedModel::observe(const std::string& name, const ShardSpec& spec,
+                                  const Tensor& t) {
+  return {name, spec, be_.to_host(t)};
+}
+
+std::vector<Observation> ShardedModel::observe_param_grads() {
+  std::vector<Observation> out;
+  auto& ps = params();
+  for (auto it = ps.rbegin(); it != ps.rend(); ++it)
+    out.push_back(observe(it->spec.name + ".grad", it->spec, it->grad));
+  return out;
+}
+
+std::vector<Observation> ShardedModel::observe_params() {
+  std::vector<Observation> out;
+  for (auto& p : params()) out.push_back(observe(p.spec.name, p.spec, p.value));
+  return out;
+}
+
+void ShardedModel::load_params(const std::map<std::string, std::vector<double>>& full) {
+  for (auto& p : params()) {
+    auto it = full.find(p.spec.name);
+    if (it == full.end()) throw Error("load_params: no values for " + p.spec.name);
+    load_full(be_, p, it->second);
+  }
+}
+
+std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec& spec,
+                                const Tensor& t) {
+  if (spec.replicated()) return be.to_host(t);
+  std::vector<double> full(static_cast<std::size_t>(shape_numel(spec.full_shape)), 0.0);
+  const int world = comm.world_size();
+  const std::int64_t n = t.numel();
+  Tensor all = be.empty({world, n}, t.dtype(), MemCategory::CommBuffer, spec.name + ".gather");
+  comm.all_gather(t.reshape({n}), all);
+  const auto host = be.to_host(all);
+  for (int r = 0; r < world; ++r) {
+    ShardSpec s = spec;
+    s.rank = r;
+    s.offset = s.length * r;
+    place_shard(full, std::vector<double>(host.begin() + r * n, host.begin() + (r + 1) * n), s);
+  }
+  return full;
+}
+
+std::map<std::string, std::vector<double>> ShardedModel::gather_params(Communicator& comm) {
+  std::map<std::string, std::vector<double>> full;
+  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.value);
+  return full;
+}
+
+std::map<std::string, std::vector<double>> ShardedModel::gather_grads(Communicator& comm) {
+  std::map<std::string, std::vector<double>> full;
+  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.grad);
+  return full;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,55 @@
+// What every sharded model offers the runner and the verifier: one training step split
+// into forward+backward and the optimizer update, and host copies of what it computed,
+// each tagged with its shard spec so verify knows which slice of the reference to take.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "comm/communicator.h"
+#include "sharded/parameter.h"
+
+namespace tpsim {
+
+struct Observation {
+  std::string name;  // "logits", "loss", "x.grad", "fc1.weight.grad", "fc1.weight", ...
+  ShardSpec spec;    // full shape and this rank's block
+  std::vector<double> values;  // the block, row-major, as f64
+};
+
+// The full tensor (unpadded, row-major) from every rank's block `t` of `spec`
+// (collective: every rank calls it; replicated tensors come from this rank's copy).
+std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec& spec,
+                                const Tensor& t);
+
+class ShardedModel {
+ public:
+  virtual ~ShardedModel() = default;
+  // Zeroes the gradients, runs forward and backward on the model's batch, returns the
+  // loss (identical on every rank).
+  virtual double forward_backward() = 0;
+  virtual void optimizer_step() = 0;
+  // The forward's outputs (the loss first), then activation gradients worth checking.
+  virtual std::vector<Observation> observe_forward() = 0;
+  virtual std::vector<Observation> observe_activation_grads() = 0;
+  virtual std::vector<Parameter>& params() = 0;
+
+  // Parameter gradients in backward order (reverse of forward order).
+  std::vector<Observation> observe_param_grads();
+  // Parameter values in forward order.
+  std::vector<Observation> observe_params();
+  // Replaces every shard with its block of the given full tensors (for --resync, --load).
+  void load_params(const std::map<std::string, std::vector<double>>& full);
+  // Full parameter tensors reassembled from every rank's shard (collective: all ranks call).
+  std::map<std::string, std::vector<double>> gather_params(Communicator& comm);
+  std::map<std::string, std::vector<double>> gather_grads(Communicator& comm);
+
+ protected:
+  explicit ShardedModel(Backend& be) : be_(be) {}
+  Observation observe(const std::string& name, const ShardSpec& spec, const Tensor& t);
+  Backend& be_;
+};
+
+}  // namespace tpsim

@@ -1,0 +1,183 @@
+#include "verify/cli.h"
+
+#include <CLI/CLI.hpp>
+#include <charconv>
+#include <iostream>
+
+#include "verify/report.h"
+#include "verify/train_run.h"
+#include "verify/verify_run.h"
+
+namespace tpsim {
+
+namespace {
+
+// Flags as the user typed them, before they become RunOptions.
+struct RawFlags {
+  std::string model = "mlp";
+  std::string tp = "1";
+  std::string dtype;
+  long long steps = 0;
+  long long batch_size = 0;
+  std::string fault = "none";
+};
+
+std::vector<int> parse_tp_list(const std::string& s) {
+  std::vector<int> out;
+  std::size_t start = 0;
+  while (true) {
+    const auto end = s.find(',', start);
+    const std::string item = s.substr(start, end == std::string::npos ? end : end - start);
+    int v = 0;
+    auto [p, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || p != item.data() + item.size())
+      throw UsageError("--tp: '" + item + "' is not a whole number (expected e.g. 1,2,4,8)");
+    if (v < 1) throw UsageError("--tp: degree " + item + " must be at least 1");
+    out.push_back(v);
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  return out;
+}
+
+void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {
+  cmd.add_option("-m,--model", raw.model, "mlp (the seed's naive TP MLP) or gpt")
+      ->check(CLI::IsMember({"mlp", "gpt"}));
+  cmd.add_option("-t,--tp", raw.tp,
+                 tp_list ? "TP degrees to verify, comma-separated (e.g. 1,2,4,8)"
+                         : "TP degree (number of ranks)");
+  cmd.add_option("-d,--dtype", raw.dtype, "f32 or f64: the sharded model's precision");
+  cmd.add_option("-s,--steps", raw.steps, "training steps (default: mlp 2, gpt 5)");
+  cmd.add_option("--lr", o.lr, "learning rate (mlp: SGD, gpt: Adam)");
+  cmd.add_option("--weight-decay", o.adam.weight_decay, "Adam's L2 weight decay (gpt)");
+  cmd.add_option("--seed", o.seed, "seed of weights and data");
+  cmd.add_option("--vocab-size", o.gpt.vocab_size, "gpt vocabulary size");
+  cmd.add_option("--block-size", o.gpt.block_size, "gpt context length (wpe rows)");
+  cmd.add_option("--hidden", o.gpt.hidden, "gpt hidden size H");
+  cmd.add_option("--heads", o.gpt.heads, "gpt attention heads");
+  cmd.add_option("--layers", o.gpt.layers, "gpt transformer blocks");
+  cmd.add_option("-b,--batch-size", raw.batch_size, "batch rows (default: mlp 32, gpt 2)");
+  cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
+  cmd.add_option("--load", o.load_path, "start from weights in a safetensors file");
+  cmd.add_option("--data", o.data_path, "gpt batch (input_ids, labels) from a safetensors file");
+  cmd.add_flag("--loss-parallel", o.loss_parallel,
+               "gpt: split wte/lm_head by vocabulary; cross-entropy on sharded logits");
+  cmd.add_flag("--sequence-parallel", o.sequence_parallel,
+               "gpt: split LayerNorm/residual regions by tokens (all-gather / reduce-scatter)");
+  cmd.add_option("--make-vocab-divisible-by", o.make_vocab_divisible_by,
+                 "gpt with --loss-parallel: pad the vocabulary to a multiple of this times tp");
+  cmd.add_option("--timeout", o.timeout_s, "seconds a collective may wait for a rank");
+  cmd.add_option("--json", o.json_path, "write a machine-readable report here");
+}
+
+void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype) {
+  o.model = raw.model == "gpt" ? ModelKind::Gpt : ModelKind::Mlp;
+  o.tp = parse_tp_list(raw.tp);
+  o.dtype = raw.dtype.empty() ? default_dtype : parse_float_dtype(raw.dtype);
+  if (raw.steps < 0) throw UsageError("--steps: " + std::to_string(raw.steps) + " is negative");
+  o.steps = raw.steps > 0 ? static_cast<int>(raw.steps) : (o.model == ModelKind::Mlp ? 2 : 5);
+  if (raw.batch_size < 0) throw UsageError("--batch-size must be positive");
+  if (raw.batch_size > 0) {
+    o.batch_size = raw.batch_size;
+    o.mlp.batch = raw.batch_size;
+  }
+  o.adam.lr = o.lr;
+  o.fault = parse_fault(raw.fault);
+  if (!(o.lr > 0)) throw UsageError("--lr must be positive");
+  if (!(o.timeout_s > 0)) throw UsageError("--timeout must be positive");
+  const auto& g = o.gpt;
+  if (g.vocab_size < 2 || g.block_size < 1 || g.hidden < 1 || g.heads < 1 || g.layers < 0)
+    throw UsageError("gpt sizes must be positive (--vocab-size >= 2, --layers >= 0)");
+  if (g.hidden % g.heads != 0)
+    throw UsageError("--hidden " + std::to_string(g.hidden) + " is not divisible by --heads " +
+                     std::to_string(g.heads));
+  if (o.make_vocab_divisible_by < 1) throw UsageError("--make-vocab-divisible-by must be >= 1");
+  if (o.model == ModelKind::Mlp && (o.loss_parallel || o.sequence_parallel))
+    throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
+  if (o.seq_len < 2) throw UsageError("--seq-len must be at least 2 (labels are the next token)");
+}
+
+const char* kFooter = R"(
+Exit codes: 0 pass, 1 verify found a mismatch, 2 bad input or usage, 3 runtime failure
+(e.g. a collective timed out).)";
+
+}  // namespace
+
+int cli_main(int argc, char** argv) {
+  CLI::App app{"tpsim: a tensor-parallel simulator and verifier. One process drives N ranks\n"
+               "(threads) running a Megatron-style sharded model, and checks it element by\n"
+               "element against an independent float64 Eigen reference."};
+  app.footer(std::string(R"(
+Examples:
+  tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
+  tpsim train  --model mlp --tp 2 --steps 2
+  tpsim verify --model mlp --tp 2 --inject-fault mlp-drop-f-backward   # must fail
+)") + kFooter);
+  app.require_subcommand(1);
+
+  RunOptions o;
+  RawFlags raw;
+  bool list_faults = false;
+
+  auto* train = app.add_subcommand("train", "train the sharded model at one TP degree, printing "
+                                            "what the seed prints per iteration");
+  add_model_flags(*train, o, raw, false);
+  train->add_option("--save-final", o.save_final, "write the final full weights (safetensors)");
+  train->footer(std::string(R"(
+Examples:
+  tpsim train --model mlp --tp 1
+  tpsim train --model mlp --tp 2 --dtype f64 --steps 3)") + kFooter);
+
+  auto* verify = app.add_subcommand("verify", "run the reference and the sharded model for each "
+                                              "TP degree and compare every tensor, every step");
+  add_model_flags(*verify, o, raw, true);
+  verify->add_flag("--resync", o.resync,
+                   "copy the reference weights into the shards before each step, so one "
+                   "step's error is told from drift");
+  verify->add_option("--inject-fault", raw.fault,
+                     "break the sharded model on purpose to see verify catch it "
+                     "(--list-faults names them)");
+  verify->add_flag("--list-faults", list_faults, "list the faults --inject-fault knows and exit");
+  verify->footer(std::string(R"(
+Examples:
+  tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
+  tpsim verify --model mlp --tp 2,4 --dtype f32 --steps 5 --json report.json)") + kFooter);
+
+  try {
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::CallForHelp& e) {
+      return app.exit(e);
+    } catch (const CLI::CallForAllHelp& e) {
+      return app.exit(e);
+    } catch (const CLI::ParseError& e) {
+      throw UsageError(e.what());
+    }
+    if (list_faults) {
+      for (const auto& f : all_faults())
+        if (f.fault != Fault::None) std::cout << f.name << "\t" << f.what << "\n";
+      return kExitOk;
+    }
+    if (*train) {
+      finish_options(o, raw, DType::F32);
+      run_train(o, std::cout);
+      return kExitOk;
+    }
+    finish_options(o, raw, DType::F64);
+    const VerifyReport r = run_verify(o);
+    print_verify_report(std::cout, o, r);
+    if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);
+    return r.pass ? kExitOk : kExitMismatch;
+  } catch (const UsageError& e) {
+    std::cerr << "tpsim: error: " << e.what() << "\n";
+    return kExitUsage;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "tpsim: runtime failure: out of memory\n";
+    return kExitRuntime;
+  } catch (const std::exception& e) {
+    std::cerr << "tpsim: runtime failure: " << e.what() << "\n";
+    return kExitRuntime;
+  }
+}
+
+}  // namespace tpsim

@@ -1,0 +1,14 @@
+// The tpsim command line: train, verify (and later profile). Maps errors to exit codes:
+// 0 pass, 1 verify mismatch, 2 bad input or usage, 3 runtime failure.
+#pragma once
+
+namespace tpsim {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitMismatch = 1;
+inline constexpr int kExitUsage = 2;
+inline constexpr int kExitRuntime = 3;
+
+int cli_main(int argc, char** argv);
+
+}  // namespace tpsim

@@ -1,0 +1,44 @@
+// The compare engine: one rank's block of a tensor against the matching slice of the
+// reference, and replicas against rank 0, bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sharded/sharded_model.h"
+
+namespace tpsim {
+
+enum class Phase { Forward, Backward, Update };
+const char* phase_name(Phase p);
+
+struct Comparison {
+  int tp = 1;
+  int step = 0;
+  Phase phase = Phase::Forward;
+  int order = 0;          // position within the step: forward, then backward order, then update
+  std::string tensor;     // "h.0.ln1.weight.grad"
+  std::string shard;      // "rank 1/2 rows [128,256)"
+  int rank = 0;
+  Shape full_shape;
+  double rel_err = 0.0;   // ‖a−b‖/‖b‖ (‖a−b‖ when ‖b‖ = 0)
+  double max_abs = 0.0;   // max |a−b|
+  std::int64_t worst = -1;  // flat index in the full tensor of the largest |a−b|
+  double sharded_at_worst = 0.0, reference_at_worst = 0.0;
+  double tolerance = 0.0;
+  bool pass = true;
+  std::string what = "reference";  // "reference" or "replica of rank 0"
+};
+
+// Compares obs.values with the block of `reference_full` that obs.spec names. Padded
+// positions compare against 0: padding must stay exactly zero.
+Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
+                                double tolerance);
+
+// A replicated tensor on `obs.spec.rank` against rank 0's copy: bit-identical or a fail.
+Comparison compare_replica(const Observation& obs, const Observation& rank0);
+
+std::string format_index(const Comparison& c);  // "(3,17)" or "-"
+
+}  // namespace tpsim

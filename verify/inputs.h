@@ -1,0 +1,31 @@
+// The inputs a run shares between the reference and every TP degree: the batch and,
+// with --load, the starting weights.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "sharded/sharded_model.h"
+#include "verify/run_options.h"
+
+namespace tpsim {
+
+struct RunInputs {
+  MlpBatch mlp_batch;
+  GptBatch gpt_batch;
+  std::map<std::string, std::vector<double>> loaded;  // empty: seeded init
+};
+
+// Builds the batch (seeded or --data) and loads --load weights, checked against the config.
+RunInputs prepare_inputs(const RunOptions& o);
+
+std::vector<ParamSpec> param_specs(const RunOptions& o);
+
+// The sharded model of `o.model` for one rank.
+std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
+                                                 Backend& be, Communicator& comm);
+
+}  // namespace tpsim

@@ -1,0 +1,168 @@
+#include "verify/report.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+namespace tpsim {
+
+namespace {
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string tp_list(const RunOptions& o) {
+  std::string s;
+  for (int t : o.tp) s += (s.empty() ? "" : ",") + std::to_string(t);
+  return s;
+}
+
+std::string describe(const Comparison& c) {
+  std::string s = c.tensor + " (" + c.shard + ", step " + std::to_string(c.step) + ", " +
+                  phase_name(c.phase) + ")";
+  if (c.what == "reference")
+    s += ": rel err " + fmt("%.2e", c.rel_err) + " > " + fmt("%.0e", c.tolerance);
+  else
+    s += ": differs from rank 0's replica";
+  s += ", worst at " + format_index(c) + ": " + fmt("%.9g", c.sharded_at_worst) + " vs " +
+       fmt("%.9g", c.reference_at_worst) + (c.what == "reference" ? " (reference)" : " (rank 0)");
+  return s;
+}
+
+void print_row(std::ostream& os, const Comparison& c) {
+  char line[512];
+  std::snprintf(line, sizeof line, "  %-30s %-28s %4d  %-9s %-9s %-14s %s\n",
+                (c.tensor + (c.what == "reference" ? "" : " =r0")).c_str(), c.shard.c_str(),
+                c.step, fmt("%.2e", c.rel_err).c_str(), fmt("%.2e", c.max_abs).c_str(),
+                format_index(c).c_str(), c.pass ? "ok" : "FAIL");
+  os << line;
+}
+
+nlohmann::json to_json(const Comparison& c) {
+  nlohmann::json idx = nlohmann::json::array();
+  if (c.worst >= 0) {
+    std::int64_t flat = c.worst;
+    std::vector<std::int64_t> v(c.full_shape.size());
+    for (int d = static_cast<int>(v.size()) - 1; d >= 0; --d) {
+      v[d] = flat % c.full_shape[d];
+      flat /= c.full_shape[d];
+    }
+    idx = v;
+  }
+  auto num = [](double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); };
+  return {{"tensor", c.tensor},       {"check", c.what},          {"shard", c.shard},
+          {"rank", c.rank},           {"step", c.step},           {"phase", phase_name(c.phase)},
+          {"rel_err", num(c.rel_err)}, {"max_abs", num(c.max_abs)}, {"worst_index", idx},
+          {"sharded", num(c.sharded_at_worst)}, {"reference", num(c.reference_at_worst)},
+          {"tolerance", c.tolerance}, {"pass", c.pass}};
+}
+
+}  // namespace
+
+std::string format_bytes(double b) {
+  const char* unit[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (b >= 1024 && u < 3) {
+    b /= 1024;
+    ++u;
+  }
+  return fmt(u == 0 ? "%.0f " : "%.2f ", b) + unit[u];
+}
+
+void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyReport& r) {
+  os << "tpsim verify: model " << model_name(o.model) << ", " << dtype_name(o.dtype)
+     << " sharded vs f64 reference, tp " << tp_list(o) << ", " << o.steps << " steps, seed "
+     << o.seed << (o.resync ? ", resync" : "") << "\n";
+  os << "tolerance: norm-wise relative error <= " << fmt("%.1e", r.tolerance)
+     << "; replicated tensors bit-identical across ranks\n";
+  os << "reference losses:";
+  for (double l : r.reference_losses) os << " " << fmt("%.10g", l);
+  os << "  (" << fmt("%.2f", r.reference_seconds) << " s)\n";
+
+  for (const auto& t : r.results) {
+    os << "\nTP " << t.tp << ": " << (t.pass ? "PASS" : "FAIL") << ", largest rel err "
+       << fmt("%.2e", t.max_rel_err) << " (" << fmt("%.2f", t.seconds) << " s)\n";
+    char head[256];
+    std::snprintf(head, sizeof head, "  %-30s %-28s %4s  %-9s %-9s %-14s %s\n", "tensor",
+                  "worst shard", "step", "rel err", "max abs", "worst index", "result");
+    os << head;
+    for (const auto& c : t.worst) print_row(os, c);
+    os << "  collectives per rank in step 1:";
+    bool any = false;
+    for (int k = 0; k < kNumCollectiveKinds; ++k) {
+      if (t.comm_step1.count[k] == 0) continue;
+      any = true;
+      os << " " << collective_name(static_cast<CollectiveKind>(k)) << " x"
+         << t.comm_step1.count[k] << " (" << format_bytes(static_cast<double>(t.comm_step1.bytes[k]))
+         << ")";
+    }
+    os << (any ? "" : " none") << "\n";
+    if (!t.pass) {
+      os << "  failures (" << t.failures.size() << "):\n";
+      std::size_t shown = 0;
+      for (const auto& c : t.failures) {
+        if (++shown > 12) {
+          os << "    ... and " << t.failures.size() - 12 << " more (see --json)\n";
+          break;
+        }
+        os << "    " << describe(c) << "\n";
+      }
+    }
+  }
+  os << "\n";
+  if (r.pass) {
+    double worst = 0;
+    for (const auto& t : r.results) worst = std::max(worst, t.max_rel_err);
+    os << "verify: PASS: every tensor of every step within " << fmt("%.1e", r.tolerance)
+       << " for tp " << tp_list(o) << " (largest rel err " << fmt("%.2e", worst) << ")\n";
+  } else {
+    os << "verify: FAIL: first mismatch at tp " << r.first_failure->tp << ": "
+       << describe(*r.first_failure) << "\n";
+  }
+}
+
+void write_verify_json(const std::string& path, const RunOptions& o, const VerifyReport& r) {
+  nlohmann::json j;
+  j["tool"] = "tpsim";
+  j["command"] = "verify";
+  j["model"] = model_name(o.model);
+  j["dtype"] = dtype_name(o.dtype);
+  j["steps"] = o.steps;
+  j["seed"] = o.seed;
+  j["resync"] = o.resync;
+  j["fault"] = fault_name(o.fault);
+  j["tolerance"] = r.tolerance;
+  j["pass"] = r.pass;
+  j["reference"] = {{"losses", r.reference_losses}, {"seconds", r.reference_seconds}};
+  j["tp"] = nlohmann::json::array();
+  for (const auto& t : r.results) {
+    nlohmann::json jt;
+    jt["tp"] = t.tp;
+    jt["pass"] = t.pass;
+    jt["max_rel_err"] = t.max_rel_err;
+    jt["seconds"] = t.seconds;
+    jt["losses"] = t.losses;
+    nlohmann::json comm = nlohmann::json::object();
+    for (int k = 0; k < kNumCollectiveKinds; ++k)
+      comm[collective_name(static_cast<CollectiveKind>(k))] = {{"count", t.comm_step1.count[k]},
+                                                               {"bytes", t.comm_step1.bytes[k]}};
+    jt["collectives_step1"] = comm;
+    jt["tensors"] = nlohmann::json::array();
+    for (const auto& c : t.worst) jt["tensors"].push_back(to_json(c));
+    jt["failures"] = nlohmann::json::array();
+    for (const auto& c : t.failures) jt["failures"].push_back(to_json(c));
+    j["tp"].push_back(jt);
+  }
+  j["first_failure"] = r.first_failure ? to_json(*r.first_failure) : nlohmann::json(nullptr);
+  std::ofstream f(path);
+  if (!f) throw UsageError("--json: cannot write '" + path + "'");
+  f << j.dump(2) << "\n";
+  if (!f) throw UsageError("--json: write to '" + path + "' failed");
+}
+
+}  // namespace tpsim

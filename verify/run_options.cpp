@@ -1,0 +1,25 @@
+#include "verify/run_options.h"
+
+namespace tpsim {
+
+const char* model_name(ModelKind m) { return m == ModelKind::Mlp ? "mlp" : "gpt"; }
+
+void check_tp_degree(const RunOptions& o, int tp) {
+  const std::string t = std::to_string(tp);
+  if (tp < 1) throw UsageError("--tp: degree " + t + " must be at least 1");
+  if (o.model == ModelKind::Mlp) {
+    if (o.mlp.hidden % tp != 0)
+      throw UsageError("--tp " + t + ": does not divide the MLP's hidden size " +
+                       std::to_string(o.mlp.hidden));
+    return;
+  }
+  const auto& g = o.gpt;
+  if (g.heads % tp != 0)
+    throw UsageError("--tp " + t + ": does not divide --heads " + std::to_string(g.heads) +
+                     " (each rank owns whole heads)");
+  if ((4 * g.hidden) % tp != 0)
+    throw UsageError("--tp " + t + ": does not divide the MLP width 4*--hidden = " +
+                     std::to_string(4 * g.hidden));
+}
+
+}  // namespace tpsim

@@ -1,0 +1,45 @@
+// Everything a `train`, `verify` or `profile` run is asked for, parsed from the CLI.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "model/config.h"
+#include "sharded/faults.h"
+
+namespace tpsim {
+
+enum class ModelKind { Mlp, Gpt };
+
+struct RunOptions {
+  ModelKind model = ModelKind::Mlp;
+  DType dtype = DType::F32;
+  std::vector<int> tp = {1};
+  int steps = 2;
+  std::uint64_t seed = 1234;
+  double lr = 0.01;
+  AdamConfig adam;  // the GPT's optimizer; adam.lr mirrors lr
+  MlpConfig mlp;
+  GptConfig gpt;
+  std::int64_t batch_size = 2;
+  std::int64_t seq_len = 64;
+  bool loss_parallel = false;
+  bool sequence_parallel = false;
+  std::int64_t make_vocab_divisible_by = 1;
+  std::string load_path;   // --load W.safetensors
+  std::string data_path;   // --data D.safetensors
+  std::string save_final;  // --save-final F.safetensors
+  std::string json_path;   // --json FILE
+  bool resync = false;
+  Fault fault = Fault::None;
+  double timeout_s = 60.0;  // per collective
+};
+
+const char* model_name(ModelKind m);
+
+// Throws UsageError when a TP degree cannot shard the model (one line, naming the rule).
+void check_tp_degree(const RunOptions& o, int tp);
+
+}  // namespace tpsim

@@ -1,0 +1,77 @@
+#include "verify/train_run.h"
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "comm/rank_runner.h"
+#include "io/checkpoint.h"
+#include "verify/inputs.h"
+#include "verify/torch_print.h"
+
+namespace tpsim {
+
+namespace {
+// As many significant digits as the dtype carries, so equal models print equal losses.
+std::string loss_str(double l, DType dt) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, dt == DType::F32 ? "%.7g" : "%.15g", l);
+  return buf;
+}
+}  // namespace
+
+TrainResult run_train(const RunOptions& o, std::ostream& os) {
+  if (o.tp.size() != 1) throw UsageError("train: --tp takes one degree (verify takes a list)");
+  const int tp = o.tp[0];
+  check_tp_degree(o, tp);
+  const RunInputs in = prepare_inputs(o);
+  TrainResult result;
+
+  os << "tpsim train: model " << model_name(o.model) << ", tp " << tp << ", "
+     << dtype_name(o.dtype) << ", " << o.steps << " steps, seed " << o.seed << "\n";
+  for (int r = 0; r < tp; ++r) os << "rank: " << r << ", world size: " << tp << "\n";
+
+  run_ranks(tp, o.timeout_s, [&](int rank, Communicator& comm) {
+    auto be = make_cpu_backend();
+    auto model = make_sharded_model(o, in, *be, comm);
+    if (!in.loaded.empty()) model->load_params(in.loaded);
+    for (int step = 1; step <= o.steps; ++step) {
+      const double loss = model->forward_backward();
+      if (o.model == ModelKind::Mlp) {
+        // fc1's gradient, reassembled from the shards (every rank joins the gather).
+        auto grads = model->gather_grads(comm);
+        if (rank == 0) {
+          auto out = model->observe_forward()[1];  // the output, replicated
+          const auto& g = grads.at("fc1.weight");
+          os << "\n        iter: " << step << "\n        output: "
+             << torch_format(out.values, out.spec.full_shape[0], out.spec.full_shape[1])
+             << "\n        loss: " << loss_str(loss, o.dtype) << "\n        fc1_grad = "
+             << torch_format(g, o.mlp.hidden, o.mlp.in) << "\n";
+        }
+      } else if (rank == 0) {
+        os << "\n        iter: " << step << "\n        input size: [" << in.gpt_batch.B << ", "
+           << in.gpt_batch.T << "]\n        num padding tokens: " << in.gpt_batch.num_ignored()
+           << "\n        loss: " << loss_str(loss, o.dtype) << "\n";
+      }
+      if (rank == 0) result.losses.push_back(loss);
+      model->optimizer_step();
+    }
+    if (!o.save_final.empty()) {
+      auto full = model->gather_params(comm);
+      if (rank == 0) save_weights(o.save_final, param_specs(o), full, o.dtype);
+    }
+  });
+
+  if (!o.json_path.empty()) {
+    nlohmann::json j = {{"tool", "tpsim"}, {"command", "train"},   {"model", model_name(o.model)},
+                        {"tp", tp},         {"dtype", dtype_name(o.dtype)}, {"seed", o.seed},
+                        {"losses", result.losses}};
+    std::ofstream f(o.json_path);
+    if (!f) throw UsageError("--json: cannot write '" + o.json_path + "'");
+    f << j.dump(2) << "\n";
+  }
+  return result;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,172 @@
+#include "verify/verify_run.h"
+
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <tuple>
+
+#include "comm/rank_runner.h"
+#include "verify/tolerance.h"
+
+namespace tpsim {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// What one rank found; merged after the ranks join.
+struct RankFindings {
+  std::vector<Comparison> all;
+  std::vector<double> losses;
+  CollectiveTotals comm_step1;
+};
+
+CollectiveTotals totals(const std::vector<CollectiveRecord>& records) {
+  CollectiveTotals t;
+  for (const auto& r : records) {
+    t.count[static_cast<int>(r.kind)] += 1;
+    t.bytes[static_cast<int>(r.kind)] += r.bytes;
+  }
+  return t;
+}
+
+// Every comparison of one step on one rank. Replicated tensors also go through
+// `replicas`, a slot per rank, to be checked against rank 0 bit for bit.
+class StepChecker {
+ public:
+  StepChecker(const RefStep& ref, double tol, int step, RankFindings& out)
+      : ref_(ref), tol_(tol), step_(step), out_(out) {}
+
+  void check(const std::vector<Observation>& obs, Phase phase) {
+    for (const auto& o : obs) {
+      auto it = ref_.tensors.find(o.name);
+      const std::vector<double>* full = it == ref_.tensors.end() ? nullptr : &it->second;
+      std::vector<double> loss_value{ref_.loss};
+      if (o.name == "loss") full = &loss_value;
+      if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
+      Comparison c = compare_to_reference(o, *full, tol_);
+      stamp(c, phase);
+      out_.all.push_back(std::move(c));
+    }
+  }
+  void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
+                      Phase phase) {
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      if (!mine[i].spec.replicated()) continue;
+      Comparison c = compare_replica(mine[i], rank0[i]);
+      stamp(c, phase);
+      out_.all.push_back(std::move(c));
+    }
+  }
+
+ private:
+  void stamp(Comparison& c, Phase phase) {
+    c.step = step_;
+    c.phase = phase;
+    c.order = order_++;
+  }
+  const RefStep& ref_;
+  double tol_;
+  int step_;
+  int order_ = 0;
+  RankFindings& out_;
+};
+
+TpResult verify_tp(const RunOptions& o, const RunInputs& in, const ReferenceTrace& ref, int tp,
+                   double tol) {
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<RankFindings> found(static_cast<std::size_t>(tp));
+  // Replicated observations of the current step, one slot per rank.
+  std::vector<std::vector<Observation>> replica_slots(static_cast<std::size_t>(tp));
+
+  run_ranks(tp, o.timeout_s, [&](int rank, Communicator& comm) {
+    auto be = make_cpu_backend();
+    auto model = make_sharded_model(o, in, *be, comm);
+    if (!in.loaded.empty()) model->load_params(in.loaded);
+    RankFindings& mine = found[static_cast<std::size_t>(rank)];
+    for (int step = 1; step <= o.steps; ++step) {
+      if (o.resync && step > 1) model->load_params(ref.params_before(step));
+      comm.clear_records();
+      const double loss = model->forward_backward();
+      if (step == 1) mine.comm_step1 = totals(comm.records());
+      mine.losses.push_back(loss);
+
+      StepChecker check(ref.steps[static_cast<std::size_t>(step - 1)], tol, step, mine);
+      auto fwd = model->observe_forward();
+      auto grads = model->observe_param_grads();
+      auto act = model->observe_activation_grads();
+      check.check(fwd, Phase::Forward);
+      check.check(grads, Phase::Backward);
+      check.check(act, Phase::Backward);
+      model->optimizer_step();
+      auto params = model->observe_params();
+      check.check(params, Phase::Update);
+
+      // Replicas against rank 0: publish, wait, compare, wait (so slots outlive readers).
+      auto& slot = replica_slots[static_cast<std::size_t>(rank)];
+      slot.clear();
+      for (auto* group : {&fwd, &grads, &act, &params})
+        for (auto& ob : *group) slot.push_back(std::move(ob));
+      comm.barrier();
+      if (rank != 0) check.check_replicas(slot, replica_slots[0], Phase::Update);
+      comm.barrier();
+    }
+  });
+
+  TpResult r;
+  r.tp = tp;
+  r.losses = found[0].losses;
+  r.comm_step1 = found[0].comm_step1;
+  std::vector<Comparison> all;
+  for (auto& f : found)
+    for (auto& c : f.all) all.push_back(std::move(c));
+  std::stable_sort(all.begin(), all.end(), [](const Comparison& a, const Comparison& b) {
+    return std::tie(a.step, a.order, a.rank) < std::tie(b.step, b.order, b.rank);
+  });
+  for (const auto& c : all) {
+    if (c.what == "reference") r.max_rel_err = std::max(r.max_rel_err, c.rel_err);
+    if (!c.pass) {
+      r.pass = false;
+      r.failures.push_back(c);
+    }
+    // The worst comparison per (tensor, kind of check), keeping first-seen order.
+    auto same = [&](const Comparison& w) { return w.tensor == c.tensor && w.what == c.what; };
+    auto it = std::find_if(r.worst.begin(), r.worst.end(), same);
+    if (it == r.worst.end())
+      r.worst.push_back(c);
+    else if ((!c.pass && it->pass) || (c.pass == it->pass && c.rel_err > it->rel_err))
+      *it = c;
+  }
+  r.seconds = seconds_since(t0);
+  return r;
+}
+
+}  // namespace
+
+VerifyReport run_verify(const RunOptions& o) {
+  for (int tp : o.tp) check_tp_degree(o, tp);
+  VerifyReport rep;
+  rep.tolerance = norm_tolerance(o);
+  const RunInputs in = prepare_inputs(o);
+
+  auto t0 = std::chrono::steady_clock::now();
+  const ReferenceTrace ref = run_reference(o, in);
+  rep.reference_seconds = seconds_since(t0);
+  for (const auto& s : ref.steps) rep.reference_losses.push_back(s.loss);
+
+  for (int tp : o.tp) {
+    rep.results.push_back(verify_tp(o, in, ref, tp, rep.tolerance));
+    const TpResult& r = rep.results.back();
+    if (r.pass) continue;
+    rep.pass = false;
+    const Comparison& f = r.failures.front();
+    if (!rep.first_failure || std::tie(f.step, f.order) <
+                                  std::tie(rep.first_failure->step, rep.first_failure->order))
+      rep.first_failure = f;
+  }
+  return rep;
+}
+
+}  // namespace tpsim
