@@ -42,12 +42,13 @@ struct ShardedGpt::Block {
   Tensor x_out;               // [Nl,H]  residual after the MLP
 };
 
-namespace {
-
-// Scratch shared by every block's backward (and the partial sums of forward).
-struct Scratch {
+// Scratch shared by every block's forward and backward.
+struct ShardedGpt::Workspace {
+  Tensor pos_emb;   // [Nl,H]   wpe lookup
+  Tensor reduced;   // [Nl,H]   g's output under SP (else aliases partial)
+  Tensor dlogits;   // [Nce,Vl]
+  Tensor untied;    // [Vl,H]   only for the untied-embedding fault
   Tensor partial;   // [N,H]    row-parallel output before g; its gradient after g's backward
-  Tensor reduced;   // [Nl,H]   g's output under SP
   Tensor dh_full;   // [N,H]    input gradient of the column-parallel layers, before f's backward
   Tensor dh;        // [Nl,H]   after f's backward (SP); non-SP uses dh_full
   Tensor datt;      // [N,Hl]
@@ -55,8 +56,6 @@ struct Scratch {
   Tensor da, du;    // [N,4H/t]
   Tensor dres[2];   // [Nl,H]   residual-stream gradients, ping-pong between blocks
 };
-
-}  // namespace
 
 Parameter& ShardedGpt::param(const std::string& name) {
   for (auto& p : params_)
@@ -179,6 +178,27 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   ce_->ce.valid = logits_valid_;
   ce_->ce.split = par.loss_parallel;
   ce_->ce.fault = fault;
+
+  ws_ = std::make_unique<Workspace>();
+  Workspace& w = *ws_;
+  auto tmp = [&](Shape sh, const char* tag) {
+    return be.empty(sh, dtype, MemCategory::Temporary, tag);
+  };
+  w.pos_emb = tmp({Nl_, H}, "wpe.lookup");
+  w.partial = tmp({N_, H}, "partial");
+  w.reduced = par.sequence_parallel ? tmp({Nl_, H}, "reduced") : w.partial;
+  w.dlogits = tmp(logits_.shape(), "logits.grad");
+  if (fault == Fault::GptUntiedEmbeddingGrad) w.untied = tmp(wte.value.shape(), "wte.head.grad");
+  w.dh_full = tmp({N_, H}, "ln.out.grad");
+  w.dh = par.sequence_parallel ? tmp({Nl_, H}, "ln.out.grad.local") : w.dh_full;
+  w.datt = tmp({N_, Hl}, "attn.out.grad");
+  w.dq = tmp({N_, Hl}, "attn.q.grad");
+  w.dk = tmp({N_, Hl}, "attn.k.grad");
+  w.dv = tmp({N_, Hl}, "attn.v.grad");
+  w.da = tmp({N_, Fl}, "mlp.gelu.out.grad");
+  w.du = tmp({N_, Fl}, "mlp.ffn1.out.grad");
+  w.dres[0] = tmp({Nl_, H}, "residual.grad.0");
+  w.dres[1] = tmp({Nl_, H}, "residual.grad.1");
 }
 
 ShardedGpt::~ShardedGpt() = default;
@@ -193,12 +213,12 @@ double ShardedGpt::forward_backward() {
 void ShardedGpt::optimizer_step() { adam_step(be_, params_, adam_, ++step_); }
 
 void ShardedGpt::forward() {
-  const std::int64_t H = cfg_.hidden, Al = cfg_.heads / world_;
+  const std::int64_t Al = cfg_.heads / world_;
   const bool sp = par_.sequence_parallel;
   Parameter& wte = param("wte.weight");
   Parameter& wpe = param("wpe.weight");
-  Tensor partial = be_.empty({N_, H}, dtype_, MemCategory::Temporary, "partial");
-  Tensor reduced = sp ? be_.empty({Nl_, H}, dtype_, MemCategory::Temporary, "reduced") : partial;
+  Tensor& partial = ws_->partial;
+  Tensor& reduced = ws_->reduced;
   // f (copy_to_tp_region, or gather_from_sp_region under SP): in = this rank's tokens.
   auto enter_tp = [&](Tensor& full, const Tensor& local) {
     if (sp) gather_from_sp_region_forward(comm_, full, local);
@@ -227,7 +247,7 @@ void ShardedGpt::forward() {
   } else {
     be_.embedding_forward(x0_, ids_, wte.value, 0);
   }
-  Tensor pos_emb = be_.empty({Nl_, H}, dtype_, MemCategory::Temporary, "wpe.lookup");
+  Tensor& pos_emb = ws_->pos_emb;
   be_.embedding_forward(pos_emb, pos_, wpe.value, 0);
   be_.add_inplace(x0_, pos_emb);
 
@@ -275,26 +295,11 @@ void ShardedGpt::forward() {
 }
 
 void ShardedGpt::backward() {
-  const std::int64_t H = cfg_.hidden, Hl = H / world_, Fl = 4 * H / world_,
-                     Al = cfg_.heads / world_;
+  const std::int64_t Al = cfg_.heads / world_;
   const bool sp = par_.sequence_parallel;
   Parameter& wte = param("wte.weight");
   Parameter& wpe = param("wpe.weight");
-  auto tmp = [&](Shape s, const char* tag) {
-    return be_.empty(s, dtype_, MemCategory::Temporary, tag);
-  };
-  Scratch s;
-  s.partial = tmp({N_, H}, "partial.grad");
-  s.dh_full = tmp({N_, H}, "ln.out.grad");
-  s.dh = sp ? tmp({Nl_, H}, "ln.out.grad.local") : s.dh_full;
-  s.datt = tmp({N_, Hl}, "attn.out.grad");
-  s.dq = tmp({N_, Hl}, "attn.q.grad");
-  s.dk = tmp({N_, Hl}, "attn.k.grad");
-  s.dv = tmp({N_, Hl}, "attn.v.grad");
-  s.da = tmp({N_, Fl}, "mlp.gelu.out.grad");
-  s.du = tmp({N_, Fl}, "mlp.ffn1.out.grad");
-  s.dres[0] = tmp({Nl_, H}, "residual.grad.0");
-  s.dres[1] = tmp({Nl_, H}, "residual.grad.1");
+  Workspace& s = *ws_;
   // g's backward: the gradient of the full sum, on every rank's [N,H].
   auto g_backward = [&](const Tensor& d_local) -> const Tensor& {
     if (sp) {
@@ -320,14 +325,12 @@ void ShardedGpt::backward() {
 
   // ---- head ----
   comm_.set_label("head");
-  Tensor dlogits = tmp(logits_.shape(), "logits.grad");
+  Tensor& dlogits = s.dlogits;
   ce_->ce.backward(be_, dlogits, logits_, targets_, n_valid_);
   Tensor* dwte_head = &wte.grad;
-  Tensor untied;
   if (fault_ == Fault::GptUntiedEmbeddingGrad) {
-    untied = tmp(wte.grad.shape(), "wte.head.grad");
-    be_.fill(untied, 0.0);
-    dwte_head = &untied;
+    be_.fill(s.untied, 0.0);
+    dwte_head = &s.untied;  // the bug: the LM head's share never reaches wte.grad
   }
   be_.gemm(*dwte_head, dlogits, true, hf_full_, false, 1.0, 1.0);
   Tensor dhf;  // [Nl,H] gradient of ln_f's output

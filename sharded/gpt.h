@@ -85,6 +85,8 @@ class ShardedGpt final : public ShardedModel {
   std::int64_t logits_col0_ = 0, logits_valid_ = 0;
   struct CrossEntropyState;
   std::unique_ptr<CrossEntropyState> ce_;
+  struct Workspace;  // temporaries, allocated once: big ones would page-fault every step
+  std::unique_ptr<Workspace> ws_;
 };
 
 }  // namespace tpsim

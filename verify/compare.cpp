@@ -33,16 +33,16 @@ Comparison compare_to_reference(const Observation& obs, const std::vector<double
   if (static_cast<std::int64_t>(reference_full.size()) != shape_numel(obs.spec.full_shape))
     throw Error("compare " + obs.name + ": reference has " + std::to_string(reference_full.size()) +
                 " values, the shard map says " + shape_str(obs.spec.full_shape));
-  // Accumulate in long double: ‖b‖ of a float64 tensor must not lose the 1e-16 differences.
-  long double diff2 = 0, ref2 = 0;
+  // Plain double sums: the norms need a few correct digits, not the last one.
+  double diff2 = 0, ref2 = 0;
   std::int64_t worst_local = -1;
   for (std::int64_t k = 0; k < static_cast<std::int64_t>(obs.values.size()); ++k) {
     const std::int64_t f = full_index(obs.spec, k);
     const double b = f < 0 ? 0.0 : reference_full[static_cast<std::size_t>(f)];
     const double a = obs.values[static_cast<std::size_t>(k)];
     const double d = std::isnan(a) || std::isnan(b) ? INFINITY : std::fabs(a - b);
-    diff2 += static_cast<long double>(d) * d;
-    ref2 += static_cast<long double>(b) * b;
+    diff2 += d * d;
+    ref2 += b * b;
     if (worst_local < 0 || d > c.max_abs) {
       c.max_abs = d;
       worst_local = k;
@@ -51,8 +51,8 @@ Comparison compare_to_reference(const Observation& obs, const std::vector<double
     }
   }
   c.worst = worst_local < 0 ? -1 : full_index(obs.spec, worst_local);
-  const double dn = static_cast<double>(std::sqrt(diff2));
-  const double rn = static_cast<double>(std::sqrt(ref2));
+  const double dn = std::sqrt(diff2);
+  const double rn = std::sqrt(ref2);
   c.rel_err = rn > 0 ? dn / rn : dn;
   c.pass = c.rel_err <= tolerance;  // false for NaN
   return c;

@@ -16,7 +16,7 @@ namespace {
 // As many significant digits as the dtype carries, so equal models print equal losses.
 std::string loss_str(double l, DType dt) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, dt == DType::F32 ? "%.7g" : "%.15g", l);
+  std::snprintf(buf, sizeof buf, dt == DType::F32 ? "%.6g" : "%.15g", l);
   return buf;
 }
 }  // namespace

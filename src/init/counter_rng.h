@@ -37,11 +37,24 @@ constexpr double counter_uniform(std::uint64_t seed, std::uint64_t stream, std::
   return static_cast<double>(counter_bits(seed, stream, counter) >> 11) * 0x1.0p-53;
 }
 
-// Standard normal by Box-Muller on counters 2i and 2i+1.
+// Box-Muller turns the uniforms at counters 4m and 4m+1 into two standard normals, the
+// values of indices 2m (cosine) and 2m+1 (sine). Both come from this one function, so a
+// value is the same bits whether its pair is generated whole or alone.
+inline void counter_normal_pair(std::uint64_t seed, std::uint64_t stream, std::uint64_t m,
+                                double& even, double& odd) {
+  const double u1 = counter_uniform(seed, stream, 4 * m);
+  const double u2 = counter_uniform(seed, stream, 4 * m + 1);
+  const double r = std::sqrt(-2.0 * std::log1p(-u1));
+  const double theta = 2.0 * std::numbers::pi * u2;
+  even = r * std::cos(theta);
+  odd = r * std::sin(theta);
+}
+
+// Standard normal at index i.
 inline double counter_normal(std::uint64_t seed, std::uint64_t stream, std::uint64_t i) {
-  double u1 = counter_uniform(seed, stream, 2 * i);
-  double u2 = counter_uniform(seed, stream, 2 * i + 1);
-  return std::sqrt(-2.0 * std::log1p(-u1)) * std::cos(2.0 * std::numbers::pi * u2);
+  double even, odd;
+  counter_normal_pair(seed, stream, i / 2, even, odd);
+  return i % 2 == 0 ? even : odd;
 }
 
 }  // namespace tpsim

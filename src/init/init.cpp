@@ -1,6 +1,35 @@
 #include "init/init.h"
 
+#include <algorithm>
+
 namespace tpsim {
+
+namespace {
+// out[k] = value at flat index first + k, k < count: normals a pair at a time.
+template <class T>
+void fill_run(T* out, std::uint64_t seed, std::string_view name, const InitSpec& spec,
+              std::int64_t first, std::int64_t count) {
+  if (spec.kind != InitSpec::Kind::Normal) {
+    for (std::int64_t k = 0; k < count; ++k)
+      out[k] = static_cast<T>(init_value(seed, name, spec, first + k));
+    return;
+  }
+  const std::uint64_t stream = name_hash(name);
+  std::int64_t k = 0;
+  if (count > 0 && first % 2 == 1) {
+    out[k] = static_cast<T>(spec.a * counter_normal(seed, stream, static_cast<std::uint64_t>(first)));
+    ++k;
+  }
+  for (; k + 1 < count; k += 2) {
+    double even, odd;
+    counter_normal_pair(seed, stream, static_cast<std::uint64_t>(first + k) / 2, even, odd);
+    out[k] = static_cast<T>(spec.a * even);
+    out[k + 1] = static_cast<T>(spec.a * odd);
+  }
+  if (k < count)
+    out[k] = static_cast<T>(spec.a * counter_normal(seed, stream, static_cast<std::uint64_t>(first + k)));
+}
+}  // namespace
 
 double init_value(std::uint64_t seed, std::string_view name, const InitSpec& spec,
                   std::int64_t flat_index) {
@@ -39,10 +68,12 @@ void init_block(T* out, std::uint64_t seed, std::string_view name, const InitSpe
   const std::int64_t D = full_shape[split_dim];
   std::int64_t k = 0;
   for (std::int64_t o = 0; o < outer; ++o)
-    for (std::int64_t j = offset; j < offset + length; ++j)
-      for (std::int64_t i = 0; i < inner; ++i, ++k)
-        out[k] = j < D ? static_cast<T>(init_value(seed, name, spec, (o * D + j) * inner + i))
-                       : T(0);
+    for (std::int64_t j = offset; j < offset + length; ++j, k += inner) {
+      if (j < D)
+        fill_run(out + k, seed, name, spec, (o * D + j) * inner, inner);
+      else
+        std::fill(out + k, out + k + inner, T(0));  // padding
+    }
 }
 
 template void init_block<float>(float*, std::uint64_t, std::string_view, const InitSpec&,

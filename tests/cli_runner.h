@@ -1,0 +1,43 @@
+// Runs the tpsim binary as a user would and captures what it says.
+#pragma once
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <sys/wait.h>
+
+namespace tpsim::testing {
+
+struct CliResult {
+  int exit_code = -1;
+  std::string out;  // stdout and stderr together
+};
+
+inline CliResult run_tpsim(const std::string& args) {
+  const std::string cmd = std::string(TPSIM_BINARY) + " " + args + " 2>&1";
+  CliResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  std::size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+inline std::string temp_path(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() / "tpsim-tests";
+  std::filesystem::create_directories(dir);
+  return (dir / name).string();
+}
+
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  return nlohmann::json::parse(f);
+}
+
+}  // namespace tpsim::testing

@@ -1,0 +1,64 @@
+// Bad input gets a one-line error and exit 2; never a crash, never a hang.
+#include <catch2/catch.hpp>
+
+#include "cli_runner.h"
+
+using namespace tpsim::testing;
+
+namespace {
+void expect_usage_error(const std::string& args, const std::string& says) {
+  const auto r = run_tpsim(args);
+  INFO("tpsim " << args << "\n" << r.out);
+  REQUIRE(r.exit_code == 2);
+  REQUIRE(r.out.rfind("tpsim: error: ", 0) == 0);
+  REQUIRE(r.out.find('\n') == r.out.size() - 1);  // exactly one line
+  REQUIRE(r.out.find(says) != std::string::npos);
+}
+}  // namespace
+
+TEST_CASE("bad flags are one-line usage errors with exit 2", "[cli]") {
+  expect_usage_error("verify --model mlp --tp 0", "--tp");
+  expect_usage_error("verify --model mlp --tp 3", "does not divide the MLP's hidden size 128");
+  expect_usage_error("verify --model mlp --steps -1", "--steps");
+  expect_usage_error("verify --model transformer", "--model");
+  expect_usage_error("verify --model mlp --tp 1,a", "'a' is not a whole number");
+  expect_usage_error("verify --model mlp --tp 1,,2", "is not a whole number");
+  expect_usage_error("verify --model gpt --tp 3", "does not divide --heads 8");
+  expect_usage_error("verify --model mlp --dtype f16", "--dtype");
+  expect_usage_error("train --model mlp --tp 1,2", "one degree");
+  expect_usage_error("verify --model mlp --inject-fault nonsense", "unknown fault");
+  expect_usage_error("verify --model gpt --hidden 30 --heads 8", "not divisible by --heads");
+  expect_usage_error("verify --model gpt --vocab-size 50 --hidden 16 --heads 2 --seq-len 15 "
+                     "--sequence-parallel --tp 2 --batch-size 1",
+                     "do not split evenly");
+  expect_usage_error("verify --model gpt --load /nonexistent.safetensors", "/nonexistent");
+  expect_usage_error("", "");
+}
+
+TEST_CASE("--help explains and exits 0", "[cli]") {
+  for (const char* cmd : {"--help", "verify --help", "train --help"}) {
+    const auto r = run_tpsim(cmd);
+    INFO(r.out);
+    REQUIRE(r.exit_code == 0);
+    REQUIRE(r.out.find("Exit codes") != std::string::npos);
+  }
+}
+
+TEST_CASE("train prints the same numbers at tp 1 and tp 2", "[cli]") {
+  auto strip_header = [](const std::string& s) {
+    return s.substr(s.find("iter: 1"));  // the header names the tp degree and ranks
+  };
+  const auto a = run_tpsim("train --model mlp --tp 1 --steps 2");
+  const auto b = run_tpsim("train --model mlp --tp 2 --steps 2");
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(b.exit_code == 0);
+  REQUIRE(strip_header(a.out) == strip_header(b.out));
+  REQUIRE(a.out.find("fc1_grad = tensor([[") != std::string::npos);
+
+  const std::string small = "--model gpt --vocab-size 101 --hidden 32 --heads 4 --seq-len 16 --steps 5";
+  const auto g1 = run_tpsim("train " + small + " --tp 1");
+  const auto g2 = run_tpsim("train " + small + " --tp 2 --loss-parallel");
+  REQUIRE(g1.exit_code == 0);
+  REQUIRE(g2.exit_code == 0);
+  REQUIRE(strip_header(g1.out) == strip_header(g2.out));
+}
