@@ -1,0 +1,664 @@
+// The CPU backend: argument checks (op_checks.h), a dtype dispatch, and one templated
+// kernel per op on raw row-major buffers. Kernels come in forward/backward pairs, side by
+// side, with the buffers' shapes in comments. Float math stays in T (float or double), as
+// a float32 device would do it; Eigen does the matrix products and the vectorised row
+// math (expression templates, which never allocate; the products allocate only Eigen's
+// packing buffers, once per product, not per element).
+#include "backend/cpu_backend.h"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numbers>
+#include <string>
+#include <utility>
+
+#include "backend/op_checks.h"
+#include "model/config.h"  // kIgnoreIndex
+
+namespace tpsim {
+namespace {
+
+using i64 = std::int64_t;
+
+// Row-major matrices and 1-D arrays viewed in place.
+template <class T>
+using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T>
+using MatMap = Eigen::Map<RowMajor<T>>;
+template <class T>
+using ConstMatMap = Eigen::Map<const RowMajor<T>>;
+// A [rows, cols] block of a wider row-major matrix: rows are `stride` elements apart
+// (one head's [T, d] slice of q [B*T, h*d] has stride h*d).
+template <class T>
+using BlockMap = Eigen::Map<RowMajor<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <class T>
+using ConstBlockMap = Eigen::Map<const RowMajor<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <class T>
+using Vec = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <class T>
+using ConstVec = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+// Runs f(T{}) for the float dtype of `t` (which the op's checks have already validated).
+template <class F>
+void on_float(const Tensor& t, F&& f) {
+  dispatch_float(t.dtype(), std::forward<F>(f));
+}
+
+// ---- GEMM ---------------------------------------------------------------------------
+
+// out[M,N] = alpha · op(a)[M,K] · op(b)[K,N] + beta · out; a is stored [K,M] when trans_a,
+// b is stored [N,K] when trans_b. A transposed row-major map is a column-major one, so
+// Eigen reads all four combinations in place, without copies.
+template <class T>
+void gemm_kernel(T* out, const T* a, bool trans_a, const T* b, bool trans_b, i64 M, i64 N, i64 K,
+                 T alpha, T beta) {
+  MatMap<T> C(out, M, N);
+  // BLAS semantics: beta 0 never reads out (it may hold NaN garbage), alpha 0 or K 0
+  // never reads a and b.
+  if (beta == T(0))
+    C.setZero();
+  else if (beta != T(1))
+    C *= beta;
+  if (K == 0 || alpha == T(0) || M == 0 || N == 0) return;
+  ConstMatMap<T> A(a, trans_a ? K : M, trans_a ? M : K);
+  ConstMatMap<T> Bm(b, trans_b ? N : K, trans_b ? K : N);
+  if (!trans_a && !trans_b)
+    C.noalias() += alpha * A * Bm;
+  else if (!trans_a && trans_b)
+    C.noalias() += alpha * A * Bm.transpose();
+  else if (trans_a && !trans_b)
+    C.noalias() += alpha * A.transpose() * Bm;
+  else
+    C.noalias() += alpha * A.transpose() * Bm.transpose();
+}
+
+// ---- elementwise activations ----------------------------------------------------------
+
+// out[n] = max(inp, 0); NaN stays NaN.
+template <class T>
+void relu_forward_kernel(T* out, const T* inp, i64 n) {
+  for (i64 i = 0; i < n; ++i) out[i] = inp[i] < T(0) ? T(0) : inp[i];
+}
+// dinp[n] = dout where inp > 0 (the subgradient 0 at the kink, as PyTorch).
+template <class T>
+void relu_backward_kernel(T* dinp, const T* dout, const T* inp, i64 n) {
+  for (i64 i = 0; i < n; ++i) dinp[i] = inp[i] > T(0) ? dout[i] : T(0);
+}
+
+constexpr double kInvSqrt2 = 1.0 / std::numbers::sqrt2;
+constexpr double kInvSqrt2Pi = std::numbers::inv_sqrtpi / std::numbers::sqrt2;
+
+// out[n] = x·Φ(x), the exact GELU. Φ(x) = 0.5·(1 + erf(x/√2)) = 0.5·erfc(-x/√2); the erfc
+// form keeps full relative precision in the left tail, where 1 + erf(x/√2) cancels (in
+// f32, GELU(-8) would be 0 instead of -4.9e-15).
+template <class T>
+void gelu_forward_kernel(T* out, const T* inp, i64 n) {
+  for (i64 i = 0; i < n; ++i) {
+    const T x = inp[i];
+    out[i] = T(0.5) * x * std::erfc(-x * T(kInvSqrt2));
+  }
+}
+// dinp[n] = dout · (Φ(x) + x·φ(x)), φ the standard normal density.
+template <class T>
+void gelu_backward_kernel(T* dinp, const T* dout, const T* inp, i64 n) {
+  for (i64 i = 0; i < n; ++i) {
+    const T x = inp[i];
+    const T cdf = T(0.5) * std::erfc(-x * T(kInvSqrt2));
+    const T pdf = T(kInvSqrt2Pi) * std::exp(T(-0.5) * x * x);
+    dinp[i] = dout[i] * (cdf + x * pdf);
+  }
+}
+
+// ---- LayerNorm without bias -------------------------------------------------------------
+
+// out[N,C] = (inp - mean) · rstd · weight[C]; mean[N], rstd[N] saved for the backward.
+// Two passes over each row (mean, then the centred sum of squares), so var never suffers
+// the cancellation of E[x²] - E[x]².
+template <class T>
+void layernorm_forward_kernel(T* out, T* mean, T* rstd, const T* inp, const T* weight, i64 N, i64 C,
+                              T eps) {
+  ConstVec<T> w(weight, C);
+  for (i64 i = 0; i < N; ++i) {
+    ConstVec<T> x(inp + i * C, C);
+    const T m = x.sum() / T(C);
+    const T var = (x - m).square().sum() / T(C);
+    const T r = T(1) / std::sqrt(var + eps);
+    Vec<T>(out + i * C, C) = (x - m) * r * w;
+    mean[i] = m;
+    rstd[i] = r;
+  }
+}
+// With xhat = (x - mean)·rstd and g = dout·weight:
+//   dweight[C] += Σ_rows dout·xhat
+//   dinp[N,C]  += rstd · (g - mean(g) - xhat · mean(g·xhat))
+template <class T>
+void layernorm_backward_kernel(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight,
+                               const T* mean, const T* rstd, i64 N, i64 C) {
+  ConstVec<T> w(weight, C);
+  Vec<T> dw(dweight, C);
+  for (i64 i = 0; i < N; ++i) {
+    ConstVec<T> x(inp + i * C, C), dy(dout + i * C, C);
+    const T m = mean[i], r = rstd[i];
+    auto xhat = (x - m) * r;  // expressions, evaluated inside each loop below
+    auto g = dy * w;
+    const T g_mean = g.sum() / T(C);
+    const T gx_mean = (g * xhat).sum() / T(C);
+    dw += dy * xhat;
+    Vec<T>(dinp + i * C, C) += r * (g - g_mean - xhat * gx_mean);
+  }
+}
+
+// ---- causal self-attention --------------------------------------------------------------
+
+// For every batch row b and local head j, with Q, K, V the [T,d] blocks of q, k, v (row
+// stride h·d) and P the [T,T] block probs[b,j]:
+//   P = causal_softmax(scale · Q·Kᵀ),  O = P·V.
+// Only the lower triangle of Q·Kᵀ is computed, and P·V uses P as a triangular matrix.
+template <class T>
+void attention_forward_kernel(T* out, T* probs, const T* q, const T* k, const T* v, i64 B, i64 T_,
+                              i64 h, i64 d, T scale) {
+  const i64 ld = h * d;
+  const Eigen::OuterStride<> stride(ld);
+  for (i64 b = 0; b < B; ++b) {
+    for (i64 j = 0; j < h; ++j) {
+      const i64 off = b * T_ * ld + j * d;
+      ConstBlockMap<T> Q(q + off, T_, d, stride), K(k + off, T_, d, stride),
+          V(v + off, T_, d, stride);
+      BlockMap<T> O(out + off, T_, d, stride);
+      T* pbj = probs + (b * h + j) * T_ * T_;
+      MatMap<T> P(pbj, T_, T_);
+      P.template triangularView<Eigen::Lower>() = Q * K.transpose();
+      for (i64 t = 0; t < T_; ++t) {
+        // row t attends to s <= t; subtract the row max so exp never overflows
+        Vec<T> s(pbj + t * T_, t + 1);
+        s *= scale;
+        const T mx = s.maxCoeff();
+        s = (s - mx).exp();
+        const T denom = s.sum();
+        s /= denom;
+        std::fill(pbj + t * T_ + t + 1, pbj + (t + 1) * T_, T(0));
+      }
+      O.noalias() = P.template triangularView<Eigen::Lower>() * V;
+    }
+  }
+}
+// The exact gradient of the forward, per (b, j), with dO the [T,d] block of dout:
+//   dV = Pᵀ·dO
+//   dP = dO·Vᵀ                                (lower triangle only; P is 0 above it)
+//   dS = scale · P ∘ (dP - rowsum(P ∘ dP))     (softmax backward, then the scale)
+//   dQ = dS·K,  dK = dSᵀ·Q
+// dscores is [T,T] scratch; only its lower triangle is ever written or read.
+template <class T>
+void attention_backward_kernel(T* dq, T* dk, T* dv, T* dscores, const T* dout, const T* q,
+                               const T* k, const T* v, const T* probs, i64 B, i64 T_, i64 h, i64 d,
+                               T scale) {
+  const i64 ld = h * d;
+  const Eigen::OuterStride<> stride(ld);
+  MatMap<T> dS(dscores, T_, T_);
+  for (i64 b = 0; b < B; ++b) {
+    for (i64 j = 0; j < h; ++j) {
+      const i64 off = b * T_ * ld + j * d;
+      ConstBlockMap<T> Q(q + off, T_, d, stride), K(k + off, T_, d, stride),
+          V(v + off, T_, d, stride), dO(dout + off, T_, d, stride);
+      BlockMap<T> dQ(dq + off, T_, d, stride), dK(dk + off, T_, d, stride),
+          dV(dv + off, T_, d, stride);
+      const T* pbj = probs + (b * h + j) * T_ * T_;
+      ConstMatMap<T> P(pbj, T_, T_);
+      dV.noalias() = P.transpose().template triangularView<Eigen::Upper>() * dO;
+      dS.template triangularView<Eigen::Lower>() = dO * V.transpose();
+      for (i64 t = 0; t < T_; ++t) {
+        ConstVec<T> p(pbj + t * T_, t + 1);
+        Vec<T> ds(dscores + t * T_, t + 1);
+        const T dot = (p * ds).sum();
+        ds = scale * (p * (ds - dot));
+      }
+      dQ.noalias() = dS.template triangularView<Eigen::Lower>() * K;
+      dK.noalias() = dS.transpose().template triangularView<Eigen::Upper>() * Q;
+    }
+  }
+}
+
+// ---- embedding over a row range ---------------------------------------------------------
+
+// out[N,C]: row i = table[ids[i] - row0] for ids in [row0, row0+R), else 0.
+template <class T>
+void embedding_forward_kernel(T* out, const i64* ids, const T* table, i64 row0, i64 N, i64 R,
+                              i64 C) {
+  for (i64 i = 0; i < N; ++i) {
+    const i64 id = ids[i];
+    if (id >= row0 && id - row0 < R)
+      std::memcpy(out + i * C, table + (id - row0) * C, static_cast<std::size_t>(C) * sizeof(T));
+    else
+      std::fill_n(out + i * C, C, T(0));
+  }
+}
+// dtable[R,C] += dout[i] for every row i whose id lies in [row0, row0+R).
+template <class T>
+void embedding_backward_kernel(T* dtable, const T* dout, const i64* ids, i64 row0, i64 N, i64 R,
+                               i64 C) {
+  for (i64 i = 0; i < N; ++i) {
+    const i64 id = ids[i];
+    if (id >= row0 && id - row0 < R)
+      Vec<T>(dtable + (id - row0) * C, C) += ConstVec<T>(dout + i * C, C);
+  }
+}
+
+// ---- cross-entropy over a column range ----------------------------------------------------
+
+// Where row i's target lies among this shard's logits: its local column in [0, valid), or
+// -1 when it is ignored or lives on another shard. A target no shard could hold (negative
+// but not kIgnoreIndex, or in this shard's padded columns) is an error, not a silent 0.
+inline i64 local_target(const char* op, const Tensor& targets, const Tensor& logits, i64 i,
+                        i64 target, i64 col0, i64 valid, i64 Vl) {
+  if (target == kIgnoreIndex) return -1;
+  const bool negative = target < 0;
+  const bool padded = target >= col0 + valid && target < col0 + Vl;
+  if (negative || padded)
+    throw Error(std::string(op) + ": targets '" + targets.tag() + "' row " + std::to_string(i) +
+                " is " + std::to_string(target) +
+                (negative ? ", neither a vocabulary id nor kIgnoreIndex (-100)"
+                          : ", a padded column [" + std::to_string(col0 + valid) + ", " +
+                                std::to_string(col0 + Vl) + ") of logits '" + logits.tag() + "'"));
+  return target >= col0 && target < col0 + valid ? target - col0 : -1;
+}
+
+// rowmax[N] = max over the valid columns of logits[N,Vl]; -inf when valid == 0.
+template <class T>
+void ce_row_max_kernel(T* rowmax, const T* logits, i64 N, i64 Vl, i64 valid) {
+  for (i64 i = 0; i < N; ++i)
+    rowmax[i] = valid == 0 ? -std::numeric_limits<T>::infinity()
+                           : ConstVec<T>(logits + i * Vl, valid).maxCoeff();
+}
+// sumexp[N] = Σ over the valid columns of exp(logits[N,Vl] - rowmax[N]).
+template <class T>
+void ce_sum_exp_kernel(T* sumexp, const T* logits, const T* rowmax, i64 N, i64 Vl, i64 valid) {
+  for (i64 i = 0; i < N; ++i)
+    sumexp[i] = valid == 0 ? T(0) : (ConstVec<T>(logits + i * Vl, valid) - rowmax[i]).exp().sum();
+}
+// loss[N] = log(sumexp) + rowmax - target_logit; 0 on ignored rows.
+template <class T>
+void ce_loss_kernel(T* loss, const T* rowmax, const T* sumexp, const T* target_logit,
+                    const i64* targets, i64 N) {
+  for (i64 i = 0; i < N; ++i)
+    loss[i] = targets[i] == kIgnoreIndex ? T(0) : std::log(sumexp[i]) + rowmax[i] - target_logit[i];
+}
+// dlogits[N,Vl] = scale · (exp(logits - rowmax) / sumexp - onehot(target)) on the valid
+// columns of kept rows; 0 on padded columns and ignored rows. `local` holds each row's
+// local target column (-1: none here), from local_target().
+template <class T>
+void ce_backward_kernel(T* dlogits, const T* logits, const T* rowmax, const T* sumexp,
+                        const i64* targets, const i64* local, i64 N, i64 Vl, i64 valid, T scale) {
+  for (i64 i = 0; i < N; ++i) {
+    T* drow = dlogits + i * Vl;
+    if (targets[i] == kIgnoreIndex) {
+      std::fill_n(drow, Vl, T(0));
+      continue;
+    }
+    const T m = rowmax[i], se = sumexp[i];
+    ConstVec<T> x(logits + i * Vl, valid);
+    Vec<T>(drow, valid) = scale * ((x - m).exp() / se);
+    if (local[i] >= 0) drow[local[i]] = scale * (std::exp(x[local[i]] - m) / se - T(1));
+    std::fill(drow + valid, drow + Vl, T(0));
+  }
+}
+
+// ---- optimizers ---------------------------------------------------------------------------
+
+// torch.optim.Adam's formulation: param -= (lr/bc1) · m / (sqrt(v)/sqrt(bc2) + eps), which
+// equals backend.h's lr · (m/bc1) / (sqrt(v/bc2) + eps).
+template <class T>
+void adam_kernel(T* param, const T* grad, T* m, T* v, i64 n, double lr, double beta1, double beta2,
+                 double eps, double weight_decay, i64 step) {
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  const T step_size = T(lr / bc1), bc2_sqrt = T(std::sqrt(bc2));
+  const T b1 = T(beta1), b2 = T(beta2), one_b1 = T(1.0 - beta1), one_b2 = T(1.0 - beta2);
+  const T wd = T(weight_decay), e = T(eps);
+  for (i64 i = 0; i < n; ++i) {
+    // torch adds the decay term only when weight_decay != 0 (so 0·inf never makes a NaN)
+    const T g = weight_decay != 0.0 ? grad[i] + wd * param[i] : grad[i];
+    m[i] = b1 * m[i] + one_b1 * g;
+    v[i] = b2 * v[i] + one_b2 * g * g;
+    param[i] -= step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + e);
+  }
+}
+
+}  // namespace
+
+// ---- data movement --------------------------------------------------------------------
+
+void CpuBackend::fill(Tensor& t, double value) {
+  OpCheck c("fill", device());
+  c.arg("t", t);
+  if (t.dtype() == DType::I64) {
+    // (casting a NaN or an out-of-range double to i64 is undefined: test first)
+    if (!(std::trunc(value) == value && std::abs(value) < 0x1p63))
+      c.fail("t '" + t.tag() + "' is i64 and " + std::to_string(value) + " is not an i64 value");
+    std::fill_n(t.data<i64>(), t.numel(), static_cast<i64>(value));
+    return;
+  }
+  on_float(t, [&](auto z) {
+    using T = decltype(z);
+    std::fill_n(t.data<T>(), t.numel(), T(value));
+  });
+}
+
+void CpuBackend::copy(Tensor& dst, const Tensor& src) {
+  check_copy(device(), dst, src);
+  if (dst.nbytes() > 0) std::memmove(dst.raw(), src.raw(), dst.nbytes());
+}
+
+void CpuBackend::from_host(Tensor& dst, const double* src) {
+  OpCheck("from_host", device()).float_arg("dst", dst);
+  on_float(dst, [&](auto z) {
+    using T = decltype(z);
+    T* p = dst.data<T>();
+    for (i64 i = 0; i < dst.numel(); ++i) p[i] = T(src[i]);
+  });
+}
+
+void CpuBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
+  OpCheck("from_host_i64", device()).dtype("dst", dst, DType::I64);
+  if (dst.nbytes() > 0) std::memcpy(dst.raw(), src, dst.nbytes());
+}
+
+std::vector<double> CpuBackend::to_host(const Tensor& src) {
+  OpCheck("to_host", device()).float_arg("src", src);
+  std::vector<double> out(static_cast<std::size_t>(src.numel()));
+  on_float(src, [&](auto z) {
+    using T = decltype(z);
+    const T* p = src.data<T>();
+    for (i64 i = 0; i < src.numel(); ++i) out[static_cast<std::size_t>(i)] = double(p[i]);
+  });
+  return out;
+}
+
+void CpuBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
+  check_columns("copy_columns", device(), src, "src", dst, "dst", col0);
+  const i64 M = dst.dim(0), n = dst.dim(1), N = src.dim(1);
+  const std::size_t row_bytes = static_cast<std::size_t>(n) * dtype_size(dst.dtype());
+  auto* d = static_cast<char*>(dst.raw());
+  auto* s = static_cast<const char*>(src.raw());
+  const std::size_t esz = dtype_size(src.dtype());
+  for (i64 r = 0; r < M; ++r)
+    std::memcpy(d + static_cast<std::size_t>(r) * row_bytes,
+                s + static_cast<std::size_t>(r * N + col0) * esz, row_bytes);
+}
+
+void CpuBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
+  check_columns("set_columns", device(), dst, "dst", src, "src", col0);
+  const i64 M = src.dim(0), n = src.dim(1), N = dst.dim(1);
+  const std::size_t row_bytes = static_cast<std::size_t>(n) * dtype_size(src.dtype());
+  auto* d = static_cast<char*>(dst.raw());
+  auto* s = static_cast<const char*>(src.raw());
+  const std::size_t esz = dtype_size(dst.dtype());
+  for (i64 r = 0; r < M; ++r)
+    std::memcpy(d + static_cast<std::size_t>(r * N + col0) * esz,
+                s + static_cast<std::size_t>(r) * row_bytes, row_bytes);
+}
+
+void CpuBackend::add_inplace(Tensor& dst, const Tensor& src) {
+  check_same_float("add_inplace", device(), "dst", dst, "src", src);
+  on_float(dst, [&](auto z) {
+    using T = decltype(z);
+    Vec<T>(dst.data<T>(), dst.numel()) += ConstVec<T>(src.data<T>(), src.numel());
+  });
+}
+
+void CpuBackend::scale_inplace(Tensor& t, double s) {
+  OpCheck("scale_inplace", device()).float_arg("t", t);
+  on_float(t, [&](auto z) {
+    using T = decltype(z);
+    Vec<T>(t.data<T>(), t.numel()) *= T(s);
+  });
+}
+
+// ---- GEMM -------------------------------------------------------------------------------
+
+void CpuBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+                      double alpha, double beta) {
+  const GemmDims g = check_gemm(device(), out, a, trans_a, b, trans_b);
+  on_float(a, [&](auto z) {
+    using T = decltype(z);
+    gemm_kernel<T>(out.data<T>(), a.data<T>(), trans_a, b.data<T>(), trans_b, g.M, g.N, g.K,
+                   T(alpha), T(beta));
+  });
+}
+
+// ---- activations --------------------------------------------------------------------------
+
+void CpuBackend::relu_forward(Tensor& out, const Tensor& inp) {
+  check_same_float("relu_forward", device(), "out", out, "inp", inp);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    relu_forward_kernel<T>(out.data<T>(), inp.data<T>(), inp.numel());
+  });
+}
+
+void CpuBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  check_act_backward("relu_backward", device(), dinp, dout, inp);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    relu_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
+  });
+}
+
+void CpuBackend::gelu_forward(Tensor& out, const Tensor& inp) {
+  check_same_float("gelu_forward", device(), "out", out, "inp", inp);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    gelu_forward_kernel<T>(out.data<T>(), inp.data<T>(), inp.numel());
+  });
+}
+
+void CpuBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  check_act_backward("gelu_backward", device(), dinp, dout, inp);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    gelu_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
+  });
+}
+
+// ---- LayerNorm ----------------------------------------------------------------------------
+
+void CpuBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                                   const Tensor& weight, double eps) {
+  const RowsCols s = check_layernorm_forward(device(), out, mean, rstd, inp, weight);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    layernorm_forward_kernel<T>(out.data<T>(), mean.data<T>(), rstd.data<T>(), inp.data<T>(),
+                                weight.data<T>(), s.N, s.C, T(eps));
+  });
+}
+
+void CpuBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                    const Tensor& inp, const Tensor& weight, const Tensor& mean,
+                                    const Tensor& rstd) {
+  const RowsCols s =
+      check_layernorm_backward(device(), dinp, dweight, dout, inp, weight, mean, rstd);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    layernorm_backward_kernel<T>(dinp.data<T>(), dweight.data<T>(), dout.data<T>(), inp.data<T>(),
+                                 weight.data<T>(), mean.data<T>(), rstd.data<T>(), s.N, s.C);
+  });
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+void CpuBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
+                                   double scale) {
+  const i64 d = check_attention_forward(device(), out, probs, q, k, v, B, T, h);
+  on_float(q, [&](auto z) {
+    using F = decltype(z);
+    attention_forward_kernel<F>(out.data<F>(), probs.data<F>(), q.data<F>(), k.data<F>(),
+                                v.data<F>(), B, T, h, d, F(scale));
+  });
+}
+
+void CpuBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
+                                    const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& probs, std::int64_t B, std::int64_t T,
+                                    std::int64_t h, double scale) {
+  const i64 d = check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, B, T, h);
+  // A device kernel would need this scratch too, so it goes through the ledger.
+  Tensor dscores = empty({T, T}, q.dtype(), MemCategory::Temporary, "attention.dscores");
+  on_float(q, [&](auto z) {
+    using F = decltype(z);
+    attention_backward_kernel<F>(dq.data<F>(), dk.data<F>(), dv.data<F>(), dscores.data<F>(),
+                                 dout.data<F>(), q.data<F>(), k.data<F>(), v.data<F>(),
+                                 probs.data<F>(), B, T, h, d, F(scale));
+  });
+}
+
+// ---- embedding ----------------------------------------------------------------------------
+
+void CpuBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                                   std::int64_t row0) {
+  const EmbeddingDims s = check_embedding_forward(device(), out, ids, table, row0);
+  on_float(table, [&](auto z) {
+    using T = decltype(z);
+    embedding_forward_kernel<T>(out.data<T>(), ids.data<i64>(), table.data<T>(), row0, s.N, s.R,
+                                s.C);
+  });
+}
+
+void CpuBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                                    std::int64_t row0) {
+  const EmbeddingDims s = check_embedding_backward(device(), dtable, dout, ids, row0);
+  on_float(dtable, [&](auto z) {
+    using T = decltype(z);
+    embedding_backward_kernel<T>(dtable.data<T>(), dout.data<T>(), ids.data<i64>(), row0, s.N, s.R,
+                                 s.C);
+  });
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------
+
+void CpuBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
+  const CeDims s = check_ce_row_max(device(), rowmax, logits, valid);
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    ce_row_max_kernel<T>(rowmax.data<T>(), logits.data<T>(), s.N, s.Vl, valid);
+  });
+}
+
+void CpuBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                                 std::int64_t col0, std::int64_t valid) {
+  const CeDims s = check_ce_target_logit(device(), target_logit, logits, targets, col0, valid);
+  const i64* tg = targets.data<i64>();
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    T* out = target_logit.data<T>();
+    const T* x = logits.data<T>();
+    for (i64 i = 0; i < s.N; ++i) {
+      const i64 c = local_target("ce_target_logit", targets, logits, i, tg[i], col0, valid, s.Vl);
+      out[i] = c >= 0 ? x[i * s.Vl + c] : T(0);
+    }
+  });
+}
+
+void CpuBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                            std::int64_t valid) {
+  const CeDims s = check_ce_sum_exp(device(), sumexp, logits, rowmax, valid);
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    ce_sum_exp_kernel<T>(sumexp.data<T>(), logits.data<T>(), rowmax.data<T>(), s.N, s.Vl, valid);
+  });
+}
+
+void CpuBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
+                         const Tensor& target_logit, const Tensor& targets) {
+  const i64 N = check_ce_loss(device(), loss, rowmax, sumexp, target_logit, targets);
+  on_float(loss, [&](auto z) {
+    using T = decltype(z);
+    ce_loss_kernel<T>(loss.data<T>(), rowmax.data<T>(), sumexp.data<T>(), target_logit.data<T>(),
+                      targets.data<i64>(), N);
+  });
+}
+
+void CpuBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                             const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                             std::int64_t valid, double scale) {
+  const CeDims s =
+      check_ce_backward(device(), dlogits, logits, rowmax, sumexp, targets, col0, valid);
+  // Validate every target before writing anything; N i64s of host scratch.
+  const i64* tg = targets.data<i64>();
+  std::vector<i64> local(static_cast<std::size_t>(s.N));
+  for (i64 i = 0; i < s.N; ++i)
+    local[static_cast<std::size_t>(i)] =
+        local_target("ce_backward", targets, logits, i, tg[i], col0, valid, s.Vl);
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    ce_backward_kernel<T>(dlogits.data<T>(), logits.data<T>(), rowmax.data<T>(), sumexp.data<T>(),
+                          tg, local.data(), s.N, s.Vl, valid, T(scale));
+  });
+}
+
+double CpuBackend::sum(const Tensor& t) {
+  OpCheck("sum", device()).float_arg("t", t);
+  double acc = 0.0;
+  on_float(t, [&](auto z) {
+    using T = decltype(z);
+    acc = ConstVec<T>(t.data<T>(), t.numel()).template cast<double>().sum();
+  });
+  return acc;
+}
+
+// ---- MSE ----------------------------------------------------------------------------------
+
+double CpuBackend::mse_forward(const Tensor& y, const Tensor& target) {
+  check_same_float("mse_forward", device(), "target", target, "y", y);
+  if (y.numel() == 0)
+    OpCheck("mse_forward", device()).fail("y '" + y.tag() + "' is empty; its mean is 0/0");
+  double acc = 0.0;
+  on_float(y, [&](auto z) {
+    using T = decltype(z);
+    // squared differences in T, as a device would write them, summed in f64 as sum() does
+    const T* py = y.data<T>();
+    const T* pt = target.data<T>();
+    for (i64 i = 0; i < y.numel(); ++i) {
+      const T diff = py[i] - pt[i];
+      acc += double(diff * diff);
+    }
+  });
+  return acc / static_cast<double>(y.numel());
+}
+
+void CpuBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
+  check_mse_backward(device(), dy, y, target);
+  on_float(y, [&](auto z) {
+    using T = decltype(z);
+    const T c = T(2.0 / static_cast<double>(y.numel()));
+    Vec<T>(dy.data<T>(), dy.numel()) =
+        c * (ConstVec<T>(y.data<T>(), y.numel()) - ConstVec<T>(target.data<T>(), y.numel()));
+  });
+}
+
+// ---- optimizers ---------------------------------------------------------------------------
+
+void CpuBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
+  check_same_float("sgd_update", device(), "grad", grad, "param", param);
+  on_float(param, [&](auto z) {
+    using T = decltype(z);
+    Vec<T>(param.data<T>(), param.numel()) -= T(lr) * ConstVec<T>(grad.data<T>(), grad.numel());
+  });
+}
+
+void CpuBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
+                             double beta1, double beta2, double eps, double weight_decay,
+                             std::int64_t step) {
+  check_adam(device(), param, grad, m, v, step);
+  on_float(param, [&](auto z) {
+    using T = decltype(z);
+    adam_kernel<T>(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(), lr,
+                   beta1, beta2, eps, weight_decay, step);
+  });
+}
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace tpsim

@@ -1,0 +1,86 @@
+// The CPU "virtual device": host memory from a HostAllocator (so one rank's ledger), ops
+// run synchronously on the calling thread (the rank's thread). Float math is done in the
+// tensor's dtype, as a float32 device would (f32 GEMMs accumulate in f32), except sum()
+// and mse_forward(), which accumulate in f64 as backend.h specifies. GEMMs go through
+// Eigen, single-threaded (EIGEN_DONT_PARALLELIZE: the ranks are the threads).
+//
+// Beyond backend.h, the CPU backend rejects labels that no vocabulary shard could hold:
+// a target below 0 other than kIgnoreIndex, or one that falls in this shard's padded
+// columns [col0+valid, col0+Vl), throws Error from ce_target_logit and ce_backward.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace tpsim {
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+  Allocator& allocator() override { return alloc_; }
+
+  void fill(Tensor& t, double value) override;
+  void copy(Tensor& dst, const Tensor& src) override;
+  void from_host(Tensor& dst, const double* src) override;
+  void from_host_i64(Tensor& dst, const std::int64_t* src) override;
+  std::vector<double> to_host(const Tensor& src) override;
+  void copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) override;
+  void set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) override;
+  void add_inplace(Tensor& dst, const Tensor& src) override;
+  void scale_inplace(Tensor& t, double s) override;
+
+  void gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+            double alpha = 1.0, double beta = 0.0) override;
+
+  void relu_forward(Tensor& out, const Tensor& inp) override;
+  void relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
+  void gelu_forward(Tensor& out, const Tensor& inp) override;
+  void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
+
+  void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                         const Tensor& weight, double eps) override;
+  void layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                          const Tensor& weight, const Tensor& mean, const Tensor& rstd) override;
+
+  void attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
+                         const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
+                         double scale) override;
+  // Needs one [T,T] scratch matrix, allocated per call as a Temporary ("attention.dscores").
+  void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
+                          const Tensor& k, const Tensor& v, const Tensor& probs, std::int64_t B,
+                          std::int64_t T, std::int64_t h, double scale) override;
+
+  void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                         std::int64_t row0) override;
+  void embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                          std::int64_t row0) override;
+
+  void ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) override;
+  void ce_target_logit(Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                       std::int64_t col0, std::int64_t valid) override;
+  void ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                  std::int64_t valid) override;
+  void ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp, const Tensor& target_logit,
+               const Tensor& targets) override;
+  void ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                   const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                   std::int64_t valid, double scale) override;
+  double sum(const Tensor& t) override;
+
+  double mse_forward(const Tensor& y, const Tensor& target) override;
+  void mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) override;
+
+  void sgd_update(Tensor& param, const Tensor& grad, double lr) override;
+  void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1,
+                   double beta2, double eps, double weight_decay, std::int64_t step) override;
+
+ private:
+  Device device() const { return alloc_.device(); }
+  HostAllocator alloc_;
+};
+
+}  // namespace tpsim

@@ -1,0 +1,388 @@
+#include "backend/op_checks.h"
+
+#include <initializer_list>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "core/errors.h"
+
+namespace tpsim {
+
+namespace {
+// (role, tensor, the shape it must have) and (role, tensor), for checking several at once.
+using Want = std::tuple<const char*, const Tensor*, Shape>;
+using Arg = std::pair<const char*, const Tensor*>;
+}  // namespace
+
+void OpCheck::fail(const std::string& what) const { throw Error(std::string(op_) + ": " + what); }
+
+std::string OpCheck::describe(const char* role, const Tensor& t) {
+  return std::string(role) + " '" + t.tag() + "' " + shape_str(t.shape()) + " " +
+         dtype_name(t.dtype());
+}
+
+void OpCheck::arg(const char* role, const Tensor& t) const {
+  if (!t.defined()) fail(std::string(role) + " is an undefined tensor");
+  if (!(t.device() == dev_))
+    fail(std::string(role) + " '" + t.tag() + "' lives on " + device_str(t.device()) +
+         ", this backend on " + device_str(dev_));
+}
+
+DType OpCheck::float_arg(const char* role, const Tensor& t) const {
+  arg(role, t);
+  if (t.dtype() != DType::F32 && t.dtype() != DType::F64)
+    fail(std::string(role) + " '" + t.tag() + "' is " + dtype_name(t.dtype()) +
+         ", expected f32 or f64");
+  return t.dtype();
+}
+
+void OpCheck::dtype(const char* role, const Tensor& t, DType dt, const std::string& why) const {
+  arg(role, t);
+  if (t.dtype() != dt)
+    fail(std::string(role) + " '" + t.tag() + "' is " + dtype_name(t.dtype()) + ", expected " +
+         dtype_name(dt) + (why.empty() ? "" : " (" + why + ")"));
+}
+
+void OpCheck::same_dtype(const char* role, const Tensor& t, const char* ref_role,
+                         const Tensor& ref) const {
+  dtype(role, t, ref.dtype(), std::string("the dtype of ") + ref_role + " '" + ref.tag() + "'");
+}
+
+void OpCheck::shape(const char* role, const Tensor& t, const Shape& want,
+                    const std::string& why) const {
+  if (t.shape() != want)
+    fail(std::string(role) + " '" + t.tag() + "' has shape " + shape_str(t.shape()) +
+         ", expected " + shape_str(want) + (why.empty() ? "" : " (" + why + ")"));
+}
+
+void OpCheck::ndim(const char* role, const Tensor& t, int n) const {
+  if (t.ndim() != n)
+    fail(std::string(role) + " '" + t.tag() + "' has shape " + shape_str(t.shape()) +
+         ", expected " + std::to_string(n) + "-D");
+}
+
+void OpCheck::no_overlap(const char* out_role, const Tensor& out, const char* in_role,
+                         const Tensor& in) const {
+  const auto* o = static_cast<const char*>(out.raw());
+  const auto* i = static_cast<const char*>(in.raw());
+  if (out.nbytes() > 0 && in.nbytes() > 0 && o < i + in.nbytes() && i < o + out.nbytes())
+    fail(std::string(out_role) + " '" + out.tag() + "' overlaps " + in_role + " '" + in.tag() +
+         "'; this op cannot work in place");
+}
+
+void OpCheck::range(const char* name, std::int64_t value, std::int64_t lo, std::int64_t hi) const {
+  if (value < lo || (hi >= lo && value > hi))
+    fail(std::string(name) + " = " + std::to_string(value) + " is outside [" + std::to_string(lo) +
+         ", " + (hi >= lo ? std::to_string(hi) : std::string("inf")) + "]");
+}
+
+// ---- data movement ------------------------------------------------------------------
+
+void check_copy(Device dev, const Tensor& dst, const Tensor& src) {
+  OpCheck c("copy", dev);
+  c.arg("src", src);
+  c.dtype("dst", dst, src.dtype(), "the dtype of src '" + src.tag() + "'");
+  if (dst.numel() != src.numel())
+    c.fail("dst '" + dst.tag() + "' " + shape_str(dst.shape()) + " and src '" + src.tag() + "' " +
+           shape_str(src.shape()) + " differ in element count");
+}
+
+void check_columns(const char* op, Device dev, const Tensor& wide, const char* wide_role,
+                   const Tensor& narrow, const char* narrow_role, std::int64_t col0) {
+  OpCheck c(op, dev);
+  c.float_arg(wide_role, wide);
+  c.same_dtype(narrow_role, narrow, wide_role, wide);
+  c.ndim(wide_role, wide, 2);
+  c.ndim(narrow_role, narrow, 2);
+  if (narrow.dim(0) != wide.dim(0) || col0 < 0 || col0 + narrow.dim(1) > wide.dim(1))
+    c.fail("columns [" + std::to_string(col0) + ", " + std::to_string(col0 + narrow.dim(1)) +
+           ") of " + OpCheck::describe(wide_role, wide) + " do not match " +
+           OpCheck::describe(narrow_role, narrow));
+}
+
+void check_same_float(const char* op, Device dev, const char* dst_role, const Tensor& dst,
+                      const char* src_role, const Tensor& src) {
+  OpCheck c(op, dev);
+  c.float_arg(src_role, src);
+  c.same_dtype(dst_role, dst, src_role, src);
+  c.shape(dst_role, dst, src.shape(),
+          std::string("the shape of ") + src_role + " '" + src.tag() + "'");
+}
+
+// ---- GEMM ---------------------------------------------------------------------------
+
+GemmDims check_gemm(Device dev, const Tensor& out, const Tensor& a, bool trans_a, const Tensor& b,
+                    bool trans_b) {
+  OpCheck c("gemm", dev);
+  c.float_arg("a", a);
+  c.same_dtype("b", b, "a", a);
+  c.same_dtype("out", out, "a", a);
+  c.ndim("a", a, 2);
+  c.ndim("b", b, 2);
+  c.ndim("out", out, 2);
+  const std::int64_t M = trans_a ? a.dim(1) : a.dim(0);
+  const std::int64_t K = trans_a ? a.dim(0) : a.dim(1);
+  const std::int64_t Kb = trans_b ? b.dim(1) : b.dim(0);
+  const std::int64_t N = trans_b ? b.dim(0) : b.dim(1);
+  const std::string ops = std::string("op(a) [") + std::to_string(M) + "," + std::to_string(K) +
+                          "], op(b) [" + std::to_string(Kb) + "," + std::to_string(N) + "]";
+  if (Kb != K)
+    c.fail("inner dimensions disagree: " + OpCheck::describe("a", a) +
+           (trans_a ? " transposed" : "") + ", " + OpCheck::describe("b", b) +
+           (trans_b ? " transposed" : "") + " (" + ops + ")");
+  c.shape("out", out, {M, N}, ops);
+  c.no_overlap("out", out, "a", a);
+  c.no_overlap("out", out, "b", b);
+  return {M, N, K};
+}
+
+void check_act_backward(const char* op, Device dev, const Tensor& dinp, const Tensor& dout,
+                        const Tensor& inp) {
+  check_same_float(op, dev, "dout", dout, "inp", inp);
+  check_same_float(op, dev, "dinp", dinp, "inp", inp);
+}
+
+// ---- LayerNorm ----------------------------------------------------------------------
+
+RowsCols check_layernorm_forward(Device dev, const Tensor& out, const Tensor& mean,
+                                 const Tensor& rstd, const Tensor& inp, const Tensor& weight) {
+  OpCheck c("layernorm_forward", dev);
+  c.float_arg("inp", inp);
+  c.ndim("inp", inp, 2);
+  const std::int64_t N = inp.dim(0), C = inp.dim(1);
+  if (C == 0) c.fail(OpCheck::describe("inp", inp) + " has no columns to normalise");
+  const std::string why = "inp '" + inp.tag() + "' is " + shape_str(inp.shape());
+  for (const auto& [role, t, s] : std::initializer_list<Want>{{"out", &out, Shape{N, C}},
+                                                              {"weight", &weight, Shape{C}},
+                                                              {"mean", &mean, Shape{N}},
+                                                              {"rstd", &rstd, Shape{N}}}) {
+    c.same_dtype(role, *t, "inp", inp);
+    c.shape(role, *t, s, why);
+  }
+  return {N, C};
+}
+
+RowsCols check_layernorm_backward(Device dev, const Tensor& dinp, const Tensor& dweight,
+                                  const Tensor& dout, const Tensor& inp, const Tensor& weight,
+                                  const Tensor& mean, const Tensor& rstd) {
+  OpCheck c("layernorm_backward", dev);
+  c.float_arg("inp", inp);
+  c.ndim("inp", inp, 2);
+  const std::int64_t N = inp.dim(0), C = inp.dim(1);
+  const std::string why = "inp '" + inp.tag() + "' is " + shape_str(inp.shape());
+  for (const auto& [role, t, s] : std::initializer_list<Want>{{"dinp", &dinp, Shape{N, C}},
+                                                              {"dout", &dout, Shape{N, C}},
+                                                              {"dweight", &dweight, Shape{C}},
+                                                              {"weight", &weight, Shape{C}},
+                                                              {"mean", &mean, Shape{N}},
+                                                              {"rstd", &rstd, Shape{N}}}) {
+    c.same_dtype(role, *t, "inp", inp);
+    c.shape(role, *t, s, why);
+  }
+  return {N, C};
+}
+
+// ---- attention ----------------------------------------------------------------------
+
+namespace {
+std::int64_t attention_dims(const OpCheck& c, const Tensor& q, std::int64_t B, std::int64_t T,
+                            std::int64_t h) {
+  c.float_arg("q", q);
+  c.ndim("q", q, 2);
+  if (B < 0 || T < 0 || h < 1 || q.dim(0) != B * T || q.dim(1) % h != 0)
+    c.fail(OpCheck::describe("q", q) + " is not [B*T, h*d] for B=" + std::to_string(B) +
+           ", T=" + std::to_string(T) + ", h=" + std::to_string(h));
+  return q.dim(1) / h;
+}
+}  // namespace
+
+std::int64_t check_attention_forward(Device dev, const Tensor& out, const Tensor& probs,
+                                     const Tensor& q, const Tensor& k, const Tensor& v,
+                                     std::int64_t B, std::int64_t T, std::int64_t h) {
+  OpCheck c("attention_forward", dev);
+  const std::int64_t d = attention_dims(c, q, B, T, h);
+  const std::string why = "q '" + q.tag() + "' is " + shape_str(q.shape()) +
+                          ", B=" + std::to_string(B) + ", T=" + std::to_string(T) +
+                          ", h=" + std::to_string(h);
+  for (const auto& [role, t, s] :
+       std::initializer_list<Want>{{"k", &k, q.shape()},
+                                   {"v", &v, q.shape()},
+                                   {"out", &out, q.shape()},
+                                   {"probs", &probs, Shape{B, h, T, T}}}) {
+    c.same_dtype(role, *t, "q", q);
+    c.shape(role, *t, s, why);
+  }
+  for (const auto& [role, t] : std::initializer_list<Arg>{{"q", &q}, {"k", &k}, {"v", &v}}) {
+    c.no_overlap("out", out, role, *t);
+    c.no_overlap("probs", probs, role, *t);
+  }
+  c.no_overlap("probs", probs, "out", out);
+  return d;
+}
+
+std::int64_t check_attention_backward(Device dev, const Tensor& dq, const Tensor& dk,
+                                      const Tensor& dv, const Tensor& dout, const Tensor& q,
+                                      const Tensor& k, const Tensor& v, const Tensor& probs,
+                                      std::int64_t B, std::int64_t T, std::int64_t h) {
+  OpCheck c("attention_backward", dev);
+  const std::int64_t d = attention_dims(c, q, B, T, h);
+  const std::string why = "q '" + q.tag() + "' is " + shape_str(q.shape()) +
+                          ", B=" + std::to_string(B) + ", T=" + std::to_string(T) +
+                          ", h=" + std::to_string(h);
+  for (const auto& [role, t, s] :
+       std::initializer_list<Want>{{"k", &k, q.shape()},
+                                   {"v", &v, q.shape()},
+                                   {"dout", &dout, q.shape()},
+                                   {"dq", &dq, q.shape()},
+                                   {"dk", &dk, q.shape()},
+                                   {"dv", &dv, q.shape()},
+                                   {"probs", &probs, Shape{B, h, T, T}}}) {
+    c.same_dtype(role, *t, "q", q);
+    c.shape(role, *t, s, why);
+  }
+  const auto outs = std::initializer_list<Arg>{{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  for (const auto& [orole, o] : outs) {
+    for (const auto& [irole, t] : std::initializer_list<Arg>{
+             {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"probs", &probs}})
+      c.no_overlap(orole, *o, irole, *t);
+  }
+  c.no_overlap("dq", dq, "dk", dk);
+  c.no_overlap("dq", dq, "dv", dv);
+  c.no_overlap("dk", dk, "dv", dv);
+  return d;
+}
+
+// ---- embedding ----------------------------------------------------------------------
+
+EmbeddingDims check_embedding_forward(Device dev, const Tensor& out, const Tensor& ids,
+                                      const Tensor& table, std::int64_t row0) {
+  OpCheck c("embedding_forward", dev);
+  c.float_arg("table", table);
+  c.ndim("table", table, 2);
+  c.dtype("ids", ids, DType::I64);
+  c.ndim("ids", ids, 1);
+  c.range("row0", row0, 0, -1);
+  const std::int64_t N = ids.dim(0), R = table.dim(0), C = table.dim(1);
+  c.same_dtype("out", out, "table", table);
+  c.shape("out", out, {N, C},
+          "ids '" + ids.tag() + "' is [" + std::to_string(N) + "], table '" + table.tag() +
+              "' is " + shape_str(table.shape()));
+  return {N, R, C};
+}
+
+EmbeddingDims check_embedding_backward(Device dev, const Tensor& dtable, const Tensor& dout,
+                                       const Tensor& ids, std::int64_t row0) {
+  OpCheck c("embedding_backward", dev);
+  c.float_arg("dtable", dtable);
+  c.ndim("dtable", dtable, 2);
+  c.dtype("ids", ids, DType::I64);
+  c.ndim("ids", ids, 1);
+  c.range("row0", row0, 0, -1);
+  const std::int64_t N = ids.dim(0), R = dtable.dim(0), C = dtable.dim(1);
+  c.same_dtype("dout", dout, "dtable", dtable);
+  c.shape("dout", dout, {N, C},
+          "ids '" + ids.tag() + "' is [" + std::to_string(N) + "], dtable '" + dtable.tag() +
+              "' is " + shape_str(dtable.shape()));
+  return {N, R, C};
+}
+
+// ---- cross-entropy ------------------------------------------------------------------
+
+namespace {
+CeDims ce_logits(const OpCheck& c, const char* role, const Tensor& logits, std::int64_t valid) {
+  c.float_arg(role, logits);
+  c.ndim(role, logits, 2);
+  c.range("valid", valid, 0, logits.dim(1));
+  return {logits.dim(0), logits.dim(1)};
+}
+std::string rows_why(const Tensor& logits) {
+  return "logits '" + logits.tag() + "' is " + shape_str(logits.shape());
+}
+}  // namespace
+
+CeDims check_ce_row_max(Device dev, const Tensor& rowmax, const Tensor& logits,
+                        std::int64_t valid) {
+  OpCheck c("ce_row_max", dev);
+  CeDims dims = ce_logits(c, "logits", logits, valid);
+  c.same_dtype("rowmax", rowmax, "logits", logits);
+  c.shape("rowmax", rowmax, {dims.N}, rows_why(logits));
+  return dims;
+}
+
+CeDims check_ce_target_logit(Device dev, const Tensor& target_logit, const Tensor& logits,
+                             const Tensor& targets, std::int64_t col0, std::int64_t valid) {
+  OpCheck c("ce_target_logit", dev);
+  CeDims dims = ce_logits(c, "logits", logits, valid);
+  c.range("col0", col0, 0, -1);
+  c.same_dtype("target_logit", target_logit, "logits", logits);
+  c.shape("target_logit", target_logit, {dims.N}, rows_why(logits));
+  c.dtype("targets", targets, DType::I64);
+  c.shape("targets", targets, {dims.N}, rows_why(logits));
+  return dims;
+}
+
+CeDims check_ce_sum_exp(Device dev, const Tensor& sumexp, const Tensor& logits,
+                        const Tensor& rowmax, std::int64_t valid) {
+  OpCheck c("ce_sum_exp", dev);
+  CeDims dims = ce_logits(c, "logits", logits, valid);
+  for (const auto& [role, t] :
+       std::initializer_list<Arg>{{"sumexp", &sumexp}, {"rowmax", &rowmax}}) {
+    c.same_dtype(role, *t, "logits", logits);
+    c.shape(role, *t, {dims.N}, rows_why(logits));
+  }
+  return dims;
+}
+
+std::int64_t check_ce_loss(Device dev, const Tensor& loss, const Tensor& rowmax,
+                           const Tensor& sumexp, const Tensor& target_logit,
+                           const Tensor& targets) {
+  OpCheck c("ce_loss", dev);
+  c.float_arg("loss", loss);
+  c.ndim("loss", loss, 1);
+  const std::int64_t N = loss.dim(0);
+  const std::string why = "loss '" + loss.tag() + "' is " + shape_str(loss.shape());
+  for (const auto& [role, t] : std::initializer_list<Arg>{
+           {"rowmax", &rowmax}, {"sumexp", &sumexp}, {"target_logit", &target_logit}}) {
+    c.same_dtype(role, *t, "loss", loss);
+    c.shape(role, *t, {N}, why);
+  }
+  c.dtype("targets", targets, DType::I64);
+  c.shape("targets", targets, {N}, why);
+  return N;
+}
+
+CeDims check_ce_backward(Device dev, const Tensor& dlogits, const Tensor& logits,
+                         const Tensor& rowmax, const Tensor& sumexp, const Tensor& targets,
+                         std::int64_t col0, std::int64_t valid) {
+  OpCheck c("ce_backward", dev);
+  CeDims dims = ce_logits(c, "logits", logits, valid);
+  c.range("col0", col0, 0, -1);
+  c.same_dtype("dlogits", dlogits, "logits", logits);
+  c.shape("dlogits", dlogits, logits.shape(), rows_why(logits));
+  for (const auto& [role, t] :
+       std::initializer_list<Arg>{{"rowmax", &rowmax}, {"sumexp", &sumexp}}) {
+    c.same_dtype(role, *t, "logits", logits);
+    c.shape(role, *t, {dims.N}, rows_why(logits));
+  }
+  c.dtype("targets", targets, DType::I64);
+  c.shape("targets", targets, {dims.N}, rows_why(logits));
+  return dims;
+}
+
+// ---- MSE and optimizers ---------------------------------------------------------------
+
+void check_mse_backward(Device dev, const Tensor& dy, const Tensor& y, const Tensor& target) {
+  check_same_float("mse_backward", dev, "target", target, "y", y);
+  check_same_float("mse_backward", dev, "dy", dy, "y", y);
+}
+
+void check_adam(Device dev, const Tensor& param, const Tensor& grad, const Tensor& m,
+                const Tensor& v, std::int64_t step) {
+  check_same_float("adam_update", dev, "grad", grad, "param", param);
+  check_same_float("adam_update", dev, "m", m, "param", param);
+  check_same_float("adam_update", dev, "v", v, "param", param);
+  OpCheck("adam_update", dev).range("step", step, 1, -1);
+}
+
+}  // namespace tpsim

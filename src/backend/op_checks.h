@@ -1,0 +1,109 @@
+// Argument checks for the ops of backend.h, shared by every backend so that the CPU and
+// CUDA paths accept exactly the same calls and fail with the same one-line messages:
+//   "gemm: out 'h.0.mlp.fc1.out' has shape [4,5], expected [4,6] (op(a) [4,3], op(b) [3,6])"
+// Each check_* validates one op's arguments (defined, on the backend's device, dtypes,
+// exact shapes as backend.h lists them, ranges) and returns the sizes its kernel needs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace tpsim {
+
+// The building blocks: one op's checks, on one device.
+class OpCheck {
+ public:
+  OpCheck(const char* op, Device dev) : op_(op), dev_(dev) {}
+
+  [[noreturn]] void fail(const std::string& what) const;
+  // "out 'tag' [4,5] f32"
+  static std::string describe(const char* role, const Tensor& t);
+
+  // Defined and on this backend's device.
+  void arg(const char* role, const Tensor& t) const;
+  // arg(), and the dtype is F32 or F64; returns it.
+  DType float_arg(const char* role, const Tensor& t) const;
+  // arg(), and the dtype is exactly `dt`; `why` (may be empty) says where `dt` came from.
+  void dtype(const char* role, const Tensor& t, DType dt, const std::string& why = {}) const;
+  // arg(), and the dtype equals that of the float tensor `ref`.
+  void same_dtype(const char* role, const Tensor& t, const char* ref_role, const Tensor& ref) const;
+  void shape(const char* role, const Tensor& t, const Shape& want,
+             const std::string& why = {}) const;
+  void ndim(const char* role, const Tensor& t, int n) const;
+  // An output that shares memory with an input the kernel still reads would be silently
+  // wrong: refuse it.
+  void no_overlap(const char* out_role, const Tensor& out, const char* in_role,
+                  const Tensor& in) const;
+  // `name` must be >= lo (and <= hi when hi >= lo).
+  void range(const char* name, std::int64_t value, std::int64_t lo, std::int64_t hi) const;
+
+ private:
+  const char* op_;
+  Device dev_;
+};
+
+// ---- per-op checks, in the order of backend.h -----------------------------------------
+void check_copy(Device dev, const Tensor& dst, const Tensor& src);
+void check_columns(const char* op, Device dev, const Tensor& wide, const char* wide_role,
+                   const Tensor& narrow, const char* narrow_role, std::int64_t col0);
+// dst and src: float, same dtype and shape.
+void check_same_float(const char* op, Device dev, const char* dst_role, const Tensor& dst,
+                      const char* src_role, const Tensor& src);
+
+struct GemmDims {
+  std::int64_t M, N, K;
+};
+GemmDims check_gemm(Device dev, const Tensor& out, const Tensor& a, bool trans_a, const Tensor& b,
+                    bool trans_b);
+
+// relu/gelu backward: dinp, dout, inp float of one dtype and shape.
+void check_act_backward(const char* op, Device dev, const Tensor& dinp, const Tensor& dout,
+                        const Tensor& inp);
+
+struct RowsCols {
+  std::int64_t N, C;
+};
+RowsCols check_layernorm_forward(Device dev, const Tensor& out, const Tensor& mean,
+                                 const Tensor& rstd, const Tensor& inp, const Tensor& weight);
+RowsCols check_layernorm_backward(Device dev, const Tensor& dinp, const Tensor& dweight,
+                                  const Tensor& dout, const Tensor& inp, const Tensor& weight,
+                                  const Tensor& mean, const Tensor& rstd);
+
+// Returns d, the head size.
+std::int64_t check_attention_forward(Device dev, const Tensor& out, const Tensor& probs,
+                                     const Tensor& q, const Tensor& k, const Tensor& v,
+                                     std::int64_t B, std::int64_t T, std::int64_t h);
+std::int64_t check_attention_backward(Device dev, const Tensor& dq, const Tensor& dk,
+                                      const Tensor& dv, const Tensor& dout, const Tensor& q,
+                                      const Tensor& k, const Tensor& v, const Tensor& probs,
+                                      std::int64_t B, std::int64_t T, std::int64_t h);
+
+struct EmbeddingDims {
+  std::int64_t N, R, C;
+};
+EmbeddingDims check_embedding_forward(Device dev, const Tensor& out, const Tensor& ids,
+                                      const Tensor& table, std::int64_t row0);
+EmbeddingDims check_embedding_backward(Device dev, const Tensor& dtable, const Tensor& dout,
+                                       const Tensor& ids, std::int64_t row0);
+
+struct CeDims {
+  std::int64_t N, Vl;
+};
+CeDims check_ce_row_max(Device dev, const Tensor& rowmax, const Tensor& logits, std::int64_t valid);
+CeDims check_ce_target_logit(Device dev, const Tensor& target_logit, const Tensor& logits,
+                             const Tensor& targets, std::int64_t col0, std::int64_t valid);
+CeDims check_ce_sum_exp(Device dev, const Tensor& sumexp, const Tensor& logits,
+                        const Tensor& rowmax, std::int64_t valid);
+std::int64_t check_ce_loss(Device dev, const Tensor& loss, const Tensor& rowmax,
+                           const Tensor& sumexp, const Tensor& target_logit, const Tensor& targets);
+CeDims check_ce_backward(Device dev, const Tensor& dlogits, const Tensor& logits,
+                         const Tensor& rowmax, const Tensor& sumexp, const Tensor& targets,
+                         std::int64_t col0, std::int64_t valid);
+
+void check_mse_backward(Device dev, const Tensor& dy, const Tensor& y, const Tensor& target);
+void check_adam(Device dev, const Tensor& param, const Tensor& grad, const Tensor& m,
+                const Tensor& v, std::int64_t step);
+
+}  // namespace tpsim
