@@ -1,0 +1,29 @@
+// Runs an SPMD function on N rank threads that share one ThreadCommGroup.
+#pragma once
+
+#include <functional>
+
+#include "comm/communicator.h"
+#include "comm/thread_comm.h"
+
+namespace tpsim {
+
+// Runs on rank `rank`'s own thread. Per-rank state (an allocator, a backend, the rank's
+// shard of the model) is best created inside it, where it lives and dies on its rank.
+using RankFn = std::function<void(int rank, Communicator& comm)>;
+
+// Runs fn(r, comm_r) for r = 0..world_size-1, one thread each, on a fresh group with
+// the given rendezvous timeout, and returns when every rank has returned.
+//
+// When a rank's fn throws, the group is aborted with "rank r failed: <what>" so the
+// other ranks stop at their next (or current) collective instead of waiting for the
+// timeout. After all threads have joined, the first exception any rank threw is
+// rethrown with its dynamic type intact; the CommErrors it caused on the other ranks
+// come after it and are dropped. Throws UsageError if world_size < 1 or fn is empty.
+void run_ranks(int world_size, double timeout_s, const RankFn& fn);
+
+// The same on a group the caller owns, e.g. to abort it from outside or to read its
+// failure afterwards. A group serves one run: each rank may attach only once.
+void run_ranks(ThreadCommGroup& group, const RankFn& fn);
+
+}  // namespace tpsim

@@ -1,0 +1,86 @@
+// ThreadComm: the Communicator for CPU ranks that run as threads of one process.
+//
+// Each collective is two rendezvous on the group: every rank posts a descriptor of its
+// call (kind, seq, dtypes, counts, op, root, buffer addresses) and waits until all ranks
+// have posted; every rank then validates all descriptors (so all ranks reach the same
+// verdict), reads its peers' buffers directly and computes its own output; a second
+// rendezvous keeps every buffer alive and unchanged until no peer reads it any more.
+// Reductions run in rank order 0..n-1 on every rank, so results are bit-identical.
+//
+// Nothing hangs: a rendezvous fails, on every waiting rank, when the group's timeout
+// passes, when a rank aborts, or when a rank's ThreadComm is destroyed while peers wait
+// for it. The first failure is kept: afterwards every collective throws CommError at once.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+
+namespace tpsim {
+
+// The state that the world_size ranks of one group share. It must outlive their
+// ThreadComms. Thread-safe.
+class ThreadCommGroup {
+ public:
+  // Throws UsageError unless world_size >= 1 and timeout_s > 0.
+  explicit ThreadCommGroup(int world_size, double timeout_s = 30.0);
+  ~ThreadCommGroup();
+  ThreadCommGroup(const ThreadCommGroup&) = delete;
+  ThreadCommGroup& operator=(const ThreadCommGroup&) = delete;
+
+  int world_size() const;
+  // How long a rank waits at one rendezvous for its peers before the group fails.
+  double timeout_s() const;
+
+  // Fails the group: every pending and future collective on every rank throws CommError
+  // quoting `reason`. Only the first failure is kept; later calls do nothing.
+  void abort(const std::string& reason);
+  bool failed() const;
+  // The first failure's message; empty while the group is healthy.
+  std::string failure() const;
+
+  struct State;  // the rendezvous and the ranks' posted calls; in thread_comm.cpp
+
+ private:
+  friend class ThreadComm;
+  std::unique_ptr<State> state_;
+};
+
+// One rank's handle on a ThreadCommGroup; use it from one thread only. At most one
+// ThreadComm may exist per rank and group, ever: its sequence numbers must continue
+// where the rank's previous calls stopped. Destroying it tells the peers that this rank
+// will never arrive again, so a peer that waits for it fails at once.
+class ThreadComm final : public Communicator {
+ public:
+  // Throws UsageError if rank is out of range or already had a ThreadComm on `group`.
+  ThreadComm(ThreadCommGroup& group, int rank);
+  ~ThreadComm() override;
+  ThreadComm(const ThreadComm&) = delete;
+  ThreadComm& operator=(const ThreadComm&) = delete;
+
+  int rank() const override { return rank_; }
+  int world_size() const override;
+
+  // Tensors must be host memory. Supported dtypes: f32, f64 and i64 for every
+  // collective (i64 sums wrap around). Max propagates NaN.
+  void all_reduce(Tensor& t, ReduceOp op) override;
+  void all_gather(const Tensor& in, Tensor& out) override;
+  void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override;
+  void broadcast(Tensor& t, int root) override;
+  void barrier() override;
+  // Fails the whole group with "rank <r> aborted: <reason>".
+  void abort(const std::string& reason) override;
+
+  ThreadCommGroup& group() const { return group_; }
+
+ private:
+  struct Call;
+  void run(Call& call);
+
+  ThreadCommGroup& group_;
+  int rank_;
+  std::int64_t seq_ = 0;
+};
+
+}  // namespace tpsim
