@@ -15,7 +15,7 @@ namespace {
 // Flags as the user typed them, before they become RunOptions.
 struct RawFlags {
   std::string model = "mlp";
-  std::string tp = "1";
+  std::string tp;  // empty: train 1; verify 1,2,4,8 for the mlp, 1,2 for the gpt
   std::string dtype;
   long long steps = 0;
   long long batch_size = 0;
@@ -44,7 +44,7 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("-m,--model", raw.model, "mlp (the seed's naive TP MLP) or gpt")
       ->check(CLI::IsMember({"mlp", "gpt"}));
   cmd.add_option("-t,--tp", raw.tp,
-                 tp_list ? "TP degrees to verify, comma-separated (e.g. 1,2,4,8)"
+                 tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
                          : "TP degree (number of ranks)");
   cmd.add_option("-d,--dtype", raw.dtype, "f32 or f64: the sharded model's precision");
   cmd.add_option("-s,--steps", raw.steps, "training steps (default: mlp 2, gpt 5)");
@@ -70,9 +70,11 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("--json", o.json_path, "write a machine-readable report here");
 }
 
-void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype) {
+void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, bool verify) {
   o.model = raw.model == "gpt" ? ModelKind::Gpt : ModelKind::Mlp;
-  o.tp = parse_tp_list(raw.tp);
+  std::string tp = raw.tp;
+  if (tp.empty()) tp = !verify ? "1" : o.model == ModelKind::Mlp ? "1,2,4,8" : "1,2";
+  o.tp = parse_tp_list(tp);
   o.dtype = raw.dtype.empty() ? default_dtype : parse_float_dtype(raw.dtype);
   if (raw.steps < 0) throw UsageError("--steps: " + std::to_string(raw.steps) + " is negative");
   o.steps = raw.steps > 0 ? static_cast<int>(raw.steps) : (o.model == ModelKind::Mlp ? 2 : 5);
@@ -159,11 +161,11 @@ Examples:
       return kExitOk;
     }
     if (*train) {
-      finish_options(o, raw, DType::F32);
+      finish_options(o, raw, DType::F32, false);
       run_train(o, std::cout);
       return kExitOk;
     }
-    finish_options(o, raw, DType::F64);
+    finish_options(o, raw, DType::F64, true);
     const VerifyReport r = run_verify(o);
     print_verify_report(std::cout, o, r);
     if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);

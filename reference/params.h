@@ -1,0 +1,91 @@
+// The reference model's parameters: one full (unsharded) row-major Eigen matrix per
+// parameter name, initialised from the same seeded, index-addressable init as the sharded
+// model (src/init), so both sides start from identical numbers without sharing model code.
+//
+// Independence: the reference uses only model/config.h, init/, core/errors.h and Eigen.
+// Nothing here may include src/backend, src/comm or sharded/.
+#pragma once
+
+#include <Eigen/Dense>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/errors.h"
+#include "init/init.h"
+#include "model/config.h"
+
+namespace tpsim::ref {
+
+template <class S>
+using Matrix = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class S>
+using Vector = Eigen::Matrix<S, Eigen::Dynamic, 1>;
+
+// Full shapes. A 1-D parameter of length C is stored as [1,C] so every entry is a Matrix.
+template <class S>
+using ParamSet = std::map<std::string, Matrix<S>>;
+
+// The [rows, cols] a ParamSpec's full shape is stored as; throws UsageError on 0-D or >2-D.
+inline std::pair<Eigen::Index, Eigen::Index> stored_shape(const ParamSpec& spec) {
+  if (spec.shape.size() == 1) return {1, static_cast<Eigen::Index>(spec.shape[0])};
+  if (spec.shape.size() == 2)
+    return {static_cast<Eigen::Index>(spec.shape[0]), static_cast<Eigen::Index>(spec.shape[1])};
+  throw UsageError("reference: parameter " + spec.name + " has " +
+                   std::to_string(spec.shape.size()) + " dims; only 1-D and 2-D are supported");
+}
+
+// Every parameter at full size. Entry (r,c) is init_value at row-major flat index r*cols+c,
+// in float64, then rounded once to S (so f32 weights are the f64 weights rounded once,
+// exactly as init_block produces them for a shard).
+template <class S>
+ParamSet<S> init_params(const std::vector<ParamSpec>& specs, std::uint64_t seed) {
+  ParamSet<S> out;
+  for (const ParamSpec& spec : specs) {
+    const auto [rows, cols] = stored_shape(spec);
+    Matrix<S> m(rows, cols);  // [rows, cols], full
+    for (Eigen::Index r = 0; r < rows; ++r)
+      for (Eigen::Index c = 0; c < cols; ++c)
+        m(r, c) = static_cast<S>(init_value(seed, spec.name, spec.init, r * cols + c));
+    if (!out.emplace(spec.name, std::move(m)).second)
+      throw UsageError("reference: parameter name " + spec.name + " appears twice in the specs");
+  }
+  return out;
+}
+
+// Zeros with the stored shape of every spec: the layout of gradients and optimizer state.
+template <class S>
+ParamSet<S> zeros_like_specs(const std::vector<ParamSpec>& specs) {
+  ParamSet<S> out;
+  for (const ParamSpec& spec : specs) {
+    const auto [rows, cols] = stored_shape(spec);
+    out[spec.name] = Matrix<S>::Zero(rows, cols);
+  }
+  return out;
+}
+
+// Throws UsageError unless `params` holds exactly the specs' names, each at its stored
+// shape. `where` prefixes the message ("reference Gpt").
+template <class S>
+void check_params(const std::vector<ParamSpec>& specs, const ParamSet<S>& params,
+                  const std::string& where) {
+  for (const ParamSpec& spec : specs) {
+    const auto it = params.find(spec.name);
+    if (it == params.end()) throw UsageError(where + ": parameter " + spec.name + " is missing");
+    const auto [rows, cols] = stored_shape(spec);
+    if (it->second.rows() != rows || it->second.cols() != cols)
+      throw UsageError(where + ": parameter " + spec.name + " is [" +
+                       std::to_string(it->second.rows()) + "," + std::to_string(it->second.cols()) +
+                       "], expected [" + std::to_string(rows) + "," + std::to_string(cols) + "]");
+  }
+  if (params.size() != specs.size()) {
+    for (const auto& [name, m] : params) {
+      bool known = false;
+      for (const ParamSpec& spec : specs) known = known || spec.name == name;
+      if (!known) throw UsageError(where + ": unexpected parameter " + name);
+    }
+  }
+}
+
+}  // namespace tpsim::ref
