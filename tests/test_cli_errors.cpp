@@ -62,3 +62,24 @@ TEST_CASE("train prints the same numbers at tp 1 and tp 2", "[cli]") {
   REQUIRE(g2.exit_code == 0);
   REQUIRE(strip_header(g1.out) == strip_header(g2.out));
 }
+
+TEST_CASE("weights saved by train load into verify and train", "[cli][io]") {
+  const std::string small = "--model gpt --vocab-size 101 --hidden 32 --heads 4 --seq-len 16 ";
+  const std::string w = temp_path("final.safetensors");
+  const auto t = run_tpsim("train " + small + "--tp 2 --steps 2 --dtype f64 --save-final " + w);
+  INFO(t.out);
+  REQUIRE(t.exit_code == 0);
+  const auto v = run_tpsim("verify " + small + "--tp 1,2 --steps 2 --load " + w);
+  INFO(v.out);
+  REQUIRE(v.exit_code == 0);
+  // Training from the saved weights continues where the first run stopped: its first
+  // loss is not the fresh model's.
+  const auto fresh = run_tpsim("train " + small + "--tp 1 --steps 1 --dtype f64");
+  const auto resumed = run_tpsim("train " + small + "--tp 1 --steps 1 --dtype f64 --load " + w);
+  REQUIRE(resumed.exit_code == 0);
+  REQUIRE(fresh.out.substr(fresh.out.find("loss:")) != resumed.out.substr(resumed.out.find("loss:")));
+  // A file that is not safetensors is a one-line usage error.
+  const auto bad = run_tpsim("verify " + small + "--tp 1 --load " + std::string(TPSIM_SOURCE_DIR) +
+                             "/README.md");
+  REQUIRE(bad.exit_code == 2);
+}
