@@ -62,6 +62,16 @@ nlohmann::json to_json(const Comparison& c) {
           {"tolerance", c.tolerance}, {"pass", c.pass}};
 }
 
+// Bytes each rank moves on the wire, with nccl-tests' bus-bandwidth factors: all-reduce
+// of S bytes 2(n-1)/n·S; all-gather and reduce-scatter of a total S = n·chunk (n-1)/n·S,
+// i.e. (n-1)·chunk (records hold the chunk); broadcast S.
+double bus_bytes(const CollectiveTotals& c, int n) {
+  const double f = n > 1 ? static_cast<double>(n - 1) : 0.0;
+  auto b = [&](CollectiveKind k) { return static_cast<double>(c.bytes[static_cast<int>(k)]); };
+  return b(CollectiveKind::AllReduce) * 2.0 * f / n + (b(CollectiveKind::AllGather) +
+         b(CollectiveKind::ReduceScatter)) * f + (n > 1 ? b(CollectiveKind::Broadcast) : 0.0);
+}
+
 }  // namespace
 
 std::string format_bytes(double b) {
@@ -101,7 +111,9 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
          << t.comm_step1.count[k] << " (" << format_bytes(static_cast<double>(t.comm_step1.bytes[k]))
          << ")";
     }
-    os << (any ? "" : " none") << "\n";
+    os << (any ? "" : " none");
+    if (any) os << "; bus volume " << format_bytes(bus_bytes(t.comm_step1, t.tp));
+    os << "\n";
     if (!t.pass) {
       os << "  failures (" << t.failures.size() << "):\n";
       std::size_t shown = 0;
@@ -152,6 +164,7 @@ void write_verify_json(const std::string& path, const RunOptions& o, const Verif
       comm[collective_name(static_cast<CollectiveKind>(k))] = {{"count", t.comm_step1.count[k]},
                                                                {"bytes", t.comm_step1.bytes[k]}};
     jt["collectives_step1"] = comm;
+    jt["bus_bytes_step1"] = bus_bytes(t.comm_step1, t.tp);
     jt["tensors"] = nlohmann::json::array();
     for (const auto& c : t.worst) jt["tensors"].push_back(to_json(c));
     jt["failures"] = nlohmann::json::array();
