@@ -20,6 +20,8 @@ struct RawFlags {
   long long steps = 0;
   long long batch_size = 0;
   std::string fault = "none";
+  std::string backend = "cpu";
+  std::string comm = "auto";
 };
 
 std::vector<int> parse_tp_list(const std::string& s) {
@@ -66,6 +68,9 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                "gpt: split LayerNorm/residual regions by tokens (all-gather / reduce-scatter)");
   cmd.add_option("--make-vocab-divisible-by", o.make_vocab_divisible_by,
                  "gpt with --loss-parallel: pad the vocabulary to a multiple of this times tp");
+  cmd.add_option("--backend", raw.backend, "cpu, or cuda (a GPU per rank, or ranks sharing one)");
+  cmd.add_option("--comm", raw.comm, "auto, threads (cpu), nccl (one GPU per rank) or sim "
+                                     "(ranks sharing a GPU)");
   cmd.add_option("--timeout", o.timeout_s, "seconds a collective may wait for a rank");
   cmd.add_option("--json", o.json_path, "write a machine-readable report here");
 }
@@ -85,6 +90,8 @@ void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, boo
   }
   o.adam.lr = o.lr;
   o.fault = parse_fault(raw.fault);
+  o.device.backend = parse_backend_kind(raw.backend);
+  o.device.comm = parse_comm_kind(raw.comm);
   if (!(o.lr > 0)) throw UsageError("--lr must be positive");
   if (!(o.timeout_s > 0)) throw UsageError("--timeout must be positive");
   const auto& g = o.gpt;

@@ -7,6 +7,7 @@
 
 #include "core/dtype.h"
 #include "model/config.h"
+#include "runtime/launch.h"
 #include "sharded/faults.h"
 
 namespace tpsim {
@@ -35,6 +36,7 @@ struct RunOptions {
   bool resync = false;
   Fault fault = Fault::None;
   double timeout_s = 60.0;  // per collective
+  DeviceOptions device;
 };
 
 const char* model_name(ModelKind m);

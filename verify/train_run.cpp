@@ -5,7 +5,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "comm/rank_runner.h"
+#include "runtime/launch.h"
 #include "io/checkpoint.h"
 #include "verify/inputs.h"
 #include "verify/torch_print.h"
@@ -32,9 +32,8 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
      << dtype_name(o.dtype) << ", " << o.steps << " steps, seed " << o.seed << "\n";
   for (int r = 0; r < tp; ++r) os << "rank: " << r << ", world size: " << tp << "\n";
 
-  run_ranks(tp, o.timeout_s, [&](int rank, Communicator& comm) {
-    auto be = make_cpu_backend();
-    auto model = make_sharded_model(o, in, *be, comm);
+  launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+    auto model = make_sharded_model(o, in, be, comm);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     for (int step = 1; step <= o.steps; ++step) {
       const double loss = model->forward_backward();

@@ -5,7 +5,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "comm/rank_runner.h"
+#include "runtime/launch.h"
 #include "verify/tolerance.h"
 
 namespace tpsim {
@@ -81,9 +81,8 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, const ReferenceTrac
   // Replicated observations of the current step, one slot per rank.
   std::vector<std::vector<Observation>> replica_slots(static_cast<std::size_t>(tp));
 
-  run_ranks(tp, o.timeout_s, [&](int rank, Communicator& comm) {
-    auto be = make_cpu_backend();
-    auto model = make_sharded_model(o, in, *be, comm);
+  launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+    auto model = make_sharded_model(o, in, be, comm);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     RankFindings& mine = found[static_cast<std::size_t>(rank)];
     for (int step = 1; step <= o.steps; ++step) {

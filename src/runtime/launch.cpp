@@ -1,0 +1,44 @@
+#include "runtime/launch.h"
+
+#include "comm/rank_runner.h"
+
+namespace tpsim {
+
+BackendKind parse_backend_kind(const std::string& s) {
+  if (s == "cpu") return BackendKind::Cpu;
+  if (s == "cuda") return BackendKind::Cuda;
+  throw UsageError("--backend: expected cpu or cuda, got '" + s + "'");
+}
+
+CommKind parse_comm_kind(const std::string& s) {
+  if (s == "auto") return CommKind::Auto;
+  if (s == "threads") return CommKind::Threads;
+  if (s == "nccl") return CommKind::Nccl;
+  if (s == "sim") return CommKind::Sim;
+  throw UsageError("--comm: expected auto, threads, nccl or sim, got '" + s + "'");
+}
+
+// Defined in launch_cuda.cpp when the CUDA toolkit is built in, else below.
+void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
+
+#ifndef TPSIM_HAVE_CUDA
+void launch_cuda_ranks(const DeviceOptions&, int, double, const RankMain&) {
+  throw UsageError("--backend cuda: this tpsim was built without the CUDA toolkit");
+}
+#endif
+
+void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
+  if (dev.backend == BackendKind::Cuda) {
+    launch_cuda_ranks(dev, world, timeout_s, fn);
+    return;
+  }
+  if (dev.comm == CommKind::Nccl || dev.comm == CommKind::Sim)
+    throw UsageError("--comm nccl/sim need --backend cuda; CPU ranks use --comm threads");
+  run_ranks(world, timeout_s, [&](int rank, Communicator& comm) {
+    std::unique_ptr<Backend> be = make_cpu_backend();
+    if (dev.wrap) be = dev.wrap(rank, std::move(be));
+    fn(rank, *be, comm);
+  });
+}
+
+}  // namespace tpsim

@@ -1,0 +1,34 @@
+// Where the ranks run: which backend each rank gets and which communicator joins them.
+// Runs (train, verify, profile) call launch_ranks and never build backends or
+// communicators themselves, so a new device kind slots in here and nowhere else.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "backend/backend.h"
+#include "comm/communicator.h"
+
+namespace tpsim {
+
+enum class BackendKind { Cpu, Cuda };
+enum class CommKind { Auto, Threads, Nccl, Sim };
+
+struct DeviceOptions {
+  BackendKind backend = BackendKind::Cpu;
+  CommKind comm = CommKind::Auto;  // cpu: threads; cuda: nccl with >= t GPUs, else sim
+  // Wraps each rank's backend (profiling times every op); identity when empty.
+  std::function<std::unique_ptr<Backend>(int rank, std::unique_ptr<Backend>)> wrap;
+};
+
+BackendKind parse_backend_kind(const std::string& s);  // "cpu" | "cuda"; UsageError otherwise
+CommKind parse_comm_kind(const std::string& s);        // "auto" | "threads" | "nccl" | "sim"
+
+using RankMain = std::function<void(int rank, Backend& be, Communicator& comm)>;
+
+// Runs `fn` on `world` ranks, one thread each, and rethrows the root-cause error of any
+// rank (the others are aborted, never left hanging). Throws UsageError for a device
+// request that cannot be met (e.g. --backend cuda without a GPU).
+void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
+
+}  // namespace tpsim
