@@ -4,6 +4,7 @@
 #include <charconv>
 #include <iostream>
 
+#include "verify/profile_run.h"
 #include "verify/report.h"
 #include "verify/train_run.h"
 #include "verify/verify_run.h"
@@ -152,6 +153,22 @@ Examples:
   tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
   tpsim verify --model mlp --tp 2,4 --dtype f32 --steps 5 --json report.json)") + kFooter);
 
+  // profile: the train flags, a list of TP degrees, and where to write the trace and plot.
+  ProfileOptions prof;
+  auto* profile = app.add_subcommand("profile", "train at each TP degree with every op timed and "
+                                                "every byte recorded; memory measured vs the "
+                                                "analytical model, time per op and collective");
+  add_model_flags(*profile, o, raw, true);
+  profile->add_option("--trace", prof.trace_path,
+                      "write a Chrome trace (Perfetto, chrome://tracing): one process per rank");
+  profile->add_option("--html", prof.html_path, "write each rank's memory timeline as an HTML/SVG plot");
+  profile->add_flag("--predict", prof.predict_only,
+                    "print the analytical memory model's figures per rank and run nothing");
+  profile->footer(std::string(R"(
+Examples:
+  tpsim profile --model gpt --tp 1,2 --steps 2
+  tpsim profile --model gpt --tp 2 --loss-parallel --sequence-parallel --trace t.json)") + kFooter);
+
   try {
     try {
       app.parse(argc, argv);
@@ -170,6 +187,14 @@ Examples:
     if (*train) {
       finish_options(o, raw, DType::F32, false);
       run_train(o, std::cout);
+      return kExitOk;
+    }
+    if (*profile) {
+      // Defaults: the seed's float32, one TP degree unless a list is given, 2 steps.
+      if (raw.tp.empty()) raw.tp = "1";
+      if (raw.steps == 0) raw.steps = 2;
+      finish_options(o, raw, DType::F32, true);
+      run_profile(o, prof, std::cout);
       return kExitOk;
     }
     finish_options(o, raw, DType::F64, true);

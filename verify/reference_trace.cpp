@@ -28,10 +28,11 @@ ref::ParamSet<double> start_params(const std::vector<ParamSpec>& specs, const Ru
 }
 
 template <class Model, class Batch, class Update>
-ReferenceTrace trace(Model& model, const Batch& batch, int steps, const char* output_name,
-                     Update&& update) {
-  ReferenceTrace t;
+void trace(ReferenceTrace& t, Model& model, const Batch& batch, int steps,
+           const char* output_name, Update&& update,
+           const std::function<void(int)>& published) {
   put_params(t.initial, model.params(), "");
+  t.steps.reserve(static_cast<std::size_t>(steps));
   for (int s = 1; s <= steps; ++s) {
     RefStep st;
     st.loss = model.forward_backward(batch);
@@ -44,8 +45,8 @@ ReferenceTrace trace(Model& model, const Batch& batch, int steps, const char* ou
     update(model);
     put_params(st.tensors, model.params(), "");
     t.steps.push_back(std::move(st));
+    if (published) published(s);
   }
-  return t;
 }
 
 }  // namespace
@@ -54,15 +55,18 @@ const TensorMap& ReferenceTrace::params_before(int step) const {
   return step <= 1 ? initial : steps.at(static_cast<std::size_t>(step - 2)).tensors;
 }
 
-ReferenceTrace run_reference(const RunOptions& o, const RunInputs& in) {
+void run_reference(const RunOptions& o, const RunInputs& in, ReferenceTrace& t,
+                   const std::function<void(int step)>& published) {
   const auto specs = param_specs(o);
   auto params = start_params(specs, in, o.seed);
   if (o.model == ModelKind::Mlp) {
     ref::Mlp<double> m(o.mlp, std::move(params));
-    return trace(m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); });
+    trace(t, m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, published);
+  } else {
+    ref::Gpt<double> g(o.gpt, std::move(params));
+    trace(t, g, in.gpt_batch, o.steps, "logits", [&](auto& gg) { gg.adam_step(o.adam); },
+          published);
   }
-  ref::Gpt<double> g(o.gpt, std::move(params));
-  return trace(g, in.gpt_batch, o.steps, "logits", [&](auto& gg) { gg.adam_step(o.adam); });
 }
 
 }  // namespace tpsim

@@ -1,6 +1,7 @@
 // The reference run, step by step, kept for comparison with every TP degree.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -24,7 +25,10 @@ struct ReferenceTrace {
   const TensorMap& params_before(int step) const;  // step >= 1
 };
 
-// Runs the float64 Eigen reference for o.steps steps.
-ReferenceTrace run_reference(const RunOptions& o, const RunInputs& in);
+// Runs the float64 Eigen reference for o.steps steps into `out`; `published(s)` is called
+// once step s is in it. out.steps is reserved up front and never reallocates, so readers
+// on other threads may hold references to published steps while later ones are added.
+void run_reference(const RunOptions& o, const RunInputs& in, ReferenceTrace& out,
+                   const std::function<void(int step)>& published = {});
 
 }  // namespace tpsim

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
 #include <mutex>
+#include <thread>
 #include <tuple>
 
 #include "runtime/launch.h"
@@ -15,6 +18,42 @@ namespace {
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+
+// The reference trace as it grows: the reference runs on its own thread while the TP
+// groups run, and each rank waits only for the step it is about to check.
+class ReferenceFeed {
+ public:
+  ReferenceTrace trace;
+
+  void publish(int step) {
+    std::lock_guard lock(mu_);
+    published_ = step;
+    cv_.notify_all();
+  }
+  void fail(std::exception_ptr e) {
+    std::lock_guard lock(mu_);
+    error_ = e;
+    cv_.notify_all();
+  }
+  // Blocks until `step` is in the trace; throws if the reference failed first.
+  const RefStep& wait(int step) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return published_ >= step || error_; });
+    if (published_ < step) throw RuntimeFailure("verify: the reference run failed before step " +
+                                                std::to_string(step));
+    return trace.steps[static_cast<std::size_t>(step - 1)];
+  }
+  std::exception_ptr error() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int published_ = 0;
+  std::exception_ptr error_;
+};
 
 // What one rank found; merged after the ranks join.
 struct RankFindings {
@@ -74,7 +113,7 @@ class StepChecker {
   RankFindings& out_;
 };
 
-TpResult verify_tp(const RunOptions& o, const RunInputs& in, const ReferenceTrace& ref, int tp,
+TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
                    double tol) {
   auto t0 = std::chrono::steady_clock::now();
   std::vector<RankFindings> found(static_cast<std::size_t>(tp));
@@ -86,13 +125,16 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, const ReferenceTrac
     if (!in.loaded.empty()) model->load_params(in.loaded);
     RankFindings& mine = found[static_cast<std::size_t>(rank)];
     for (int step = 1; step <= o.steps; ++step) {
-      if (o.resync && step > 1) model->load_params(ref.params_before(step));
+      if (o.resync && step > 1) {
+        ref.wait(step - 1);
+        model->load_params(ref.trace.params_before(step));
+      }
       comm.clear_records();
       const double loss = model->forward_backward();
       if (step == 1) mine.comm_step1 = totals(comm.records());
       mine.losses.push_back(loss);
 
-      StepChecker check(ref.steps[static_cast<std::size_t>(step - 1)], tol, step, mine);
+      StepChecker check(ref.wait(step), tol, step, mine);
       auto fwd = model->observe_forward();
       auto grads = model->observe_param_grads();
       auto act = model->observe_activation_grads();
@@ -150,14 +192,54 @@ VerifyReport run_verify(const RunOptions& o) {
   rep.tolerance = norm_tolerance(o);
   const RunInputs in = prepare_inputs(o);
 
-  auto t0 = std::chrono::steady_clock::now();
-  const ReferenceTrace ref = run_reference(o, in);
-  rep.reference_seconds = seconds_since(t0);
-  for (const auto& s : ref.steps) rep.reference_losses.push_back(s.loss);
+  // The reference and every TP group run at once, on threads of their own: the ranks
+  // of a group wait for a reference step only when they are about to check it.
+  ReferenceFeed ref;
+  std::thread reference([&] {
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      run_reference(o, in, ref.trace, [&](int step) { ref.publish(step); });
+    } catch (...) {
+      ref.fail(std::current_exception());
+    }
+    rep.reference_seconds = seconds_since(t0);
+  });
+  rep.results.resize(o.tp.size());
+  std::vector<std::exception_ptr> errors(o.tp.size());
+  std::vector<std::thread> groups;
+  // Every rank holds its own model (a replicated wte is 100 MB in f64), so at most
+  // kMaxRanksInFlight ranks run at once; a larger group runs alone.
+  constexpr int kMaxRanksInFlight = 8;
+  std::mutex mu;
+  std::condition_variable cv;
+  int in_flight = 0;
+  for (std::size_t i = 0; i < o.tp.size(); ++i) {
+    const int tp = o.tp[i];
+    {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return in_flight == 0 || in_flight + tp <= kMaxRanksInFlight; });
+      in_flight += tp;
+    }
+    groups.emplace_back([&, i, tp] {
+      try {
+        rep.results[i] = verify_tp(o, in, ref, tp, rep.tolerance);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+      std::lock_guard lock(mu);
+      in_flight -= tp;
+      cv.notify_all();
+    });
+  }
+  for (auto& g : groups) g.join();
+  reference.join();
+  // The reference's own failure is the root cause of any "reference failed" in a group.
+  if (auto e = ref.error()) std::rethrow_exception(e);
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  for (const auto& s : ref.trace.steps) rep.reference_losses.push_back(s.loss);
 
-  for (int tp : o.tp) {
-    rep.results.push_back(verify_tp(o, in, ref, tp, rep.tolerance));
-    const TpResult& r = rep.results.back();
+  for (const TpResult& r : rep.results) {
     if (r.pass) continue;
     rep.pass = false;
     const Comparison& f = r.failures.front();
