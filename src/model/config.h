@@ -51,7 +51,8 @@ struct ParamSpec {
 std::vector<ParamSpec> mlp_param_specs(const MlpConfig& c);
 
 // In forward order: wte, wpe, then per block ln1, q, k, v, o, ln2, ffn1, ffn2, then ln_f.
-// GPT-2 init: normal(0, 0.02) for matrices and embeddings, 1 for LayerNorm weights.
+// PyTorch's default init, as the seed's model had: uniform +-1/sqrt(fan_in) for every
+// Linear (wte, tied to the LM head, is one), standard normal for wpe, 1 for LayerNorms.
 std::vector<ParamSpec> gpt_param_specs(const GptConfig& c);
 
 // The MLP's batch: x [batch,in] and target [batch,out], standard normal, seeded.
