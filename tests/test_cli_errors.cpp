@@ -1,7 +1,10 @@
 // Bad input gets a one-line error and exit 2; never a crash, never a hang.
 #include <catch2/catch.hpp>
 
+#include <set>
+
 #include "cli_runner.h"
+#include "io/checkpoint.h"
 
 using namespace tpsim::testing;
 
@@ -82,4 +85,42 @@ TEST_CASE("weights saved by train load into verify and train", "[cli][io]") {
   const auto bad = run_tpsim("verify " + small + "--tp 1 --load " + std::string(TPSIM_SOURCE_DIR) +
                              "/README.md");
   REQUIRE(bad.exit_code == 2);
+}
+
+TEST_CASE("--data feeds the batch to the reference and the shards alike", "[cli][io]") {
+  tpsim::GptConfig cfg;
+  cfg.vocab_size = 101;
+  tpsim::GptBatch b = tpsim::make_gpt_batch(cfg, 3, 10, 99);  // B and T differ from defaults
+  const std::string path = temp_path("batch.safetensors");
+  tpsim::save_gpt_batch(path, b);
+  const auto r = run_tpsim("verify --model gpt --vocab-size 101 --hidden 32 --heads 4 --steps 2 "
+                           "--tp 1,2 --sequence-parallel --data " + path);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  const auto t = run_tpsim("train --model gpt --vocab-size 101 --hidden 32 --heads 4 --steps 1 "
+                           "--data " + path);
+  REQUIRE(t.out.find("input size: [3, 10]") != std::string::npos);
+  REQUIRE(t.out.find("num padding tokens: 3") != std::string::npos);
+  // Ids beyond the vocabulary are refused before anything runs.
+  const auto small = run_tpsim("verify --model gpt --vocab-size 50 --hidden 32 --heads 4 --data " +
+                               path);
+  REQUIRE(small.exit_code == 2);
+}
+
+TEST_CASE("--resync restarts every step from the reference weights", "[cli]") {
+  const std::string json = temp_path("resync.json");
+  const auto r = run_tpsim("verify --model mlp --tp 2 --steps 4 --dtype f32 --resync --json " + json);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  const auto j = read_json(json);
+  REQUIRE(j["resync"] == true);
+  // A fault still fails every step, not only the first: each step is judged on its own.
+  const std::string jf = temp_path("resync-fault.json");
+  const auto f = run_tpsim("verify --model mlp --tp 2 --steps 3 --resync "
+                           "--inject-fault mlp-drop-f-backward --json " + jf);
+  REQUIRE(f.exit_code == 1);
+  std::set<int> steps;
+  const auto jfault = read_json(jf);  // named: a temporary's member would dangle in the loop
+  for (const auto& c : jfault["tp"][0]["failures"]) steps.insert(c["step"].get<int>());
+  REQUIRE(steps == std::set<int>{1, 2, 3});
 }

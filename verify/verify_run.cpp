@@ -91,11 +91,11 @@ class StepChecker {
     }
   }
   void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
-                      Phase phase) {
+                      const std::vector<Phase>& phases) {
     for (std::size_t i = 0; i < mine.size(); ++i) {
       if (!mine[i].spec.replicated()) continue;
       Comparison c = compare_replica(mine[i], rank0[i]);
-      stamp(c, phase);
+      stamp(c, phases[i]);
       out_.all.push_back(std::move(c));
     }
   }
@@ -148,10 +148,15 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       // Replicas against rank 0: publish, wait, compare, wait (so slots outlive readers).
       auto& slot = replica_slots[static_cast<std::size_t>(rank)];
       slot.clear();
-      for (auto* group : {&fwd, &grads, &act, &params})
-        for (auto& ob : *group) slot.push_back(std::move(ob));
+      std::vector<Phase> phases;
+      for (auto [group, phase] : {std::pair{&fwd, Phase::Forward}, {&grads, Phase::Backward},
+                                  {&act, Phase::Backward}, {&params, Phase::Update}})
+        for (auto& ob : *group) {
+          slot.push_back(std::move(ob));
+          phases.push_back(phase);
+        }
       comm.barrier();
-      if (rank != 0) check.check_replicas(slot, replica_slots[0], Phase::Update);
+      if (rank != 0) check.check_replicas(slot, replica_slots[0], phases);
       comm.barrier();
     }
   });

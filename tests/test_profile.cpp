@@ -1,0 +1,275 @@
+// Profiling: the ledger's exact bytes against the analytical memory model, what TP, SP and
+// loss parallelism save per rank, and the Chrome trace's structure. No timing assertions:
+// the machines are noisy; only bytes and event structure are checked.
+#include <catch2/catch.hpp>
+
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "cli_runner.h"
+#include "profile/activation_model.h"
+#include "verify/profile_run.h"
+
+using namespace tpsim;
+
+namespace {
+
+// A GPT small enough to profile at tp 1, 2, 4 in a blink: N = 32 tokens (divisible by 4
+// for SP), a prime vocabulary (97) so loss parallel must pad it.
+RunOptions small_gpt(bool sp, bool lp, std::vector<int> tp = {1, 2, 4}) {
+  RunOptions o;
+  o.model = ModelKind::Gpt;
+  o.gpt.vocab_size = 97;
+  o.gpt.block_size = 32;
+  o.gpt.hidden = 32;
+  o.gpt.heads = 4;
+  o.gpt.layers = 2;
+  o.batch_size = 2;
+  o.seq_len = 16;
+  o.dtype = DType::F32;
+  o.steps = 1;  // enough for Adam's state to exist
+  o.tp = std::move(tp);
+  o.sequence_parallel = sp;
+  o.loss_parallel = lp;
+  return o;
+}
+
+ProfileResult profile(const RunOptions& o) {
+  std::ostringstream sink;
+  return run_profile(o, ProfileOptions{}, sink);
+}
+
+std::int64_t tag_bytes(const RankProfile& r, const std::string& tag) {
+  auto it = r.tags.find(tag);
+  return it == r.tags.end() ? 0 : it->second.current;
+}
+
+std::int64_t layer_measured(const RankProfile& r, int layer) {
+  const std::string pre = "h." + std::to_string(layer) + ".";
+  std::int64_t s = 0;
+  for (const auto& [tag, tb] : r.tags)
+    if (tag.starts_with(pre) && tb.category == MemCategory::Activation) s += tb.current;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("ledger: per-tag current and peak, prefix sums, op labels", "[profile]") {
+  MemoryLedger l;
+  l.set_timeline(true);
+  l.set_op("forward: gemm");
+  l.record_alloc(MemCategory::Activation, 100, "h.0.attn.q");
+  l.record_alloc(MemCategory::Activation, 50, "h.0.attn.k");
+  l.record_alloc(MemCategory::Activation, 70, "h.1.attn.q");
+  l.record_alloc(MemCategory::Temporary, 30, "h.0.scratch");
+  l.set_op("backward");
+  l.record_free(MemCategory::Activation, 100, "h.0.attn.q");
+  CHECK(l.current_with_prefix(MemCategory::Activation, "h.0.") == 50);
+  CHECK(l.current_with_prefix(MemCategory::Activation, "h.1.") == 70);
+  CHECK(l.current_with_prefix(MemCategory::Temporary, "h.0.") == 30);
+  const auto tags = l.tags();
+  CHECK(tags.at("h.0.attn.q").current == 0);
+  CHECK(tags.at("h.0.attn.q").peak == 100);
+  const auto tl = l.timeline();
+  REQUIRE(tl.size() == 5);
+  CHECK(tl.front().op == "forward: gemm");
+  CHECK(tl.back().op == "backward");
+  CHECK(tl.back().delta == -100);
+}
+
+TEST_CASE("the analytical layer formula equals the model's tensor list", "[profile]") {
+  for (int t : {1, 2, 4, 8})
+    for (bool sp : {false, true}) {
+      GptMemoryQuery q;
+      q.cfg.hidden = 64;
+      q.cfg.heads = 8;
+      q.cfg.layers = 3;
+      q.B = 4;
+      q.T = 24;
+      q.t = t;
+      q.sequence_parallel = sp;
+      q.dtype = DType::F64;
+      const auto p = predict_gpt_memory(q);
+      INFO("t " << t << " sp " << sp);
+      for (int l = 0; l < 3; ++l) CHECK(p.layer_activation_bytes(l) == layer_activation_bytes_formula(q));
+    }
+}
+
+TEST_CASE("measured bytes equal the model for tp 1,2,4 with and without SP and LP", "[profile]") {
+  for (bool sp : {false, true})
+    for (bool lp : {false, true}) {
+      const RunOptions o = small_gpt(sp, lp);
+      const ProfileResult res = profile(o);
+      REQUIRE(res.runs.size() == 3);
+      for (const auto& run : res.runs) {
+        REQUIRE(run.predicted);
+        const auto& p = *run.predicted;
+        REQUIRE(static_cast<int>(run.ranks.size()) == run.tp);
+        for (const auto& r : run.ranks) {
+          INFO("sp " << sp << " lp " << lp << " tp " << run.tp << " rank " << r.rank);
+          // Tensor by tensor ...
+          for (const auto& t : p.tensors) {
+            INFO(t.tag);
+            CHECK(tag_bytes(r, t.tag) == t.bytes);
+          }
+          // ... category by category (nothing unpredicted hides in a category) ...
+          for (int c = 0; c < kNumMemCategories; ++c) {
+            INFO(mem_category_name(static_cast<MemCategory>(c)));
+            CHECK(r.current[static_cast<std::size_t>(c)] == p.bytes(static_cast<MemCategory>(c)));
+          }
+          // ... and layer by layer, against the closed-form formula.
+          for (int l = 0; l < 2; ++l)
+            CHECK(layer_measured(r, l) == layer_activation_bytes_formula(run.query));
+        }
+      }
+    }
+}
+
+TEST_CASE("tp 2 halves parameter, gradient and Adam bytes except the replicated tensors",
+          "[profile]") {
+  for (bool lp : {false, true}) {
+    const ProfileResult res = profile(small_gpt(false, lp, {1, 2}));
+    const RankProfile& one = res.runs[0].ranks[0];
+    // wte is replicated unless loss parallel splits it (then by padded rows: 97 -> 98).
+    auto replicated = [&](const std::string& n) {
+      return n == "wpe.weight" || n == "ln_f.weight" || n.ends_with("ln1.weight") ||
+             n.ends_with("ln2.weight") || (n == "wte.weight" && !lp);
+    };
+    for (const auto& two : res.runs[1].ranks)
+      for (const auto& spec : gpt_param_specs(small_gpt(false, lp).gpt))
+        for (const char* suffix : {"", ".grad", ".adam_m", ".adam_v"}) {
+          const std::string tag = spec.name + suffix;
+          INFO("lp " << lp << " rank " << two.rank << " " << tag);
+          const std::int64_t b1 = tag_bytes(one, tag), b2 = tag_bytes(two, tag);
+          REQUIRE(b1 > 0);
+          if (replicated(spec.name)) CHECK(b2 == b1);
+          else if (spec.name == "wte.weight") CHECK(b2 == 49 * 32 * 4);
+          else CHECK(2 * b2 == b1);
+        }
+  }
+}
+
+TEST_CASE("sequence parallel cuts activations per rank by the predicted factor", "[profile]") {
+  const ProfileResult plain = profile(small_gpt(false, false));
+  const ProfileResult sp = profile(small_gpt(true, false));
+  for (std::size_t i = 0; i < plain.runs.size(); ++i) {
+    const int t = plain.runs[i].tp;
+    const std::int64_t a = layer_measured(plain.runs[i].ranks[0], 0);
+    const std::int64_t b = layer_measured(sp.runs[i].ranks[0], 0);
+    // s 16, b 2, h 32, a 4: sbh = 1024, sb = 32, as²b = 2048 elements; 4 bytes each.
+    const std::int64_t sbh = 1024, sb = 32, asb = 2048;
+    INFO("tp " << t);
+    CHECK(a == 4 * (4 * sbh + 12 * sbh / t + asb / t + 4 * sb));
+    CHECK(b == 4 * (2 * sbh + 16 * sbh / t + asb / t + 4 * sb / t));
+    if (t == 1) CHECK(b == a + 4 * 2 * sbh);  // at t = 1 SP only adds the gathered copies
+    else CHECK(b < a);
+  }
+}
+
+TEST_CASE("loss parallel: logits per rank are tokens x padded V / t, never the full vocabulary",
+          "[profile]") {
+  const ProfileResult res = profile(small_gpt(false, true));
+  const std::int64_t N = 32, V = 97, b = 4;
+  for (const auto& run : res.runs) {
+    const std::int64_t Vp = (V + run.tp - 1) / run.tp * run.tp;
+    for (const auto& r : run.ranks) {
+      INFO("tp " << run.tp << " rank " << r.rank);
+      CHECK(r.tags.at("logits").peak == N * Vp / run.tp * b);
+      if (run.tp == 1) continue;
+      for (const auto& e : r.memory) {
+        INFO(e.tag);
+        CHECK(e.delta < N * V * b);  // no single allocation could hold [N,V] logits
+      }
+    }
+  }
+  // Without loss parallel every rank holds them all: the check above could fail.
+  const ProfileResult rep = profile(small_gpt(false, false, {2}));
+  for (const auto& r : rep.runs[0].ranks) CHECK(r.tags.at("logits").peak == N * V * b);
+}
+
+TEST_CASE("profile --trace writes well-formed Chrome trace events", "[profile]") {
+  using nlohmann::json;
+  const std::string trace = testing::temp_path("profile_trace.json");
+  const std::string html = testing::temp_path("profile_memory.html");
+  std::filesystem::remove(trace);
+  std::filesystem::remove(html);
+  const auto r = testing::run_tpsim(
+      "profile --model gpt --tp 2 --vocab-size 97 --block-size 32 --hidden 32 --heads 4 "
+      "--layers 2 --batch-size 2 --seq-len 16 --steps 2 --loss-parallel --sequence-parallel "
+      "--trace " + trace + " --html " + html);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("every tensor of every rank equals the model") != std::string::npos);
+  const json j = testing::read_json(trace);
+  REQUIRE(j.contains("traceEvents"));
+  std::set<int> pids, named;
+  std::map<std::pair<int, int>, std::vector<std::string>> open;  // (pid, tid) -> stack
+  std::map<std::pair<int, int>, double> last_ts;
+  std::map<int, double> last_counter;
+  std::size_t spans = 0, counters = 0;
+  for (const auto& e : j["traceEvents"]) {
+    const std::string ph = e.at("ph");
+    const int pid = e.at("pid");
+    pids.insert(pid);
+    if (ph == "M") {
+      if (e.at("name") == "process_name") named.insert(pid);
+      continue;
+    }
+    const double ts = e.at("ts");
+    if (ph == "C") {
+      ++counters;
+      if (last_counter.count(pid)) CHECK(ts >= last_counter[pid]);  // monotone in time
+      last_counter[pid] = ts;
+      for (const auto& [k, v] : e.at("args").items()) CHECK(v.get<double>() >= 0);
+      continue;
+    }
+    const auto key = std::make_pair(pid, e.at("tid").get<int>());
+    if (last_ts.count(key)) CHECK(ts >= last_ts[key]);
+    last_ts[key] = ts;
+    if (ph == "B") {
+      open[key].push_back(e.at("name"));
+    } else {
+      REQUIRE(ph == "E");
+      REQUIRE_FALSE(open[key].empty());  // every E closes a B
+      CHECK(open[key].back() == e.at("name").get<std::string>());
+      open[key].pop_back();
+      ++spans;
+    }
+  }
+  for (const auto& [key, stack] : open) CHECK(stack.empty());  // every B has its E
+  CHECK(pids == std::set<int>{0, 1});
+  CHECK(named == pids);
+  CHECK(spans > 100);
+  CHECK(counters > 10);
+  CHECK(last_ts.count({0, 2}) == 1);  // a communication track exists
+  std::ifstream h(html);
+  const std::string page((std::istreambuf_iterator<char>(h)), std::istreambuf_iterator<char>());
+  CHECK(page.find("<svg") != std::string::npos);
+  CHECK(page.find("rank 1") != std::string::npos);
+}
+
+TEST_CASE("profile --json reports no unexplained bytes; --predict and bad input", "[profile]") {
+  const std::string js = testing::temp_path("profile.json");
+  std::filesystem::remove(js);
+  const std::string small =
+      "--model gpt --vocab-size 97 --block-size 32 --hidden 32 --heads 4 --layers 1 "
+      "--batch-size 2 --seq-len 16 ";
+  auto r = testing::run_tpsim("profile " + small + "--tp 1,2 --steps 1 --sequence-parallel --json " + js);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  const auto j = testing::read_json(js);
+  REQUIRE(j.at("tp").size() == 2);
+  for (const auto& t : j.at("tp")) {
+    CHECK(t.at("unexplained_differences") == 0);
+    CHECK(t.at("ranks").size() == t.at("tp").get<std::size_t>());
+  }
+  r = testing::run_tpsim("profile " + small + "--tp 1,2,4 --loss-parallel --predict");
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("predicted by the analytical model") != std::string::npos);
+  CHECK(testing::run_tpsim("profile --model mlp --predict").exit_code == 2);
+  CHECK(testing::run_tpsim("profile --model gpt --tp 3").exit_code == 2);
+  CHECK(per_tp_path("a/t.json", 2, true) == "a/t.tp2.json");
+  CHECK(per_tp_path("a.b/t", 4, true) == "a.b/t.tp4");
+  CHECK(per_tp_path("t.json", 2, false) == "t.json");
+}
