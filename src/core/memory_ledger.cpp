@@ -35,14 +35,19 @@ void MemoryLedger::record_alloc(MemCategory c, std::int64_t bytes, const std::st
   peak_[i] = std::max(peak_[i], current_[i]);
   current_total_ += bytes;
   peak_total_ = std::max(peak_total_, current_total_);
-  if (keep_timeline_) timeline_.push_back({now_ns() - t0_ns_, c, bytes, tag});
+  TagBytes& tb = tags_[tag];
+  tb.category = c;
+  tb.current += bytes;
+  tb.peak = std::max(tb.peak, tb.current);
+  if (keep_timeline_) timeline_.push_back({now_ns() - t0_ns_, c, bytes, tag, op_});
 }
 
 void MemoryLedger::record_free(MemCategory c, std::int64_t bytes, const std::string& tag) {
   std::lock_guard lock(mu_);
   current_[static_cast<std::size_t>(c)] -= bytes;
   current_total_ -= bytes;
-  if (keep_timeline_) timeline_.push_back({now_ns() - t0_ns_, c, -bytes, tag});
+  if (auto it = tags_.find(tag); it != tags_.end()) it->second.current -= bytes;
+  if (keep_timeline_) timeline_.push_back({now_ns() - t0_ns_, c, -bytes, tag, op_});
 }
 
 std::int64_t MemoryLedger::current(MemCategory c) const {
@@ -73,6 +78,23 @@ void MemoryLedger::reset_peaks() {
   std::lock_guard lock(mu_);
   peak_ = current_;
   peak_total_ = current_total_;
+  for (auto& [tag, tb] : tags_) tb.peak = tb.current;
+}
+std::map<std::string, TagBytes> MemoryLedger::tags() const {
+  std::lock_guard lock(mu_);
+  return tags_;
+}
+std::int64_t MemoryLedger::current_with_prefix(MemCategory c, const std::string& prefix) const {
+  std::lock_guard lock(mu_);
+  std::int64_t sum = 0;
+  for (auto it = tags_.lower_bound(prefix); it != tags_.end() && it->first.starts_with(prefix);
+       ++it)
+    if (it->second.category == c) sum += it->second.current;
+  return sum;
+}
+void MemoryLedger::set_op(std::string op) {
+  std::lock_guard lock(mu_);
+  op_ = std::move(op);
 }
 
 }  // namespace tpsim

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -28,6 +29,15 @@ struct MemEvent {
   MemCategory category;
   std::int64_t delta;    // +bytes on allocation, -bytes on free
   std::string tag;       // what the bytes are, e.g. "h.0.attn.probs"
+  std::string op;        // what was running: the profiler's op or phase label, else ""
+};
+
+// One tag's bytes (a tag names a tensor, e.g. "h.0.attn.probs"; per layer and per op
+// totals are sums over tags sharing a prefix).
+struct TagBytes {
+  MemCategory category = MemCategory::Temporary;  // of the most recent allocation
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
 };
 
 // Thread-safe: tensors may be freed from any thread (a rank's tensors usually die on it).
@@ -47,6 +57,19 @@ class MemoryLedger {
   // Forget peaks: the next peak is measured from the current bytes.
   void reset_peaks();
 
+  // Per tag: current and peak bytes, always kept (allocations are few; the model
+  // allocates its tensors once). Sorted by tag.
+  std::map<std::string, TagBytes> tags() const;
+  // Current bytes of category `c` whose tag starts with `prefix` ("h.0." = layer 0).
+  std::int64_t current_with_prefix(MemCategory c, const std::string& prefix) const;
+
+  // The label stamped on the following timeline events (e.g. "forward: layernorm_forward");
+  // a profiler sets it around each op, so every change names its cause.
+  void set_op(std::string op);
+  // The steady-clock time (ns since the clock's epoch) that timeline times count from,
+  // so a trace can put every rank's events and collectives on one axis.
+  std::int64_t t0_ns() const { return t0_ns_; }
+
  private:
   mutable std::mutex mu_;
   std::int64_t t0_ns_;
@@ -56,6 +79,8 @@ class MemoryLedger {
   std::int64_t peak_total_ = 0;
   bool keep_timeline_ = false;
   std::vector<MemEvent> timeline_;
+  std::map<std::string, TagBytes> tags_;
+  std::string op_;
 };
 
 }  // namespace tpsim

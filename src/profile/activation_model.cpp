@@ -1,0 +1,159 @@
+#include "profile/activation_model.h"
+
+#include <sstream>
+
+#include "core/errors.h"
+
+namespace tpsim {
+
+std::int64_t GptMemoryPrediction::bytes(MemCategory c) const {
+  std::int64_t s = 0;
+  for (const auto& p : tensors) s += p.category == c ? p.bytes : 0;
+  return s;
+}
+std::int64_t GptMemoryPrediction::layer_activation_bytes(int layer) const {
+  std::int64_t s = 0;
+  for (const auto& p : tensors)
+    s += p.category == MemCategory::Activation && p.layer == layer ? p.bytes : 0;
+  return s;
+}
+std::int64_t GptMemoryPrediction::outside_activation_bytes() const {
+  return layer_activation_bytes(-1);
+}
+std::int64_t GptMemoryPrediction::total() const {
+  std::int64_t s = 0;
+  for (const auto& p : tensors) s += p.bytes;
+  return s;
+}
+
+namespace {
+void check_query(const GptMemoryQuery& q) {
+  const auto& c = q.cfg;
+  if (q.t < 1 || c.hidden % q.t != 0 || c.heads % q.t != 0 || c.hidden % c.heads != 0)
+    throw UsageError("memory model: tp " + std::to_string(q.t) + " must divide --hidden " +
+                     std::to_string(c.hidden) + " and --heads " + std::to_string(c.heads));
+  if (q.sequence_parallel && (q.B * q.T) % q.t != 0)
+    throw UsageError("memory model: --sequence-parallel needs batch x sequence divisible by tp");
+}
+}  // namespace
+
+GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
+  check_query(q);
+  const auto& c = q.cfg;
+  const std::int64_t t = q.t, H = c.hidden, N = q.B * q.T;
+  const std::int64_t Nl = q.sequence_parallel ? N / t : N;
+  const std::int64_t Hl = H / t, Fl = 4 * H / t, Al = c.heads / t;
+  const bool sp = q.sequence_parallel, lp = q.loss_parallel;
+  const std::int64_t b = static_cast<std::int64_t>(dtype_size(q.dtype));
+  GptMemoryPrediction out;
+  const std::int64_t m = std::max<std::int64_t>(1, q.make_vocab_divisible_by) * t;
+  out.vocab_padded = lp ? (c.vocab_size + m - 1) / m * m : c.vocab_size;
+  const std::int64_t Vl = lp ? out.vocab_padded / t : c.vocab_size;
+
+  auto add = [&](MemCategory cat, std::string tag, Shape s, int layer, std::int64_t elem = 0) {
+    const std::int64_t n = shape_numel(s) * (elem ? elem : b);
+    out.tensors.push_back({std::move(tag), cat, std::move(s), n, layer});
+  };
+  const auto A = MemCategory::Activation, Tm = MemCategory::Temporary;
+
+  // ---- parameters, gradients, Adam: q/k/v/ffn1 split by rows, o/ffn2 by columns, wte
+  // by (padded) rows under loss parallel, the rest (LN weights, wpe) replicated ----
+  for (const auto& p : gpt_param_specs(c)) {
+    Shape s = p.shape;
+    const std::string& n = p.name;
+    if (n == "wte.weight" && lp) s[0] = Vl;
+    else if (n.ends_with("q_proj.weight") || n.ends_with("k_proj.weight") ||
+             n.ends_with("v_proj.weight") || n.ends_with("ffn1.weight"))
+      s[0] /= t;
+    else if (n.ends_with("o_proj.weight") || n.ends_with("ffn2.weight"))
+      s[1] /= t;
+    add(MemCategory::Parameter, n, s, -1);
+    add(MemCategory::Gradient, n + ".grad", s, -1);
+    if (q.adam) {
+      add(MemCategory::OptimizerState, n + ".adam_m", s, -1);
+      add(MemCategory::OptimizerState, n + ".adam_v", s, -1);
+    }
+  }
+
+  // ---- inputs (i64) ----
+  const bool rows_local = sp && !lp;
+  const std::int64_t Nce = rows_local ? Nl : N;
+  add(MemCategory::Input, "input_ids", {Nl}, -1, 8);
+  add(MemCategory::Input, "input_ids.all", {N}, -1, 8);
+  add(MemCategory::Input, "positions", {Nl}, -1, 8);
+  add(MemCategory::Input, "targets", {Nce}, -1, 8);
+
+  // ---- activations saved for backward ----
+  add(A, "embedding.out", {Nl, H}, -1);
+  for (int l = 0; l < static_cast<int>(c.layers); ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    add(A, p + "ln1.out", {Nl, H}, l);
+    add(A, p + "ln1.mean", {Nl}, l);
+    add(A, p + "ln1.rstd", {Nl}, l);
+    if (sp) add(A, p + "ln1.out.gathered", {N, H}, l);
+    add(A, p + "attn.q", {N, Hl}, l);
+    add(A, p + "attn.k", {N, Hl}, l);
+    add(A, p + "attn.v", {N, Hl}, l);
+    add(A, p + "attn.probs", {q.B, Al, q.T, q.T}, l);
+    add(A, p + "attn.out", {N, Hl}, l);
+    add(A, p + "residual.mid", {Nl, H}, l);
+    add(A, p + "ln2.out", {Nl, H}, l);
+    add(A, p + "ln2.mean", {Nl}, l);
+    add(A, p + "ln2.rstd", {Nl}, l);
+    if (sp) add(A, p + "ln2.out.gathered", {N, H}, l);
+    add(A, p + "mlp.ffn1.out", {N, Fl}, l);
+    add(A, p + "mlp.gelu.out", {N, Fl}, l);
+    add(A, p + "residual.out", {Nl, H}, l);
+  }
+  add(A, "ln_f.out", {Nl, H}, -1);
+  add(A, "ln_f.mean", {Nl}, -1);
+  add(A, "ln_f.rstd", {Nl}, -1);
+  if (lp && sp) add(A, "ln_f.out.gathered", {N, H}, -1);
+  add(A, "logits", {Nce, Vl}, -1);
+  add(A, "ce.rowmax", {Nce}, -1);
+  add(A, "ce.sumexp", {Nce}, -1);
+  add(A, "ce.target_logit", {Nce}, -1);
+
+  // ---- temporaries: the model's workspace, allocated once, shared by the blocks ----
+  if (lp) add(Tm, "embedding.partial", {N, H}, -1);
+  add(Tm, "wpe.lookup", {Nl, H}, -1);
+  add(Tm, "partial", {N, H}, -1);
+  if (sp) add(Tm, "reduced", {Nl, H}, -1);
+  add(Tm, "logits.grad", {Nce, Vl}, -1);
+  add(Tm, "ln.out.grad", {N, H}, -1);
+  if (sp) add(Tm, "ln.out.grad.local", {Nl, H}, -1);
+  add(Tm, "attn.out.grad", {N, Hl}, -1);
+  add(Tm, "attn.q.grad", {N, Hl}, -1);
+  add(Tm, "attn.k.grad", {N, Hl}, -1);
+  add(Tm, "attn.v.grad", {N, Hl}, -1);
+  add(Tm, "mlp.gelu.out.grad", {N, Fl}, -1);
+  add(Tm, "mlp.ffn1.out.grad", {N, Fl}, -1);
+  add(Tm, "residual.grad.0", {Nl, H}, -1);
+  add(Tm, "residual.grad.1", {Nl, H}, -1);
+  add(Tm, "ce.row_loss", {Nce}, -1);
+  return out;
+}
+
+std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q) {
+  check_query(q);
+  const std::int64_t s = q.T, bb = q.B, h = q.cfg.hidden, a = q.cfg.heads, t = q.t;
+  const std::int64_t sbh = s * bb * h, sb = s * bb, attn = a * s * s * bb / t;
+  const std::int64_t elems = q.sequence_parallel
+                                 ? 2 * sbh + 16 * sbh / t + attn + 4 * sb / t
+                                 : 4 * sbh + 12 * sbh / t + attn + 4 * sb;
+  return elems * static_cast<std::int64_t>(dtype_size(q.dtype));
+}
+
+std::string layer_activation_formula_text(const GptMemoryQuery& q) {
+  std::ostringstream os;
+  const auto b = dtype_size(q.dtype);
+  if (q.sequence_parallel)
+    os << "(2sbh + 16sbh/t + as^2b/t + 4sb/t) x " << b << " B";
+  else if (q.t > 1)
+    os << "(4sbh + 12sbh/t + as^2b/t + 4sb) x " << b << " B";
+  else
+    os << "(16sbh + as^2b + 4sb) x " << b << " B";
+  return os.str();
+}
+
+}  // namespace tpsim

@@ -1,0 +1,87 @@
+// The analytical memory model of one rank of the sharded GPT: which tensors it keeps, of
+// what shape, so that `tpsim profile` can print measured (the ledger) next to predicted,
+// per tensor, per layer and per category, and predict sizes too large to run.
+//
+// The derivation follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+// Large Transformer Models", Section 4.1 and Table 2): count, per transformer layer, every
+// tensor a forward keeps for its backward. In their notation (s sequence, b batch, h
+// hidden, a heads, t TP degree) and for 16-bit activations with 1-byte dropout masks:
+//
+//   no TP:  sbh(34 + 5as/h)          TP: sbh(10 + 24/t + 5as/(ht))
+//   TP+SP:  sbh(34/t + 5as/(ht))
+//
+// Ours is counted in elements and multiplied by the dtype's bytes (4 for f32, 8 for f64),
+// and differs from theirs in four ways:
+//  1. No dropout: the paper's masks (2sbh + as²b bytes) and the dropout output over the
+//     attention (2as²b) do not exist. What remains of their 34sbh + 5as²b at 2 bytes per
+//     element is 16sbh + as²b elements: LN inputs 2, QKV input 1, Q,K,V 3, softmax probs
+//     as²b, attention output (o's input) 1, ffn1 input 1, GELU input 4 and output 4.
+//  2. LayerNorm saves its mean and rstd (2 per LN row, 4sb per layer); the paper ignores
+//     them. Our LN has no bias, which changes no saved tensor.
+//  3. Under sequence parallelism we keep the all-gathered LN output ([N,H], the input of
+//     q/k/v and ffn1) for the backward as well as the local [N/t,H] one, where Megatron
+//     re-gathers it in the backward. So TP+SP is 2sbh + 16sbh/t + as²b/t + 4sb/t elements,
+//     not (16sbh + as²b)/t: the paper's 34/t needs that extra all-gather.
+//  4. The LN inputs are the residual stream tensors x_mid and x_out of each block (x_out
+//     doubles as the next block's LN input), so a layer owns them rather than its input.
+//
+// Per layer, in elements (N = sb tokens, Nl = N or N/t under SP):
+//   no TP / TP:  4·N·h + 12·N·h/t + a·s²·b/t + 4·N
+//   TP + SP:     2·N·h + 16·N·h/t + a·s²·b/t + 4·N/t
+// Outside the layers: the embedding output [Nl,h], ln_f's output and stats, its gathered
+// copy (SP with loss parallel), the logits [rows, V or Vp/t] and three [rows] vectors of
+// the cross-entropy (row max, exp-sum, target logit). rows is N, or N/t under SP without
+// loss parallel. With loss parallel the logits per rank are N·Vp/t: no rank ever holds
+// N·V, and the drop is exactly t (up to the vocabulary padding, Vp = V rounded up to t·M).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/memory_ledger.h"
+#include "core/tensor.h"
+#include "model/config.h"
+
+namespace tpsim {
+
+struct GptMemoryQuery {
+  GptConfig cfg;
+  std::int64_t B = 2, T = 64;
+  int t = 1;
+  bool sequence_parallel = false;
+  bool loss_parallel = false;
+  std::int64_t make_vocab_divisible_by = 1;
+  DType dtype = DType::F32;
+  bool adam = true;  // Adam's m and v exist (after the first optimizer step)
+};
+
+struct PredictedTensor {
+  std::string tag;  // the ledger's tag for it, e.g. "h.0.attn.probs"
+  MemCategory category;
+  Shape shape;
+  std::int64_t bytes;
+  int layer;        // block index, -1 outside the blocks
+};
+
+struct GptMemoryPrediction {
+  std::vector<PredictedTensor> tensors;  // one rank's, every category
+  std::int64_t vocab_padded = 0;
+  std::int64_t bytes(MemCategory c) const;
+  std::int64_t layer_activation_bytes(int layer) const;
+  std::int64_t outside_activation_bytes() const;  // embedding, ln_f, logits, cross-entropy
+  std::int64_t total() const;
+};
+
+// Rank `rank`'s tensors (ranks differ only in which rows they own, not in sizes).
+GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q);
+
+// The closed-form activation bytes of one layer (the formula above), computed without
+// the tensor list so that a test can hold the two against each other.
+std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q);
+
+// The formula as text for the report, e.g. "sbh(4 + 12/t)·4 + as²b/t·4 + 4sb·4".
+std::string layer_activation_formula_text(const GptMemoryQuery& q);
+
+}  // namespace tpsim

@@ -1,0 +1,208 @@
+#include "profile/timing_backend.h"
+
+#include <chrono>
+
+namespace tpsim {
+
+const char* op_class_name(OpClass c) {
+  switch (c) {
+    case OpClass::Gemm: return "gemm";
+    case OpClass::Attention: return "attention";
+    case OpClass::LayerNorm: return "layernorm";
+    case OpClass::Activation: return "gelu/relu";
+    case OpClass::Embedding: return "embedding";
+    case OpClass::CrossEntropy: return "cross_entropy";
+    case OpClass::Optimizer: return "optimizer";
+    case OpClass::Memory: return "copy/fill/add";
+  }
+  return "?";
+}
+
+namespace {
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+// Records [construction, destruction) of one op; the ledger's label names the op meanwhile
+// (and is put back to the phase afterwards, so later allocations are not blamed on it).
+class TimingBackend::Scope {
+ public:
+  Scope(TimingBackend& tb, const char* name, OpClass cls, double flops = 0.0)
+      : tb_(tb), name_(name), cls_(cls), flops_(flops) {
+    tb_.inner_->allocator().ledger().set_op(tb_.phase_.empty() ? name : tb_.phase_ + ": " + name);
+    t0_ = now_ns();
+  }
+  ~Scope() {
+    tb_.records_.push_back({name_, cls_, t0_, now_ns(), flops_});
+    tb_.inner_->allocator().ledger().set_op(tb_.phase_);
+  }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+
+ private:
+  TimingBackend& tb_;
+  const char* name_;
+  OpClass cls_;
+  double flops_;
+  std::int64_t t0_ = 0;
+};
+
+TimingBackend::TimingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+
+void TimingBackend::set_phase(std::string phase) {
+  phase_ = std::move(phase);
+  inner_->allocator().ledger().set_op(phase_);
+}
+
+using C = OpClass;
+
+void TimingBackend::fill(Tensor& t, double value) {
+  Scope s(*this, "fill", C::Memory);
+  inner_->fill(t, value);
+}
+void TimingBackend::copy(Tensor& dst, const Tensor& src) {
+  Scope s(*this, "copy", C::Memory);
+  inner_->copy(dst, src);
+}
+void TimingBackend::from_host(Tensor& dst, const double* src) {
+  Scope s(*this, "from_host", C::Memory);
+  inner_->from_host(dst, src);
+}
+void TimingBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
+  Scope s(*this, "from_host_i64", C::Memory);
+  inner_->from_host_i64(dst, src);
+}
+std::vector<double> TimingBackend::to_host(const Tensor& src) {
+  Scope s(*this, "to_host", C::Memory);
+  return inner_->to_host(src);
+}
+void TimingBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
+  Scope s(*this, "copy_columns", C::Memory);
+  inner_->copy_columns(dst, src, col0);
+}
+void TimingBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
+  Scope s(*this, "set_columns", C::Memory);
+  inner_->set_columns(dst, src, col0);
+}
+void TimingBackend::add_inplace(Tensor& dst, const Tensor& src) {
+  Scope s(*this, "add_inplace", C::Memory);
+  inner_->add_inplace(dst, src);
+}
+void TimingBackend::scale_inplace(Tensor& t, double sc) {
+  Scope s(*this, "scale_inplace", C::Memory);
+  inner_->scale_inplace(t, sc);
+}
+void TimingBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b,
+                         bool trans_b, double alpha, double beta) {
+  // op(a) is [M,K]: K is a's column count, or its row count when transposed.
+  const double K = static_cast<double>(trans_a ? a.dim(0) : a.dim(1));
+  const double flops = 2.0 * static_cast<double>(out.numel()) * K;
+  Scope s(*this, "gemm", C::Gemm, flops);
+  inner_->gemm(out, a, trans_a, b, trans_b, alpha, beta);
+}
+void TimingBackend::relu_forward(Tensor& out, const Tensor& inp) {
+  Scope s(*this, "relu_forward", C::Activation);
+  inner_->relu_forward(out, inp);
+}
+void TimingBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  Scope s(*this, "relu_backward", C::Activation);
+  inner_->relu_backward(dinp, dout, inp);
+}
+void TimingBackend::gelu_forward(Tensor& out, const Tensor& inp) {
+  Scope s(*this, "gelu_forward", C::Activation);
+  inner_->gelu_forward(out, inp);
+}
+void TimingBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  Scope s(*this, "gelu_backward", C::Activation);
+  inner_->gelu_backward(dinp, dout, inp);
+}
+void TimingBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                                      const Tensor& weight, double eps) {
+  Scope s(*this, "layernorm_forward", C::LayerNorm);
+  inner_->layernorm_forward(out, mean, rstd, inp, weight, eps);
+}
+void TimingBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                       const Tensor& inp, const Tensor& weight, const Tensor& mean,
+                                       const Tensor& rstd) {
+  Scope s(*this, "layernorm_backward", C::LayerNorm);
+  inner_->layernorm_backward(dinp, dweight, dout, inp, weight, mean, rstd);
+}
+// Attention's two batched products (q·kᵀ and probs·v) are 2·B·h·T·T·d each forward, the
+// full T×T as in the model's FLOP formula (the causal half is not subtracted).
+void TimingBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q,
+                                      const Tensor& k, const Tensor& v, std::int64_t B,
+                                      std::int64_t T, std::int64_t h, double scale) {
+  const double flops = 4.0 * static_cast<double>(q.numel()) * static_cast<double>(T);
+  Scope s(*this, "attention_forward", C::Attention, flops);
+  inner_->attention_forward(out, probs, q, k, v, B, T, h, scale);
+}
+void TimingBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
+                                       const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& probs, std::int64_t B, std::int64_t T,
+                                       std::int64_t h, double scale) {
+  const double flops = 8.0 * static_cast<double>(q.numel()) * static_cast<double>(T);
+  Scope s(*this, "attention_backward", C::Attention, flops);
+  inner_->attention_backward(dq, dk, dv, dout, q, k, v, probs, B, T, h, scale);
+}
+void TimingBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                                      std::int64_t row0) {
+  Scope s(*this, "embedding_forward", C::Embedding);
+  inner_->embedding_forward(out, ids, table, row0);
+}
+void TimingBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                                       std::int64_t row0) {
+  Scope s(*this, "embedding_backward", C::Embedding);
+  inner_->embedding_backward(dtable, dout, ids, row0);
+}
+void TimingBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
+  Scope s(*this, "ce_row_max", C::CrossEntropy);
+  inner_->ce_row_max(rowmax, logits, valid);
+}
+void TimingBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits,
+                                    const Tensor& targets, std::int64_t col0, std::int64_t valid) {
+  Scope s(*this, "ce_target_logit", C::CrossEntropy);
+  inner_->ce_target_logit(target_logit, logits, targets, col0, valid);
+}
+void TimingBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                               std::int64_t valid) {
+  Scope s(*this, "ce_sum_exp", C::CrossEntropy);
+  inner_->ce_sum_exp(sumexp, logits, rowmax, valid);
+}
+void TimingBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
+                            const Tensor& target_logit, const Tensor& targets) {
+  Scope s(*this, "ce_loss", C::CrossEntropy);
+  inner_->ce_loss(loss, rowmax, sumexp, target_logit, targets);
+}
+void TimingBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                                const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                                std::int64_t valid, double scale) {
+  Scope s(*this, "ce_backward", C::CrossEntropy);
+  inner_->ce_backward(dlogits, logits, rowmax, sumexp, targets, col0, valid, scale);
+}
+double TimingBackend::sum(const Tensor& t) {
+  Scope s(*this, "sum", C::CrossEntropy);
+  return inner_->sum(t);
+}
+double TimingBackend::mse_forward(const Tensor& y, const Tensor& target) {
+  Scope s(*this, "mse_forward", C::CrossEntropy);
+  return inner_->mse_forward(y, target);
+}
+void TimingBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
+  Scope s(*this, "mse_backward", C::CrossEntropy);
+  inner_->mse_backward(dy, y, target);
+}
+void TimingBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
+  Scope s(*this, "sgd_update", C::Optimizer);
+  inner_->sgd_update(param, grad, lr);
+}
+void TimingBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                                double lr, double beta1, double beta2, double eps,
+                                double weight_decay, std::int64_t step) {
+  Scope s(*this, "adam_update", C::Optimizer);
+  inner_->adam_update(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step);
+}
+
+}  // namespace tpsim

@@ -1,0 +1,99 @@
+// A Backend decorator that times every op on the calling (rank) thread and stamps the
+// rank's memory ledger with the op's name while it runs, so that each timeline event
+// names its cause. It forwards everything else, so the model cannot tell it is there.
+//
+// The times are wall times of the call. On the CPU backend an op is complete when it
+// returns; a backend with asynchronous streams (CUDA) would need a synchronise per op to
+// make them mean anything, so `tpsim profile` times what the call costs the host there.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace tpsim {
+
+enum class OpClass { Gemm, Attention, LayerNorm, Activation, Embedding, CrossEntropy, Optimizer,
+                     Memory };
+inline constexpr int kNumOpClasses = 8;
+const char* op_class_name(OpClass c);
+
+struct OpRecord {
+  const char* name;      // the Backend method, e.g. "gemm", "attention_backward"
+  OpClass cls;
+  std::int64_t t_begin_ns;  // steady clock, as CollectiveRecord
+  std::int64_t t_end_ns;
+  double flops;          // 2·M·N·K for a GEMM; 0 for ops the FLOP count ignores
+};
+
+class TimingBackend final : public Backend {
+ public:
+  explicit TimingBackend(std::unique_ptr<Backend> inner);
+
+  const std::vector<OpRecord>& records() const { return records_; }
+  void clear_records() { records_.clear(); }
+  // Prefixes the ledger's op label ("forward_backward", "optimizer", "construct") so that
+  // allocations made outside any op still say when they happened.
+  void set_phase(std::string phase);
+
+  std::string name() const override { return inner_->name(); }
+  Allocator& allocator() override { return inner_->allocator(); }
+
+  void fill(Tensor& t, double value) override;
+  void copy(Tensor& dst, const Tensor& src) override;
+  void from_host(Tensor& dst, const double* src) override;
+  void from_host_i64(Tensor& dst, const std::int64_t* src) override;
+  std::vector<double> to_host(const Tensor& src) override;
+  void copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) override;
+  void set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) override;
+  void add_inplace(Tensor& dst, const Tensor& src) override;
+  void scale_inplace(Tensor& t, double s) override;
+  void gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+            double alpha, double beta) override;
+  void relu_forward(Tensor& out, const Tensor& inp) override;
+  void relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
+  void gelu_forward(Tensor& out, const Tensor& inp) override;
+  void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
+  void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                         const Tensor& weight, double eps) override;
+  void layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                          const Tensor& weight, const Tensor& mean, const Tensor& rstd) override;
+  void attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
+                         const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
+                         double scale) override;
+  void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
+                          const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& probs,
+                          std::int64_t B, std::int64_t T, std::int64_t h, double scale) override;
+  void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                         std::int64_t row0) override;
+  void embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                          std::int64_t row0) override;
+  void ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) override;
+  void ce_target_logit(Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                       std::int64_t col0, std::int64_t valid) override;
+  void ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                  std::int64_t valid) override;
+  void ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
+               const Tensor& target_logit, const Tensor& targets) override;
+  void ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                   const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                   std::int64_t valid, double scale) override;
+  double sum(const Tensor& t) override;
+  double mse_forward(const Tensor& y, const Tensor& target) override;
+  void mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) override;
+  void sgd_update(Tensor& param, const Tensor& grad, double lr) override;
+  void adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
+                   double beta1, double beta2, double eps, double weight_decay,
+                   std::int64_t step) override;
+
+ private:
+  class Scope;  // times one op and labels the ledger while it runs
+  std::unique_ptr<Backend> inner_;
+  std::vector<OpRecord> records_;
+  std::string phase_;
+};
+
+}  // namespace tpsim
