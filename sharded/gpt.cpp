@@ -29,7 +29,7 @@ struct ShardedGpt::Block {
 
   Tensor h1;                  // [Nl,H]  ln1 output
   Tensor ln1_mean, ln1_rstd;  // [Nl]
-  Tensor h1_full;             // [N,H]   h1 in the TP region (gathered over tokens under SP)
+  Tensor h1_full;             // [N,H]   h1 in the TP region: h1 itself, or h_gathered_ under SP
   Tensor q_out, k_out, v_out; // [N,Hl]  this rank's heads
   Tensor probs;               // [B,A/t,T,T]
   Tensor att;                 // [N,Hl]  attention output, heads side by side
@@ -133,6 +133,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     return be.empty(s, dtype, MemCategory::Activation, tag);
   };
   x0_ = act({Nl_, H}, "embedding.out");
+  if (par.sequence_parallel)
+    h_gathered_ = be.empty({N_, H}, dtype, MemCategory::Temporary, "ln.out.gathered");
   if (par.loss_parallel) emb_full_ = be.empty({N_, H}, dtype, MemCategory::Temporary, "embedding.partial");
   for (std::int64_t l = 0; l < cfg.layers; ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
@@ -148,7 +150,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     blk->h1 = act({Nl_, H}, p + "ln1.out");
     blk->ln1_mean = act({Nl_}, p + "ln1.mean");
     blk->ln1_rstd = act({Nl_}, p + "ln1.rstd");
-    blk->h1_full = par.sequence_parallel ? act({N_, H}, p + "ln1.out.gathered") : blk->h1;
+    blk->h1_full = par.sequence_parallel ? h_gathered_ : blk->h1;
     blk->q_out = act({N_, Hl}, p + "attn.q");
     blk->k_out = act({N_, Hl}, p + "attn.k");
     blk->v_out = act({N_, Hl}, p + "attn.v");
@@ -158,7 +160,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     blk->h2 = act({Nl_, H}, p + "ln2.out");
     blk->ln2_mean = act({Nl_}, p + "ln2.mean");
     blk->ln2_rstd = act({Nl_}, p + "ln2.rstd");
-    blk->h2_full = par.sequence_parallel ? act({N_, H}, p + "ln2.out.gathered") : blk->h2;
+    blk->h2_full = par.sequence_parallel ? h_gathered_ : blk->h2;
     blk->u = act({N_, Fl}, p + "mlp.ffn1.out");
     blk->a = act({N_, Fl}, p + "mlp.gelu.out");
     blk->x_out = act({Nl_, H}, p + "residual.out");
@@ -363,6 +365,7 @@ void ShardedGpt::backward() {
     const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(*dx) : *dx;
     b.ffn2.backward(be_, s.da, dmlp, b.a);
     be_.gelu_backward(s.du, s.da, b.u);
+    if (sp) gather_from_sp_region_forward(comm_, b.h2_full, b.h2);  // not saved: gather again
     b.ffn1.backward(be_, s.dh_full, s.du, b.h2_full, /*accumulate=*/false);
     Tensor& dh2 = f_backward();
     be_.layernorm_backward(*dx, b.ln2->grad, dh2, b.x_mid, b.ln2->value, b.ln2_mean, b.ln2_rstd);
@@ -373,6 +376,7 @@ void ShardedGpt::backward() {
     b.o.backward(be_, s.datt, dattn, b.att);
     be_.attention_backward(s.dq, s.dk, s.dv, s.datt, b.q_out, b.k_out, b.v_out, b.probs, B_, T_,
                            Al, scale);
+    if (sp) gather_from_sp_region_forward(comm_, b.h1_full, b.h1);
     b.q.backward(be_, s.dh_full, s.dq, b.h1_full, /*accumulate=*/false);
     b.k.backward(be_, s.dh_full, s.dk, b.h1_full, /*accumulate=*/true);
     b.v.backward(be_, s.dh_full, s.dv, b.h1_full, /*accumulate=*/true);

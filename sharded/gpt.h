@@ -76,6 +76,9 @@ class ShardedGpt final : public ShardedModel {
   Tensor pos_;        // [Nl] i64   their positions
   Tensor targets_;    // [Nce] i64  label per logits row; -100 at each row's last position
   Tensor x0_;         // [Nl,H]     embedding output
+  Tensor h_gathered_; // [N,H]      SP: an LN output gathered over tokens for the column-
+                      //            parallel layers; shared by every block and gathered
+                      //            again in backward, so that no layer saves N·H of it
   Tensor emb_full_;   // [N,H]      vocab-parallel lookup before its reduce (loss parallel)
   Tensor xf_;         // [Nl,H]     residual stream after the last block
   Tensor hf_;         // [Nl,H]     ln_f output

@@ -161,8 +161,8 @@ TEST_CASE("sequence parallel cuts activations per rank by the predicted factor",
     const std::int64_t sbh = 1024, sb = 32, asb = 2048;
     INFO("tp " << t);
     CHECK(a == 4 * (4 * sbh + 12 * sbh / t + asb / t + 4 * sb));
-    CHECK(b == 4 * (2 * sbh + 16 * sbh / t + asb / t + 4 * sb / t));
-    if (t == 1) CHECK(b == a + 4 * 2 * sbh);  // at t = 1 SP only adds the gathered copies
+    CHECK(b == 4 * (16 * sbh + asb + 4 * sb) / t);
+    if (t == 1) CHECK(b == a);  // at t = 1 SP changes nothing
     else CHECK(b < a);
   }
 }

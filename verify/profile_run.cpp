@@ -247,14 +247,9 @@ void print_tp(std::ostream& os, const RunOptions& o, const TpProfile& run) {
     os << "  per layer, formula " << layer_activation_formula_text(run.query) << " with s "
        << o.seq_len << ", b " << o.batch_size << ", h " << o.gpt.hidden << ", a " << o.gpt.heads
        << ", t " << t << " = " << layer_activation_bytes_formula(run.query) << " B\n";
-    if (o.sequence_parallel) {
-      // Where ours and Megatron's SP differ (activation_model.h, point 3).
-      const std::int64_t keep = 2 * o.batch_size * o.seq_len * o.gpt.hidden *
-                                static_cast<std::int64_t>(dtype_size(o.dtype));
-      os << "  of which the all-gathered LN outputs ln1/ln2.out.gathered: " << keep
-         << " B per layer (2sbh); Megatron re-gathers them in the backward instead, which "
-            "would make SP's saving the paper's full 1/t\n";
-    }
+    if (o.sequence_parallel)
+      os << "  (sequence parallel saves only local LN outputs; the gathered [N,H] input of "
+            "q/k/v and ffn1 is a shared temporary, gathered again in backward)\n";
     // The logits: the one tensor loss parallel exists to shrink.
     std::int64_t logits = 0, largest = 0;
     for (const auto& r : ranks) {

@@ -90,7 +90,6 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     add(A, p + "ln1.out", {Nl, H}, l);
     add(A, p + "ln1.mean", {Nl}, l);
     add(A, p + "ln1.rstd", {Nl}, l);
-    if (sp) add(A, p + "ln1.out.gathered", {N, H}, l);
     add(A, p + "attn.q", {N, Hl}, l);
     add(A, p + "attn.k", {N, Hl}, l);
     add(A, p + "attn.v", {N, Hl}, l);
@@ -100,7 +99,6 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     add(A, p + "ln2.out", {Nl, H}, l);
     add(A, p + "ln2.mean", {Nl}, l);
     add(A, p + "ln2.rstd", {Nl}, l);
-    if (sp) add(A, p + "ln2.out.gathered", {N, H}, l);
     add(A, p + "mlp.ffn1.out", {N, Fl}, l);
     add(A, p + "mlp.gelu.out", {N, Fl}, l);
     add(A, p + "residual.out", {Nl, H}, l);
@@ -116,6 +114,7 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
 
   // ---- temporaries: the model's workspace, allocated once, shared by the blocks ----
   if (lp) add(Tm, "embedding.partial", {N, H}, -1);
+  if (sp) add(Tm, "ln.out.gathered", {N, H}, -1);  // shared by the blocks, gathered again
   add(Tm, "wpe.lookup", {Nl, H}, -1);
   add(Tm, "partial", {N, H}, -1);
   if (sp) add(Tm, "reduced", {Nl, H}, -1);
@@ -139,7 +138,7 @@ std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q) {
   const std::int64_t s = q.T, bb = q.B, h = q.cfg.hidden, a = q.cfg.heads, t = q.t;
   const std::int64_t sbh = s * bb * h, sb = s * bb, attn = a * s * s * bb / t;
   const std::int64_t elems = q.sequence_parallel
-                                 ? 2 * sbh + 16 * sbh / t + attn + 4 * sb / t
+                                 ? 16 * sbh / t + attn + 4 * sb / t
                                  : 4 * sbh + 12 * sbh / t + attn + 4 * sb;
   return elems * static_cast<std::int64_t>(dtype_size(q.dtype));
 }
@@ -148,7 +147,7 @@ std::string layer_activation_formula_text(const GptMemoryQuery& q) {
   std::ostringstream os;
   const auto b = dtype_size(q.dtype);
   if (q.sequence_parallel)
-    os << "(2sbh + 16sbh/t + as^2b/t + 4sb/t) x " << b << " B";
+    os << "(16sbh/t + as^2b/t + 4sb/t) x " << b << " B";
   else if (q.t > 1)
     os << "(4sbh + 12sbh/t + as^2b/t + 4sb) x " << b << " B";
   else

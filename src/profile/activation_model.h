@@ -18,16 +18,17 @@
 //     as²b, attention output (o's input) 1, ffn1 input 1, GELU input 4 and output 4.
 //  2. LayerNorm saves its mean and rstd (2 per LN row, 4sb per layer); the paper ignores
 //     them. Our LN has no bias, which changes no saved tensor.
-//  3. Under sequence parallelism we keep the all-gathered LN output ([N,H], the input of
-//     q/k/v and ffn1) for the backward as well as the local [N/t,H] one, where Megatron
-//     re-gathers it in the backward. So TP+SP is 2sbh + 16sbh/t + as²b/t + 4sb/t elements,
-//     not (16sbh + as²b)/t: the paper's 34/t needs that extra all-gather.
+//  3. Under sequence parallelism only the local [N/t,H] LN outputs are saved; the all-
+//     gathered [N,H] input of q/k/v and ffn1 lives in one temporary shared by the blocks
+//     and is gathered again in the backward (as Megatron does: one more all-gather per
+//     column-parallel block). So TP+SP is (16sbh + as²b)/t + 4sb/t elements: exactly 1/t
+//     of no TP, the paper's 34/t.
 //  4. The LN inputs are the residual stream tensors x_mid and x_out of each block (x_out
 //     doubles as the next block's LN input), so a layer owns them rather than its input.
 //
 // Per layer, in elements (N = sb tokens, Nl = N or N/t under SP):
 //   no TP / TP:  4·N·h + 12·N·h/t + a·s²·b/t + 4·N
-//   TP + SP:     2·N·h + 16·N·h/t + a·s²·b/t + 4·N/t
+//   TP + SP:     16·N·h/t + a·s²·b/t + 4·N/t
 // Outside the layers: the embedding output [Nl,h], ln_f's output and stats, its gathered
 // copy (SP with loss parallel), the logits [rows, V or Vp/t] and three [rows] vectors of
 // the cross-entropy (row max, exp-sum, target logit). rows is N, or N/t under SP without
