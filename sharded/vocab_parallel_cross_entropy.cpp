@@ -7,11 +7,13 @@ double VocabParallelCrossEntropy::forward(Backend& be, Communicator& comm, const
                                           bool rows_split) {
   const std::int64_t N = logits.dim(0);
   const DType dt = logits.dtype();
-  auto vec = [&](const char* tag) { return be.empty({N}, dt, MemCategory::Activation, tag); };
-  rowmax = vec("ce.rowmax");
-  sumexp = vec("ce.sumexp");
-  target_logit = vec("ce.target_logit");
-  row_loss = be.empty({N}, dt, MemCategory::Temporary, "ce.row_loss");
+  if (!rowmax.defined() || rowmax.dim(0) != N) {  // once: the rows do not change per step
+    auto vec = [&](const char* tag) { return be.empty({N}, dt, MemCategory::Activation, tag); };
+    rowmax = vec("ce.rowmax");
+    sumexp = vec("ce.sumexp");
+    target_logit = vec("ce.target_logit");
+    row_loss = be.empty({N}, dt, MemCategory::Temporary, "ce.row_loss");
+  }
 
   // Megatron's variant lets padded columns into the softmax.
   const std::int64_t cols = fault == Fault::PaddedLogitsInSoftmax ? logits.dim(1) : valid;
