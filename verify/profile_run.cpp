@@ -292,8 +292,7 @@ void print_tp(std::ostream& os, const RunOptions& o, const TpProfile& run) {
     if (!transient.empty()) {
       os << "  peaks above the end-of-run bytes, rank 0 (the peaks per category include them):\n";
       for (const auto& line : transient) os << "    " << line << "\n";
-      os << "    (the cross-entropy allocates its [rows] vectors anew each forward, before the\n"
-            "    old ones are freed; scratch freed inside an op is the backend's own)\n";
+      os << "    (scratch freed inside an op is the backend's own)\n";
     }
   }
 
