@@ -38,7 +38,7 @@ TEST_CASE("bad flags are one-line usage errors with exit 2", "[cli]") {
   expect_usage_error("", "");
 }
 
-TEST_CASE("--help explains and exits 0", "[cli]") {
+TEST_CASE("help explains and exits 0", "[cli]") {
   for (const char* cmd : {"--help", "verify --help", "train --help"}) {
     const auto r = run_tpsim(cmd);
     INFO(r.out);
@@ -87,7 +87,7 @@ TEST_CASE("weights saved by train load into verify and train", "[cli][io]") {
   REQUIRE(bad.exit_code == 2);
 }
 
-TEST_CASE("--data feeds the batch to the reference and the shards alike", "[cli][io]") {
+TEST_CASE("a --data batch feeds to the reference and the shards alike", "[cli][io]") {
   tpsim::GptConfig cfg;
   cfg.vocab_size = 101;
   tpsim::GptBatch b = tpsim::make_gpt_batch(cfg, 3, 10, 99);  // B and T differ from defaults
@@ -107,7 +107,7 @@ TEST_CASE("--data feeds the batch to the reference and the shards alike", "[cli]
   REQUIRE(small.exit_code == 2);
 }
 
-TEST_CASE("--resync restarts every step from the reference weights", "[cli]") {
+TEST_CASE("resync restarts every step from the reference weights", "[cli]") {
   const std::string json = temp_path("resync.json");
   const auto r = run_tpsim("verify --model mlp --tp 2 --steps 4 --dtype f32 --resync --json " + json);
   INFO(r.out);

@@ -433,7 +433,10 @@ std::string per_tp_path(const std::string& path, int tp, bool several) {
 
 void print_memory_prediction(const RunOptions& o, std::ostream& os) {
   if (o.model != ModelKind::Gpt) throw UsageError("profile --predict: the memory model is the gpt's");
-  for (int tp : o.tp) check_tp_degree(o, tp);
+  for (int tp : o.tp) {
+    check_tp_degree(o, tp);
+    check_launch(o.device, tp);
+  }
   const double phys = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
                       static_cast<double>(sysconf(_SC_PAGE_SIZE));
   os << "predicted by the analytical model (nothing run): gpt, " << dtype_name(o.dtype) << ", H "
@@ -488,7 +491,10 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
     print_memory_prediction(o, os);
     return {};
   }
-  for (int tp : o.tp) check_tp_degree(o, tp);
+  for (int tp : o.tp) {
+    check_tp_degree(o, tp);
+    check_launch(o.device, tp);
+  }
   const RunInputs in = prepare_inputs(o);
   ProfileResult result;
   const bool several = o.tp.size() > 1;

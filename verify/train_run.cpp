@@ -25,6 +25,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   if (o.tp.size() != 1) throw UsageError("train: --tp takes one degree (verify takes a list)");
   const int tp = o.tp[0];
   check_tp_degree(o, tp);
+  check_launch(o.device, tp);
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
 

@@ -192,7 +192,10 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
 }  // namespace
 
 VerifyReport run_verify(const RunOptions& o) {
-  for (int tp : o.tp) check_tp_degree(o, tp);
+  for (int tp : o.tp) {
+    check_tp_degree(o, tp);
+    check_launch(o.device, tp);
+  }
   VerifyReport rep;
   rep.tolerance = norm_tolerance(o);
   const RunInputs in = prepare_inputs(o);

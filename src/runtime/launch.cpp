@@ -20,20 +20,29 @@ CommKind parse_comm_kind(const std::string& s) {
 
 // Defined in launch_cuda.cpp when the CUDA toolkit is built in, else below.
 void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
+void check_cuda_launch(const DeviceOptions& dev, int world);
 
 #ifndef TPSIM_HAVE_CUDA
-void launch_cuda_ranks(const DeviceOptions&, int, double, const RankMain&) {
+void check_cuda_launch(const DeviceOptions&, int) {
   throw UsageError("--backend cuda: this tpsim was built without the CUDA toolkit");
 }
+void launch_cuda_ranks(const DeviceOptions& dev, int world, double, const RankMain&) {
+  check_cuda_launch(dev, world);
+}
 #endif
+
+void check_launch(const DeviceOptions& dev, int world) {
+  if (dev.backend == BackendKind::Cuda) return check_cuda_launch(dev, world);
+  if (dev.comm == CommKind::Nccl || dev.comm == CommKind::Sim)
+    throw UsageError("--comm nccl/sim need --backend cuda; CPU ranks use --comm threads");
+}
 
 void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
   if (dev.backend == BackendKind::Cuda) {
     launch_cuda_ranks(dev, world, timeout_s, fn);
     return;
   }
-  if (dev.comm == CommKind::Nccl || dev.comm == CommKind::Sim)
-    throw UsageError("--comm nccl/sim need --backend cuda; CPU ranks use --comm threads");
+  check_launch(dev, world);
   run_ranks(world, timeout_s, [&](int rank, Communicator& comm) {
     std::unique_ptr<Backend> be = make_cpu_backend();
     if (dev.wrap) be = dev.wrap(rank, std::move(be));

@@ -24,6 +24,11 @@ struct DeviceOptions {
 BackendKind parse_backend_kind(const std::string& s);  // "cpu" | "cuda"; UsageError otherwise
 CommKind parse_comm_kind(const std::string& s);        // "auto" | "threads" | "nccl" | "sim"
 
+// Throws UsageError now if launch_ranks(dev, world, ...) could not place its ranks (no
+// GPU, too few for --comm nccl, CPU ranks with a device communicator), so that a run
+// refuses before it spends time on the reference.
+void check_launch(const DeviceOptions& dev, int world);
+
 using RankMain = std::function<void(int rank, Backend& be, Communicator& comm)>;
 
 // Runs `fn` on `world` ranks, one thread each, and rethrows the root-cause error of any

@@ -1,0 +1,572 @@
+// The CUDA backend's host side: the same argument checks as the CPU backend
+// (op_checks.h), then a dtype dispatch onto the kernels of kernels.h or onto cuBLAS.
+// Built by the host compiler, so it gets the project's full warning set.
+#include "backend/cuda/cuda_backend.h"
+
+#include <climits>
+#include <cstdint>
+#include <cmath>
+#include <limits>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/embedding_plan.h"
+#include "backend/cuda/kernels.h"
+#include "backend/op_checks.h"
+
+namespace tpsim {
+namespace {
+
+using i64 = std::int64_t;
+namespace K = cuda_kernels;
+
+template <class F>
+void on_float(const Tensor& t, F&& f) {
+  dispatch_float(t.dtype(), std::forward<F>(f));
+}
+
+// cuBLAS takes int sizes.
+int blas_int(const char* op, const char* what, i64 v) {
+  if (v > INT_MAX)
+    throw UsageError(std::string(op) + ": " + what + " " + std::to_string(v) +
+                     " exceeds cuBLAS's int range");
+  return static_cast<int>(v < 1 ? 1 : v);
+}
+
+cublasStatus_t gemm_sb(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                       int k, const float* alpha, const float* A, int lda, long long sA,
+                       const float* B, int ldb, long long sB, const float* beta, float* C, int ldc,
+                       long long sC, int batch) {
+  return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc,
+                                   sC, batch);
+}
+cublasStatus_t gemm_sb(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                       int k, const double* alpha, const double* A, int lda, long long sA,
+                       const double* B, int ldb, long long sB, const double* beta, double* C,
+                       int ldc, long long sC, int batch) {
+  return cublasDgemmStridedBatched(h, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc,
+                                   sC, batch);
+}
+
+// Row-major C[M,N] (row stride ldc) = alpha · op(A)[M,K] · op(B)[K,N] + beta · C, for
+// `batch` matrices `s*` elements apart. A row-major matrix read as column-major is its
+// transpose, so cuBLAS computes Cᵀ = op(B)ᵀ · op(A)ᵀ with the operands swapped and the
+// same transpose flags. lda/ldb are the row strides of A and B as stored.
+template <class T>
+void gemm_rm(cublasHandle_t h, bool trans_a, bool trans_b, i64 M, i64 N, i64 K_, T alpha,
+             const T* A, i64 lda, i64 sA, const T* B, i64 ldb, i64 sB, T beta, T* C, i64 ldc,
+             i64 sC, i64 batch) {
+  if (M == 0 || N == 0 || batch == 0) return;
+  const char* op = "gemm";
+  TPSIM_CUBLAS_CHECK(gemm_sb(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                             trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, blas_int(op, "N", N),
+                             blas_int(op, "M", M), static_cast<int>(K_), &alpha, B,
+                             blas_int(op, "ldb", ldb), sB, A, blas_int(op, "lda", lda), sA, &beta,
+                             C, blas_int(op, "ldc", ldc), sC, blas_int(op, "batch", batch)));
+}
+
+}  // namespace
+
+// ---- the allocator ------------------------------------------------------------------------
+
+void* CudaAllocator::allocate(std::size_t bytes) {
+  if (bytes == 0) return nullptr;
+  CudaDeviceGuard guard(device_);
+  void* p = nullptr;
+  TPSIM_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream_));
+  return p;
+}
+
+void CudaAllocator::deallocate(void* p, std::size_t) {
+  if (!p) return;
+  // Called from destructors: a failure here cannot be thrown, and the memory is the
+  // driver's to reclaim at exit.
+  int previous = -1;
+  if (cudaGetDevice(&previous) == cudaSuccess && previous != device_) (void)cudaSetDevice(device_);
+  (void)cudaFreeAsync(p, stream_);
+  if (previous >= 0 && previous != device_) (void)cudaSetDevice(previous);
+}
+
+// ---- the backend --------------------------------------------------------------------------
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  CudaDeviceGuard guard(device_);
+  TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  TPSIM_CUBLAS_CHECK(cublasCreate(&cublas_));
+  TPSIM_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+  // Default math: every product and sum in at least the requested precision, never TF32
+  // (10 mantissa bits, which the float32 tolerance does not allow). Said explicitly, so
+  // that a changed library default cannot slip in.
+  TPSIM_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
+  // The default pool would hand freed memory back to the driver at every synchronise,
+  // and every step would pay cudaMalloc again: keep it (ranks sharing a GPU share it).
+  cudaMemPool_t pool = nullptr;
+  TPSIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+  std::uint64_t keep = UINT64_MAX;
+  TPSIM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  alloc_ = std::make_unique<CudaAllocator>(device_, stream_);
+  TPSIM_CUDA_CHECK(cudaMalloc(&sum_partial_, (K::kSumBlocks + 1) * sizeof(double)));
+  sum_result_ = sum_partial_ + K::kSumBlocks;
+  TPSIM_CUDA_CHECK(cudaMalloc(&bad_row_, sizeof(std::int64_t)));
+}
+
+CudaBackend::~CudaBackend() {
+  // Best effort: a destructor cannot throw, and after a device fault nothing works anyway.
+  int previous = -1;
+  (void)cudaGetDevice(&previous);
+  (void)cudaSetDevice(device_);
+  if (stream_) (void)cudaStreamSynchronize(stream_);
+  if (sum_partial_) (void)cudaFree(sum_partial_);
+  if (bad_row_) (void)cudaFree(bad_row_);
+  if (cublas_) (void)cublasDestroy(cublas_);
+  if (stream_) (void)cudaStreamDestroy(stream_);
+  if (previous >= 0) (void)cudaSetDevice(previous);
+}
+
+void CudaBackend::synchronize() {
+  CudaDeviceGuard guard(device_);
+  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// ---- data movement --------------------------------------------------------------------
+
+void CudaBackend::fill(Tensor& t, double value) {
+  OpCheck c("fill", device());
+  c.arg("t", t);
+  CudaDeviceGuard guard(device_);
+  if (t.dtype() == DType::I64) {
+    if (!(std::trunc(value) == value && std::abs(value) < 0x1p63))
+      c.fail("t '" + t.tag() + "' is i64 and " + std::to_string(value) + " is not an i64 value");
+    K::fill_i64(t.data<i64>(), t.numel(), static_cast<i64>(value), stream_);
+    return;
+  }
+  on_float(t, [&](auto z) {
+    using T = decltype(z);
+    K::fill<T>(t.data<T>(), t.numel(), T(value), stream_);
+  });
+}
+
+void CudaBackend::copy(Tensor& dst, const Tensor& src) {
+  check_copy(device(), dst, src);
+  CudaDeviceGuard guard(device_);
+  if (dst.nbytes() > 0 && dst.raw() != src.raw())
+    TPSIM_CUDA_CHECK(
+        cudaMemcpyAsync(dst.raw(), src.raw(), dst.nbytes(), cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaBackend::from_host(Tensor& dst, const double* src) {
+  OpCheck("from_host", device()).float_arg("dst", dst);
+  if (dst.numel() == 0) return;
+  CudaDeviceGuard guard(device_);
+  // A copy from pageable host memory returns once the source has been staged, so the
+  // caller may free `src` as soon as this returns; the stream keeps the order.
+  if (dst.dtype() == DType::F64) {
+    TPSIM_CUDA_CHECK(
+        cudaMemcpyAsync(dst.raw(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+    return;
+  }
+  // [numel] f64 staging on the device, converted there; freed in stream order.
+  Tensor staging = empty({dst.numel()}, DType::F64, MemCategory::Temporary, "from_host.staging");
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(staging.raw(), src, staging.nbytes(), cudaMemcpyHostToDevice,
+                                   stream_));
+  K::convert_from_f64<float>(dst.data<float>(), staging.data<double>(), dst.numel(), stream_);
+}
+
+void CudaBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
+  OpCheck("from_host_i64", device()).dtype("dst", dst, DType::I64);
+  if (dst.nbytes() == 0) return;
+  CudaDeviceGuard guard(device_);
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+}
+
+std::vector<double> CudaBackend::to_host(const Tensor& src) {
+  OpCheck("to_host", device()).float_arg("src", src);
+  std::vector<double> out(static_cast<std::size_t>(src.numel()));
+  if (src.numel() == 0) return out;
+  CudaDeviceGuard guard(device_);
+  const void* from = src.raw();
+  Tensor staging;  // [numel] f64 on the device, for f32 sources
+  if (src.dtype() == DType::F32) {
+    staging = empty({src.numel()}, DType::F64, MemCategory::Temporary, "to_host.staging");
+    K::convert_to_f64<float>(staging.data<double>(), src.data<float>(), src.numel(), stream_);
+    from = staging.raw();
+  }
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(out.data(), from, out.size() * sizeof(double),
+                                   cudaMemcpyDeviceToHost, stream_));
+  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return out;
+}
+
+void CudaBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
+  check_columns("copy_columns", device(), src, "src", dst, "dst", col0);
+  const i64 M = dst.dim(0), n = dst.dim(1), N = src.dim(1);
+  if (M == 0 || n == 0) return;
+  const std::size_t esz = dtype_size(src.dtype());
+  CudaDeviceGuard guard(device_);
+  TPSIM_CUDA_CHECK(cudaMemcpy2DAsync(
+      dst.raw(), static_cast<std::size_t>(n) * esz,
+      static_cast<const char*>(src.raw()) + static_cast<std::size_t>(col0) * esz,
+      static_cast<std::size_t>(N) * esz, static_cast<std::size_t>(n) * esz,
+      static_cast<std::size_t>(M), cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
+  check_columns("set_columns", device(), dst, "dst", src, "src", col0);
+  const i64 M = src.dim(0), n = src.dim(1), N = dst.dim(1);
+  if (M == 0 || n == 0) return;
+  const std::size_t esz = dtype_size(dst.dtype());
+  CudaDeviceGuard guard(device_);
+  TPSIM_CUDA_CHECK(cudaMemcpy2DAsync(
+      static_cast<char*>(dst.raw()) + static_cast<std::size_t>(col0) * esz,
+      static_cast<std::size_t>(N) * esz, src.raw(), static_cast<std::size_t>(n) * esz,
+      static_cast<std::size_t>(n) * esz, static_cast<std::size_t>(M), cudaMemcpyDeviceToDevice,
+      stream_));
+}
+
+void CudaBackend::add_inplace(Tensor& dst, const Tensor& src) {
+  check_same_float("add_inplace", device(), "dst", dst, "src", src);
+  CudaDeviceGuard guard(device_);
+  on_float(dst, [&](auto z) {
+    using T = decltype(z);
+    K::add_inplace<T>(dst.data<T>(), src.data<T>(), dst.numel(), stream_);
+  });
+}
+
+void CudaBackend::scale_inplace(Tensor& t, double s) {
+  OpCheck("scale_inplace", device()).float_arg("t", t);
+  CudaDeviceGuard guard(device_);
+  on_float(t, [&](auto z) {
+    using T = decltype(z);
+    K::scale_inplace<T>(t.data<T>(), t.numel(), T(s), stream_);
+  });
+}
+
+// ---- GEMM -------------------------------------------------------------------------------
+
+void CudaBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+                       double alpha, double beta) {
+  const GemmDims g = check_gemm(device(), out, a, trans_a, b, trans_b);
+  CudaDeviceGuard guard(device_);
+  on_float(a, [&](auto z) {
+    using T = decltype(z);
+    gemm_rm<T>(cublas_, trans_a, trans_b, g.M, g.N, g.K, T(alpha), a.data<T>(),
+               trans_a ? g.M : g.K, 0, b.data<T>(), trans_b ? g.K : g.N, 0, T(beta),
+               out.data<T>(), g.N, 0, 1);
+  });
+}
+
+// ---- activations --------------------------------------------------------------------------
+
+void CudaBackend::relu_forward(Tensor& out, const Tensor& inp) {
+  check_same_float("relu_forward", device(), "out", out, "inp", inp);
+  CudaDeviceGuard guard(device_);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::relu_forward<T>(out.data<T>(), inp.data<T>(), inp.numel(), stream_);
+  });
+}
+
+void CudaBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  check_act_backward("relu_backward", device(), dinp, dout, inp);
+  CudaDeviceGuard guard(device_);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::relu_backward<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel(), stream_);
+  });
+}
+
+void CudaBackend::gelu_forward(Tensor& out, const Tensor& inp) {
+  check_same_float("gelu_forward", device(), "out", out, "inp", inp);
+  CudaDeviceGuard guard(device_);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::gelu_forward<T>(out.data<T>(), inp.data<T>(), inp.numel(), stream_);
+  });
+}
+
+void CudaBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  check_act_backward("gelu_backward", device(), dinp, dout, inp);
+  CudaDeviceGuard guard(device_);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::gelu_backward<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel(), stream_);
+  });
+}
+
+// ---- LayerNorm ----------------------------------------------------------------------------
+
+void CudaBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                                    const Tensor& weight, double eps) {
+  const RowsCols s = check_layernorm_forward(device(), out, mean, rstd, inp, weight);
+  CudaDeviceGuard guard(device_);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::layernorm_forward<T>(out.data<T>(), mean.data<T>(), rstd.data<T>(), inp.data<T>(),
+                            weight.data<T>(), s.N, s.C, T(eps), stream_);
+  });
+}
+
+void CudaBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                     const Tensor& inp, const Tensor& weight, const Tensor& mean,
+                                     const Tensor& rstd) {
+  const RowsCols s =
+      check_layernorm_backward(device(), dinp, dweight, dout, inp, weight, mean, rstd);
+  CudaDeviceGuard guard(device_);
+  // [chunks, C] per-chunk column sums of dout·xhat, added in order into dweight
+  Tensor partial = empty({K::layernorm_dweight_chunks(s.N), s.C}, inp.dtype(),
+                         MemCategory::Temporary, "layernorm.dweight_partial");
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::layernorm_backward<T>(dinp.data<T>(), dweight.data<T>(), partial.data<T>(), dout.data<T>(),
+                             inp.data<T>(), weight.data<T>(), mean.data<T>(), rstd.data<T>(), s.N,
+                             s.C, stream_);
+  });
+}
+
+// ---- attention ----------------------------------------------------------------------------
+// Per local head j, a strided batch over b: head j of batch row b is the [T,d] block at
+// b·T·ld + j·d (row stride ld = h·d), and its probabilities the [T,T] block
+// probs[b,j] at (b·h + j)·T·T.
+
+void CudaBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
+                                    const Tensor& v, std::int64_t B, std::int64_t T,
+                                    std::int64_t h, double scale) {
+  const i64 d = check_attention_forward(device(), out, probs, q, k, v, B, T, h);
+  CudaDeviceGuard guard(device_);
+  const i64 ld = h * d;
+  on_float(q, [&](auto z) {
+    using F = decltype(z);
+    F* P = probs.data<F>();
+    for (i64 j = 0; j < h; ++j)  // S = Q·Kᵀ (the scale is applied by the softmax, as on CPU)
+      gemm_rm<F>(cublas_, false, true, T, T, d, F(1), q.data<F>() + j * d, ld, T * ld,
+                 k.data<F>() + j * d, ld, T * ld, F(0), P + j * T * T, T, h * T * T, B);
+    K::causal_softmax<F>(P, B * h * T, T, F(scale), stream_);
+    for (i64 j = 0; j < h; ++j)  // O = P·V
+      gemm_rm<F>(cublas_, false, false, T, d, T, F(1), P + j * T * T, T, h * T * T,
+                 v.data<F>() + j * d, ld, T * ld, F(0), out.data<F>() + j * d, ld, T * ld, B);
+  });
+}
+
+void CudaBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
+                                     const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const Tensor& probs, std::int64_t B, std::int64_t T,
+                                     std::int64_t h, double scale) {
+  const i64 d = check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, B, T, h);
+  CudaDeviceGuard guard(device_);
+  const i64 ld = h * d;
+  // [B,h,T,T]: dP, then dS in place; as large as probs (the CPU needs only [T,T], but a
+  // GPU wants every head's softmax backward in one launch).
+  Tensor dscores = empty({B, h, T, T}, q.dtype(), MemCategory::Temporary, "attention.dscores");
+  on_float(q, [&](auto z) {
+    using F = decltype(z);
+    const F* P = probs.data<F>();
+    F* dS = dscores.data<F>();
+    const i64 sP = h * T * T, sX = T * ld;
+    for (i64 j = 0; j < h; ++j) {
+      const i64 x = j * d, p = j * T * T;
+      // dV = Pᵀ·dO
+      gemm_rm<F>(cublas_, true, false, T, d, T, F(1), P + p, T, sP, dout.data<F>() + x, ld, sX,
+                 F(0), dv.data<F>() + x, ld, sX, B);
+      // dP = dO·Vᵀ
+      gemm_rm<F>(cublas_, false, true, T, T, d, F(1), dout.data<F>() + x, ld, sX,
+                 v.data<F>() + x, ld, sX, F(0), dS + p, T, sP, B);
+    }
+    K::causal_softmax_backward<F>(dS, P, B * h * T, T, F(scale), stream_);
+    for (i64 j = 0; j < h; ++j) {
+      const i64 x = j * d, p = j * T * T;
+      // dQ = dS·K, dK = dSᵀ·Q
+      gemm_rm<F>(cublas_, false, false, T, d, T, F(1), dS + p, T, sP, k.data<F>() + x, ld, sX,
+                 F(0), dq.data<F>() + x, ld, sX, B);
+      gemm_rm<F>(cublas_, true, false, T, d, T, F(1), dS + p, T, sP, q.data<F>() + x, ld, sX,
+                 F(0), dk.data<F>() + x, ld, sX, B);
+    }
+  });
+}
+
+// ---- embedding ----------------------------------------------------------------------------
+
+void CudaBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                                    std::int64_t row0) {
+  const EmbeddingDims s = check_embedding_forward(device(), out, ids, table, row0);
+  CudaDeviceGuard guard(device_);
+  on_float(table, [&](auto z) {
+    using T = decltype(z);
+    K::embedding_forward<T>(out.data<T>(), ids.data<i64>(), table.data<T>(), row0, s.N, s.R, s.C,
+                            stream_);
+  });
+}
+
+void CudaBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                                     std::int64_t row0) {
+  const EmbeddingDims s = check_embedding_backward(device(), dtable, dout, ids, row0);
+  if (s.N == 0 || s.C == 0) return;
+  CudaDeviceGuard guard(device_);
+  // The ids come to the host (N i64s, one wait) to plan the scatter-add there.
+  std::vector<i64> host_ids(static_cast<std::size_t>(s.N));
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(host_ids.data(), ids.data<i64>(), host_ids.size() * sizeof(i64),
+                                   cudaMemcpyDeviceToHost, stream_));
+  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const K::EmbeddingPlan plan = K::make_embedding_plan(host_ids.data(), s.N, row0, s.R);
+  if (plan.n_rows == 0) return;
+  // [2·rows + 1 + tokens] i64: the plan on the device
+  Tensor dplan = empty({static_cast<i64>(plan.packed.size())}, DType::I64, MemCategory::Temporary,
+                       "embedding.plan");
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dplan.raw(), plan.packed.data(), dplan.nbytes(),
+                                   cudaMemcpyHostToDevice, stream_));
+  on_float(dtable, [&](auto z) {
+    using T = decltype(z);
+    K::embedding_backward<T>(dtable.data<T>(), dout.data<T>(), dplan.data<i64>(), plan.n_rows, s.C,
+                             stream_);
+  });
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------
+
+void CudaBackend::check_targets(const char* op, const Tensor& targets, const Tensor& logits,
+                                std::int64_t col0, std::int64_t valid) {
+  const i64 N = targets.numel(), Vl = logits.dim(1);
+  K::ce_check_targets(bad_row_, targets.data<i64>(), N, Vl, col0, valid, stream_);
+  i64 bad = N;
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(&bad, bad_row_, sizeof bad, cudaMemcpyDeviceToHost, stream_));
+  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (bad >= N) return;
+  i64 target = 0;
+  TPSIM_CUDA_CHECK(cudaMemcpy(&target, targets.data<i64>() + bad, sizeof target,
+                              cudaMemcpyDeviceToHost));
+  // The CPU backend's message, word for word.
+  const bool negative = target < 0;
+  throw Error(std::string(op) + ": targets '" + targets.tag() + "' row " + std::to_string(bad) +
+              " is " + std::to_string(target) +
+              (negative ? ", neither a vocabulary id nor kIgnoreIndex (-100)"
+                        : ", a padded column [" + std::to_string(col0 + valid) + ", " +
+                              std::to_string(col0 + Vl) + ") of logits '" + logits.tag() + "'"));
+}
+
+void CudaBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
+  const CeDims s = check_ce_row_max(device(), rowmax, logits, valid);
+  CudaDeviceGuard guard(device_);
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    K::ce_row_max<T>(rowmax.data<T>(), logits.data<T>(), s.N, s.Vl, valid, stream_);
+  });
+}
+
+void CudaBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits,
+                                  const Tensor& targets, std::int64_t col0, std::int64_t valid) {
+  const CeDims s = check_ce_target_logit(device(), target_logit, logits, targets, col0, valid);
+  CudaDeviceGuard guard(device_);
+  check_targets("ce_target_logit", targets, logits, col0, valid);
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    K::ce_target_logit<T>(target_logit.data<T>(), logits.data<T>(), targets.data<i64>(), s.N,
+                          s.Vl, col0, valid, stream_);
+  });
+}
+
+void CudaBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                             std::int64_t valid) {
+  const CeDims s = check_ce_sum_exp(device(), sumexp, logits, rowmax, valid);
+  CudaDeviceGuard guard(device_);
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    K::ce_sum_exp<T>(sumexp.data<T>(), logits.data<T>(), rowmax.data<T>(), s.N, s.Vl, valid,
+                     stream_);
+  });
+}
+
+void CudaBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
+                          const Tensor& target_logit, const Tensor& targets) {
+  const i64 N = check_ce_loss(device(), loss, rowmax, sumexp, target_logit, targets);
+  CudaDeviceGuard guard(device_);
+  on_float(loss, [&](auto z) {
+    using T = decltype(z);
+    K::ce_loss<T>(loss.data<T>(), rowmax.data<T>(), sumexp.data<T>(), target_logit.data<T>(),
+                  targets.data<i64>(), N, stream_);
+  });
+}
+
+void CudaBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                              const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                              std::int64_t valid, double scale) {
+  const CeDims s =
+      check_ce_backward(device(), dlogits, logits, rowmax, sumexp, targets, col0, valid);
+  CudaDeviceGuard guard(device_);
+  check_targets("ce_backward", targets, logits, col0, valid);
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    K::ce_backward<T>(dlogits.data<T>(), logits.data<T>(), rowmax.data<T>(), sumexp.data<T>(),
+                      targets.data<i64>(), s.N, s.Vl, col0, valid, T(scale), stream_);
+  });
+}
+
+double CudaBackend::read_sum() {
+  double r = 0.0;
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(&r, sum_result_, sizeof r, cudaMemcpyDeviceToHost, stream_));
+  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return r;
+}
+
+double CudaBackend::sum(const Tensor& t) {
+  OpCheck("sum", device()).float_arg("t", t);
+  if (t.numel() == 0) return 0.0;
+  CudaDeviceGuard guard(device_);
+  on_float(t, [&](auto z) {
+    using T = decltype(z);
+    K::sum_f64<T>(sum_result_, sum_partial_, t.data<T>(), t.numel(), stream_);
+  });
+  return read_sum();
+}
+
+// ---- MSE ----------------------------------------------------------------------------------
+
+double CudaBackend::mse_forward(const Tensor& y, const Tensor& target) {
+  check_same_float("mse_forward", device(), "target", target, "y", y);
+  if (y.numel() == 0)
+    OpCheck("mse_forward", device()).fail("y '" + y.tag() + "' is empty; its mean is 0/0");
+  CudaDeviceGuard guard(device_);
+  on_float(y, [&](auto z) {
+    using T = decltype(z);
+    K::sum_sq_diff_f64<T>(sum_result_, sum_partial_, y.data<T>(), target.data<T>(), y.numel(),
+                          stream_);
+  });
+  return read_sum() / static_cast<double>(y.numel());
+}
+
+void CudaBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
+  check_mse_backward(device(), dy, y, target);
+  CudaDeviceGuard guard(device_);
+  on_float(y, [&](auto z) {
+    using T = decltype(z);
+    K::mse_backward<T>(dy.data<T>(), y.data<T>(), target.data<T>(), y.numel(),
+                       T(2.0 / static_cast<double>(y.numel())), stream_);
+  });
+}
+
+// ---- optimizers ---------------------------------------------------------------------------
+
+void CudaBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
+  check_same_float("sgd_update", device(), "grad", grad, "param", param);
+  CudaDeviceGuard guard(device_);
+  on_float(param, [&](auto z) {
+    using T = decltype(z);
+    K::sgd_update<T>(param.data<T>(), grad.data<T>(), param.numel(), T(lr), stream_);
+  });
+}
+
+void CudaBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
+                              double beta1, double beta2, double eps, double weight_decay,
+                              std::int64_t step) {
+  check_adam(device(), param, grad, m, v, step);
+  CudaDeviceGuard guard(device_);
+  on_float(param, [&](auto z) {
+    using T = decltype(z);
+    K::adam_update<T>(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(),
+                      cuda_math::AdamCoeffs<T>::make(lr, beta1, beta2, eps, weight_decay, step),
+                      stream_);
+  });
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  return std::make_unique<CudaBackend>(device);
+}
+
+}  // namespace tpsim

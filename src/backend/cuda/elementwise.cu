@@ -1,0 +1,93 @@
+// Elementwise kernels: fills, conversions, activations, MSE gradient and optimizers. One
+// thread per element in a grid-stride loop; the arithmetic is cuda_math's.
+#include "backend/cuda/block_reduce.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+
+namespace tpsim::cuda_kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <class F>
+void for_each(i64 n, cudaStream_t s, F f) {
+  if (n == 0) return;
+  for_each_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(n, f);
+  TPSIM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+template <class T>
+void fill(T* t, i64 n, T value, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { t[i] = value; });
+}
+void fill_i64(i64* t, i64 n, i64 value, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { t[i] = value; });
+}
+template <class T>
+void convert_from_f64(T* dst, const double* src, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dst[i] = T(src[i]); });
+}
+template <class T>
+void convert_to_f64(double* dst, const T* src, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dst[i] = double(src[i]); });
+}
+template <class T>
+void add_inplace(T* dst, const T* src, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dst[i] += src[i]; });
+}
+template <class T>
+void scale_inplace(T* t, i64 n, T a, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { t[i] *= a; });
+}
+template <class T>
+void relu_forward(T* out, const T* inp, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { out[i] = cuda_math::relu(inp[i]); });
+}
+template <class T>
+void relu_backward(T* dinp, const T* dout, const T* inp, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dinp[i] = cuda_math::relu_grad(dout[i], inp[i]); });
+}
+template <class T>
+void gelu_forward(T* out, const T* inp, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { out[i] = cuda_math::gelu(inp[i]); });
+}
+template <class T>
+void gelu_backward(T* dinp, const T* dout, const T* inp, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dinp[i] = cuda_math::gelu_grad(dout[i], inp[i]); });
+}
+template <class T>
+void mse_backward(T* dy, const T* y, const T* target, i64 n, T c, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dy[i] = c * (y[i] - target[i]); });
+}
+template <class T>
+void sgd_update(T* param, const T* grad, i64 n, T lr, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { param[i] -= lr * grad[i]; });
+}
+template <class T>
+void adam_update(T* param, const T* grad, T* m, T* v, i64 n, const cuda_math::AdamCoeffs<T>& c,
+                 cudaStream_t s) {
+  const cuda_math::AdamCoeffs<T> k = c;  // by value into the kernel
+  for_each(n, s, [=] __device__(i64 i) { cuda_math::adam_element(param[i], grad[i], m[i], v[i], k); });
+}
+
+#define TPSIM_INSTANTIATE(T)                                                                 \
+  template void fill<T>(T*, i64, T, cudaStream_t);                                           \
+  template void convert_from_f64<T>(T*, const double*, i64, cudaStream_t);                   \
+  template void convert_to_f64<T>(double*, const T*, i64, cudaStream_t);                     \
+  template void add_inplace<T>(T*, const T*, i64, cudaStream_t);                             \
+  template void scale_inplace<T>(T*, i64, T, cudaStream_t);                                  \
+  template void relu_forward<T>(T*, const T*, i64, cudaStream_t);                            \
+  template void relu_backward<T>(T*, const T*, const T*, i64, cudaStream_t);                 \
+  template void gelu_forward<T>(T*, const T*, i64, cudaStream_t);                            \
+  template void gelu_backward<T>(T*, const T*, const T*, i64, cudaStream_t);                 \
+  template void mse_backward<T>(T*, const T*, const T*, i64, T, cudaStream_t);               \
+  template void sgd_update<T>(T*, const T*, i64, T, cudaStream_t);                           \
+  template void adam_update<T>(T*, const T*, T*, T*, i64, const cuda_math::AdamCoeffs<T>&,   \
+                               cudaStream_t);
+TPSIM_INSTANTIATE(float)
+TPSIM_INSTANTIATE(double)
+#undef TPSIM_INSTANTIATE
+
+}  // namespace tpsim::cuda_kernels

@@ -1,0 +1,144 @@
+// The per-element arithmetic of the CUDA kernels, written once as __host__ __device__
+// functions so that the CPU tests (tests/test_cuda_host_math.cpp) can check it against
+// the CPU backend on a machine without a GPU. Each function computes exactly what the
+// matching CPU kernel computes, in the same type and order of operations; only the
+// libm (host) vs CUDA math library (device) implementations of erfc/exp/log differ, by
+// a few ulp.
+//
+// Plain C++ compilers include this too: TPSIM_HD is empty outside nvcc.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define TPSIM_HD __host__ __device__
+#else
+#define TPSIM_HD
+#endif
+
+namespace tpsim::cuda_math {
+
+// float and double overloads that name the same function on host and device (the
+// C names exist on both sides; std:: overloads do not exist in device code).
+TPSIM_HD inline float m_erfc(float x) { return erfcf(x); }
+TPSIM_HD inline double m_erfc(double x) { return erfc(x); }
+TPSIM_HD inline float m_exp(float x) { return expf(x); }
+TPSIM_HD inline double m_exp(double x) { return exp(x); }
+TPSIM_HD inline float m_log(float x) { return logf(x); }
+TPSIM_HD inline double m_log(double x) { return log(x); }
+TPSIM_HD inline float m_sqrt(float x) { return sqrtf(x); }
+TPSIM_HD inline double m_sqrt(double x) { return sqrt(x); }
+
+inline constexpr double kInvSqrt2 = 0.70710678118654752440;    // 1/√2
+inline constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1/√(2π)
+
+// ---- activations --------------------------------------------------------------------
+
+template <class T>
+TPSIM_HD T relu(T x) {
+  return x < T(0) ? T(0) : x;  // NaN stays NaN
+}
+template <class T>
+TPSIM_HD T relu_grad(T dout, T x) {
+  return x > T(0) ? dout : T(0);
+}
+
+// Exact GELU x·Φ(x), Φ(x) = 0.5·erfc(-x/√2): the erfc form keeps relative precision in
+// the left tail, where 1 + erf(x/√2) cancels.
+template <class T>
+TPSIM_HD T gelu(T x) {
+  return T(0.5) * x * m_erfc(-x * T(kInvSqrt2));
+}
+// dout · (Φ(x) + x·φ(x)).
+template <class T>
+TPSIM_HD T gelu_grad(T dout, T x) {
+  const T cdf = T(0.5) * m_erfc(-x * T(kInvSqrt2));
+  const T pdf = T(kInvSqrt2Pi) * m_exp(T(-0.5) * x * x);
+  return dout * (cdf + x * pdf);
+}
+
+// ---- LayerNorm without bias ------------------------------------------------------------
+// A row's statistics come from two reductions (Σx, then Σ(x-mean)²), so the variance
+// never suffers the cancellation of E[x²] - E[x]².
+
+template <class T>
+TPSIM_HD T ln_mean(T row_sum, std::int64_t C) {
+  return row_sum / T(C);
+}
+// rstd = 1/sqrt(var + eps) from the centred sum of squares (biased variance).
+template <class T>
+TPSIM_HD T ln_rstd(T centred_sumsq, std::int64_t C, T eps) {
+  return T(1) / m_sqrt(centred_sumsq / T(C) + eps);
+}
+template <class T>
+TPSIM_HD T ln_xhat(T x, T mean, T rstd) {
+  return (x - mean) * rstd;
+}
+template <class T>
+TPSIM_HD T ln_out(T x, T mean, T rstd, T w) {
+  return (x - mean) * rstd * w;
+}
+// With g = dout·w: dinp = rstd · (g - mean(g) - xhat · mean(g·xhat)).
+template <class T>
+TPSIM_HD T ln_dinp(T dout, T w, T xhat, T rstd, T g_mean, T gx_mean) {
+  return rstd * (dout * w - g_mean - xhat * gx_mean);
+}
+
+// ---- cross-entropy over a column range of the vocabulary --------------------------------
+
+inline constexpr std::int64_t kCeIgnore = -100;  // = kIgnoreIndex (model/config.h)
+inline constexpr std::int64_t kCeElsewhere = -1;  // ignored, or on another shard
+inline constexpr std::int64_t kCeInvalid = -2;    // negative non-ignore id, or a padded column
+
+// Where a row's target lies among this shard's columns [col0, col0+Vl), of which the
+// first `valid` are real: its local column, kCeElsewhere, or kCeInvalid (the caller
+// reports it; a device kernel flags the row).
+TPSIM_HD inline std::int64_t ce_local_target(std::int64_t target, std::int64_t col0,
+                                             std::int64_t valid, std::int64_t Vl) {
+  if (target == kCeIgnore) return kCeElsewhere;
+  if (target < 0) return kCeInvalid;
+  if (target >= col0 + valid && target < col0 + Vl) return kCeInvalid;
+  return target >= col0 && target < col0 + valid ? target - col0 : kCeElsewhere;
+}
+
+// loss = log(sumexp) + rowmax - target_logit; 0 on ignored rows.
+template <class T>
+TPSIM_HD T ce_loss(T rowmax, T sumexp, T target_logit, std::int64_t target) {
+  return target == kCeIgnore ? T(0) : m_log(sumexp) + rowmax - target_logit;
+}
+// dlogit = scale · (exp(x - rowmax)/sumexp - [this is the target column]).
+template <class T>
+TPSIM_HD T ce_grad(T x, T rowmax, T sumexp, bool is_target, T scale) {
+  const T p = m_exp(x - rowmax) / sumexp;
+  return is_target ? scale * (p - T(1)) : scale * p;
+}
+
+// ---- Adam (torch.optim semantics) ---------------------------------------------------------
+
+// The per-step constants, computed once on the host in double as the CPU backend does.
+template <class T>
+struct AdamCoeffs {
+  T step_size, bc2_sqrt, b1, b2, one_b1, one_b2, wd, eps;
+  bool decay;
+
+  static AdamCoeffs make(double lr, double beta1, double beta2, double eps, double weight_decay,
+                         std::int64_t step) {
+    const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+    const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+    return {T(lr / bc1),    T(std::sqrt(bc2)),     T(beta1),          T(beta2),
+            T(1.0 - beta1), T(1.0 - beta2),        T(weight_decay),   T(eps),
+            weight_decay != 0.0};
+  }
+};
+
+// param -= step_size · m / (sqrt(v)/sqrt(bc2) + eps), after updating m and v.
+template <class T>
+TPSIM_HD void adam_element(T& param, T grad, T& m, T& v, const AdamCoeffs<T>& c) {
+  const T g = c.decay ? grad + c.wd * param : grad;  // torch skips 0·param (0·inf = NaN)
+  m = c.b1 * m + c.one_b1 * g;
+  v = c.b2 * v + c.one_b2 * g * g;
+  param -= c.step_size * m / (m_sqrt(v) / c.bc2_sqrt + c.eps);
+}
+
+}  // namespace tpsim::cuda_math

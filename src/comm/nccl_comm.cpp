@@ -1,0 +1,240 @@
+#include "comm/nccl_comm.h"
+
+#include <nccl.h>
+
+#include <chrono>
+#include <thread>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "core/errors.h"
+
+namespace tpsim {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void throw_nccl_error(ncclResult_t r, ncclComm_t comm, const char* call,
+                                   const char* file, int line) {
+  std::string what = std::string(ncclGetErrorString(r));
+  const char* last = ncclGetLastError(comm);
+  if (last && *last) what += ": " + std::string(last);
+  throw_device_error(call, file, line, what);
+}
+
+// A non-blocking communicator answers ncclInProgress while it works; anything else but
+// success is an error.
+#define TPSIM_NCCL_CHECK(comm, call)                                             \
+  do {                                                                           \
+    const ncclResult_t tpsim_r_ = (call);                                        \
+    if (tpsim_r_ != ncclSuccess && tpsim_r_ != ncclInProgress)                   \
+      throw_nccl_error(tpsim_r_, comm, #call, __FILE__, __LINE__);               \
+  } while (0)
+
+Clock::time_point deadline_after(double s) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+// Polls until `comm` has finished its current call. Returns false on timeout; throws
+// on an error the communicator reports.
+bool wait_ready(ncclComm_t comm, Clock::time_point deadline, const char* what) {
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) throw_nccl_error(r, comm, "ncclCommGetAsyncError", __FILE__, __LINE__);
+    if (state == ncclSuccess) return true;
+    if (state != ncclInProgress) throw_nccl_error(state, comm, what, __FILE__, __LINE__);
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+ncclDataType_t nccl_type(DType d) {
+  switch (d) {
+    case DType::F32: return ncclFloat32;
+    case DType::F64: return ncclFloat64;
+    case DType::I64: return ncclInt64;
+  }
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Sum ? ncclSum : ncclMax; }
+
+std::string seconds_str(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", s);
+  return buf;
+}
+
+}  // namespace
+
+struct NcclGroup::Impl {
+  std::vector<ncclComm_t> comms;
+  mutable std::mutex mu;
+  bool aborted = false;
+};
+
+NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
+    : devices_(devices), timeout_s_(timeout_s), impl_(std::make_unique<Impl>()) {
+  const int n = world_size();
+  impl_->comms.assign(static_cast<std::size_t>(n), nullptr);
+  ncclUniqueId id;
+  TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  int previous = 0;
+  TPSIM_CUDA_CHECK(cudaGetDevice(&previous));
+  // One thread initialises every rank, so the n init calls must be one group.
+  TPSIM_NCCL_CHECK(nullptr, ncclGroupStart());
+  for (int r = 0; r < n; ++r) {
+    TPSIM_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
+    TPSIM_NCCL_CHECK(nullptr, ncclCommInitRankConfig(&impl_->comms[static_cast<std::size_t>(r)],
+                                                     n, id, r, &config));
+  }
+  TPSIM_NCCL_CHECK(nullptr, ncclGroupEnd());
+  TPSIM_CUDA_CHECK(cudaSetDevice(previous));
+  // Set-up (topology detection, connections) can take seconds even when a collective's
+  // timeout is short, so it gets at least a minute.
+  const double init_s = timeout_s_ > 60.0 ? timeout_s_ : 60.0;
+  const auto deadline = deadline_after(init_s);
+  for (int r = 0; r < n; ++r)
+    if (!wait_ready(impl_->comms[static_cast<std::size_t>(r)], deadline, "ncclCommInitRankConfig")) {
+      abort_all();
+      throw RuntimeFailure("NcclGroup: rank " + std::to_string(r) + "'s communicator on cuda:" +
+                           std::to_string(devices_[static_cast<std::size_t>(r)]) +
+                           " was not ready after " + seconds_str(init_s) + " s");
+    }
+}
+
+NcclGroup::~NcclGroup() {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  if (impl_->aborted) return;
+  // Finalize flushes outstanding work; after a timeout, abort instead of waiting.
+  const auto deadline = deadline_after(timeout_s_);
+  bool clean = true;
+  for (ncclComm_t c : impl_->comms) {
+    if (!c) continue;
+    const ncclResult_t r = ncclCommFinalize(c);
+    if (r != ncclSuccess && r != ncclInProgress) clean = false;
+  }
+  for (ncclComm_t c : impl_->comms) {
+    if (!c || !clean) continue;
+    try {
+      clean = wait_ready(c, deadline, "ncclCommFinalize");
+    } catch (...) {
+      clean = false;
+    }
+  }
+  for (ncclComm_t c : impl_->comms)
+    if (c) (void)(clean ? ncclCommDestroy(c) : ncclCommAbort(c));
+}
+
+void NcclGroup::abort_all() {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  if (impl_->aborted) return;
+  impl_->aborted = true;
+  for (ncclComm_t c : impl_->comms)
+    if (c) (void)ncclCommAbort(c);
+}
+
+bool NcclGroup::aborted() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->aborted;
+}
+
+NcclComm::NcclComm(NcclGroup& group, Communicator& host, CudaBackend& backend)
+    : group_(group), rz_(host, "nccl"), backend_(backend) {
+  if (host.world_size() != group.world_size())
+    throw UsageError("NcclComm: host group has " + std::to_string(host.world_size()) +
+                     " ranks, NCCL group " + std::to_string(group.world_size()));
+  if (backend.device_index() != group.device(host.rank()))
+    throw UsageError("NcclComm: rank " + std::to_string(host.rank()) + "'s backend is on cuda:" +
+                     std::to_string(backend.device_index()) + ", its communicator on cuda:" +
+                     std::to_string(group.device(host.rank())));
+}
+
+int NcclComm::rank() const { return rz_.rank(); }
+int NcclComm::world_size() const { return rz_.world_size(); }
+
+void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root) {
+  const int me = rank();
+  const std::int64_t seq = seq_++;
+  const Tensor* counted = kind == CollectiveKind::ReduceScatter ? out
+                          : kind == CollectiveKind::Barrier   ? nullptr
+                                                              : in;
+  CollectiveRecord rec{kind,
+                       seq,
+                       counted ? counted->numel() : 0,
+                       counted ? static_cast<std::int64_t>(counted->nbytes()) : 0,
+                       comm_now_ns(),
+                       0,
+                       label_};
+  const std::string who = "rank " + std::to_string(me) + ": " + collective_name(kind) + " #" +
+                          std::to_string(seq) + quoted_comm_label(label_);
+  const cudaStream_t stream = backend_.stream();
+  const int dev = backend_.device_index();
+  try {
+    if (group_.aborted()) throw CommError(who + ": the NCCL communicators were aborted");
+    CudaDeviceGuard guard(dev);
+    if (kind == CollectiveKind::Barrier) TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const DeviceCallPost mine = DeviceCallPost::of(kind, in, out, op, root, dev);
+    (void)rz_.exchange(mine, seq, label_, who, false);
+    if (kind != CollectiveKind::Barrier) {
+      ncclComm_t comm = group_.impl().comms[static_cast<std::size_t>(me)];
+      const ncclDataType_t dt = nccl_type(in->dtype());
+      switch (kind) {
+        case CollectiveKind::AllReduce:
+          TPSIM_NCCL_CHECK(comm, ncclAllReduce(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                               dt, nccl_op(op), comm, stream));
+          break;
+        case CollectiveKind::AllGather:
+          TPSIM_NCCL_CHECK(comm, ncclAllGather(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                               dt, comm, stream));
+          break;
+        case CollectiveKind::ReduceScatter:
+          TPSIM_NCCL_CHECK(comm, ncclReduceScatter(in->raw(), out->raw(),
+                                                   static_cast<std::size_t>(out->numel()), dt,
+                                                   nccl_op(op), comm, stream));
+          break;
+        case CollectiveKind::Broadcast:
+          TPSIM_NCCL_CHECK(comm, ncclBroadcast(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                               dt, root, comm, stream));
+          break;
+        case CollectiveKind::Barrier:
+          break;
+      }
+      // Enqueueing may still be in progress on a non-blocking communicator.
+      if (!wait_ready(comm, deadline_after(group_.timeout_s()), collective_name(kind))) {
+        const std::string msg = who + ": NCCL did not accept the call within " +
+                                seconds_str(group_.timeout_s()) + " s";
+        rz_.host().abort(msg);
+        group_.abort_all();
+        throw CommError(msg);
+      }
+    }
+  } catch (...) {
+    rec.t_end_ns = comm_now_ns();
+    records_.push_back(std::move(rec));
+    throw;
+  }
+  // t_end is when the work was enqueued, not when the GPU finished it.
+  rec.t_end_ns = comm_now_ns();
+  records_.push_back(std::move(rec));
+}
+
+void NcclComm::all_reduce(Tensor& t, ReduceOp op) { run(CollectiveKind::AllReduce, &t, &t, op, 0); }
+void NcclComm::all_gather(const Tensor& in, Tensor& out) {
+  run(CollectiveKind::AllGather, &in, &out, ReduceOp::Sum, 0);
+}
+void NcclComm::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
+  run(CollectiveKind::ReduceScatter, &in, &out, op, 0);
+}
+void NcclComm::broadcast(Tensor& t, int root) { run(CollectiveKind::Broadcast, &t, &t, ReduceOp::Sum, root); }
+void NcclComm::barrier() { run(CollectiveKind::Barrier, nullptr, nullptr, ReduceOp::Sum, 0); }
+
+void NcclComm::abort(const std::string& reason) {
+  rz_.host().abort("rank " + std::to_string(rank()) + " called abort: " + reason);
+  group_.abort_all();
+}
+
+}  // namespace tpsim

@@ -1,0 +1,84 @@
+// NcclComm: one GPU per rank, all in one process, a thread per rank.
+//
+// NcclGroup creates the n communicators from one thread (ncclCommInitRankConfig for
+// every rank inside one ncclGroupStart/End), non-blocking (config.blocking = 0), so
+// that no NCCL call can block a thread forever: every call returns at once and its
+// completion is polled, with the group's timeout, through ncclCommGetAsyncError.
+//
+// Each collective first meets the other ranks at a host rendezvous (DeviceRendezvous over
+// the rank threads' ThreadComm), where all ranks validate all calls: ranks that disagree,
+// a bad argument, a rank that never comes or an abort end in CommError on every rank
+// before any NCCL work is enqueued, with ThreadComm's messages. When a rank fails, the
+// launcher calls NcclGroup::abort_all, which ncclCommAborts every communicator, so work
+// already enqueued on a peer's stream for the failed rank ends instead of spinning, and
+// a peer blocked in a stream synchronise returns.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/device_comm.h"
+
+namespace tpsim {
+
+class CudaBackend;
+
+class NcclGroup {
+ public:
+  // devices[r] is rank r's GPU; they must be distinct. Throws RuntimeFailure when NCCL
+  // cannot set the group up within max(timeout_s, 60 s); timeout_s then bounds each
+  // call's wait for NCCL to accept it.
+  NcclGroup(const std::vector<int>& devices, double timeout_s);
+  ~NcclGroup();
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+
+  int world_size() const { return static_cast<int>(devices_.size()); }
+  int device(int rank) const { return devices_[static_cast<std::size_t>(rank)]; }
+  double timeout_s() const { return timeout_s_; }
+  // Aborts every communicator (once; later calls do nothing). Thread-safe.
+  void abort_all();
+  bool aborted() const;
+
+  struct Impl;  // the ncclComm_t handles; in nccl_comm.cpp (keeps nccl.h out of here)
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::vector<int> devices_;
+  double timeout_s_;
+  std::unique_ptr<Impl> impl_;
+};
+
+class NcclComm final : public Communicator {
+ public:
+  // Rank host.rank() of `group`, on `backend` (whose device must be the group's for that
+  // rank). All three must outlive this object.
+  NcclComm(NcclGroup& group, Communicator& host, CudaBackend& backend);
+
+  int rank() const override;
+  int world_size() const override;
+
+  // f32, f64, i64. In-place all_gather/reduce_scatter as in communicator.h (NCCL's own
+  // in-place forms). Max follows NCCL, which does not promise to propagate NaN.
+  void all_reduce(Tensor& t, ReduceOp op) override;
+  void all_gather(const Tensor& in, Tensor& out) override;
+  void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override;
+  void broadcast(Tensor& t, int root) override;
+  // Waits for this rank's stream, then meets the other ranks on the host.
+  void barrier() override;
+  // Fails the host group and aborts every NCCL communicator.
+  void abort(const std::string& reason) override;
+
+ private:
+  void run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root);
+
+  NcclGroup& group_;
+  DeviceRendezvous rz_;
+  CudaBackend& backend_;
+  std::int64_t seq_ = 0;
+};
+
+}  // namespace tpsim

@@ -1,0 +1,167 @@
+#include "comm/sim_comm.h"
+
+#include <exception>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+#include "core/errors.h"
+
+namespace tpsim {
+namespace {
+
+int dtype_code(DType d) { return d == DType::F32 ? 0 : d == DType::F64 ? 1 : 2; }
+
+cudaEvent_t event_of(std::uint64_t h) { return reinterpret_cast<cudaEvent_t>(h); }
+
+}  // namespace
+
+// `posted`: this rank's inputs are ready on its stream; `done`: it has finished reading
+// its peers' buffers. Timing off: they only order streams.
+struct SimComm::Events {
+  int device;
+  cudaEvent_t posted = nullptr, done = nullptr;
+  explicit Events(int dev) : device(dev) {
+    CudaDeviceGuard g(device);
+    TPSIM_CUDA_CHECK(cudaEventCreateWithFlags(&posted, cudaEventDisableTiming));
+    TPSIM_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  }
+  ~Events() {
+    (void)cudaEventDestroy(posted);
+    (void)cudaEventDestroy(done);
+  }
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+};
+
+SimComm::SimComm(Communicator& host, CudaBackend& backend)
+    : rz_(host, "sim"), backend_(backend), events_(std::make_unique<Events>(backend.device_index())) {
+  if (host.world_size() > cuda_kernels::kMaxRanks)
+    throw UsageError("SimComm: at most " + std::to_string(cuda_kernels::kMaxRanks) +
+                     " ranks may share a GPU, not " + std::to_string(host.world_size()));
+}
+
+SimComm::~SimComm() {
+  // A peer may still be reading this rank's buffers only if this rank left mid-call
+  // after an error; let its stream drain first so the events are not destroyed in use.
+  (void)cudaStreamSynchronize(backend_.stream());
+}
+
+int SimComm::rank() const { return rz_.rank(); }
+int SimComm::world_size() const { return rz_.world_size(); }
+
+void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root) {
+  const int n = world_size(), me = rank();
+  const std::int64_t seq = seq_++;
+  const Tensor* counted = kind == CollectiveKind::ReduceScatter ? out
+                          : kind == CollectiveKind::Barrier   ? nullptr
+                                                              : in;
+  CollectiveRecord rec{kind,
+                       seq,
+                       counted ? counted->numel() : 0,
+                       counted ? static_cast<std::int64_t>(counted->nbytes()) : 0,
+                       comm_now_ns(),
+                       0,
+                       label_};
+  const std::string who = "rank " + std::to_string(me) + ": " + collective_name(kind) + " #" +
+                          std::to_string(seq) + quoted_comm_label(label_);
+  const cudaStream_t stream = backend_.stream();
+  const int dev = backend_.device_index();
+  try {
+    CudaDeviceGuard guard(dev);
+    DeviceCallPost mine = DeviceCallPost::of(kind, in, out, op, root, dev);
+    mine.handle0 = reinterpret_cast<std::uint64_t>(events_->posted);
+    mine.handle1 = reinterpret_cast<std::uint64_t>(events_->done);
+    TPSIM_CUDA_CHECK(cudaEventRecord(events_->posted, stream));
+    const std::vector<DeviceCallPost> posts = rz_.exchange(mine, seq, label_, who, true);
+
+    // Between the rendezvous: every post is valid and every peer's buffer is ours to
+    // read once our stream has waited for its `posted`.
+    std::exception_ptr compute_error;
+    Tensor scratch;  // all_reduce's result [numel], stored after the second rendezvous
+    try {
+      for (int q = 0; q < n; ++q)
+        if (q != me) TPSIM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_of(posts[static_cast<std::size_t>(q)].handle0), 0));
+      cuda_kernels::RankPtrs src{};
+      switch (kind) {
+        case CollectiveKind::AllReduce: {
+          if (n == 1) break;
+          scratch = backend_.empty({in->numel()}, in->dtype(), MemCategory::CommBuffer,
+                                   "sim.all_reduce.result");
+          for (int q = 0; q < n; ++q)
+            src.p[q] = reinterpret_cast<const void*>(posts[static_cast<std::size_t>(q)].in_ptr);
+          cuda_kernels::reduce_ranks(scratch.raw(), src, n, in->numel(), dtype_code(in->dtype()),
+                                     op == ReduceOp::Max, stream);
+          break;
+        }
+        case CollectiveKind::AllGather: {
+          const std::size_t chunk = in->nbytes();
+          if (chunk == 0) break;
+          for (int q = 0; q < n; ++q) {
+            char* dst = static_cast<char*>(out->raw()) + static_cast<std::size_t>(q) * chunk;
+            const void* from = reinterpret_cast<const void*>(posts[static_cast<std::size_t>(q)].in_ptr);
+            if (dst != from)
+              TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst, from, chunk, cudaMemcpyDeviceToDevice, stream));
+          }
+          break;
+        }
+        case CollectiveKind::ReduceScatter: {
+          const std::size_t offset = static_cast<std::size_t>(me) * out->nbytes();
+          for (int q = 0; q < n; ++q)
+            src.p[q] = reinterpret_cast<const char*>(posts[static_cast<std::size_t>(q)].in_ptr) + offset;
+          cuda_kernels::reduce_ranks(out->raw(), src, n, out->numel(), dtype_code(out->dtype()),
+                                     op == ReduceOp::Max, stream);
+          break;
+        }
+        case CollectiveKind::Broadcast:
+          if (me != root && out->nbytes() > 0)
+            TPSIM_CUDA_CHECK(cudaMemcpyAsync(
+                out->raw(), reinterpret_cast<const void*>(posts[static_cast<std::size_t>(root)].in_ptr),
+                out->nbytes(), cudaMemcpyDeviceToDevice, stream));
+          break;
+        case CollectiveKind::Barrier:
+          break;
+      }
+      TPSIM_CUDA_CHECK(cudaEventRecord(events_->done, stream));
+    } catch (...) {
+      compute_error = std::current_exception();
+    }
+
+    // Every rank comes here (no early exit: peers may be reading our buffers).
+    rz_.barrier(who);
+    if (compute_error) {
+      rz_.host().abort(who + " failed on this rank while enqueueing its device work");
+      std::rethrow_exception(compute_error);
+    }
+    for (int q = 0; q < n; ++q)
+      if (q != me) TPSIM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_of(posts[static_cast<std::size_t>(q)].handle1), 0));
+    if (scratch.defined())
+      TPSIM_CUDA_CHECK(cudaMemcpyAsync(out->raw(), scratch.raw(), out->nbytes(),
+                                       cudaMemcpyDeviceToDevice, stream));
+    if (kind == CollectiveKind::Barrier) TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } catch (...) {
+    rec.t_end_ns = comm_now_ns();
+    records_.push_back(std::move(rec));
+    throw;
+  }
+  // t_end is when the work was enqueued, not when the GPU finished it.
+  rec.t_end_ns = comm_now_ns();
+  records_.push_back(std::move(rec));
+}
+
+void SimComm::all_reduce(Tensor& t, ReduceOp op) { run(CollectiveKind::AllReduce, &t, &t, op, 0); }
+void SimComm::all_gather(const Tensor& in, Tensor& out) {
+  run(CollectiveKind::AllGather, &in, &out, ReduceOp::Sum, 0);
+}
+void SimComm::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
+  run(CollectiveKind::ReduceScatter, &in, &out, op, 0);
+}
+void SimComm::broadcast(Tensor& t, int root) { run(CollectiveKind::Broadcast, &t, &t, ReduceOp::Sum, root); }
+void SimComm::barrier() { run(CollectiveKind::Barrier, nullptr, nullptr, ReduceOp::Sum, 0); }
+
+void SimComm::abort(const std::string& reason) {
+  rz_.host().abort("rank " + std::to_string(rank()) + " called abort: " + reason);
+}
+
+}  // namespace tpsim

@@ -1,0 +1,59 @@
+// SimComm: several ranks on one GPU, each with its own stream (NCCL refuses two ranks on
+// one device: "Duplicate GPU detected"). It lets TP 2, 4 and 8 run and be verified on a
+// single GPU.
+//
+// A collective is two host rendezvous (DeviceRendezvous, over the rank threads'
+// ThreadComm) around stream-ordered device work; the host never waits for the GPU:
+//   1. each rank records `posted` on its stream (its inputs are ready there) and posts
+//      its buffers' addresses and its two events; all ranks validate all posts;
+//   2. each rank's stream waits on every peer's `posted`, then computes this rank's
+//      output from the peers' buffers directly (reductions in rank order 0..n-1, so
+//      every rank gets bit-identical results, as ThreadComm and the reference expect);
+//   3. each rank records `done` (it has finished reading its peers) and meets the others
+//      at the second rendezvous; its stream then waits on every peer's `done`, so no rank
+//      overwrites or frees a buffer a peer still reads. all_reduce computes into a
+//      scratch buffer and copies it into the tensor only after that wait.
+// Records, validation messages, timeouts and aborts are ThreadComm's.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+#include "comm/device_comm.h"
+
+namespace tpsim {
+
+class CudaBackend;
+
+class SimComm final : public Communicator {
+ public:
+  // `host` joins the same ranks on the host (rank and world size come from it); the
+  // collectives run on `backend`'s device and stream. Both must outlive this object.
+  SimComm(Communicator& host, CudaBackend& backend);
+  ~SimComm() override;
+  SimComm(const SimComm&) = delete;
+  SimComm& operator=(const SimComm&) = delete;
+
+  int rank() const override;
+  int world_size() const override;
+
+  // Tensors must live on the backend's device. f32, f64 and i64 (sums wrap).
+  void all_reduce(Tensor& t, ReduceOp op) override;
+  void all_gather(const Tensor& in, Tensor& out) override;
+  void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override;
+  void broadcast(Tensor& t, int root) override;
+  void barrier() override;
+  void abort(const std::string& reason) override;
+
+ private:
+  void run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root);
+
+  DeviceRendezvous rz_;
+  CudaBackend& backend_;
+  struct Events;
+  std::unique_ptr<Events> events_;
+  std::int64_t seq_ = 0;
+};
+
+}  // namespace tpsim

@@ -1,0 +1,54 @@
+#include "runtime/cuda_plan.h"
+
+#include <charconv>
+#include <cstring>
+
+#include "core/errors.h"
+
+namespace tpsim {
+
+CudaPlan plan_cuda_ranks(CommKind comm, int world, int gpus, int first_device,
+                         const std::string& why_none) {
+  if (world < 1)
+    throw UsageError("--backend cuda: the world size must be at least 1, got " +
+                     std::to_string(world));
+  if (comm == CommKind::Threads)
+    throw UsageError("--comm threads runs CPU ranks; --backend cuda uses --comm nccl or sim");
+  if (gpus <= 0)
+    throw UsageError("--backend cuda: no CUDA device is visible" +
+                     (why_none.empty() ? std::string() : " (" + why_none + ")"));
+  if (first_device < 0 || first_device >= gpus)
+    throw UsageError("TPSIM_CUDA_DEVICE=" + std::to_string(first_device) +
+                     ": no such device; this machine has " + std::to_string(gpus) + " (cuda:0" +
+                     (gpus > 1 ? "..cuda:" + std::to_string(gpus - 1) : std::string()) + ")");
+  const int available = gpus - first_device;
+  if (comm == CommKind::Auto) comm = available >= world ? CommKind::Nccl : CommKind::Sim;
+  CudaPlan plan;
+  plan.comm = comm;
+  if (comm == CommKind::Nccl) {
+    if (world > available)
+      throw UsageError("--comm nccl: " + std::to_string(world) + " ranks need " +
+                       std::to_string(world) + " GPUs, one per rank, and " +
+                       (first_device > 0 ? "from cuda:" + std::to_string(first_device) + " on "
+                                         : std::string()) +
+                       "this machine has " + std::to_string(available) +
+                       " (--comm sim runs several ranks on one GPU)");
+    for (int r = 0; r < world; ++r) plan.devices.push_back(first_device + r);
+  } else {
+    plan.devices.assign(static_cast<std::size_t>(world), first_device);
+  }
+  return plan;
+}
+
+int parse_cuda_device_env(const char* value) {
+  if (!value || !*value) return 0;
+  int d = -1;
+  const char* end = value + std::strlen(value);
+  const auto [p, ec] = std::from_chars(value, end, d);
+  if (ec != std::errc() || p != end || d < 0)
+    throw UsageError(std::string("TPSIM_CUDA_DEVICE='") + value +
+                     "': expected a device index (0, 1, ...)");
+  return d;
+}
+
+}  // namespace tpsim

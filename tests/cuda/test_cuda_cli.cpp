@@ -1,0 +1,43 @@
+// Bad device requests through the real binary: exit 2 and exactly one line. Runs with or
+// without a GPU (the request that is impossible differs).
+#include <cstdlib>
+#include <string>
+
+#include "../cli_runner.h"
+#include "cuda_test_util.h"
+
+namespace {
+
+using tpsim::testing::run_tpsim;
+
+int lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n;
+}
+
+TEST_CASE("cli: impossible CUDA requests exit 2 with one line", "[cuda]") {
+  const int gpus = tpsim::test::gpus();
+  if (gpus == 0) {
+    const auto r = run_tpsim("verify --backend cuda --model mlp --tp 2");
+    CHECK(r.exit_code == 2);
+    CHECK(lines(r.out) == 1);
+    CHECK_THAT(r.out, Catch::Matchers::StartsWith("tpsim: error: --backend cuda: no CUDA device"));
+    return;
+  }
+  // more NCCL ranks than GPUs (the MLP's hidden size 128 divides by any power of two <= 128)
+  int t = 2;
+  while (t <= gpus) t *= 2;
+  auto r = run_tpsim("verify --backend cuda --comm nccl --model mlp --tp " + std::to_string(t));
+  CHECK(r.exit_code == 2);
+  CHECK(lines(r.out) == 1);
+  CHECK_THAT(r.out, Catch::Matchers::Contains("--comm nccl"));
+  // the child inherits the environment
+  setenv("TPSIM_CUDA_DEVICE", "99", 1);
+  r = run_tpsim("verify --backend cuda --model mlp --tp 1");
+  unsetenv("TPSIM_CUDA_DEVICE");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.out, Catch::Matchers::Contains("TPSIM_CUDA_DEVICE=99: no such device"));
+}
+
+}  // namespace

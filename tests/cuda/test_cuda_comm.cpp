@@ -1,0 +1,166 @@
+// SimComm (ranks sharing GPU 0) and NcclComm (a GPU per rank) through launch_ranks, with
+// exact expectations: reductions run in rank order 0..n-1, so sums of floats must equal,
+// bit for bit, the same sums done in order on the host (nccl-tests' zero tolerance;
+// for NCCL, whose order is its own, the values are small integers, exact in any order).
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/errors.h"
+#include "cuda_test_util.h"
+#include "runtime/launch.h"
+
+namespace {
+
+using namespace tpsim;
+using i64 = std::int64_t;
+
+// Element i of rank r's input: not integers, so the order of a float sum shows.
+double value(int r, i64 i) { return 0.1 * (r + 1) + 1e-3 * static_cast<double>(i) + 1.0 / (3 + r); }
+
+template <class T>
+std::vector<double> rank_order_sum(int n, i64 count, i64 offset = 0) {
+  std::vector<double> out(static_cast<std::size_t>(count));
+  for (i64 i = 0; i < count; ++i) {
+    T acc = T(value(0, offset + i));
+    for (int r = 1; r < n; ++r) acc = acc + T(value(r, offset + i));
+    out[static_cast<std::size_t>(i)] = double(acc);
+  }
+  return out;
+}
+
+std::vector<double> inputs(int r, i64 count) {
+  std::vector<double> v(static_cast<std::size_t>(count));
+  for (i64 i = 0; i < count; ++i) v[static_cast<std::size_t>(i)] = value(r, i);
+  return v;
+}
+
+// Runs every collective on `world` ranks with `comm` and checks each result exactly.
+template <class T>
+void check_collectives(CommKind comm, int world) {
+  const DType dt = dtype_of<T>();
+  const i64 chunk = 1000;
+  const i64 count = chunk * world;
+  launch_ranks({BackendKind::Cuda, comm, {}}, world, 20.0, [&](int r, Backend& be, Communicator& c) {
+    const auto in = inputs(r, count);
+    auto sum = rank_order_sum<T>(world, count);
+    // all_reduce sum, in place
+    Tensor t = be.empty({count}, dt, MemCategory::CommBuffer, "t");
+    be.from_host(t, in.data());
+    c.all_reduce(t, ReduceOp::Sum);
+    const auto got = be.to_host(t);
+    if (comm == CommKind::Sim) CHECK(got == sum);
+    // all_reduce max
+    be.from_host(t, in.data());
+    c.all_reduce(t, ReduceOp::Max);
+    std::vector<double> top = inputs(world - 1, count);  // value() grows with r
+    for (auto& x : top) x = double(T(x));
+    CHECK(be.to_host(t) == top);
+    // all_gather, out of place and in place
+    Tensor part = be.empty({chunk}, dt, MemCategory::CommBuffer, "part");
+    be.from_host(part, in.data() + r * chunk);
+    Tensor whole = be.empty({count}, dt, MemCategory::CommBuffer, "whole");
+    c.all_gather(part, whole);
+    std::vector<double> want(static_cast<std::size_t>(count));
+    for (int q = 0; q < world; ++q)
+      for (i64 i = 0; i < chunk; ++i)
+        want[static_cast<std::size_t>(q * chunk + i)] = double(T(value(q, q * chunk + i)));
+    CHECK(be.to_host(whole) == want);
+    Tensor mine = whole.narrow0(r * chunk, chunk);
+    be.from_host(mine, in.data() + r * chunk);
+    c.all_gather(mine, whole);
+    CHECK(be.to_host(whole) == want);
+    // reduce_scatter, out of place and in place
+    Tensor src = be.empty({count}, dt, MemCategory::CommBuffer, "src");
+    be.from_host(src, in.data());
+    c.reduce_scatter(src, part, ReduceOp::Sum);
+    const auto rs = rank_order_sum<T>(world, chunk, r * chunk);
+    if (comm == CommKind::Sim) CHECK(be.to_host(part) == rs);
+    Tensor own = src.narrow0(r * chunk, chunk);
+    c.reduce_scatter(src, own, ReduceOp::Sum);
+    if (comm == CommKind::Sim) CHECK(be.to_host(own) == rs);
+    // broadcast from the last rank
+    be.from_host(t, in.data());
+    c.broadcast(t, world - 1);
+    std::vector<double> root = inputs(world - 1, count);
+    for (auto& x : root) x = double(T(x));
+    CHECK(be.to_host(t) == root);
+    c.barrier();
+    CHECK(c.records().size() == 8);  // 2 all_reduce, 2 all_gather, 2 reduce_scatter, broadcast, barrier
+  });
+}
+
+TEST_CASE("SimComm: every collective, exact, on 2, 3 and 4 ranks sharing one GPU", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  for (int n : {1, 2, 3, 4}) {
+    INFO(n << " ranks");
+    check_collectives<float>(CommKind::Sim, n);
+    check_collectives<double>(CommKind::Sim, n);
+  }
+}
+
+TEST_CASE("NcclComm: every collective on a GPU per rank", "[cuda]") {
+  TPSIM_REQUIRE_GPUS(2);
+  const int n = test::gpus();
+  check_collectives<float>(CommKind::Nccl, n < 4 ? n : 4);
+  check_collectives<double>(CommKind::Nccl, 2);
+}
+
+TEST_CASE("SimComm: ranks that disagree fail on every rank with one message", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  try {
+    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}}, 2, 5.0, [](int r, Backend& be, Communicator& c) {
+      Tensor t = be.empty({r == 0 ? 4 : 5}, DType::F32, MemCategory::CommBuffer, "t");
+      be.fill(t, 1.0);
+      c.all_reduce(t, ReduceOp::Sum);
+    });
+    FAIL("expected CommError");
+  } catch (const CommError& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Matchers::Contains("ranks disagree on the call"));
+  }
+}
+
+TEST_CASE("device comms: a rank that never joins ends in an error, not a hang", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  for (CommKind kind : {CommKind::Sim, CommKind::Nccl}) {
+    if (kind == CommKind::Nccl && test::gpus() < 2) continue;
+    try {
+      launch_ranks({BackendKind::Cuda, kind, {}}, 2, 0.5, [](int r, Backend& be, Communicator& c) {
+        Tensor t = be.empty({16}, DType::F32, MemCategory::CommBuffer, "t");
+        be.fill(t, 1.0);
+        c.set_label("h.0 g");
+        if (r == 0) c.all_reduce(t, ReduceOp::Sum);
+      });
+      FAIL("expected CommError");
+    } catch (const CommError& e) {
+      CHECK_THAT(std::string(e.what()), Catch::Matchers::Contains("all_reduce #0"));
+    }
+  }
+}
+
+TEST_CASE("launch: a failing rank's own error is the one reported", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  try {
+    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}}, 3, 5.0, [](int r, Backend& be, Communicator& c) {
+      Tensor t = be.empty({16}, DType::F32, MemCategory::CommBuffer, "t");
+      be.fill(t, 1.0);
+      if (r == 2) throw UsageError("rank 2 refuses");
+      c.all_reduce(t, ReduceOp::Sum);
+    });
+    FAIL("expected UsageError");
+  } catch (const UsageError& e) {
+    CHECK(std::string(e.what()) == "rank 2 refuses");
+  }
+}
+
+TEST_CASE("launch: --comm nccl with more ranks than GPUs is a usage error", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const int n = test::gpus();
+  CHECK_THROWS_AS(launch_ranks({BackendKind::Cuda, CommKind::Nccl, {}}, n + 1, 5.0,
+                               [](int, Backend&, Communicator&) {}),
+                  UsageError);
+}
+
+}  // namespace

@@ -1,0 +1,275 @@
+// Every op of backend.h on the CUDA backend against the CPU backend, on the same inputs
+// (ggml's test-backend-ops idea). Bound, per output tensor, normalised:
+//     ‖cuda − cpu‖ / ‖cpu‖ <= 2e-5 (f32),  1e-12 (f64).
+// f32 reductions here are at most ~500 long; their rounding (√n·u ≈ 1.3e-6 for u = 2^-24)
+// in two different orders, plus a few ulp from the device's exp/erfc/log, stays well
+// under 2e-5, while any indexing or formula bug gives 1e-2 to 1. Ops that only move data
+// (copy, columns, fill, embedding forward) and the deterministic row-order sums must agree
+// exactly.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/errors.h"
+#include "cuda_test_util.h"
+#include "model/config.h"
+
+namespace {
+
+using namespace tpsim;
+using i64 = std::int64_t;
+
+struct Input {
+  std::string tag;
+  Shape shape;
+  std::vector<double> values;  // float inputs (empty: filled with zeros on the device)
+  std::vector<i64> ids;        // i64 inputs
+  bool is_i64 = false;
+};
+
+std::vector<double> randn(i64 n, unsigned seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<double> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+Input f(std::string tag, Shape s, unsigned seed, double scale = 1.0) {
+  const i64 n = shape_numel(s);
+  return {std::move(tag), std::move(s), randn(n, seed, scale), {}, false};
+}
+Input zeros(std::string tag, Shape s) {
+  const i64 n = shape_numel(s);
+  return {std::move(tag), std::move(s), std::vector<double>(static_cast<std::size_t>(n), 0.0), {}, false};
+}
+Input ids(std::string tag, std::vector<i64> v) {
+  Shape s{static_cast<i64>(v.size())};
+  return {std::move(tag), std::move(s), {}, std::move(v), true};
+}
+
+using Run = std::function<void(Backend&, std::vector<Tensor>&)>;
+
+// Runs `run` on fresh copies of `inputs` on `be`; returns the float tensors listed in
+// `outputs` (indices into inputs), as f64.
+std::vector<std::vector<double>> run_on(Backend& be, DType dt, const std::vector<Input>& inputs,
+                                        const std::vector<int>& outputs, const Run& run) {
+  std::vector<Tensor> ts;
+  for (const Input& in : inputs) {
+    Tensor t = be.empty(in.shape, in.is_i64 ? DType::I64 : dt, MemCategory::Temporary, in.tag);
+    if (in.is_i64)
+      be.from_host_i64(t, in.ids.data());
+    else
+      be.from_host(t, in.values.data());
+    ts.push_back(std::move(t));
+  }
+  run(be, ts);
+  std::vector<std::vector<double>> out;
+  for (int i : outputs) out.push_back(be.to_host(ts[static_cast<std::size_t>(i)]));
+  return out;
+}
+
+// The op on both backends, in f32 and f64; each output within the bound (0: exact).
+void compare(const std::string& op, const std::vector<Input>& inputs,
+             const std::vector<int>& outputs, const Run& run, bool exact = false) {
+  for (DType dt : {DType::F32, DType::F64}) {
+    auto cpu = make_cpu_backend();
+    CudaBackend gpu(0);
+    const auto want = run_on(*cpu, dt, inputs, outputs, run);
+    const auto got = run_on(gpu, dt, inputs, outputs, run);
+    const double bound = exact ? 0.0 : dt == DType::F32 ? 2e-5 : 1e-12;
+    for (std::size_t k = 0; k < outputs.size(); ++k) {
+      const double err = test::rel_err(got[k], want[k]);
+      INFO(op << " " << dtype_name(dt) << " output '"
+              << inputs[static_cast<std::size_t>(outputs[k])].tag << "': rel err " << err
+              << " (bound " << bound << ")");
+      CHECK(err <= bound);
+    }
+  }
+}
+
+TEST_CASE("cuda ops: data movement is exact", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare("fill", {zeros("t", {5, 7})}, {0}, [](Backend& be, auto& t) { be.fill(t[0], 0.25); }, true);
+  compare("copy", {f("src", {6, 5}, 1), zeros("dst", {30})}, {1},
+          [](Backend& be, auto& t) { be.copy(t[1], t[0]); }, true);
+  compare("copy_columns", {f("src", {4, 10}, 2), zeros("dst", {4, 3})}, {1},
+          [](Backend& be, auto& t) { be.copy_columns(t[1], t[0], 5); }, true);
+  compare("set_columns", {f("dst", {4, 10}, 3), f("src", {4, 3}, 4)}, {0},
+          [](Backend& be, auto& t) { be.set_columns(t[0], t[1], 7); }, true);
+  compare("add_inplace", {f("dst", {33}, 5), f("src", {33}, 6)}, {0},
+          [](Backend& be, auto& t) { be.add_inplace(t[0], t[1]); }, true);
+  compare("scale_inplace", {f("t", {33}, 7)}, {0},
+          [](Backend& be, auto& t) { be.scale_inplace(t[0], -0.375); }, true);
+}
+
+TEST_CASE("cuda ops: gemm in all four transposes, with alpha and beta", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 M = 13, N = 17, K = 64;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      Shape sa = ta ? Shape{K, M} : Shape{M, K}, sb = tb ? Shape{N, K} : Shape{K, N};
+      compare(std::string("gemm ta=") + (ta ? "1" : "0") + " tb=" + (tb ? "1" : "0"),
+              {f("a", sa, 10), f("b", sb, 11), f("out", {M, N}, 12)}, {2},
+              [=](Backend& be, auto& t) { be.gemm(t[2], t[0], ta, t[1], tb, 0.5, 0.25); });
+    }
+  compare("gemm beta=0", {f("a", {M, K}, 13), f("b", {K, N}, 14), f("out", {M, N}, 15)}, {2},
+          [](Backend& be, auto& t) { be.gemm(t[2], t[0], false, t[1], false, 1.0, 0.0); });
+}
+
+TEST_CASE("cuda ops: activations", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const Shape s{9, 31};
+  compare("relu", {f("x", s, 20, 2.0), zeros("out", s), f("dy", s, 21), zeros("dx", s)}, {1, 3},
+          [](Backend& be, auto& t) {
+            be.relu_forward(t[1], t[0]);
+            be.relu_backward(t[3], t[2], t[0]);
+          }, true);
+  compare("gelu", {f("x", s, 22, 3.0), zeros("out", s), f("dy", s, 23), zeros("dx", s)}, {1, 3},
+          [](Backend& be, auto& t) {
+            be.gelu_forward(t[1], t[0]);
+            be.gelu_backward(t[3], t[2], t[0]);
+          });
+}
+
+TEST_CASE("cuda ops: LayerNorm forward and backward (accumulating)", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 N = 150, C = 96;  // N > 64: dweight sums over several row chunks
+  Input x = f("x", {N, C}, 30);
+  for (auto& v : x.values) v += 2.0;
+  compare("layernorm",
+          {x, f("w", {C}, 31), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
+           f("dy", {N, C}, 32), f("dx", {N, C}, 33), f("dw", {C}, 34)},
+          {2, 3, 4, 6, 7}, [](Backend& be, auto& t) {
+            be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
+            be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
+          });
+}
+
+TEST_CASE("cuda ops: causal attention forward and backward", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 B = 3, T = 20, h = 2, d = 8;
+  const Shape s{B * T, h * d};
+  compare("attention",
+          {f("q", s, 40), f("k", s, 41), f("v", s, 42), zeros("out", s), zeros("probs", {B, h, T, T}),
+           f("dout", s, 43), zeros("dq", s), zeros("dk", s), zeros("dv", s)},
+          {3, 4, 6, 7, 8}, [=](Backend& be, auto& t) {
+            const double scale = 1.0 / std::sqrt(double(d));
+            be.attention_forward(t[3], t[4], t[0], t[1], t[2], B, T, h, scale);
+            be.attention_backward(t[6], t[7], t[8], t[5], t[0], t[1], t[2], t[4], B, T, h, scale);
+          });
+}
+
+TEST_CASE("cuda ops: masked embedding and its scatter-add", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 R = 6, C = 10, row0 = 4;
+  // ids outside [4, 10) read 0 and add nothing; repeated ids accumulate in token order
+  const std::vector<i64> tok = {4, 9, 3, 5, 5, 12, 4, 9, 9, 0};
+  const i64 N = static_cast<i64>(tok.size());
+  compare("embedding",
+          {ids("ids", tok), f("table", {R, C}, 50), zeros("out", {N, C}), f("dout", {N, C}, 51),
+           f("dtable", {R, C}, 52)},
+          {2, 4}, [=](Backend& be, auto& t) {
+            be.embedding_forward(t[2], t[0], t[1], row0);
+            be.embedding_backward(t[4], t[3], t[0], row0);
+          }, true);
+}
+
+TEST_CASE("cuda ops: vocab-parallel cross-entropy pieces", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 N = 7, Vl = 300, valid = 290, col0 = 600;
+  const std::vector<i64> tg = {600, 889, kIgnoreIndex, 12, 700, 601, 2000};
+  compare("cross_entropy",
+          {f("logits", {N, Vl}, 60, 4.0), ids("targets", tg), zeros("rowmax", {N}),
+           zeros("target_logit", {N}), zeros("sumexp", {N}), zeros("loss", {N}),
+           zeros("dlogits", {N, Vl})},
+          {2, 3, 4, 5, 6}, [=](Backend& be, auto& t) {
+            be.ce_row_max(t[2], t[0], valid);
+            be.ce_target_logit(t[3], t[0], t[1], col0, valid);
+            be.ce_sum_exp(t[4], t[0], t[2], valid);
+            be.ce_loss(t[5], t[2], t[4], t[3], t[1]);
+            be.ce_backward(t[6], t[0], t[2], t[4], t[1], col0, valid, 1.0 / 6);
+          });
+}
+
+TEST_CASE("cuda ops: a target in the padded columns fails as on the CPU", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const std::vector<i64> tg = {0, 295};  // columns [290, 300) are padding
+  std::string messages[2];
+  int k = 0;
+  auto cpu = make_cpu_backend();
+  CudaBackend gpu(0);
+  for (Backend* be : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(&gpu)}) {
+    Tensor logits = be->empty({2, 300}, DType::F32, MemCategory::Temporary, "logits");
+    be->fill(logits, 0.0);
+    Tensor targets = be->empty({2}, DType::I64, MemCategory::Input, "targets");
+    be->from_host_i64(targets, tg.data());
+    Tensor out = be->empty({2}, DType::F32, MemCategory::Temporary, "tl");
+    try {
+      be->ce_target_logit(out, logits, targets, 0, 290);
+    } catch (const Error& e) {
+      messages[k] = e.what();
+    }
+    ++k;
+  }
+  CHECK_FALSE(messages[0].empty());
+  CHECK(messages[1] == messages[0]);
+}
+
+TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  for (DType dt : {DType::F32, DType::F64}) {
+    auto cpu = make_cpu_backend();
+    CudaBackend gpu(0);
+    const auto y = randn(1000, 70), target = randn(1000, 71);
+    double s[2], m[2];
+    int k = 0;
+    for (Backend* be : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(&gpu)}) {
+      Tensor ty = be->empty({1000}, dt, MemCategory::Temporary, "y");
+      Tensor tt = be->empty({1000}, dt, MemCategory::Temporary, "target");
+      be->from_host(ty, y.data());
+      be->from_host(tt, target.data());
+      s[k] = be->sum(ty);
+      m[k] = be->mse_forward(ty, tt);
+      ++k;
+    }
+    // both accumulate in f64; only the order differs
+    CHECK(std::abs(s[1] - s[0]) <= 1e-12 * 1000);
+    CHECK(std::abs(m[1] - m[0]) <= 1e-12 * m[0]);
+  }
+  compare("mse_backward", {f("y", {40}, 72), f("target", {40}, 73), zeros("dy", {40})}, {2},
+          [](Backend& be, auto& t) { be.mse_backward(t[2], t[0], t[1]); });
+  compare("sgd", {f("p", {40}, 74), f("g", {40}, 75)}, {0},
+          [](Backend& be, auto& t) { be.sgd_update(t[0], t[1], 0.1); });
+  Input v = f("v", {40}, 78, 0.1);
+  for (auto& x : v.values) x = std::abs(x);
+  compare("adam", {f("p", {40}, 76), f("g", {40}, 77), f("m", {40}, 79, 0.1), v}, {0, 2, 3},
+          [](Backend& be, auto& t) { be.adam_update(t[0], t[1], t[2], t[3], 1e-3, 0.9, 0.95, 1e-8, 0.1, 4); });
+}
+
+TEST_CASE("cuda ops: device memory is in the ledger, and returned", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  CudaBackend gpu(0);
+  {
+    Tensor t = gpu.empty({256, 256}, DType::F32, MemCategory::Activation, "act");
+    CHECK(gpu.allocator().ledger().current(MemCategory::Activation) == 256 * 256 * 4);
+    CHECK(t.device() == Device{DeviceKind::Cuda, 0});
+  }
+  CHECK(gpu.allocator().ledger().current(MemCategory::Activation) == 0);
+  CHECK(gpu.allocator().ledger().peak(MemCategory::Activation) == 256 * 256 * 4);
+}
+
+TEST_CASE("cuda ops: a host tensor is refused with the CPU backend's message shape", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  CudaBackend gpu(0);
+  HostAllocator host;
+  Tensor t = Tensor::zeros({4}, DType::F32, host, MemCategory::Temporary, "host_t");
+  CHECK_THROWS_AS(gpu.scale_inplace(t, 2.0), Error);
+}
+
+}  // namespace
