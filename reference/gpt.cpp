@@ -74,20 +74,67 @@ void layernorm_backward(Matrix<S>& dx, Matrix<S>& dw, const Matrix<S>& dout,
   }
 }
 
-// ---------------------------------------------------------------- Linear, no bias
+// ---------------------------------------------------------------- two cores
 
-// out = x W^T   x [N, in], W [out, in], out [N, out]
-template <class S>
-void matmul_forward(Matrix<S>& out, const Matrix<S>& x, const Matrix<S>& w) {
-  out.noalias() = x * w.transpose();
+// Runs body(begin, end) on the two halves of [0, n), the upper half on a helper thread,
+// or body(0, n) alone when `split` is false. Used only where the halves write disjoint
+// outputs and each output element is computed exactly as without the split's neighbour
+// (products split along an output dimension, never along a reduction), so the numbers are
+// a function of the shapes alone: the split is always in two, whatever the machine.
+template <class F>
+void in_two_halves(Index n, bool split, F&& body) {
+  if (!split || n < 2) {
+    body(Index{0}, n);
+    return;
+  }
+  const Index mid = n / 2;
+  std::exception_ptr helper_error;
+  std::thread helper([&] {
+    try {
+      body(mid, n);
+    } catch (...) {
+      helper_error = std::current_exception();
+    }
+  });
+  try {
+    body(Index{0}, mid);
+  } catch (...) {
+    helper.join();
+    throw;
+  }
+  helper.join();
+  if (helper_error) std::rethrow_exception(helper_error);
 }
 
-// dW += dout^T x; dx += dout W (accumulating, because q/k/v share their input).
+// A product of m x k by k x n is worth a second thread from ~2M multiply-adds (~0.2 ms on
+// one core here, against ~30 us to start a thread). At the seed's size the V x H LM head
+// is ~90% of a step and two cores make the step ~1.7x faster.
+bool worth_two_threads(Index m, Index n, Index k) {
+  return static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >= 2.0e6;
+}
+
+// ---------------------------------------------------------------- Linear, no bias
+
+// out = x W^T   x [N, in], W [out, in], out [N, out]. Also the LM head (W = wte).
+template <class S>
+void matmul_forward(Matrix<S>& out, const Matrix<S>& x, const Matrix<S>& w) {
+  out.resize(x.rows(), w.rows());
+  in_two_halves(w.rows(), worth_two_threads(x.rows(), w.rows(), w.cols()), [&](Index b, Index e) {
+    out.middleCols(b, e - b).noalias() = x * w.middleRows(b, e - b).transpose();
+  });
+}
+
+// dW += dout^T x   [out, in]; dx += dout W   [N, in] (both accumulate: q/k/v share their
+// input, and wte is both the LM head and the embedding).
 template <class S>
 void matmul_backward(Matrix<S>& dx, Matrix<S>& dw, const Matrix<S>& dout, const Matrix<S>& x,
                      const Matrix<S>& w) {
-  dw.noalias() += dout.transpose() * x;  // [out, in]
-  dx.noalias() += dout * w;              // [N, in]
+  in_two_halves(dw.rows(), worth_two_threads(dw.rows(), dw.cols(), x.rows()), [&](Index b, Index e) {
+    dw.middleRows(b, e - b).noalias() += dout.middleCols(b, e - b).transpose() * x;
+  });
+  in_two_halves(dx.rows(), worth_two_threads(dx.rows(), dx.cols(), w.rows()), [&](Index b, Index e) {
+    dx.middleRows(b, e - b).noalias() += dout.middleRows(b, e - b) * w;
+  });
 }
 
 // ---------------------------------------------------------------- causal self-attention
@@ -172,68 +219,7 @@ void gelu_backward(Matrix<S>& dx, const Matrix<S>& x, const Matrix<S>& dout) {
   });
 }
 
-// ---------------------------------------------------------------- LM head + cross-entropy
-
-// Runs body(begin, end) on the two halves of [0, n), the upper half on a helper thread,
-// or body(0, n) alone when `split` is false. The LM head's three V-sized products are ~90%
-// of a step at the seed's size and split cleanly (every output element is computed by
-// exactly one half, with the same reduction length), so two cores make a step ~1.7x
-// faster. The split is fixed at two, not taken from the machine, so the numbers do not
-// depend on where the reference runs.
-template <class F>
-void in_two_halves(Index n, bool split, F&& body) {
-  if (!split || n < 2) {
-    body(Index{0}, n);
-    return;
-  }
-  const Index mid = n / 2;
-  std::exception_ptr helper_error;
-  std::thread helper([&] {
-    try {
-      body(mid, n);
-    } catch (...) {
-      helper_error = std::current_exception();
-    }
-  });
-  try {
-    body(Index{0}, mid);
-  } catch (...) {
-    helper.join();
-    throw;
-  }
-  helper.join();
-  if (helper_error) std::rethrow_exception(helper_error);
-}
-
-// Below this vocabulary size a second thread costs more than it saves.
-constexpr Index kMinVocabToSplit = 8192;
-
-// logits = x wte^T   x [N, H], wte [V, H] (tied with the embedding), logits [N, V]
-template <class S>
-void lm_head_forward(Matrix<S>& logits, const Matrix<S>& x, const Matrix<S>& wte) {
-  const Index V = wte.rows();
-  logits.resize(x.rows(), V);
-  in_two_halves(V, V >= kMinVocabToSplit, [&](Index b, Index e) {
-    logits.middleCols(b, e - b).noalias() = x * wte.middleRows(b, e - b).transpose();
-  });
-}
-
-// dwte += dlogits^T x; dx = dlogits wte. Row-restricted: dlogits [M, V] and x [M, H] hold
-// only the M rows that carry a loss (see LossRows); dx [M, H].
-template <class S>
-void lm_head_backward(Matrix<S>& dx, Matrix<S>& dwte, const Matrix<S>& dlogits,
-                      const Matrix<S>& x, const Matrix<S>& wte) {
-  const Index V = wte.rows(), M = dlogits.rows();
-  in_two_halves(V, V >= kMinVocabToSplit, [&](Index b, Index e) {
-    dwte.middleRows(b, e - b).noalias() += dlogits.middleCols(b, e - b).transpose() * x;
-  });
-  dx.resize(M, wte.cols());
-  // Split by rows of dx, not by V: splitting the reduction over V would change the order
-  // of the sums with the split.
-  in_two_halves(M, V >= kMinVocabToSplit, [&](Index b, Index e) {
-    dx.middleRows(b, e - b).noalias() = dlogits.middleRows(b, e - b) * wte;
-  });
-}
+// ---------------------------------------------------------------- cross-entropy
 
 // The rows of the logits that carry a loss: position t < T-1 whose label is not ignored.
 // The backward only ever touches these rows, so their gradient is kept compact ([M, V],
@@ -257,7 +243,7 @@ LossRows loss_rows(const GptBatch& batch) {
 
 // loss = (1/M) sum_m [logsumexp(logits[row_m]) - logits[row_m, target_m]]; fills
 // dlogits [M, V] = (softmax(logits[row_m]) - onehot(target_m)) / M. The row max is
-// subtracted before exp. Rows are independent (and split over two threads at large V);
+// subtracted before exp. Rows are independent (so split over two threads when large);
 // the M per-row losses are then summed in row order, in double.
 template <class S>
 double crossentropy_forward_backward(Matrix<S>& dlogits, const Matrix<S>& logits,
@@ -266,7 +252,7 @@ double crossentropy_forward_backward(Matrix<S>& dlogits, const Matrix<S>& logits
   const S inv_m = S(1) / static_cast<S>(M);
   dlogits.resize(M, V);                // [M, V]
   std::vector<double> row_loss(rows.row.size());  // [M]
-  in_two_halves(M, V >= kMinVocabToSplit, [&](Index begin, Index end) {
+  in_two_halves(M, worth_two_threads(M, V, 16), [&](Index begin, Index end) {
     for (Index m = begin; m < end; ++m) {
       const auto z = logits.row(rows.row[static_cast<std::size_t>(m)]);  // [V]
       const Index y = rows.target[static_cast<std::size_t>(m)];
@@ -350,7 +336,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   }
   layernorm_forward(lnf_out_, lnf_xhat_, lnf_rstd_, x, P("ln_f.weight"), config_.ln_eps);
   // LM head, tied to the embedding: logits = ln_f(x) wte^T at every position.
-  lm_head_forward(logits_, lnf_out_, P("wte.weight"));  // [N, V]
+  matmul_forward(logits_, lnf_out_, P("wte.weight"));  // [N, V]
 
   const LossRows rows = loss_rows(batch);
   const Index M = static_cast<Index>(rows.row.size());
@@ -360,8 +346,8 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   // LM head on the M loss rows: dwte += dlogits^T ln_f_out[rows]; dln_f_out[rows] = dlogits wte.
   Matrix<S> lnf_rows(M, H);  // [M, H] the LM head's input at the loss rows
   for (Index m = 0; m < M; ++m) lnf_rows.row(m) = lnf_out_.row(rows.row[static_cast<std::size_t>(m)]);
-  Matrix<S> dlnf_rows;  // [M, H]
-  lm_head_backward(dlnf_rows, G("wte.weight"), dlogits_, lnf_rows, P("wte.weight"));
+  Matrix<S> dlnf_rows = Matrix<S>::Zero(M, H);  // [M, H]
+  matmul_backward(dlnf_rows, G("wte.weight"), dlogits_, lnf_rows, P("wte.weight"));
   Matrix<S> dlnf_out = Matrix<S>::Zero(N, H);  // [N, H], zero where no loss was taken
   for (Index m = 0; m < M; ++m) dlnf_out.row(rows.row[static_cast<std::size_t>(m)]) = dlnf_rows.row(m);
 
