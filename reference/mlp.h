@@ -19,7 +19,9 @@ class Mlp {
   void sgd_step(double lr);  // p -= lr * grad, every parameter
 
   const Matrix<S>& output() const { return y_; }
-  const Matrix<S>& input_grad() const { return dx_; }  // dL/dx [rows,in]
+  // dloss/dx [rows, in]. Not a parameter gradient, but the one that shows whether a
+  // column-parallel fc1 all-reduces its input gradient (the f operator's backward).
+  const Matrix<S>& input_grad() const { return dx_; }
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
   void set_params(ParamSet<S> params);  // checked against mlp_param_specs

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <sys/wait.h>
+#include <unistd.h>
 
 namespace tpsim::testing {
 
@@ -29,8 +30,11 @@ inline CliResult run_tpsim(const std::string& args) {
   return r;
 }
 
+// A file in a directory of this test process's own: ctest runs test cases as parallel
+// processes, and two test runs may share a machine.
 inline std::string temp_path(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / "tpsim-tests";
+  auto dir = std::filesystem::temp_directory_path() /
+             ("tpsim-tests-" + std::to_string(static_cast<long>(getpid())));
   std::filesystem::create_directories(dir);
   return (dir / name).string();
 }

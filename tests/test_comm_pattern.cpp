@@ -14,7 +14,10 @@ struct Counts {
 };
 
 Counts step1(const std::string& flags, int tp) {
-  const std::string json = temp_path("pattern-" + std::to_string(tp) + ".json");
+  std::string name = "pattern-" + std::to_string(tp) + flags + ".json";
+  for (char& ch : name)
+    if (ch == ' ') ch = '_';
+  const std::string json = temp_path(name);
   const auto r = run_tpsim("verify --model gpt --vocab-size 101 --block-size 64 --hidden 32 "
                            "--heads 4 --layers 2 --seq-len 16 --batch-size 2 --steps 1 --tp " +
                            std::to_string(tp) + " " + flags + " --json " + json);

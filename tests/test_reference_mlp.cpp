@@ -1,5 +1,6 @@
 // The reference MLP: hand-computed forward/backward on a tiny case, central finite
-// differences on every coordinate of a small one, SGD, init layout and input checks.
+// differences on every coordinate of a small one (weights and input), SGD, init layout
+// and input checks.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -56,6 +57,8 @@ TEST_CASE("reference MLP forward/backward matches a hand computation", "[referen
   CHECK(m.grads().at("fc2.weight")(0, 1) == 0.0);
   CHECK(m.grads().at("fc1.weight")(0, 0) == 24.0);
   CHECK(m.grads().at("fc1.weight")(1, 0) == 0.0);
+  // dx = dh W1 = [12, 0] . [0.5, -1] = 6
+  CHECK(m.input_grad()(0, 0) == 6.0);
 
   // SGD, lr 0.25: W1 = [0.5 - 6, -1], W2 = [3 - 1, 4]
   m.sgd_step(0.25);
@@ -111,6 +114,23 @@ TEST_CASE("reference MLP gradients match central finite differences", "[referenc
       INFO(name << "[" << i << "] analytic " << an << " fd " << fd);
       CHECK(rel < 1e-6);
     }
+  }
+  // The input gradient the same way, perturbing the batch instead of a weight.
+  m.set_params(p0);
+  m.forward_backward(b);
+  const Matrix<double> dx = m.input_grad();  // [rows, in]
+  REQUIRE(dx.rows() == c.batch);
+  REQUIRE(dx.cols() == c.in);
+  for (Eigen::Index i = 0; i < dx.size(); ++i) {
+    MlpBatch bp = b, bm = b;
+    bp.x[static_cast<std::size_t>(i)] += h;
+    bm.x[static_cast<std::size_t>(i)] -= h;
+    const double fd = (m.forward_backward(bp) - m.forward_backward(bm)) / (2 * h);
+    const double rel = std::abs(fd - dx.data()[i]) /
+                       std::max(std::abs(dx.data()[i]), dx.cwiseAbs().maxCoeff());
+    worst = std::max(worst, rel);
+    INFO("x[" << i << "] analytic " << dx.data()[i] << " fd " << fd);
+    CHECK(rel < 1e-6);
   }
   INFO("worst relative error " << worst);
   CHECK(worst < 1e-6);
