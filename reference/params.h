@@ -36,18 +36,15 @@ inline std::pair<Eigen::Index, Eigen::Index> stored_shape(const ParamSpec& spec)
                    std::to_string(spec.shape.size()) + " dims; only 1-D and 2-D are supported");
 }
 
-// Every parameter at full size. Entry (r,c) is init_value at row-major flat index r*cols+c,
-// in float64, then rounded once to S (so f32 weights are the f64 weights rounded once,
-// exactly as init_block produces them for a shard).
+// Every parameter at full size: entry (r,c) is the value at row-major flat index r*cols+c,
+// generated whole by init_block (the same values, pair by pair, that shards get).
 template <class S>
 ParamSet<S> init_params(const std::vector<ParamSpec>& specs, std::uint64_t seed) {
   ParamSet<S> out;
   for (const ParamSpec& spec : specs) {
     const auto [rows, cols] = stored_shape(spec);
-    Matrix<S> m(rows, cols);  // [rows, cols], full
-    for (Eigen::Index r = 0; r < rows; ++r)
-      for (Eigen::Index c = 0; c < cols; ++c)
-        m(r, c) = static_cast<S>(init_value(seed, spec.name, spec.init, r * cols + c));
+    Matrix<S> m(rows, cols);  // [rows, cols], full, row-major like the flat index
+    init_block<S>(m.data(), seed, spec.name, spec.init, spec.shape, -1, 0, 0);
     if (!out.emplace(spec.name, std::move(m)).second)
       throw UsageError("reference: parameter name " + spec.name + " appears twice in the specs");
   }

@@ -214,6 +214,13 @@ double ShardedGpt::forward_backward() {
 
 void ShardedGpt::optimizer_step() { adam_step(be_, params_, adam_, ++step_); }
 
+double ShardedGpt::softmax_scale() const {
+  // 1/sqrt(head dim); the fault takes the local width of all this rank's heads instead.
+  const auto width = fault_ == Fault::GptLocalSoftmaxScale ? cfg_.hidden / world_
+                                                           : cfg_.head_dim();
+  return 1.0 / std::sqrt(static_cast<double>(width));
+}
+
 void ShardedGpt::forward() {
   const std::int64_t Al = cfg_.heads / world_;
   const bool sp = par_.sequence_parallel;
@@ -254,10 +261,7 @@ void ShardedGpt::forward() {
   be_.add_inplace(x0_, pos_emb);
 
   // ---- blocks ----
-  const double head_dim = static_cast<double>(cfg_.head_dim());
-  const double width = fault_ == Fault::GptLocalSoftmaxScale
-                           ? static_cast<double>(cfg_.hidden / world_) : head_dim;
-  const double scale = 1.0 / std::sqrt(width);
+  const double scale = softmax_scale();
   const Tensor* x = &x0_;
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
     Block& b = *blocks_[l];
@@ -351,10 +355,7 @@ void ShardedGpt::backward() {
                          lnf.value, lnf_mean_, lnf_rstd_);
 
   // ---- blocks, last to first ----
-  const double head_dim = static_cast<double>(cfg_.head_dim());
-  const double width = fault_ == Fault::GptLocalSoftmaxScale
-                           ? static_cast<double>(cfg_.hidden / world_) : head_dim;
-  const double scale = 1.0 / std::sqrt(width);
+  const double scale = softmax_scale();
   for (std::size_t li = blocks_.size(); li-- > 0;) {
     Block& b = *blocks_[li];
     const Tensor& x_in = li == 0 ? x0_ : blocks_[li - 1]->x_out;

@@ -49,6 +49,7 @@ class ShardedGpt final : public ShardedModel {
   struct Block;
   void forward();
   void backward();
+  double softmax_scale() const;
   // Index of a parameter by name in params_.
   Parameter& param(const std::string& name);
 

@@ -14,16 +14,11 @@
 
 #include "runtime/launch.h"
 #include "verify/inputs.h"
+#include "core/clock.h"
 
 namespace tpsim {
 
 namespace {
-
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 std::string f(const char* fm, double v) {
   char buf[64];
@@ -527,12 +522,12 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
       RankProfile& rp = run.ranks[static_cast<std::size_t>(rank)];
       rp.rank = rank;
       for (int step = 1; step <= o.steps; ++step) {
-        const std::int64_t t0 = now_ns();
+        const std::int64_t t0 = steady_now_ns();
         tb.set_phase("step " + std::to_string(step) + " forward/backward");
         model->forward_backward();
         tb.set_phase("step " + std::to_string(step) + " optimizer");
         model->optimizer_step();
-        rp.steps.push_back({t0, now_ns()});
+        rp.steps.push_back({t0, steady_now_ns()});
       }
       tb.set_phase("");
       rp.ops = tb.records();

@@ -152,12 +152,6 @@ Span write_span(const DeviceCallPost& p, int q) {
 
 }  // namespace
 
-std::int64_t comm_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 std::string quoted_comm_label(const std::string& label) {
   return label.empty() ? std::string() : " (\"" + label + "\")";
 }

@@ -16,6 +16,7 @@
 
 #include "comm/communicator.h"
 #include "core/tensor.h"
+#include "core/clock.h"
 
 namespace tpsim {
 
@@ -72,6 +73,5 @@ std::string check_device_calls(const std::vector<DeviceCallPost>& posts, bool sa
 
 // " (\"label\")" or "".
 std::string quoted_comm_label(const std::string& label);
-std::int64_t comm_now_ns();
 
 }  // namespace tpsim

@@ -166,7 +166,7 @@ void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp 
                        seq,
                        counted ? counted->numel() : 0,
                        counted ? static_cast<std::int64_t>(counted->nbytes()) : 0,
-                       comm_now_ns(),
+                       steady_now_ns(),
                        0,
                        label_};
   const std::string who = "rank " + std::to_string(me) + ": " + collective_name(kind) + " #" +
@@ -213,12 +213,12 @@ void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp 
       }
     }
   } catch (...) {
-    rec.t_end_ns = comm_now_ns();
+    rec.t_end_ns = steady_now_ns();
     records_.push_back(std::move(rec));
     throw;
   }
   // t_end is when the work was enqueued, not when the GPU finished it.
-  rec.t_end_ns = comm_now_ns();
+  rec.t_end_ns = steady_now_ns();
   records_.push_back(std::move(rec));
 }
 

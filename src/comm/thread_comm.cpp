@@ -14,16 +14,12 @@
 #include <utility>
 
 #include "core/errors.h"
+#include "core/clock.h"
 
 namespace tpsim {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
-}
 
 // One tensor argument as a peer needs to see it: enough to validate the call, print it,
 // and read or write its elements.
@@ -508,7 +504,7 @@ void ThreadComm::run(Call& call) {
                        mine.seq,
                        call.counted ? call.counted->numel : 0,
                        call.counted ? static_cast<std::int64_t>(call.counted->nbytes()) : 0,
-                       now_ns(),
+                       steady_now_ns(),
                        0,
                        label_};
   const std::string who = "rank " + std::to_string(rank_) + ": " + collective_name(mine.kind) +
@@ -580,11 +576,11 @@ void ThreadComm::run(Call& call) {
     }
     if (result) std::memcpy(out.ptr, result->data(), out.nbytes());
   } catch (...) {
-    rec.t_end_ns = now_ns();
+    rec.t_end_ns = steady_now_ns();
     records_.push_back(std::move(rec));
     throw;
   }
-  rec.t_end_ns = now_ns();
+  rec.t_end_ns = steady_now_ns();
   records_.push_back(std::move(rec));
 }
 

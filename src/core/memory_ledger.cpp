@@ -1,17 +1,9 @@
 #include "core/memory_ledger.h"
+#include "core/clock.h"
 
 #include <algorithm>
-#include <chrono>
 
 namespace tpsim {
-
-namespace {
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-}  // namespace
 
 const char* mem_category_name(MemCategory c) {
   switch (c) {
@@ -26,7 +18,7 @@ const char* mem_category_name(MemCategory c) {
   return "?";
 }
 
-MemoryLedger::MemoryLedger() : t0_ns_(now_ns()) {}
+MemoryLedger::MemoryLedger() : t0_ns_(steady_now_ns()) {}
 
 void MemoryLedger::record_alloc(MemCategory c, std::int64_t bytes, const std::string& tag) {
   std::lock_guard lock(mu_);
@@ -39,7 +31,7 @@ void MemoryLedger::record_alloc(MemCategory c, std::int64_t bytes, const std::st
   tb.category = c;
   tb.current += bytes;
   tb.peak = std::max(tb.peak, tb.current);
-  if (keep_timeline_) timeline_.push_back({now_ns() - t0_ns_, c, bytes, tag, op_});
+  if (keep_timeline_) timeline_.push_back({steady_now_ns() - t0_ns_, c, bytes, tag, op_});
 }
 
 void MemoryLedger::record_free(MemCategory c, std::int64_t bytes, const std::string& tag) {
@@ -47,7 +39,7 @@ void MemoryLedger::record_free(MemCategory c, std::int64_t bytes, const std::str
   current_[static_cast<std::size_t>(c)] -= bytes;
   current_total_ -= bytes;
   if (auto it = tags_.find(tag); it != tags_.end()) it->second.current -= bytes;
-  if (keep_timeline_) timeline_.push_back({now_ns() - t0_ns_, c, -bytes, tag, op_});
+  if (keep_timeline_) timeline_.push_back({steady_now_ns() - t0_ns_, c, -bytes, tag, op_});
 }
 
 std::int64_t MemoryLedger::current(MemCategory c) const {

@@ -1,4 +1,5 @@
 #include "profile/timing_backend.h"
+#include "core/clock.h"
 
 #include <chrono>
 
@@ -18,14 +19,6 @@ const char* op_class_name(OpClass c) {
   return "?";
 }
 
-namespace {
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-}  // namespace
-
 // Records [construction, destruction) of one op; the ledger's label names the op meanwhile
 // (and is put back to the phase afterwards, so later allocations are not blamed on it).
 class TimingBackend::Scope {
@@ -33,10 +26,10 @@ class TimingBackend::Scope {
   Scope(TimingBackend& tb, const char* name, OpClass cls, double flops = 0.0)
       : tb_(tb), name_(name), cls_(cls), flops_(flops) {
     tb_.inner_->allocator().ledger().set_op(tb_.phase_.empty() ? name : tb_.phase_ + ": " + name);
-    t0_ = now_ns();
+    t0_ = steady_now_ns();
   }
   ~Scope() {
-    tb_.records_.push_back({name_, cls_, t0_, now_ns(), flops_});
+    tb_.records_.push_back({name_, cls_, t0_, steady_now_ns(), flops_});
     tb_.inner_->allocator().ledger().set_op(tb_.phase_);
   }
   Scope(const Scope&) = delete;
