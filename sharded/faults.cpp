@@ -4,32 +4,58 @@
 
 namespace tpsim {
 
+namespace {
+constexpr FaultScope kMlp{.mlp = true, .gpt = false};
+constexpr FaultScope kGpt{.mlp = false, .gpt = true};
+constexpr FaultScope kGptNoSp{.mlp = false, .gpt = true, .sequence_parallel = Needs::Off};
+constexpr FaultScope kLp{.mlp = false, .gpt = true, .loss_parallel = Needs::On};
+constexpr FaultScope kSp{.mlp = false, .gpt = true, .sequence_parallel = Needs::On};
+}  // namespace
+
 const std::vector<FaultInfo>& all_faults() {
   static const std::vector<FaultInfo> kFaults = {
-      {Fault::None, "none", "no fault"},
+      {Fault::None, "none", "no fault", {.mlp = true, .gpt = true, .min_tp = 1}},
       {Fault::MlpDropFBackward, "mlp-drop-f-backward",
-       "MLP: skip f's backward all-reduce before fc1"},
+       "MLP: skip f's backward all-reduce before fc1", kMlp},
       {Fault::MlpFc2SplitRows, "mlp-fc2-split-rows",
-       "MLP: slice row-parallel fc2 by rows instead of columns"},
-      {Fault::GptMissingF, "gpt-missing-f", "GPT: no f (copy_to_tp_region) before q/k/v"},
+       "MLP: slice row-parallel fc2 by rows instead of columns", kMlp},
+      {Fault::GptMissingF, "gpt-missing-f", "GPT: no f (copy_to_tp_region) before q/k/v",
+       kGptNoSp},
       {Fault::GptMissingG, "gpt-missing-g",
-       "GPT: no g (reduce_from_tp_region) after the MLP's ffn2"},
+       "GPT: no g (reduce_from_tp_region) after the MLP's ffn2", kGptNoSp},
       {Fault::GptQkHeadMismatch, "gpt-qk-head-mismatch",
-       "GPT: k's heads taken from a different rank's slice than q's"},
+       "GPT: k's heads taken from a different rank's slice than q's", kGpt},
       {Fault::GptLocalSoftmaxScale, "gpt-local-softmax-scale",
-       "GPT: softmax scale from the local width instead of the head dim"},
+       "GPT: softmax scale from the local width instead of the head dim",
+       {.mlp = false, .gpt = true, .min_tp = 1}},
       {Fault::GptUntiedEmbeddingGrad, "gpt-untied-embedding-grad",
-       "GPT: wte's LM-head gradient not added to its embedding gradient"},
+       "GPT: wte's LM-head gradient not added to its embedding gradient",
+       {.mlp = false, .gpt = true, .min_tp = 1}},
+      {Fault::GptFloatSoftmaxScale, "float-constant-in-f64",
+       "GPT: the softmax scale rounded to float32 in a float64 model",
+       {.mlp = false, .gpt = true, .min_tp = 1, .f64_only = true}},
+      {Fault::RankOrderSum, "rank-dependent-sum-order",
+       "GPT: g adds the ranks' partial sums starting from its own rank (replicas differ)",
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::Off, .min_tp = 3}},
       {Fault::VocabRangeOffByOne, "vocab-range-off-by-one",
-       "loss-parallel: rank 1's embedding vocab range off by one"},
+       "loss-parallel: rank 1's embedding vocab range off by one", kLp},
       {Fault::PaddedLogitsInSoftmax, "padded-logits-in-softmax",
-       "loss-parallel: padded vocab columns left in the softmax"},
+       "loss-parallel: padded vocab columns left in the softmax", kLp},
       {Fault::DropTargetLogitAllReduce, "drop-target-logit-all-reduce",
-       "loss-parallel: target logit not all-reduced"},
+       "loss-parallel: target logit not all-reduced", kLp},
+      {Fault::CeShardFirstIdUnowned, "ce-shard-first-id-unowned",
+       "loss-parallel: target ownership tested with > instead of >=, so the first "
+       "vocabulary id of every shard belongs to no rank",
+       {.mlp = false, .gpt = true, .loss_parallel = Needs::On, .min_tp = 1}},
       {Fault::SpLnGradNotSummed, "sp-ln-grad-not-summed",
-       "sequence-parallel: LayerNorm weight gradients not summed across ranks"},
+       "sequence-parallel: LayerNorm weight gradients not summed across ranks", kSp},
       {Fault::SpSwapBackwardCollectives, "sp-swap-backward-collectives",
-       "sequence-parallel: all-gather and reduce-scatter swapped in backward"},
+       "sequence-parallel: all-gather and reduce-scatter swapped in backward", kSp},
+      {Fault::SpAllGatherChunkOrder, "sp-all-gather-chunk-order",
+       "sequence-parallel: the all-gather over tokens puts rank r's chunk at r+1", kSp},
+      {Fault::ReassemblyShardOrder, "reassembly-shard-order",
+       "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
+       {.mlp = true, .gpt = true}},
   };
   return kFaults;
 }
@@ -43,10 +69,29 @@ Fault parse_fault(const std::string& name) {
   throw UsageError("--inject-fault: unknown fault '" + name + "' (known: " + known + ")");
 }
 
-const char* fault_name(Fault f) {
+const FaultInfo& fault_info(Fault f) {
   for (const auto& i : all_faults())
-    if (i.fault == f) return i.name;
-  return "?";
+    if (i.fault == f) return i;
+  throw Error("fault_info: a Fault without an entry in all_faults()");
+}
+
+const char* fault_name(Fault f) { return fault_info(f).name; }
+
+std::string fault_inapplicable(Fault f, bool gpt, bool loss_parallel, bool sequence_parallel,
+                               int max_tp, bool f64) {
+  const FaultScope& s = fault_info(f).scope;
+  if (gpt ? !s.gpt : !s.mlp) return gpt ? "applies to --model mlp" : "applies to --model gpt";
+  auto mismatch = [](Needs n, bool on) {
+    return (n == Needs::On && !on) || (n == Needs::Off && on);
+  };
+  if (mismatch(s.loss_parallel, loss_parallel))
+    return s.loss_parallel == Needs::On ? "needs --loss-parallel" : "needs no --loss-parallel";
+  if (mismatch(s.sequence_parallel, sequence_parallel))
+    return s.sequence_parallel == Needs::On ? "needs --sequence-parallel"
+                                            : "changes nothing with --sequence-parallel";
+  if (max_tp < s.min_tp) return "needs a TP degree of at least " + std::to_string(s.min_tp);
+  if (s.f64_only && !f64) return "is below float32's tolerance: needs --dtype f64";
+  return "";
 }
 
 }  // namespace tpsim

@@ -19,23 +19,49 @@ enum class Fault {
   GptQkHeadMismatch,    // k's heads taken from the neighbouring rank's slice
   GptLocalSoftmaxScale, // softmax scale 1/sqrt(local width) instead of 1/sqrt(head dim)
   GptUntiedEmbeddingGrad,  // wte's LM-head gradient dropped (tied uses not summed)
+  GptFloatSoftmaxScale, // the softmax scale rounded to float in a float64 model
+  RankOrderSum,         // g adds the ranks' partials starting from its own rank
   // vocab / loss parallel
   VocabRangeOffByOne,      // rank 1's vocab range shifted by one row in the lookup
   PaddedLogitsInSoftmax,   // padded vocab columns counted in the softmax (Megatron's way)
   DropTargetLogitAllReduce,// target logit not all-reduced across vocab shards
+  CeShardFirstIdUnowned,   // target ownership `>` instead of `>=`: a shard's first id is no one's
   // sequence parallel
   SpLnGradNotSummed,       // LayerNorm weight gradients not summed across the SP ranks
   SpSwapBackwardCollectives,  // all-gather and reduce-scatter swapped in backward
+  SpAllGatherChunkOrder,   // the all-gather over tokens puts the ranks' chunks out of order
+  // reassembly (gather_full: what train --save-final writes)
+  ReassemblyShardOrder,    // shards placed at the next rank's offset
+};
+
+// Whether a parallelism option must be on, must be off, or does not matter for a fault.
+enum class Needs { Either, On, Off };
+
+// Where a fault can change anything: the model, the options, the smallest TP degree.
+struct FaultScope {
+  bool mlp = false, gpt = false;
+  Needs loss_parallel = Needs::Either;
+  Needs sequence_parallel = Needs::Either;
+  int min_tp = 2;          // below it the broken code path computes the right thing
+  bool f64_only = false;   // its error is below float32's tolerance
 };
 
 struct FaultInfo {
   Fault fault;
   const char* name;  // the CLI spelling
   const char* what;
+  FaultScope scope;
 };
 
 const std::vector<FaultInfo>& all_faults();
 Fault parse_fault(const std::string& name);  // throws UsageError listing the names
 const char* fault_name(Fault f);
+const FaultInfo& fault_info(Fault f);
+
+// "" when `f` changes a run of this kind at some TP degree; otherwise why it cannot
+// ("needs --loss-parallel"), so that a fault that cannot apply is refused, never silently
+// passed. Fault::None applies everywhere.
+std::string fault_inapplicable(Fault f, bool gpt, bool loss_parallel, bool sequence_parallel,
+                               int max_tp, bool f64);
 
 }  // namespace tpsim

@@ -55,6 +55,7 @@ struct ShardedGpt::Workspace {
   Tensor dq, dk, dv;  // [N,Hl]
   Tensor da, du;    // [N,4H/t]
   Tensor dres[2];   // [Nl,H]   residual-stream gradients, ping-pong between blocks
+  Tensor fault_buf; // [t·N,H] or [N,H], only for the rank-order and chunk-order faults
 };
 
 Parameter& ShardedGpt::param(const std::string& name) {
@@ -66,8 +67,8 @@ Parameter& ShardedGpt::param(const std::string& name) {
 ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
                        const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
                        std::uint64_t seed, Fault fault)
-    : ShardedModel(be), cfg_(cfg), adam_(adam), par_(par), comm_(comm), dtype_(dtype),
-      fault_(fault), rank_(comm.rank()), world_(comm.world_size()) {
+    : ShardedModel(be, fault), cfg_(cfg), adam_(adam), par_(par), comm_(comm), dtype_(dtype),
+      rank_(comm.rank()), world_(comm.world_size()) {
   const int r = rank_, t = world_;
   const std::int64_t H = cfg.hidden;
   B_ = batch.B;
@@ -180,6 +181,17 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   ce_->ce.valid = logits_valid_;
   ce_->ce.split = par.loss_parallel;
   ce_->ce.fault = fault;
+  if (fault == Fault::CeShardFirstIdUnowned) {
+    std::vector<std::int64_t> unowned(targets.begin() + (rows_local ? tok0_ : 0),
+                                      targets.begin() + (rows_local ? tok0_ : 0) + Nce);
+    for (std::size_t i = 0; i < unowned.size(); ++i)
+      if (unowned[i] == logits_col0_) {
+        unowned[i] = kIgnoreIndex;
+        ce_->ce.unowned_rows.push_back(static_cast<std::int64_t>(i));
+      }
+    ce_->ce.unowned_targets = be.empty({Nce}, DType::I64, MemCategory::Temporary, "fault.targets");
+    be.from_host_i64(ce_->ce.unowned_targets, unowned.data());
+  }
 
   ws_ = std::make_unique<Workspace>();
   Workspace& w = *ws_;
@@ -201,6 +213,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   w.du = tmp({N_, Fl}, "mlp.ffn1.out.grad");
   w.dres[0] = tmp({Nl_, H}, "residual.grad.0");
   w.dres[1] = tmp({Nl_, H}, "residual.grad.1");
+  if (fault == Fault::RankOrderSum) w.fault_buf = tmp({t * N_, H}, "fault.partials");
+  if (fault == Fault::SpAllGatherChunkOrder) w.fault_buf = tmp({N_, H}, "fault.gathered");
 }
 
 ShardedGpt::~ShardedGpt() = default;
@@ -218,7 +232,33 @@ double ShardedGpt::softmax_scale() const {
   // 1/sqrt(head dim); the fault takes the local width of all this rank's heads instead.
   const auto width = fault_ == Fault::GptLocalSoftmaxScale ? cfg_.hidden / world_
                                                            : cfg_.head_dim();
-  return 1.0 / std::sqrt(static_cast<double>(width));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(width));
+  // A float literal in a float64 kernel: right to 7 digits, wrong at the 8th.
+  if (fault_ == Fault::GptFloatSoftmaxScale) return static_cast<float>(scale);
+  return scale;
+}
+
+void ShardedGpt::gather_tokens(Tensor& full, const Tensor& local) {
+  gather_from_sp_region_forward(comm_, full, local);
+  if (fault_ != Fault::SpAllGatherChunkOrder) return;
+  // The bug: rank r's tokens land where rank r+1's belong.
+  Tensor& tmp = ws_->fault_buf;
+  be_.copy(tmp, full);
+  for (int r = 0; r < world_; ++r) {
+    Tensor dst = full.narrow0(((r + 1) % world_) * Nl_, Nl_);
+    be_.copy(dst, tmp.narrow0(r * Nl_, Nl_));
+  }
+}
+
+void ShardedGpt::reduce_partials(Tensor& y) {
+  if (fault_ != Fault::RankOrderSum) return reduce_from_tp_region_forward(comm_, y);
+  // The bug: each rank adds the partial sums starting from its own. Addition does not
+  // associate, so for t >= 3 the ranks' "replicated" sums differ in their last bits.
+  const std::int64_t n = y.dim(0);
+  Tensor& all = ws_->fault_buf;  // [t·N,H]
+  comm_.all_gather(y, all);
+  be_.copy(y, all.narrow0(rank_ * n, n));
+  for (int k = 1; k < world_; ++k) be_.add_inplace(y, all.narrow0(((rank_ + k) % world_) * n, n));
 }
 
 void ShardedGpt::forward() {
@@ -230,13 +270,13 @@ void ShardedGpt::forward() {
   Tensor& reduced = ws_->reduced;
   // f (copy_to_tp_region, or gather_from_sp_region under SP): in = this rank's tokens.
   auto enter_tp = [&](Tensor& full, const Tensor& local) {
-    if (sp) gather_from_sp_region_forward(comm_, full, local);
+    if (sp) gather_tokens(full, local);
     else (void)copy_to_tp_region_forward(local);  // identity: `full` aliases `local`
   };
   // g (reduce_from_tp_region, or reduce_scatter_to_sp_region under SP).
   auto leave_tp = [&]() -> Tensor& {
     if (sp) reduce_scatter_to_sp_region_forward(comm_, reduced, partial);
-    else reduce_from_tp_region_forward(comm_, partial);
+    else reduce_partials(partial);
     return reduced;
   };
 
@@ -366,7 +406,7 @@ void ShardedGpt::backward() {
     const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(*dx) : *dx;
     b.ffn2.backward(be_, s.da, dmlp, b.a);
     be_.gelu_backward(s.du, s.da, b.u);
-    if (sp) gather_from_sp_region_forward(comm_, b.h2_full, b.h2);  // not saved: gather again
+    if (sp) gather_tokens(b.h2_full, b.h2);  // not saved: gather again
     b.ffn1.backward(be_, s.dh_full, s.du, b.h2_full, /*accumulate=*/false);
     Tensor& dh2 = f_backward();
     be_.layernorm_backward(*dx, b.ln2->grad, dh2, b.x_mid, b.ln2->value, b.ln2_mean, b.ln2_rstd);
@@ -377,7 +417,7 @@ void ShardedGpt::backward() {
     b.o.backward(be_, s.datt, dattn, b.att);
     be_.attention_backward(s.dq, s.dk, s.dv, s.datt, b.q_out, b.k_out, b.v_out, b.probs, B_, T_,
                            Al, scale);
-    if (sp) gather_from_sp_region_forward(comm_, b.h1_full, b.h1);
+    if (sp) gather_tokens(b.h1_full, b.h1);
     b.q.backward(be_, s.dh_full, s.dq, b.h1_full, /*accumulate=*/false);
     b.k.backward(be_, s.dh_full, s.dk, b.h1_full, /*accumulate=*/true);
     b.v.backward(be_, s.dh_full, s.dv, b.h1_full, /*accumulate=*/true);

@@ -50,6 +50,10 @@ class ShardedGpt final : public ShardedModel {
   void forward();
   void backward();
   double softmax_scale() const;
+  // gather_from_sp_region's forward (also re-gathers in backward), with its chunk-order fault.
+  void gather_tokens(Tensor& full, const Tensor& local);
+  // g without sequence parallel, with its rank-dependent-sum-order fault.
+  void reduce_partials(Tensor& y);
   // Index of a parameter by name in params_.
   Parameter& param(const std::string& name);
 
@@ -58,7 +62,6 @@ class ShardedGpt final : public ShardedModel {
   GptParallelism par_;
   Communicator& comm_;
   DType dtype_;
-  Fault fault_;
   std::int64_t step_ = 0;
   double loss_ = 0.0;
 

@@ -7,7 +7,7 @@ namespace tpsim {
 ShardedMlp::ShardedMlp(const MlpConfig& cfg, const MlpBatch& batch, Backend& be,
                        Communicator& comm, DType dtype, std::uint64_t seed, double lr,
                        Fault fault)
-    : ShardedModel(be), cfg_(cfg), comm_(comm), lr_(lr), fault_(fault) {
+    : ShardedModel(be, fault), cfg_(cfg), comm_(comm), lr_(lr) {
   const int r = comm.rank(), t = comm.world_size();
   const auto specs = mlp_param_specs(cfg);
   params_.push_back(make_parameter(be, split(specs[0], 0, r, t), dtype, seed));

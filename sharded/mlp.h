@@ -31,7 +31,6 @@ class ShardedMlp final : public ShardedModel {
   MlpConfig cfg_;
   Communicator& comm_;
   double lr_;
-  Fault fault_;
   double loss_ = 0.0;
   std::vector<Parameter> params_;  // fc1.weight [hidden/t,in], fc2.weight [out,hidden/t]
   ColumnParallelLinear fc1_;

@@ -30,7 +30,7 @@ void ShardedModel::load_params(const std::map<std::string, std::vector<double>>&
 }
 
 std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec& spec,
-                                const Tensor& t) {
+                                const Tensor& t, Fault fault) {
   if (spec.replicated()) return be.to_host(t);
   std::vector<double> full(static_cast<std::size_t>(shape_numel(spec.full_shape)), 0.0);
   const int world = comm.world_size();
@@ -40,8 +40,8 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
   const auto host = be.to_host(all);
   for (int r = 0; r < world; ++r) {
     ShardSpec s = spec;
-    s.rank = r;
-    s.offset = s.length * r;
+    s.rank = fault == Fault::ReassemblyShardOrder ? (r + 1) % world : r;
+    s.offset = s.length * s.rank;
     place_shard(full, std::vector<double>(host.begin() + r * n, host.begin() + (r + 1) * n), s);
   }
   return full;
@@ -49,13 +49,13 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
 
 std::map<std::string, std::vector<double>> ShardedModel::gather_params(Communicator& comm) {
   std::map<std::string, std::vector<double>> full;
-  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.value);
+  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.value, fault_);
   return full;
 }
 
 std::map<std::string, std::vector<double>> ShardedModel::gather_grads(Communicator& comm) {
   std::map<std::string, std::vector<double>> full;
-  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.grad);
+  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.grad, fault_);
   return full;
 }
 

@@ -9,6 +9,7 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
+#include "sharded/faults.h"
 #include "sharded/parameter.h"
 
 namespace tpsim {
@@ -21,8 +22,9 @@ struct Observation {
 
 // The full tensor (unpadded, row-major) from every rank's block `t` of `spec`
 // (collective: every rank calls it; replicated tensors come from this rank's copy).
+// Fault::ReassemblyShardOrder places each shard at the next rank's offset.
 std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec& spec,
-                                const Tensor& t);
+                                const Tensor& t, Fault fault = Fault::None);
 
 class ShardedModel {
  public:
@@ -47,9 +49,10 @@ class ShardedModel {
   std::map<std::string, std::vector<double>> gather_grads(Communicator& comm);
 
  protected:
-  explicit ShardedModel(Backend& be) : be_(be) {}
+  ShardedModel(Backend& be, Fault fault) : be_(be), fault_(fault) {}
   Observation observe(const std::string& name, const ShardSpec& spec, const Tensor& t);
   Backend& be_;
+  const Fault fault_;  // Fault::None but in `verify --inject-fault`
 };
 
 }  // namespace tpsim

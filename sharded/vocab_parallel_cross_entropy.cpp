@@ -19,7 +19,10 @@ double VocabParallelCrossEntropy::forward(Backend& be, Communicator& comm, const
   const std::int64_t cols = fault == Fault::PaddedLogitsInSoftmax ? logits.dim(1) : valid;
   be.ce_row_max(rowmax, logits, cols);
   if (split) comm.all_reduce(rowmax, ReduceOp::Max);
-  be.ce_target_logit(target_logit, logits, targets, col0, valid);
+  // The ownership fault: a target on this shard's first column is claimed by no rank, so
+  // its target logit stays 0 (its one-hot is dropped again in backward).
+  const bool unowned = fault == Fault::CeShardFirstIdUnowned;
+  be.ce_target_logit(target_logit, logits, unowned ? unowned_targets : targets, col0, valid);
   if (split && fault != Fault::DropTargetLogitAllReduce) comm.all_reduce(target_logit, ReduceOp::Sum);
   be.ce_sum_exp(sumexp, logits, rowmax, cols);
   if (split) comm.all_reduce(sumexp, ReduceOp::Sum);
@@ -35,9 +38,14 @@ double VocabParallelCrossEntropy::forward(Backend& be, Communicator& comm, const
 
 void VocabParallelCrossEntropy::backward(Backend& be, Tensor& dlogits, const Tensor& logits,
                                          const Tensor& targets, std::int64_t n_valid) const {
+  const double scale = 1.0 / static_cast<double>(n_valid);
   be.ce_backward(dlogits, logits, rowmax, sumexp, targets, col0,
-                 fault == Fault::PaddedLogitsInSoftmax ? logits.dim(1) : valid,
-                 1.0 / static_cast<double>(n_valid));
+                 fault == Fault::PaddedLogitsInSoftmax ? logits.dim(1) : valid, scale);
+  if (fault != Fault::CeShardFirstIdUnowned) return;
+  // The ownership fault: no rank subtracts the one-hot of a target on a shard's first id.
+  std::vector<double> d = be.to_host(dlogits);
+  for (const std::int64_t row : unowned_rows) d[static_cast<std::size_t>(row * dlogits.dim(1))] += scale;
+  be.from_host(dlogits, d.data());
 }
 
 }  // namespace tpsim

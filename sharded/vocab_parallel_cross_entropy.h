@@ -11,6 +11,8 @@
 // With world size 1 (or the vocabulary unsplit) the same code runs with no collectives.
 #pragma once
 
+#include <vector>
+
 #include "backend/backend.h"
 #include "comm/communicator.h"
 #include "sharded/faults.h"
@@ -24,6 +26,10 @@ struct VocabParallelCrossEntropy {
   Fault fault = Fault::None;
 
   Tensor rowmax, sumexp, target_logit, row_loss;  // [N] each; saved for backward
+  // Fault::CeShardFirstIdUnowned only: targets with every `col0` replaced by -100, and
+  // the rows where that happened.
+  Tensor unowned_targets;  // [N] i64
+  std::vector<std::int64_t> unowned_rows;
 
   // Returns the mean loss over rows whose target is not -100; `n_valid` is that count
   // over the whole batch (rows held by other ranks included). With `sum_rows_over` set,

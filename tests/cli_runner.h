@@ -39,6 +39,17 @@ inline std::string temp_path(const std::string& name) {
   return (dir / name).string();
 }
 
+// Whether `value` is one of the '|'-separated `alternatives`.
+inline bool one_of(const std::string& alternatives, const std::string& value) {
+  std::size_t start = 0;
+  while (true) {
+    const auto end = alternatives.find('|', start);
+    if (alternatives.substr(start, end - start) == value) return true;
+    if (end == std::string::npos) return false;
+    start = end + 1;
+  }
+}
+
 inline nlohmann::json read_json(const std::string& path) {
   std::ifstream f(path);
   return nlohmann::json::parse(f);

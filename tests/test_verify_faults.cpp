@@ -13,21 +13,27 @@ const std::string kSmallGpt =
     "--model gpt --vocab-size 101 --hidden 32 --heads 4 --layers 2 --seq-len 16 --steps 2 ";
 
 struct Expect {
-  std::string fault, flags, first;  // first failing tensor
+  std::string fault, flags, first;  // first failing tensor ("a|b": either)
   std::string also;                 // another tensor that must be among the failures
   std::string also_shard;           // ...on this shard ("" for any)
+  std::string check = "reference";  // the check that fails first
+  int tp = 2;
 };
 
 void expect_caught(const Expect& e, const std::string& base) {
   const std::string json = temp_path("fault-" + e.fault + ".json");
-  const auto r = run_tpsim("verify " + base + e.flags + " --tp 2 --inject-fault " + e.fault +
-                           " --json " + json);
+  const std::string tp = std::to_string(e.tp);
+  const auto r = run_tpsim("verify " + base + e.flags + " --tp " + tp + " --inject-fault " +
+                           e.fault + " --json " + json);
   INFO(e.fault << "\n" << r.out);
   REQUIRE(r.exit_code == 1);
   const auto j = read_json(json);
   REQUIRE(j["pass"] == false);
-  REQUIRE(j["first_failure"]["tensor"] == e.first);
-  REQUIRE(r.out.find("verify: FAIL: first mismatch at tp 2: " + e.first) != std::string::npos);
+  const std::string first = j["first_failure"]["tensor"];
+  REQUIRE(one_of(e.first, first));
+  REQUIRE(j["first_failure"]["check"] == e.check);
+  REQUIRE(r.out.find("verify: FAIL: first mismatch at tp " + tp + ": " + first) !=
+          std::string::npos);
   if (e.also.empty()) return;
   bool found = false;
   for (const auto& f : j["tp"][0]["failures"])
@@ -73,6 +79,30 @@ TEST_CASE("verify catches the vocab-parallel and sequence-parallel faults", "[cl
   expect_caught({"sp-swap-backward-collectives", "--sequence-parallel", "h.1.ln2.weight.grad",
                  "", ""},
                 kSmallGpt);
+}
+
+TEST_CASE("verify catches the new fault classes, each by the check meant for it",
+          "[cli][faults]") {
+  // The sweep's GPT: 12 heads, so tp 3 exists, and head dim 6, so 1/sqrt(6) is inexact.
+  const std::string small = "--model gpt --preset small --steps 2 ";
+  // Rank 1 adds (p1+p2)+p0 where rank 0 adds (p0+p1)+p2: the reference cannot tell them
+  // apart, the bit-for-bit replica check of rank 1 (or 2) against rank 0 can. Whether the
+  // loss's last bit differs too depends on rounding, so the first may be either.
+  expect_caught({"rank-dependent-sum-order", "", "loss|logits", "logits", "rank 1/3 replica",
+                 "replica of rank 0", 3},
+                small);
+  expect_caught({"float-constant-in-f64", "", "logits", "", "", "reference", 1}, small);
+  expect_caught({"sp-all-gather-chunk-order", "--sequence-parallel", "loss", "", "",
+                 "reference", 2},
+                small);
+  // rank 1's rows [51,102) start at id 51, which the boundary batch has as a label.
+  expect_caught({"ce-shard-first-id-unowned", "--loss-parallel", "loss", "wte.weight.grad",
+                 "rank 1/2 rows [51,102)", "reference", 2},
+                small);
+  // Every shard checks out; only the tensors gathered for --save-final are permuted.
+  expect_caught({"reassembly-shard-order", "", "fc1.weight.grad", "fc2.weight", "",
+                 "reassembled", 2},
+                "--model mlp ");
 }
 
 TEST_CASE("without a fault the same configurations pass", "[cli][faults]") {

@@ -6,6 +6,7 @@
 
 #include "verify/profile_run.h"
 #include "verify/report.h"
+#include "verify/sweep.h"
 #include "verify/train_run.h"
 #include "verify/verify_run.h"
 
@@ -23,7 +24,31 @@ struct RawFlags {
   std::string fault = "none";
   std::string backend = "cpu";
   std::string comm = "auto";
+  std::string batch;   // empty: verify boundary, train and profile random
+  std::string preset;  // gpt: seed (the defaults) or small (the sweep's)
 };
+
+// Flags that describe one configuration. Without --model, verify runs the default sweep,
+// which picks its own configurations, so these need --model.
+const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidden", "--heads",
+                                 "--layers", "--batch-size", "--seq-len", "--load", "--data",
+                                 "--loss-parallel", "--sequence-parallel",
+                                 "--make-vocab-divisible-by", "--resync", "--batch", "--preset",
+                                 "--lr", "--weight-decay"};
+
+// --preset small: the sweep's small GPT, for the fields the user did not set.
+void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
+  if (raw.preset.empty() || raw.preset == "seed") return;
+  const GptConfig small = small_gpt_config();
+  auto unset = [&](const char* flag) { return cmd.count(flag) == 0; };
+  if (unset("--vocab-size")) o.gpt.vocab_size = small.vocab_size;
+  if (unset("--block-size")) o.gpt.block_size = small.block_size;
+  if (unset("--hidden")) o.gpt.hidden = small.hidden;
+  if (unset("--heads")) o.gpt.heads = small.heads;
+  if (unset("--layers")) o.gpt.layers = small.layers;
+  if (unset("--seq-len")) o.seq_len = kSmallGptSeqLen;
+  if (unset("--batch-size")) o.batch_size = kSmallGptBatch;
+}
 
 std::vector<int> parse_tp_list(const std::string& s) {
   std::vector<int> out;
@@ -63,6 +88,15 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
   cmd.add_option("--load", o.load_path, "start from weights in a safetensors file");
   cmd.add_option("--data", o.data_path, "gpt batch (input_ids, labels) from a safetensors file");
+  cmd.add_option("--batch", raw.batch,
+                 "gpt batch without --data: random (the seed's uniform ids) or boundary (the "
+                 "same, with every vocabulary shard's first and last id as labels and ignored "
+                 "labels mid-row); default: verify boundary, train and profile random")
+      ->check(CLI::IsMember({"random", "boundary"}));
+  cmd.add_option("--preset", raw.preset,
+                 "gpt sizes: seed (V 50257, H 256, A 8, L 2, batch 2x64; the default) or small "
+                 "(the default sweep's V 101, H 72, A 12, L 2, batch 2x24)")
+      ->check(CLI::IsMember({"seed", "small"}));
   cmd.add_flag("--loss-parallel", o.loss_parallel,
                "gpt: split wte/lm_head by vocabulary; cross-entropy on sharded logits");
   cmd.add_flag("--sequence-parallel", o.sequence_parallel,
@@ -78,6 +112,10 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
 
 void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, bool verify) {
   o.model = raw.model == "gpt" ? ModelKind::Gpt : ModelKind::Mlp;
+  o.batch = raw.batch == "boundary" || (raw.batch.empty() && verify) ? BatchKind::Boundary
+                                                                     : BatchKind::Random;
+  if (!raw.preset.empty() && o.model != ModelKind::Gpt)
+    throw UsageError("--preset applies to --model gpt");
   std::string tp = raw.tp;
   if (tp.empty()) tp = !verify ? "1" : o.model == ModelKind::Mlp ? "1,2,4,8" : "1,2";
   o.tp = parse_tp_list(tp);
@@ -119,6 +157,7 @@ int cli_main(int argc, char** argv) {
                "element against an independent float64 Eigen reference."};
   app.footer(std::string(R"(
 Examples:
+  tpsim verify                                  # every model and mode, in seconds
   tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
   tpsim train  --model mlp --tp 2 --steps 2
   tpsim verify --model mlp --tp 2 --inject-fault mlp-drop-f-backward   # must fail
@@ -150,8 +189,16 @@ Examples:
   verify->add_flag("--list-faults", list_faults, "list the faults --inject-fault knows and exit");
   verify->footer(std::string(R"(
 Examples:
+  tpsim verify                                      # the default sweep: every model and mode
+  tpsim verify --inject-fault gpt-missing-f         # ... with a bug it must catch
   tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
-  tpsim verify --model mlp --tp 2,4 --dtype f32 --steps 5 --json report.json)") + kFooter);
+  tpsim verify --model gpt --preset seed --loss-parallel --tp 1,2
+  tpsim verify --model mlp --tp 2,4 --dtype f32 --steps 5 --json report.json
+
+Without --model, verify runs the default sweep: the MLP at tp 1,2,4,8 and a small GPT (an
+odd vocabulary, 12 heads) at tp 1,2,3,4, plain, loss parallel, sequence parallel and both,
+each on a boundary batch and a random one; --dtype, --steps, --seed, --inject-fault,
+--timeout, --backend, --comm and --json apply to it.)") + kFooter);
 
   // profile: the train flags, a list of TP degrees, and where to write the trace and plot.
   ProfileOptions prof;
@@ -185,18 +232,34 @@ Examples:
       return kExitOk;
     }
     if (*train) {
+      apply_preset(*train, o, raw);
       finish_options(o, raw, DType::F32, false);
       run_train(o, std::cout);
       return kExitOk;
+    }
+    if (*verify && verify->count("--model") == 0) {
+      for (const char* flag : kSingleRunFlags)
+        if (verify->count(flag) > 0)
+          throw UsageError(std::string(flag) + " describes one configuration: add --model mlp or "
+                           "--model gpt (without --model, verify runs the default sweep)");
+      if (raw.steps == 0) raw.steps = 2;
+      finish_options(o, raw, DType::F64, true);
+      const SweepReport r = run_sweep(default_sweep(o));
+      print_sweep_report(std::cout, o, r);
+      if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
+      return r.pass ? kExitOk : kExitMismatch;
     }
     if (*profile) {
       // Defaults: the seed's float32, one TP degree unless a list is given, 2 steps.
       if (raw.tp.empty()) raw.tp = "1";
       if (raw.steps == 0) raw.steps = 2;
+      apply_preset(*profile, o, raw);
       finish_options(o, raw, DType::F32, true);
+      if (raw.batch.empty()) o.batch = BatchKind::Random;  // profile times the seed's batch
       run_profile(o, prof, std::cout);
       return kExitOk;
     }
+    apply_preset(*verify, o, raw);
     finish_options(o, raw, DType::F64, true);
     const VerifyReport r = run_verify(o);
     print_verify_report(std::cout, o, r);

@@ -68,7 +68,7 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0) {
   c.shard = obs.spec.shard_str();
   c.rank = obs.spec.rank;
   c.tp = obs.spec.world;
-  c.what = "replica of rank 0";
+  c.what = kReplicaCheck;
   c.pass = std::memcmp(obs.values.data(), rank0.values.data(),
                        obs.values.size() * sizeof(double)) == 0;
   return c;

@@ -11,6 +11,11 @@
 namespace tpsim {
 
 enum class Phase { Forward, Backward, Update };
+
+// What a comparison checked (Comparison::what, and "check" in the JSON report).
+inline constexpr const char* kReferenceCheck = "reference";        // a shard vs its slice
+inline constexpr const char* kReplicaCheck = "replica of rank 0";  // bit for bit
+inline constexpr const char* kReassembledCheck = "reassembled";    // the gathered full tensor
 const char* phase_name(Phase p);
 
 struct Comparison {
@@ -28,7 +33,7 @@ struct Comparison {
   double sharded_at_worst = 0.0, reference_at_worst = 0.0;
   double tolerance = 0.0;
   bool pass = true;
-  std::string what = "reference";  // "reference" or "replica of rank 0"
+  std::string what = kReferenceCheck;
 };
 
 // Compares obs.values with the block of `reference_full` that obs.spec names. Padded

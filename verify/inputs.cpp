@@ -1,5 +1,8 @@
 #include "verify/inputs.h"
 
+#include <algorithm>
+#include <set>
+
 #include "io/checkpoint.h"
 #include "sharded/gpt.h"
 #include "sharded/mlp.h"
@@ -8,6 +11,22 @@ namespace tpsim {
 
 std::vector<ParamSpec> param_specs(const RunOptions& o) {
   return o.model == ModelKind::Mlp ? mlp_param_specs(o.mlp) : gpt_param_specs(o.gpt);
+}
+
+std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o) {
+  const std::int64_t V = o.gpt.vocab_size;
+  std::set<std::int64_t> ids{0, V - 1};
+  GptParallelism split;
+  split.loss_parallel = true;
+  split.make_vocab_divisible_by = o.make_vocab_divisible_by;
+  for (int t : o.tp) {
+    const std::int64_t per = padded_vocab(o.gpt, split, t) / t;
+    for (std::int64_t first = 0; first < V; first += per) {
+      ids.insert(first);
+      ids.insert(std::min(first + per, V) - 1);
+    }
+  }
+  return {ids.begin(), ids.end()};
 }
 
 RunInputs prepare_inputs(const RunOptions& o) {
@@ -19,6 +38,9 @@ RunInputs prepare_inputs(const RunOptions& o) {
   } else if (!o.data_path.empty()) {
     in.gpt_batch = load_gpt_batch(o.data_path);
     check_gpt_batch(o.gpt, in.gpt_batch);
+  } else if (o.batch == BatchKind::Boundary) {
+    in.gpt_batch = make_boundary_gpt_batch(o.gpt, o.batch_size, o.seq_len, o.seed,
+                                           vocab_boundary_ids(o));
   } else {
     in.gpt_batch = make_gpt_batch(o.gpt, o.batch_size, o.seq_len, o.seed);
   }

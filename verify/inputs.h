@@ -24,6 +24,11 @@ RunInputs prepare_inputs(const RunOptions& o);
 
 std::vector<ParamSpec> param_specs(const RunOptions& o);
 
+// The ids a boundary batch must hold for this run: 0, V-1, and the first and last real id
+// of every vocabulary shard at every TP degree of the run (as loss parallel pads and
+// splits the vocabulary), ascending.
+std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o);
+
 // The sharded model of `o.model` for one rank.
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
                                                  Backend& be, Communicator& comm);

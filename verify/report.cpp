@@ -25,19 +25,27 @@ std::string tp_list(const RunOptions& o) {
 std::string describe(const Comparison& c) {
   std::string s = c.tensor + " (" + c.shard + ", step " + std::to_string(c.step) + ", " +
                   phase_name(c.phase) + ")";
-  if (c.what == "reference")
+  const bool replica = c.what == kReplicaCheck;
+  if (!replica)
     s += ": rel err " + fmt("%.2e", c.rel_err) + " > " + fmt("%.0e", c.tolerance);
   else
     s += ": differs from rank 0's replica";
   s += ", worst at " + format_index(c) + ": " + fmt("%.9g", c.sharded_at_worst) + " vs " +
-       fmt("%.9g", c.reference_at_worst) + (c.what == "reference" ? " (reference)" : " (rank 0)");
+       fmt("%.9g", c.reference_at_worst) + (replica ? " (rank 0)" : " (reference)");
   return s;
+}
+
+// Rows of the table: a shard against the reference carries no mark.
+const char* check_mark(const Comparison& c) {
+  if (c.what == kReplicaCheck) return " =r0";
+  if (c.what == kReassembledCheck) return " =full";
+  return "";
 }
 
 void print_row(std::ostream& os, const Comparison& c) {
   char line[512];
   std::snprintf(line, sizeof line, "  %-30s %-28s %4d  %-9s %-9s %-14s %s\n",
-                (c.tensor + (c.what == "reference" ? "" : " =r0")).c_str(), c.shard.c_str(),
+                (c.tensor + check_mark(c)).c_str(), c.shard.c_str(),
                 c.step, fmt("%.2e", c.rel_err).c_str(), fmt("%.2e", c.max_abs).c_str(),
                 format_index(c).c_str(), c.pass ? "ok" : "FAIL");
   os << line;
@@ -138,7 +146,7 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
   }
 }
 
-void write_verify_json(const std::string& path, const RunOptions& o, const VerifyReport& r) {
+nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
   nlohmann::json j;
   j["tool"] = "tpsim";
   j["command"] = "verify";
@@ -157,6 +165,7 @@ void write_verify_json(const std::string& path, const RunOptions& o, const Verif
     jt["tp"] = t.tp;
     jt["pass"] = t.pass;
     jt["max_rel_err"] = t.max_rel_err;
+    jt["comparisons"] = t.comparisons;
     jt["seconds"] = t.seconds;
     jt["losses"] = t.losses;
     nlohmann::json comm = nlohmann::json::object();
@@ -172,10 +181,115 @@ void write_verify_json(const std::string& path, const RunOptions& o, const Verif
     j["tp"].push_back(jt);
   }
   j["first_failure"] = r.first_failure ? to_json(*r.first_failure) : nlohmann::json(nullptr);
+  return j;
+}
+
+void write_verify_json(const std::string& path, const RunOptions& o, const VerifyReport& r) {
+  write_json(path, verify_json(o, r));
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) {
   std::ofstream f(path);
   if (!f) throw UsageError("--json: cannot write '" + path + "'");
   f << j.dump(2) << "\n";
   if (!f) throw UsageError("--json: write to '" + path + "' failed");
+}
+
+}  // namespace tpsim
+
+namespace tpsim {
+
+namespace {
+
+std::string case_shape(const RunOptions& o) {
+  if (o.model == ModelKind::Mlp)
+    return "H " + std::to_string(o.mlp.hidden) + ", batch " + std::to_string(o.mlp.batch);
+  const auto& g = o.gpt;
+  return "V " + std::to_string(g.vocab_size) + ", H " + std::to_string(g.hidden) + ", A " +
+         std::to_string(g.heads) + ", L " + std::to_string(g.layers) + ", " +
+         std::to_string(o.batch_size) + "x" + std::to_string(o.seq_len);
+}
+
+struct CaseTotals {
+  std::int64_t comparisons = 0;
+  double max_rel_err = 0.0;
+};
+
+CaseTotals totals(const VerifyReport& r) {
+  CaseTotals t;
+  for (const auto& tp : r.results) {
+    t.comparisons += tp.comparisons;
+    t.max_rel_err = std::max(t.max_rel_err, tp.max_rel_err);
+  }
+  return t;
+}
+
+}  // namespace
+
+void print_sweep_report(std::ostream& os, const RunOptions& base, const SweepReport& r) {
+  os << "tpsim verify: the default sweep, " << dtype_name(base.dtype)
+     << " sharded vs f64 reference, " << base.steps << " steps, seed " << base.seed
+     << (base.fault == Fault::None ? "" : std::string(", fault ") + fault_name(base.fault))
+     << "\n";
+  os << "every model and mode in one run; one configuration is a flag away "
+        "(--model mlp|gpt, --preset seed|small)\n\n";
+  char line[512];
+  std::snprintf(line, sizeof line, "  %-50s %-30s %-8s %7s  %-9s %6s  %s\n", "case", "shape",
+                "tp", "checks", "rel err", "time", "result");
+  os << line;
+  CaseTotals all;
+  for (const auto& c : r.cases) {
+    const CaseTotals t = totals(c.report);
+    all.comparisons += t.comparisons;
+    all.max_rel_err = std::max(all.max_rel_err, t.max_rel_err);
+    double seconds = c.report.reference_seconds;
+    for (const auto& tp : c.report.results) seconds = std::max(seconds, tp.seconds);
+    std::snprintf(line, sizeof line, "  %-50s %-30s %-8s %7lld  %-9s %5.2fs  %s\n",
+                  c.c.name.c_str(), case_shape(c.c.options).c_str(),
+                  tp_list(c.c.options).c_str(), static_cast<long long>(t.comparisons),
+                  fmt("%.2e", t.max_rel_err).c_str(), seconds, c.report.pass ? "PASS" : "FAIL");
+    os << line;
+  }
+  const SweepResult* first = r.first_failure();
+  if (first) {
+    os << "\n---- the first failing case: " << first->c.name << " ----\n";
+    print_verify_report(os, first->c.options, first->report);
+    os << "----\n\n";
+    os << "verify: FAIL: first mismatch at tp " << first->report.first_failure->tp << ": "
+       << describe(*first->report.first_failure) << " [case " << first->c.name << "]\n";
+    return;
+  }
+  os << "\nverify: PASS: " << r.cases.size() << " cases, " << all.comparisons
+     << " comparisons, every tensor of every step within tolerance (largest rel err "
+     << fmt("%.2e", all.max_rel_err) << "), " << fmt("%.1f", r.seconds) << " s\n";
+}
+
+nlohmann::json sweep_json(const RunOptions& base, const SweepReport& r) {
+  nlohmann::json j;
+  j["tool"] = "tpsim";
+  j["command"] = "verify";
+  j["sweep"] = true;
+  j["dtype"] = dtype_name(base.dtype);
+  j["steps"] = base.steps;
+  j["seed"] = base.seed;
+  j["fault"] = fault_name(base.fault);
+  j["pass"] = r.pass;
+  j["seconds"] = r.seconds;
+  j["cases"] = nlohmann::json::array();
+  for (const auto& c : r.cases) {
+    nlohmann::json jc = verify_json(c.c.options, c.report);
+    jc["case"] = c.c.name;
+    jc["batch"] = c.c.options.model == ModelKind::Gpt ? batch_kind_name(c.c.options.batch)
+                                                      : "seeded";
+    j["cases"].push_back(jc);
+  }
+  const SweepResult* first = r.first_failure();
+  j["first_failure"] = nlohmann::json(nullptr);
+  if (first) {
+    j["first_failure"] = to_json(*first->report.first_failure);
+    j["first_failure"]["case"] = first->c.name;
+  }
+  return j;
 }
 
 }  // namespace tpsim

@@ -3,6 +3,7 @@
 namespace tpsim {
 
 const char* model_name(ModelKind m) { return m == ModelKind::Mlp ? "mlp" : "gpt"; }
+const char* batch_kind_name(BatchKind b) { return b == BatchKind::Random ? "random" : "boundary"; }
 
 void check_tp_degree(const RunOptions& o, int tp) {
   const std::string t = std::to_string(tp);

@@ -13,6 +13,9 @@
 namespace tpsim {
 
 enum class ModelKind { Mlp, Gpt };
+// The GPT's generated batch: the seed's uniform ids, or the same with every shard-boundary
+// id placed as a label (see make_boundary_gpt_batch).
+enum class BatchKind { Random, Boundary };
 
 struct RunOptions {
   ModelKind model = ModelKind::Mlp;
@@ -29,6 +32,7 @@ struct RunOptions {
   bool loss_parallel = false;
   bool sequence_parallel = false;
   std::int64_t make_vocab_divisible_by = 1;
+  BatchKind batch = BatchKind::Random;  // without --data
   std::string load_path;   // --load W.safetensors
   std::string data_path;   // --data D.safetensors
   std::string save_final;  // --save-final F.safetensors
@@ -40,6 +44,7 @@ struct RunOptions {
 };
 
 const char* model_name(ModelKind m);
+const char* batch_kind_name(BatchKind b);
 
 // Throws UsageError when a TP degree cannot shard the model (one line, naming the rule).
 void check_tp_degree(const RunOptions& o, int tp);

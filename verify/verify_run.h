@@ -18,7 +18,8 @@ struct CollectiveTotals {
 struct TpResult {
   int tp = 1;
   bool pass = true;
-  double max_rel_err = 0.0;         // over every reference comparison
+  double max_rel_err = 0.0;         // over every reference and reassembled comparison
+  std::int64_t comparisons = 0;     // tensors x shards x steps compared, every check
   std::vector<Comparison> failures; // every failing comparison, in (step, order, rank) order
   std::vector<Comparison> worst;    // per tensor, the worst comparison over steps and shards
   std::vector<double> losses;       // per step, rank 0's

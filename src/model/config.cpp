@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace tpsim {
@@ -78,6 +79,43 @@ GptBatch make_gpt_batch(const GptConfig& c, std::int64_t B, std::int64_t T, std:
   for (std::int64_t r = 0; r < B; ++r)
     for (std::int64_t t = 0; t < T - 1; ++t)
       b.labels[r * (T - 1) + t] = t >= T - 1 - ignored ? kIgnoreIndex : b.input_ids[r * T + t + 1];
+  check_gpt_batch(c, b);
+  return b;
+}
+
+GptBatch make_boundary_gpt_batch(const GptConfig& c, std::int64_t B, std::int64_t T,
+                                 std::uint64_t seed, const std::vector<std::int64_t>& boundary_ids) {
+  GptBatch b = make_gpt_batch(c, B, T, seed);
+  const std::int64_t L = T - 1;  // labels per row
+  const std::int64_t ignored_tail = T / 10, mid = L / 2;
+  auto ignored = [&](std::int64_t t) { return t == mid || t >= L - ignored_tail; };
+  // The label slots, row by row; label (r,t) is the token at (r,t+1).
+  std::vector<std::int64_t> slots;
+  for (std::int64_t r = 0; r < B; ++r)
+    for (std::int64_t t = 0; t < L; ++t)
+      if (!ignored(t)) slots.push_back(r * T + t + 1);
+  std::vector<std::int64_t> place;
+  for (std::size_t i = 0; i < boundary_ids.size(); ++i) {
+    place.push_back(boundary_ids[i]);
+    if (i < 2) place.push_back(boundary_ids[i]);  // a repeated token
+  }
+  if (place.size() > slots.size())
+    throw UsageError("batch: " + std::to_string(place.size()) + " boundary ids do not fit in " +
+                     std::to_string(slots.size()) + " label positions; raise --batch-size or "
+                     "--seq-len");
+  // Spread them out, keeping each repeated pair adjacent, so random tokens sit in between.
+  // (n-1) steps of at most `stride` end at or before the last slot.
+  const std::size_t n = place.size();
+  const std::size_t stride = n > 1 ? std::max<std::size_t>(1, (slots.size() - 1) / (n - 1)) : 1;
+  for (std::size_t i = 0, s = 0; i < n; ++i) {
+    b.input_ids[static_cast<std::size_t>(slots[s])] = place[i];
+    const bool pair_next = i + 1 < n && place[i + 1] == place[i] && s + 1 < slots.size() &&
+                           slots[s + 1] == slots[s] + 1;
+    s += pair_next ? 1 : stride;
+  }
+  for (std::int64_t r = 0; r < B; ++r)
+    for (std::int64_t t = 0; t < L; ++t)
+      b.labels[r * L + t] = ignored(t) ? kIgnoreIndex : b.input_ids[r * T + t + 1];
   check_gpt_batch(c, b);
   return b;
 }

@@ -1,0 +1,164 @@
+// The verifier's own checks, each broken on purpose: the norm-wise comparison against the
+// reference, the bit-for-bit replica check, non-finite values, and the tolerance model.
+// If one of these checks were loosened or pointed at the wrong data, a test here fails.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
+
+#include "verify/compare.h"
+#include "verify/tolerance.h"
+
+using namespace tpsim;
+
+namespace {
+
+ParamSpec tensor(Shape shape) { return {"w", std::move(shape), {}}; }
+
+// The full tensor 0, 1, 2, ... of `shape`, as the reference holds it.
+std::vector<double> iota(const Shape& shape) {
+  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<double>(i) + 1.0;
+  return v;
+}
+
+Observation shard_of(const ShardSpec& spec, const std::vector<double>& full) {
+  return {"w", spec, slice_full(full, spec)};
+}
+
+}  // namespace
+
+TEST_CASE("the norm-wise error is relative to the reference's norm", "[verify][compare]") {
+  const ShardSpec whole = replicate(tensor({2}), 0, 1);
+  // ‖a−b‖ = 4 and ‖b‖ = 5: 0.8. Against ‖a‖ (8.54) it would be 0.47, against the max 0.5.
+  const Comparison c = compare_to_reference({"w", whole, {3.0, 8.0}}, {3.0, 4.0}, 1.0);
+  CHECK(c.rel_err == Approx(0.8).epsilon(1e-15));
+  CHECK(c.max_abs == 4.0);
+  CHECK(c.pass);  // 0.8 <= 1.0
+  // A zero reference: the absolute norm, so a nonzero shard cannot pass by dividing by 0.
+  const Comparison z = compare_to_reference({"w", whole, {0.0, 1e-3}}, {0.0, 0.0}, 1e-10);
+  CHECK(z.rel_err == Approx(1e-3));
+  CHECK_FALSE(z.pass);
+}
+
+TEST_CASE("the tolerance is a sharp bound", "[verify][compare]") {
+  const ShardSpec whole = replicate(tensor({1}), 0, 1);
+  const double tol = 1e-10;
+  CHECK(compare_to_reference({"w", whole, {1.0 + 0.9e-10}}, {1.0}, tol).pass);
+  CHECK_FALSE(compare_to_reference({"w", whole, {1.0 + 1.1e-10}}, {1.0}, tol).pass);
+}
+
+TEST_CASE("a shard is compared with its own slice, and the worst index is in the full tensor",
+          "[verify][compare]") {
+  const Shape shape{4, 3};
+  const auto full = iota(shape);
+  for (int dim : {0, 1}) {
+    const int world = dim == 0 ? 2 : 3;
+    for (int r = 0; r < world; ++r) {
+      const ShardSpec s = split(tensor(shape), dim, r, world);
+      Observation obs = shard_of(s, full);
+      CHECK(compare_to_reference(obs, full, 0.0).rel_err == 0.0);
+      // Perturb the shard's last element: the report must point at its place in the full
+      // tensor, not at its place in the shard.
+      obs.values.back() += 0.5;
+      const Comparison c = compare_to_reference(obs, full, 1e-10);
+      const std::int64_t expect = full_index(s, static_cast<std::int64_t>(obs.values.size()) - 1);
+      CHECK(c.worst == expect);
+      CHECK(c.sharded_at_worst == full[static_cast<std::size_t>(expect)] + 0.5);
+      CHECK(c.reference_at_worst == full[static_cast<std::size_t>(expect)]);
+      CHECK_FALSE(c.pass);
+      CHECK(c.rank == r);
+    }
+  }
+  // Rank 1/2 of rows: its last element is (3,2), flat 11.
+  Observation last = shard_of(split(tensor(shape), 0, 1, 2), full);
+  last.values.back() += 1;
+  CHECK(format_index(compare_to_reference(last, full, 0)) == "(3,2)");
+}
+
+TEST_CASE("a shard compared with the wrong slice fails", "[verify][compare]") {
+  const Shape shape{4, 3};
+  const auto full = iota(shape);
+  // Rank 1's values presented as rank 0's block: every element is off.
+  Observation obs = shard_of(split(tensor(shape), 0, 1, 2), full);
+  obs.spec = split(tensor(shape), 0, 0, 2);
+  CHECK_FALSE(compare_to_reference(obs, full, 1e-10).pass);
+}
+
+TEST_CASE("padding must stay exactly zero, and never counts in the reference's norm",
+          "[verify][compare]") {
+  // 5 rows padded to 6 over 2 ranks: rank 1 holds rows [3,6), the last one padding.
+  const Shape shape{5, 2};
+  const auto full = iota(shape);
+  const ShardSpec s = split(tensor(shape), 0, 1, 2, 6);
+  Observation obs = shard_of(s, full);
+  REQUIRE(obs.values.size() == 6);
+  CHECK(obs.values[4] == 0.0);
+  CHECK(obs.values[5] == 0.0);
+  CHECK(compare_to_reference(obs, full, 0.0).pass);
+  obs.values[5] = 1e-3;  // a padded gradient that is not zero
+  const Comparison c = compare_to_reference(obs, full, 1e-10);
+  CHECK_FALSE(c.pass);
+  CHECK(c.worst == -1);  // padding has no index in the full tensor
+}
+
+TEST_CASE("a NaN or an infinity against a finite reference fails", "[verify][compare]") {
+  const ShardSpec whole = replicate(tensor({3}), 0, 1);
+  const std::vector<double> ref{1.0, 2.0, 3.0};
+  for (double bad : {std::numeric_limits<double>::quiet_NaN(),
+                     std::numeric_limits<double>::infinity(),
+                     -std::numeric_limits<double>::infinity()}) {
+    const Comparison c = compare_to_reference({"w", whole, {1.0, bad, 3.0}}, ref, 1e300);
+    INFO(bad);
+    CHECK_FALSE(c.pass);
+    CHECK(c.worst == 1);
+  }
+  // ... and a NaN in the reference does not make a finite shard pass.
+  const Comparison r = compare_to_reference(
+      {"w", whole, {1.0, 2.0, 3.0}}, {1.0, std::numeric_limits<double>::quiet_NaN(), 3.0}, 1e300);
+  CHECK_FALSE(r.pass);
+}
+
+TEST_CASE("replicas must be bit-identical: one ulp on one rank fails and names it",
+          "[verify][compare][replica]") {
+  const Shape shape{2, 3};
+  const auto full = iota(shape);
+  const Observation rank0{"w", replicate(tensor(shape), 0, 3), full};
+  for (int r = 1; r < 3; ++r) {
+    Observation mine{"w", replicate(tensor(shape), r, 3), full};
+    CHECK(compare_replica(mine, rank0).pass);
+    mine.values[4] = std::nextafter(mine.values[4], 1e9);
+    const Comparison c = compare_replica(mine, rank0);
+    CHECK_FALSE(c.pass);
+    CHECK(c.rank == r);
+    CHECK(c.what == kReplicaCheck);
+    CHECK(c.worst == 4);
+    CHECK(c.shard == "rank " + std::to_string(r) + "/3 replica");
+  }
+  // -0.0 and +0.0 compare equal as numbers but are different bits: a replica must match
+  // in its bits, because the ranks are meant to run the same ops on the same bits.
+  Observation neg{"w", replicate(tensor({1}), 1, 2), {-0.0}};
+  CHECK_FALSE(compare_replica(neg, {"w", replicate(tensor({1}), 0, 2), {0.0}}).pass);
+}
+
+TEST_CASE("the tolerance model's values", "[verify][tolerance]") {
+  RunOptions o;
+  o.dtype = DType::F64;
+  CHECK(norm_tolerance(o) == 1e-10);
+  o.model = ModelKind::Gpt;
+  CHECK(norm_tolerance(o) == 1e-10);  // f64: reassociation only, whatever the model
+
+  // float32: 4 (conditioning) x D (chain) x sqrt(K_max) x 2^-24.
+  constexpr double u32 = 0x1.0p-24;
+  o.dtype = DType::F32;
+  o.model = ModelKind::Mlp;  // K_max = 128, D = 6
+  CHECK(norm_tolerance(o) == Approx(4.0 * 6.0 * std::sqrt(128.0) * u32).epsilon(1e-12));
+  CHECK(norm_tolerance(o) == Approx(1.61844e-5).epsilon(1e-4));
+  o.model = ModelKind::Gpt;  // seed GPT: K_max = V = 50257, D = 2(8·2 + 3) = 38
+  CHECK(norm_tolerance(o) == Approx(4.0 * 38.0 * std::sqrt(50257.0) * u32).epsilon(1e-12));
+  CHECK(norm_tolerance(o) == Approx(2.03106e-3).epsilon(1e-4));
+  // It grows with the longest reduction: tokens, when they outnumber the vocabulary.
+  o.gpt.vocab_size = 50;
+  o.batch_size = 16;
+  o.seq_len = 64;  // 1024 tokens = 4H
+  CHECK(norm_tolerance(o) == Approx(4.0 * 38.0 * std::sqrt(1024.0) * u32).epsilon(1e-12));
+}

@@ -1,0 +1,128 @@
+// The default `tpsim verify` (no model flags): one run over every model and mode, and
+// every built-in fault caught by it, each by the check meant for it.
+#include <catch2/catch.hpp>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "cli_runner.h"
+
+using namespace tpsim::testing;
+
+TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli][sweep]") {
+  const std::string json = temp_path("sweep.json");
+  const auto r = run_tpsim("verify --json " + json);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("verify: PASS: 9 cases") != std::string::npos);
+  const auto j = read_json(json);
+  CHECK(j["sweep"] == true);
+  CHECK(j["dtype"] == "f64");
+  REQUIRE(j["cases"].size() == 9);
+  CHECK(j["cases"][0]["model"] == "mlp");
+  std::vector<int> mlp_tp, gpt_tp;
+  for (const auto& t : j["cases"][0]["tp"]) mlp_tp.push_back(t["tp"]);
+  CHECK(mlp_tp == std::vector<int>{1, 2, 4, 8});
+  std::set<std::string> modes;
+  std::map<std::string, int> batches;
+  for (std::size_t i = 1; i < 9; ++i) {
+    const auto& c = j["cases"][i];
+    CHECK(c["model"] == "gpt");
+    CHECK(c["pass"] == true);
+    modes.insert(c["case"].get<std::string>().substr(0, c["case"].get<std::string>().find(',')));
+    batches[c["batch"]] += 1;
+    gpt_tp.clear();
+    for (const auto& t : c["tp"]) {
+      gpt_tp.push_back(t["tp"]);
+      CHECK(t["max_rel_err"].get<double>() < 1e-12);
+      CHECK(t["comparisons"].get<int>() > 100);
+    }
+    CHECK(gpt_tp == std::vector<int>{1, 2, 3, 4});
+  }
+  CHECK(modes == std::set<std::string>{"gpt plain", "gpt --loss-parallel", "gpt --sequence-parallel",
+                                       "gpt --loss-parallel --sequence-parallel"});
+  CHECK(batches == std::map<std::string, int>{{"boundary", 4}, {"random", 4}});
+}
+
+TEST_CASE("flags of one configuration need --model", "[cli][sweep]") {
+  for (const char* flag : {"--tp 2", "--loss-parallel", "--hidden 64", "--preset small"}) {
+    const auto r = run_tpsim(std::string("verify ") + flag);
+    INFO(flag << "\n" << r.out);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find("add --model") != std::string::npos);
+  }
+  const auto r = run_tpsim("verify --inject-fault float-constant-in-f64 --dtype f32");
+  INFO(r.out);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("fits no case of the default sweep") != std::string::npos);
+}
+
+TEST_CASE("the sweep's GPT is one flag away: --preset small", "[cli][sweep]") {
+  const auto r = run_tpsim("verify --model gpt --preset small --tp 3 --loss-parallel");
+  INFO(r.out);
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("verify: PASS") != std::string::npos);
+}
+
+namespace {
+struct Caught {
+  std::string check;   // the check that must fail first
+  std::string tensor;  // the first failing tensor
+  std::string shard;   // a prefix of its shard ("" for any)
+  int tp;              // the TP degree where it first fails
+};
+}  // namespace
+
+TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep][faults]") {
+  // Why each fails where it does (first step, forward-then-backward order):
+  const std::map<std::string, Caught> expect = {
+      {"mlp-drop-f-backward", {"reference", "x.grad", "rank 0/2", 2}},  // the input grad stays partial
+      {"mlp-fc2-split-rows", {"reference", "loss", "", 2}},
+      {"gpt-missing-f", {"reference", "h.1.ln1.weight.grad", "", 2}},  // first use of dh1
+      {"gpt-missing-g", {"reference", "loss", "", 2}},
+      {"gpt-qk-head-mismatch", {"reference", "loss", "", 2}},
+      {"gpt-local-softmax-scale", {"reference", "loss", "full", 1}},  // wrong even at tp 1
+      {"gpt-untied-embedding-grad", {"reference", "wte.weight.grad", "full", 1}},
+      // 1/sqrt(6) rounded to float: a 1e-8 change that float64's 1e-10 sees.
+      {"float-constant-in-f64", {"reference", "logits", "full", 1}},
+      // (p1+p2)+p0 on rank 1 vs (p0+p1)+p2 on rank 0: equal to 1e-16, different bits;
+      // only the replica check can see it, and only from tp 3 (a+b == b+a).
+      {"rank-dependent-sum-order", {"replica of rank 0", "loss|logits", "rank ", 3}},
+      {"vocab-range-off-by-one", {"reference", "loss", "", 2}},
+      {"padded-logits-in-softmax", {"reference", "loss", "", 2}},
+      {"drop-target-logit-all-reduce", {"reference", "loss", "", 2}},
+      // Needs a label on a shard's first id; the boundary batch has id 0 at tp 1.
+      {"ce-shard-first-id-unowned", {"reference", "loss", "full", 1}},
+      {"sp-ln-grad-not-summed", {"reference", "ln_f.weight.grad", "", 2}},
+      {"sp-swap-backward-collectives", {"reference", "h.1.ln2.weight.grad", "", 2}},
+      {"sp-all-gather-chunk-order", {"reference", "loss", "", 2}},
+      // Every shard is right; only the reassembled tensors (what --save-final writes) are not.
+      {"reassembly-shard-order", {"reassembled", "fc1.weight.grad", "reassembled from 2", 2}},
+  };
+  const auto list = run_tpsim("verify --list-faults");
+  REQUIRE(list.exit_code == 0);
+  std::istringstream lines(list.out);
+  std::string line;
+  int n = 0;
+  while (std::getline(lines, line)) {
+    const std::string fault = line.substr(0, line.find('\t'));
+    INFO("fault " << fault);
+    const auto it = expect.find(fault);
+    REQUIRE(it != expect.end());  // a new fault needs a line above saying where it shows
+    const std::string json = temp_path("sweep-" + fault + ".json");
+    const auto r = run_tpsim("verify --inject-fault " + fault + " --json " + json);
+    INFO(r.out);
+    REQUIRE(r.exit_code == 1);
+    const auto f = read_json(json)["first_failure"];
+    CHECK(f["check"] == it->second.check);
+    const std::string first = f["tensor"];
+    CHECK(one_of(it->second.tensor, first));
+    CHECK(f["shard"].get<std::string>().rfind(it->second.shard, 0) == 0);
+    CHECK(f["step"] == 1 + (it->second.check == "reassembled" ? 1 : 0));
+    if (it->second.check == "replica of rank 0") CHECK(f["rank"] != 0);  // never rank 0 itself
+    CHECK(r.out.find("verify: FAIL: first mismatch at tp " + std::to_string(it->second.tp) +
+                     ": " + first) != std::string::npos);
+    ++n;
+  }
+  CHECK(n == static_cast<int>(expect.size()));
+}
