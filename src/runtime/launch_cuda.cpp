@@ -29,7 +29,11 @@ void check_cuda_launch(const DeviceOptions& dev, int world) { (void)plan_for(dev
 void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
   const CudaPlan plan = plan_for(dev, world);
   std::unique_ptr<NcclGroup> nccl;
-  if (plan.comm == CommKind::Nccl) nccl = std::make_unique<NcclGroup>(plan.devices, timeout_s);
+  std::unique_ptr<SimCommGroup> sim;  // its events outlive every rank (see sim_comm.h)
+  if (plan.comm == CommKind::Nccl)
+    nccl = std::make_unique<NcclGroup>(plan.devices, timeout_s);
+  else
+    sim = std::make_unique<SimCommGroup>(world, plan.devices.front());
 
   run_ranks(world, timeout_s, [&](int rank, Communicator& host) {
     const int d = plan.devices[static_cast<std::size_t>(rank)];
@@ -44,7 +48,7 @@ void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, co
         NcclComm comm(*nccl, host, device_backend);
         fn(rank, *be, comm);
       } else {
-        SimComm comm(host, device_backend);
+        SimComm comm(*sim, host, device_backend);
         fn(rank, *be, comm);
       }
       // A fault in work still queued surfaces here, on its own rank.

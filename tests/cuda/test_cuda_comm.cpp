@@ -2,8 +2,10 @@
 // exact expectations: reductions run in rank order 0..n-1, so sums of floats must equal,
 // bit for bit, the same sums done in order on the host (nccl-tests' zero tolerance;
 // for NCCL, whose order is its own, the values are small integers, exact in any order).
+#include <chrono>
 #include <cstdint>
 #include <stdexcept>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -106,6 +108,32 @@ TEST_CASE("NcclComm: every collective on a GPU per rank", "[cuda]") {
   const int n = test::gpus();
   check_collectives<float>(CommKind::Nccl, n < 4 ? n : 4);
   check_collectives<double>(CommKind::Nccl, 2);
+}
+
+// The teardown race: rank 0 returns right after a collective (its SimComm, backend and
+// ThreadComm are destroyed) while rank 1 is slow and has not yet run the waits its stream
+// holds on rank 0's events. Before the fix each rank destroyed its own events in
+// ~SimComm, so rank 1's stream waited on a destroyed event: under an emulator whose
+// streams run lazily (at rank 1's to_host, after rank 0 is gone) that is
+// cudaErrorInvalidResourceHandle every time; on a GPU it shows only when rank 1's host
+// thread enqueues its wait after rank 0 tore down, which the repetitions make likely to
+// hit at least once but not certain. With the group owning the events it always passes.
+TEST_CASE("SimComm: a slow peer still waits on a fast rank's events after it tore down", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 count = 4096;
+  const auto sum = rank_order_sum<float>(2, count);
+  for (int rep = 0; rep < 8; ++rep) {
+    INFO("repetition " << rep);
+    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}}, 2, 20.0, [&](int r, Backend& be, Communicator& c) {
+      const auto in = inputs(r, count);
+      Tensor t = be.empty({count}, DType::F32, MemCategory::CommBuffer, "t");
+      be.from_host(t, in.data());
+      c.all_reduce(t, ReduceOp::Sum);
+      if (r == 0) return;  // fast: tears down at once
+      std::this_thread::sleep_for(std::chrono::milliseconds(rep == 0 ? 100 : 5));
+      CHECK(be.to_host(t) == sum);
+    });
+  }
 }
 
 TEST_CASE("SimComm: ranks that disagree fail on every rank with one message", "[cuda]") {
