@@ -66,6 +66,32 @@ std::string seconds_str(double s) {
   return buf;
 }
 
+// NCCL's P2P transport reads and writes peers' buffers directly, and our buffers come from
+// cudaMallocAsync, i.e. from each device's default memory pool. Peer access to a pool is
+// separate from cudaDeviceEnablePeerAccess: until cudaMemPoolSetAccess grants it, another
+// GPU touching that memory faults. Granted only where the hardware allows peer access
+// (elsewhere NCCL goes through host memory and never touches the pool from a peer).
+void grant_pool_access(const std::vector<int>& devices) {
+  for (int owner : devices) {
+    std::vector<cudaMemAccessDesc> grants;
+    for (int peer : devices) {
+      if (peer == owner) continue;
+      int can = 0;
+      TPSIM_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, peer, owner));
+      if (!can) continue;
+      cudaMemAccessDesc d{};
+      d.location.type = cudaMemLocationTypeDevice;
+      d.location.id = peer;
+      d.flags = cudaMemAccessFlagsProtReadWrite;
+      grants.push_back(d);
+    }
+    if (grants.empty()) continue;
+    cudaMemPool_t pool = nullptr;
+    TPSIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, owner));
+    TPSIM_CUDA_CHECK(cudaMemPoolSetAccess(pool, grants.data(), grants.size()));
+  }
+}
+
 }  // namespace
 
 struct NcclGroup::Impl {
@@ -78,6 +104,7 @@ NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
     : devices_(devices), timeout_s_(timeout_s), impl_(std::make_unique<Impl>()) {
   const int n = world_size();
   impl_->comms.assign(static_cast<std::size_t>(n), nullptr);
+  grant_pool_access(devices_);
   ncclUniqueId id;
   TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;

@@ -9,7 +9,10 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime.h>
+
 #include "backend/backend.h"
+#include "comm/nccl_comm.h"
 #include "core/errors.h"
 #include "cuda_test_util.h"
 #include "runtime/launch.h"
@@ -134,6 +137,31 @@ TEST_CASE("SimComm: a slow peer still waits on a fast rank's events after it tor
       CHECK(be.to_host(t) == sum);
     });
   }
+}
+
+// NCCL's P2P transport touches peers' buffers, which come from each device's default
+// (cudaMallocAsync) pool. Before the fix no pool granted access to the other GPUs, so this
+// failed on any machine with two peer-capable GPUs (and the collectives above could fault).
+TEST_CASE("NcclGroup: each device's default pool is open to its peers in the group", "[cuda]") {
+  TPSIM_REQUIRE_GPUS(2);
+  NcclGroup group({0, 1}, 20.0);
+  int checked = 0;
+  for (int owner : {0, 1}) {
+    const int peer = 1 - owner;
+    int can = 0;
+    REQUIRE(cudaDeviceCanAccessPeer(&can, peer, owner) == cudaSuccess);
+    if (!can) continue;  // no P2P between them: NCCL goes through host memory
+    cudaMemPool_t pool = nullptr;
+    REQUIRE(cudaDeviceGetDefaultMemPool(&pool, owner) == cudaSuccess);
+    cudaMemLocation where{};
+    where.type = cudaMemLocationTypeDevice;
+    where.id = peer;
+    cudaMemAccessFlags flags = cudaMemAccessFlagsProtNone;
+    REQUIRE(cudaMemPoolGetAccess(&flags, pool, &where) == cudaSuccess);
+    CHECK(flags == cudaMemAccessFlagsProtReadWrite);
+    ++checked;
+  }
+  if (checked == 0) WARN("cuda:0 and cuda:1 cannot access each other: nothing to check");
 }
 
 TEST_CASE("SimComm: ranks that disagree fail on every rank with one message", "[cuda]") {
