@@ -2,7 +2,9 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <thread>
 
 #include "backend/cuda/cuda_backend.h"
@@ -33,20 +35,6 @@ using Clock = std::chrono::steady_clock;
 
 Clock::time_point deadline_after(double s) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
-// Polls until `comm` has finished its current call. Returns false on timeout; throws
-// on an error the communicator reports.
-bool wait_ready(ncclComm_t comm, Clock::time_point deadline, const char* what) {
-  for (;;) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
-    if (r != ncclSuccess) throw_nccl_error(r, comm, "ncclCommGetAsyncError", __FILE__, __LINE__);
-    if (state == ncclSuccess) return true;
-    if (state != ncclInProgress) throw_nccl_error(state, comm, what, __FILE__, __LINE__);
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
 }
 
 ncclDataType_t nccl_type(DType d) {
@@ -94,16 +82,55 @@ void grant_pool_access(const std::vector<int>& devices) {
 
 }  // namespace
 
+// One lock per communicator. A rank holds its communicator's lock for each NCCL call it
+// makes on it (every call is non-blocking, so the lock is held briefly) and abort_all takes
+// each lock in turn: ncclCommAbort never runs during a call on the same communicator, and
+// no call starts on an aborted one (its handle is null once ncclCommAbort freed it).
 struct NcclGroup::Impl {
-  std::vector<ncclComm_t> comms;
-  mutable std::mutex mu;
-  bool aborted = false;
+  struct Slot {
+    std::mutex mu;
+    ncclComm_t comm = nullptr;
+  };
+  std::vector<std::unique_ptr<Slot>> slots;
+  std::mutex abort_mu;  // one abort_all (or the destructor) at a time
+  std::atomic<bool> aborted{false};
 };
+
+namespace {
+
+// f(comm) on `rank`'s communicator, under its lock; CommError once it has been aborted.
+template <class F>
+auto with_comm(NcclGroup::Impl& g, int rank, const std::string& who, F&& f) {
+  NcclGroup::Impl::Slot& slot = *g.slots[static_cast<std::size_t>(rank)];
+  std::lock_guard<std::mutex> lk(slot.mu);
+  if (!slot.comm) throw CommError(who + ": the NCCL communicators were aborted");
+  return f(slot.comm);
+}
+
+// Polls until `rank`'s communicator has finished its current call. Returns false on
+// timeout; throws on an error the communicator reports, or once it has been aborted.
+bool wait_ready(NcclGroup::Impl& g, int rank, Clock::time_point deadline, const char* what,
+                const std::string& who) {
+  for (;;) {
+    const ncclResult_t state = with_comm(g, rank, who, [&](ncclComm_t comm) {
+      ncclResult_t st = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm, &st);
+      if (r != ncclSuccess) throw_nccl_error(r, comm, "ncclCommGetAsyncError", __FILE__, __LINE__);
+      if (st != ncclSuccess && st != ncclInProgress) throw_nccl_error(st, comm, what, __FILE__, __LINE__);
+      return st;
+    });
+    if (state == ncclSuccess) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+}  // namespace
 
 NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
     : devices_(devices), timeout_s_(timeout_s), impl_(std::make_unique<Impl>()) {
   const int n = world_size();
-  impl_->comms.assign(static_cast<std::size_t>(n), nullptr);
+  for (int r = 0; r < n; ++r) impl_->slots.push_back(std::make_unique<Impl::Slot>());
   grant_pool_access(devices_);
   ncclUniqueId id;
   TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
@@ -115,7 +142,7 @@ NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
   TPSIM_NCCL_CHECK(nullptr, ncclGroupStart());
   for (int r = 0; r < n; ++r) {
     TPSIM_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
-    TPSIM_NCCL_CHECK(nullptr, ncclCommInitRankConfig(&impl_->comms[static_cast<std::size_t>(r)],
+    TPSIM_NCCL_CHECK(nullptr, ncclCommInitRankConfig(&impl_->slots[static_cast<std::size_t>(r)]->comm,
                                                      n, id, r, &config));
   }
   TPSIM_NCCL_CHECK(nullptr, ncclGroupEnd());
@@ -125,7 +152,7 @@ NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
   const double init_s = timeout_s_ > 60.0 ? timeout_s_ : 60.0;
   const auto deadline = deadline_after(init_s);
   for (int r = 0; r < n; ++r)
-    if (!wait_ready(impl_->comms[static_cast<std::size_t>(r)], deadline, "ncclCommInitRankConfig")) {
+    if (!wait_ready(*impl_, r, deadline, "ncclCommInitRankConfig", "NcclGroup")) {
       abort_all();
       throw RuntimeFailure("NcclGroup: rank " + std::to_string(r) + "'s communicator on cuda:" +
                            std::to_string(devices_[static_cast<std::size_t>(r)]) +
@@ -134,40 +161,42 @@ NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
 }
 
 NcclGroup::~NcclGroup() {
-  std::lock_guard<std::mutex> lk(impl_->mu);
+  std::lock_guard<std::mutex> lk(impl_->abort_mu);
   if (impl_->aborted) return;
-  // Finalize flushes outstanding work; after a timeout, abort instead of waiting.
+  // Every rank has joined: no call is in flight. Finalize flushes outstanding work; after
+  // a timeout or an error, abort instead of waiting.
   const auto deadline = deadline_after(timeout_s_);
+  const int n = world_size();
   bool clean = true;
-  for (ncclComm_t c : impl_->comms) {
-    if (!c) continue;
-    const ncclResult_t r = ncclCommFinalize(c);
-    if (r != ncclSuccess && r != ncclInProgress) clean = false;
+  for (int r = 0; r < n; ++r) {
+    const ncclResult_t res = ncclCommFinalize(impl_->slots[static_cast<std::size_t>(r)]->comm);
+    if (res != ncclSuccess && res != ncclInProgress) clean = false;
   }
-  for (ncclComm_t c : impl_->comms) {
-    if (!c || !clean) continue;
+  for (int r = 0; r < n && clean; ++r) {
     try {
-      clean = wait_ready(c, deadline, "ncclCommFinalize");
+      clean = wait_ready(*impl_, r, deadline, "ncclCommFinalize", "~NcclGroup");
     } catch (...) {
       clean = false;
     }
   }
-  for (ncclComm_t c : impl_->comms)
-    if (c) (void)(clean ? ncclCommDestroy(c) : ncclCommAbort(c));
+  for (auto& slot : impl_->slots) {
+    std::lock_guard<std::mutex> l(slot->mu);
+    if (slot->comm) (void)(clean ? ncclCommDestroy(slot->comm) : ncclCommAbort(slot->comm));
+    slot->comm = nullptr;
+  }
 }
 
 void NcclGroup::abort_all() {
-  std::lock_guard<std::mutex> lk(impl_->mu);
-  if (impl_->aborted) return;
-  impl_->aborted = true;
-  for (ncclComm_t c : impl_->comms)
-    if (c) (void)ncclCommAbort(c);
+  std::lock_guard<std::mutex> lk(impl_->abort_mu);
+  if (impl_->aborted.exchange(true)) return;
+  for (auto& slot : impl_->slots) {
+    std::lock_guard<std::mutex> l(slot->mu);  // waits for a call in flight on it
+    if (slot->comm) (void)ncclCommAbort(slot->comm);
+    slot->comm = nullptr;
+  }
 }
 
-bool NcclGroup::aborted() const {
-  std::lock_guard<std::mutex> lk(impl_->mu);
-  return impl_->aborted;
-}
+bool NcclGroup::aborted() const { return impl_->aborted.load(); }
 
 NcclComm::NcclComm(NcclGroup& group, Communicator& host, CudaBackend& backend)
     : group_(group), rz_(host, "nccl"), backend_(backend) {
@@ -201,37 +230,37 @@ void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp 
   const cudaStream_t stream = backend_.stream();
   const int dev = backend_.device_index();
   try {
-    if (group_.aborted()) throw CommError(who + ": the NCCL communicators were aborted");
     CudaDeviceGuard guard(dev);
     if (kind == CollectiveKind::Barrier) TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream));
     const DeviceCallPost mine = DeviceCallPost::of(kind, in, out, op, root, dev);
     (void)rz_.exchange(mine, seq, label_, who, false);
     if (kind != CollectiveKind::Barrier) {
-      ncclComm_t comm = group_.impl().comms[static_cast<std::size_t>(me)];
       const ncclDataType_t dt = nccl_type(in->dtype());
-      switch (kind) {
-        case CollectiveKind::AllReduce:
-          TPSIM_NCCL_CHECK(comm, ncclAllReduce(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
-                                               dt, nccl_op(op), comm, stream));
-          break;
-        case CollectiveKind::AllGather:
-          TPSIM_NCCL_CHECK(comm, ncclAllGather(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
-                                               dt, comm, stream));
-          break;
-        case CollectiveKind::ReduceScatter:
-          TPSIM_NCCL_CHECK(comm, ncclReduceScatter(in->raw(), out->raw(),
-                                                   static_cast<std::size_t>(out->numel()), dt,
-                                                   nccl_op(op), comm, stream));
-          break;
-        case CollectiveKind::Broadcast:
-          TPSIM_NCCL_CHECK(comm, ncclBroadcast(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
-                                               dt, root, comm, stream));
-          break;
-        case CollectiveKind::Barrier:
-          break;
-      }
+      with_comm(group_.impl(), me, who, [&](ncclComm_t comm) {
+        switch (kind) {
+          case CollectiveKind::AllReduce:
+            TPSIM_NCCL_CHECK(comm, ncclAllReduce(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                                 dt, nccl_op(op), comm, stream));
+            break;
+          case CollectiveKind::AllGather:
+            TPSIM_NCCL_CHECK(comm, ncclAllGather(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                                 dt, comm, stream));
+            break;
+          case CollectiveKind::ReduceScatter:
+            TPSIM_NCCL_CHECK(comm, ncclReduceScatter(in->raw(), out->raw(),
+                                                     static_cast<std::size_t>(out->numel()), dt,
+                                                     nccl_op(op), comm, stream));
+            break;
+          case CollectiveKind::Broadcast:
+            TPSIM_NCCL_CHECK(comm, ncclBroadcast(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                                 dt, root, comm, stream));
+            break;
+          case CollectiveKind::Barrier:
+            break;
+        }
+      });
       // Enqueueing may still be in progress on a non-blocking communicator.
-      if (!wait_ready(comm, deadline_after(group_.timeout_s()), collective_name(kind))) {
+      if (!wait_ready(group_.impl(), me, deadline_after(group_.timeout_s()), collective_name(kind), who)) {
         const std::string msg = who + ": NCCL did not accept the call within " +
                                 seconds_str(group_.timeout_s()) + " s";
         rz_.host().abort(msg);

@@ -39,7 +39,8 @@ class NcclGroup {
   int world_size() const { return static_cast<int>(devices_.size()); }
   int device(int rank) const { return devices_[static_cast<std::size_t>(rank)]; }
   double timeout_s() const { return timeout_s_; }
-  // Aborts every communicator (once; later calls do nothing). Thread-safe.
+  // Aborts every communicator (once; later calls do nothing). Thread-safe: it waits for
+  // a call in flight on each communicator, and later calls on it throw CommError.
   void abort_all();
   bool aborted() const;
 

@@ -2,6 +2,7 @@
 // exact expectations: reductions run in rank order 0..n-1, so sums of floats must equal,
 // bit for bit, the same sums done in order on the host (nccl-tests' zero tolerance;
 // for NCCL, whose order is its own, the values are small integers, exact in any order).
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <stdexcept>
@@ -12,7 +13,9 @@
 #include <cuda_runtime.h>
 
 #include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
 #include "comm/nccl_comm.h"
+#include "comm/rank_runner.h"
 #include "core/errors.h"
 #include "cuda_test_util.h"
 #include "runtime/launch.h"
@@ -162,6 +165,39 @@ TEST_CASE("NcclGroup: each device's default pool is open to its peers in the gro
     ++checked;
   }
   if (checked == 0) WARN("cuda:0 and cuda:1 cannot access each other: nothing to check");
+}
+
+// abort_all while both ranks are inside NCCL calls (enqueueing, or polling
+// ncclCommGetAsyncError) on the communicators it aborts. Before the fix abort_all freed a
+// communicator under a call in flight on it, and a rank could find "not aborted" and then
+// use the freed handle: a use-after-free whenever the abort lands in that window (on a GPU
+// sometimes, hence the repetitions at varying points; under an emulator whose abort frees
+// the handle, reliably). With the per-communicator lock every rank ends in an error.
+TEST_CASE("NcclComm: an abort during the ranks' collectives ends them in an error", "[cuda]") {
+  TPSIM_REQUIRE_GPUS(2);
+  for (int rep = 0; rep < 5; ++rep) {
+    INFO("repetition " << rep);
+    NcclGroup group({0, 1}, 10.0);
+    ThreadCommGroup host(2, 10.0);
+    std::atomic<int> calls{0};
+    std::thread aborter([&] {
+      while (calls.load() < 10 + 7 * rep) std::this_thread::yield();
+      group.abort_all();
+    });
+    CHECK_THROWS_AS(run_ranks(host, [&](int r, Communicator& hc) {
+                      CudaBackend be(r);
+                      NcclComm c(group, hc, be);
+                      Tensor t = be.empty({1 << 16}, DType::F32, MemCategory::CommBuffer, "t");
+                      be.fill(t, 1.0);
+                      for (int i = 0; i < 100000; ++i) {
+                        c.all_reduce(t, ReduceOp::Sum);
+                        calls.fetch_add(1);
+                      }
+                    }),
+                    RuntimeFailure);
+    aborter.join();
+    CHECK(group.aborted());
+  }
 }
 
 TEST_CASE("SimComm: ranks that disagree fail on every rank with one message", "[cuda]") {
