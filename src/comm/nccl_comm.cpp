@@ -80,6 +80,39 @@ void grant_pool_access(const std::vector<int>& devices) {
   }
 }
 
+// One float and a stream on a device, for the warm-up collective.
+struct WarmUp {
+  int device;
+  cudaStream_t stream = nullptr;
+  float* buf = nullptr;  // [1]
+  explicit WarmUp(int d) : device(d) {
+    CudaDeviceGuard g(device);
+    TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    TPSIM_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&buf), sizeof(float), stream));
+    TPSIM_CUDA_CHECK(cudaMemsetAsync(buf, 0, sizeof(float), stream));
+  }
+  ~WarmUp() {
+    if (buf) (void)cudaFreeAsync(buf, stream);
+    if (stream) (void)cudaStreamDestroy(stream);
+  }
+  WarmUp(WarmUp&& o) noexcept : device(o.device), stream(o.stream), buf(o.buf) {
+    o.stream = nullptr;
+    o.buf = nullptr;
+  }
+  WarmUp(const WarmUp&) = delete;
+  WarmUp& operator=(const WarmUp&) = delete;
+  WarmUp& operator=(WarmUp&&) = delete;
+  bool finished_by(Clock::time_point deadline) const {
+    for (;;) {
+      const cudaError_t e = cudaStreamQuery(stream);
+      if (e == cudaSuccess) return true;
+      if (e != cudaErrorNotReady) throw_cuda_error(e, "cudaStreamQuery(stream)", __FILE__, __LINE__);
+      if (Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+};
+
 }  // namespace
 
 // One lock per communicator. A rank holds its communicator's lock for each NCCL call it
@@ -151,13 +184,37 @@ NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
   // timeout is short, so it gets at least a minute.
   const double init_s = timeout_s_ > 60.0 ? timeout_s_ : 60.0;
   const auto deadline = deadline_after(init_s);
+  auto not_ready = [&](int r, const char* what) {
+    abort_all();
+    return RuntimeFailure("NcclGroup: rank " + std::to_string(r) + "'s communicator on cuda:" +
+                          std::to_string(devices_[static_cast<std::size_t>(r)]) + ": " + what +
+                          " did not finish within " + seconds_str(init_s) + " s");
+  };
   for (int r = 0; r < n; ++r)
-    if (!wait_ready(*impl_, r, deadline, "ncclCommInitRankConfig", "NcclGroup")) {
-      abort_all();
-      throw RuntimeFailure("NcclGroup: rank " + std::to_string(r) + "'s communicator on cuda:" +
-                           std::to_string(devices_[static_cast<std::size_t>(r)]) +
-                           " was not ready after " + seconds_str(init_s) + " s");
-    }
+    if (!wait_ready(*impl_, r, deadline, "ncclCommInitRankConfig", "NcclGroup"))
+      throw not_ready(r, "set-up");
+
+  // Warm-up: NCCL connects a communicator's peers lazily, at its first collective, and
+  // that set-up can deadlock against a pageable device-to-host copy in a peer's thread
+  // (XLA met this). One all-reduce on every communicator, from this thread in one group,
+  // finished before any rank runs, is the barrier after which every connection exists.
+  std::vector<WarmUp> warm;
+  for (int d : devices_) warm.emplace_back(d);
+  TPSIM_NCCL_CHECK(nullptr, ncclGroupStart());
+  for (int r = 0; r < n; ++r) {
+    WarmUp& w = warm[static_cast<std::size_t>(r)];
+    TPSIM_CUDA_CHECK(cudaSetDevice(w.device));
+    TPSIM_NCCL_CHECK(nullptr, ncclAllReduce(w.buf, w.buf, 1, ncclFloat32, ncclSum,
+                                            impl_->slots[static_cast<std::size_t>(r)]->comm, w.stream));
+  }
+  TPSIM_NCCL_CHECK(nullptr, ncclGroupEnd());
+  TPSIM_CUDA_CHECK(cudaSetDevice(previous));
+  for (int r = 0; r < n; ++r) {
+    if (!wait_ready(*impl_, r, deadline, "warm-up all_reduce", "NcclGroup"))
+      throw not_ready(r, "the warm-up all_reduce");
+    if (!warm[static_cast<std::size_t>(r)].finished_by(deadline))
+      throw not_ready(r, "the warm-up all_reduce's kernel");
+  }
 }
 
 NcclGroup::~NcclGroup() {
@@ -231,7 +288,7 @@ void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp 
   const int dev = backend_.device_index();
   try {
     CudaDeviceGuard guard(dev);
-    if (kind == CollectiveKind::Barrier) TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (kind == CollectiveKind::Barrier) backend_.synchronize();
     const DeviceCallPost mine = DeviceCallPost::of(kind, in, out, op, root, dev);
     (void)rz_.exchange(mine, seq, label_, who, false);
     if (kind != CollectiveKind::Barrier) {
@@ -287,6 +344,19 @@ void NcclComm::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
 }
 void NcclComm::broadcast(Tensor& t, int root) { run(CollectiveKind::Broadcast, &t, &t, ReduceOp::Sum, root); }
 void NcclComm::barrier() { run(CollectiveKind::Barrier, nullptr, nullptr, ReduceOp::Sum, 0); }
+
+void NcclComm::check_async() {
+  const std::string who = "rank " + std::to_string(rank());
+  with_comm(group_.impl(), rank(), who, [&](ncclComm_t comm) {
+    ncclResult_t st = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &st);
+    if (r == ncclSuccess && (st == ncclSuccess || st == ncclInProgress)) return;
+    const ncclResult_t bad = r != ncclSuccess ? r : st;
+    const char* last = ncclGetLastError(comm);
+    throw CommError(who + ": NCCL reported an error while the host waited for the device: " +
+                    ncclGetErrorString(bad) + (last && *last ? ": " + std::string(last) : ""));
+  });
+}
 
 void NcclComm::abort(const std::string& reason) {
   rz_.host().abort("rank " + std::to_string(rank()) + " called abort: " + reason);

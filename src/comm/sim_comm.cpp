@@ -152,7 +152,7 @@ void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp o
     if (scratch.defined())
       TPSIM_CUDA_CHECK(cudaMemcpyAsync(out->raw(), scratch.raw(), out->nbytes(),
                                        cudaMemcpyDeviceToDevice, stream));
-    if (kind == CollectiveKind::Barrier) TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (kind == CollectiveKind::Barrier) backend_.synchronize();
   } catch (...) {
     rec.t_end_ns = steady_now_ns();
     records_.push_back(std::move(rec));

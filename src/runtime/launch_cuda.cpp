@@ -42,17 +42,29 @@ void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, co
     CudaBackend& device_backend = *cuda;
     std::unique_ptr<Backend> be = std::move(cuda);
     if (dev.wrap) be = dev.wrap(rank, std::move(be));
+    // Host waits for the device end at the run's timeout (with NCCL, also at an
+    // asynchronous error of this rank's communicator, while it lives), never hang.
+    const HostWait plain{"rank " + std::to_string(rank), timeout_s, nullptr};
+    device_backend.set_host_wait(plain);
     try {
-      // The communicator dies before the backend whose stream it uses.
+      // The communicator dies before the backend whose stream it uses; a fault in work
+      // still queued surfaces at the synchronize, on its own rank.
       if (nccl) {
         NcclComm comm(*nccl, host, device_backend);
-        fn(rank, *be, comm);
+        device_backend.set_host_wait({plain.who, timeout_s, [&comm] { comm.check_async(); }});
+        try {
+          fn(rank, *be, comm);
+          device_backend.synchronize();
+        } catch (...) {
+          device_backend.set_host_wait(plain);
+          throw;
+        }
+        device_backend.set_host_wait(plain);
       } else {
         SimComm comm(*sim, host, device_backend);
         fn(rank, *be, comm);
+        device_backend.synchronize();
       }
-      // A fault in work still queued surfaces here, on its own rank.
-      device_backend.synchronize();
     } catch (...) {
       // Peers may have NCCL work queued that waits for this rank: end it.
       if (nccl) nccl->abort_all();

@@ -3,15 +3,19 @@
 // Built by the host compiler, so it gets the project's full warning set.
 #include "backend/cuda/cuda_backend.h"
 
+#include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cmath>
 #include <limits>
+#include <thread>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/embedding_plan.h"
 #include "backend/cuda/kernels.h"
 #include "backend/op_checks.h"
+#include "core/errors.h"
 
 namespace tpsim {
 namespace {
@@ -122,9 +126,36 @@ CudaBackend::~CudaBackend() {
   if (previous >= 0) (void)cudaSetDevice(previous);
 }
 
-void CudaBackend::synchronize() {
+void CudaBackend::synchronize() { wait_stream("synchronize"); }
+
+void CudaBackend::wait_stream(const char* op) {
   CudaDeviceGuard guard(device_);
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  for (int polls = 0;; ++polls) {
+    const cudaError_t e = cudaStreamQuery(stream_);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) throw_cuda_error(e, "cudaStreamQuery(stream_)", __FILE__, __LINE__);
+    if (host_wait_.poll) host_wait_.poll();
+    const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (host_wait_.timeout_s > 0 && waited > host_wait_.timeout_s) {
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", host_wait_.timeout_s);
+      throw CommError(host_wait_.who + ": " + op + ": the device did not finish this rank's " +
+                      "queued work within " + secs + " s (a collective may be stuck); aborting");
+    }
+    // Short ops finish within the first polls; after that, stop burning a core.
+    if (polls < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void CudaBackend::copy_to_host(void* dst, const void* src, std::size_t bytes, const char* op) {
+  wait_stream(op);
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  wait_stream(op);
 }
 
 // ---- data movement --------------------------------------------------------------------
@@ -190,9 +221,7 @@ std::vector<double> CudaBackend::to_host(const Tensor& src) {
     K::convert_to_f64<float>(staging.data<double>(), src.data<float>(), src.numel(), stream_);
     from = staging.raw();
   }
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(out.data(), from, out.size() * sizeof(double),
-                                   cudaMemcpyDeviceToHost, stream_));
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(out.data(), from, out.size() * sizeof(double), "to_host");
   return out;
 }
 
@@ -402,9 +431,8 @@ void CudaBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const T
   CudaDeviceGuard guard(device_);
   // The ids come to the host (N i64s, one wait) to plan the scatter-add there.
   std::vector<i64> host_ids(static_cast<std::size_t>(s.N));
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(host_ids.data(), ids.data<i64>(), host_ids.size() * sizeof(i64),
-                                   cudaMemcpyDeviceToHost, stream_));
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(host_ids.data(), ids.data<i64>(), host_ids.size() * sizeof(i64),
+               "embedding_backward");
   const K::EmbeddingPlan plan = K::make_embedding_plan(host_ids.data(), s.N, row0, s.R);
   if (plan.n_rows == 0) return;
   // [2·rows + 1 + tokens] i64: the plan on the device
@@ -426,12 +454,10 @@ void CudaBackend::check_targets(const char* op, const Tensor& targets, const Ten
   const i64 N = targets.numel(), Vl = logits.dim(1);
   K::ce_check_targets(bad_row_, targets.data<i64>(), N, Vl, col0, valid, stream_);
   i64 bad = N;
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(&bad, bad_row_, sizeof bad, cudaMemcpyDeviceToHost, stream_));
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(&bad, bad_row_, sizeof bad, op);
   if (bad >= N) return;
   i64 target = 0;
-  TPSIM_CUDA_CHECK(cudaMemcpy(&target, targets.data<i64>() + bad, sizeof target,
-                              cudaMemcpyDeviceToHost));
+  copy_to_host(&target, targets.data<i64>() + bad, sizeof target, op);
   // The CPU backend's message, word for word.
   const bool negative = target < 0;
   throw Error(std::string(op) + ": targets '" + targets.tag() + "' row " + std::to_string(bad) +
@@ -500,8 +526,7 @@ void CudaBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tenso
 
 double CudaBackend::read_sum() {
   double r = 0.0;
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(&r, sum_result_, sizeof r, cudaMemcpyDeviceToHost, stream_));
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(&r, sum_result_, sizeof r, "sum");
   return r;
 }
 

@@ -3,12 +3,14 @@
 // cuBLAS handle bound to that stream, and an allocator that takes stream-ordered device
 // memory (cudaMallocAsync/cudaFreeAsync) and records every byte in the rank's ledger.
 // Ops return as soon as their work is enqueued; to_host, sum and mse_forward wait for
-// the stream, since they hand results to the host.
+// the stream, since they hand results to the host. Those waits poll the stream against a
+// deadline (HostWait), so work stuck behind a collective ends in an error, not a hang.
 #pragma once
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,6 +33,14 @@ class CudaAllocator final : public Allocator {
   cudaStream_t stream_;
 };
 
+// How a host wait for a backend's stream ends when the device does not finish. The
+// launcher sets the run's --timeout and, with NCCL, a poll of the rank's communicator.
+struct HostWait {
+  std::string who;             // "rank 1": starts the error message
+  double timeout_s = 0.0;      // 0: no deadline
+  std::function<void()> poll;  // called while waiting; throws to end the wait
+};
+
 class CudaBackend final : public Backend {
  public:
   // Throws RuntimeFailure when the device cannot be used (see cuda_check.h).
@@ -43,8 +53,10 @@ class CudaBackend final : public Backend {
   Allocator& allocator() override { return *alloc_; }
   int device_index() const { return device_; }
   cudaStream_t stream() const { return stream_; }
-  // Waits until every op enqueued so far has finished; throws what the device reported.
+  // Waits until every op enqueued so far has finished; throws what the device reported,
+  // or CommError when the HostWait's deadline passes first.
   void synchronize();
+  void set_host_wait(HostWait w) { host_wait_ = std::move(w); }
 
   void fill(Tensor& t, double value) override;
   void copy(Tensor& dst, const Tensor& src) override;
@@ -108,6 +120,11 @@ class CudaBackend final : public Backend {
                      std::int64_t col0, std::int64_t valid);
   // Reads the f64 scalar sum_result_ back (after sum_f64 / sum_sq_diff_f64).
   double read_sum();
+  // Polls the stream until it is idle, under host_wait_ ("op" names the caller).
+  void wait_stream(const char* op);
+  // A device-to-host copy into pageable memory: the stream is idle first (a pageable copy
+  // can deadlock against a peer's NCCL connection set-up) and again after.
+  void copy_to_host(void* dst, const void* src, std::size_t bytes, const char* op);
 
   int device_;
   cudaStream_t stream_ = nullptr;
@@ -118,6 +135,7 @@ class CudaBackend final : public Backend {
   double* sum_partial_ = nullptr;
   double* sum_result_ = nullptr;
   std::int64_t* bad_row_ = nullptr;
+  HostWait host_wait_;
 };
 
 // A CUDA backend on `device` (make it current on the calling thread first).
