@@ -80,6 +80,37 @@ void grant_pool_access(const std::vector<int>& devices) {
   }
 }
 
+// ncclGroupStart/End as a scope: the group is closed on every path (a group left open
+// would swallow the caller's next NCCL calls until a ncclGroupEnd that never comes).
+class NcclGroupScope {
+ public:
+  NcclGroupScope() { TPSIM_NCCL_CHECK(nullptr, ncclGroupStart()); }
+  ~NcclGroupScope() {
+    if (open_) (void)ncclGroupEnd();
+  }
+  void end() {
+    open_ = false;
+    TPSIM_NCCL_CHECK(nullptr, ncclGroupEnd());
+  }
+  NcclGroupScope(const NcclGroupScope&) = delete;
+  NcclGroupScope& operator=(const NcclGroupScope&) = delete;
+
+ private:
+  bool open_ = true;
+};
+
+// Restores the calling thread's current device when it goes.
+class RestoreDevice {
+ public:
+  RestoreDevice() { TPSIM_CUDA_CHECK(cudaGetDevice(&device_)); }
+  ~RestoreDevice() { (void)cudaSetDevice(device_); }
+  RestoreDevice(const RestoreDevice&) = delete;
+  RestoreDevice& operator=(const RestoreDevice&) = delete;
+
+ private:
+  int device_ = 0;
+};
+
 // One float and a stream on a device, for the warm-up collective.
 struct WarmUp {
   int device;
@@ -164,56 +195,67 @@ NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
     : devices_(devices), timeout_s_(timeout_s), impl_(std::make_unique<Impl>()) {
   const int n = world_size();
   for (int r = 0; r < n; ++r) impl_->slots.push_back(std::make_unique<Impl::Slot>());
-  grant_pool_access(devices_);
-  ncclUniqueId id;
-  TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  int previous = 0;
-  TPSIM_CUDA_CHECK(cudaGetDevice(&previous));
-  // One thread initialises every rank, so the n init calls must be one group.
-  TPSIM_NCCL_CHECK(nullptr, ncclGroupStart());
-  for (int r = 0; r < n; ++r) {
-    TPSIM_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
-    TPSIM_NCCL_CHECK(nullptr, ncclCommInitRankConfig(&impl_->slots[static_cast<std::size_t>(r)]->comm,
-                                                     n, id, r, &config));
-  }
-  TPSIM_NCCL_CHECK(nullptr, ncclGroupEnd());
-  TPSIM_CUDA_CHECK(cudaSetDevice(previous));
-  // Set-up (topology detection, connections) can take seconds even when a collective's
-  // timeout is short, so it gets at least a minute.
-  const double init_s = timeout_s_ > 60.0 ? timeout_s_ : 60.0;
-  const auto deadline = deadline_after(init_s);
-  auto not_ready = [&](int r, const char* what) {
-    abort_all();
-    return RuntimeFailure("NcclGroup: rank " + std::to_string(r) + "'s communicator on cuda:" +
-                          std::to_string(devices_[static_cast<std::size_t>(r)]) + ": " + what +
-                          " did not finish within " + seconds_str(init_s) + " s");
-  };
-  for (int r = 0; r < n; ++r)
-    if (!wait_ready(*impl_, r, deadline, "ncclCommInitRankConfig", "NcclGroup"))
-      throw not_ready(r, "set-up");
-
-  // Warm-up: NCCL connects a communicator's peers lazily, at its first collective, and
-  // that set-up can deadlock against a pageable device-to-host copy in a peer's thread
-  // (XLA met this). One all-reduce on every communicator, from this thread in one group,
-  // finished before any rank runs, is the barrier after which every connection exists.
+  // Declared before the try: a failed set-up aborts the communicators (whose kernels may
+  // use these buffers) before they are freed.
   std::vector<WarmUp> warm;
-  for (int d : devices_) warm.emplace_back(d);
-  TPSIM_NCCL_CHECK(nullptr, ncclGroupStart());
-  for (int r = 0; r < n; ++r) {
-    WarmUp& w = warm[static_cast<std::size_t>(r)];
-    TPSIM_CUDA_CHECK(cudaSetDevice(w.device));
-    TPSIM_NCCL_CHECK(nullptr, ncclAllReduce(w.buf, w.buf, 1, ncclFloat32, ncclSum,
-                                            impl_->slots[static_cast<std::size_t>(r)]->comm, w.stream));
-  }
-  TPSIM_NCCL_CHECK(nullptr, ncclGroupEnd());
-  TPSIM_CUDA_CHECK(cudaSetDevice(previous));
-  for (int r = 0; r < n; ++r) {
-    if (!wait_ready(*impl_, r, deadline, "warm-up all_reduce", "NcclGroup"))
-      throw not_ready(r, "the warm-up all_reduce");
-    if (!warm[static_cast<std::size_t>(r)].finished_by(deadline))
-      throw not_ready(r, "the warm-up all_reduce's kernel");
+  try {
+    RestoreDevice restore;  // the caller's current device, on every path
+    ncclUniqueId id;
+    TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    {
+      // One thread initialises every rank, so the n init calls must be one group.
+      NcclGroupScope group;
+      for (int r = 0; r < n; ++r) {
+        TPSIM_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
+        TPSIM_NCCL_CHECK(nullptr, ncclCommInitRankConfig(
+                                      &impl_->slots[static_cast<std::size_t>(r)]->comm, n, id, r,
+                                      &config));
+      }
+      group.end();
+    }
+    // Set-up (topology detection, connections) can take seconds even when a collective's
+    // timeout is short, so it gets at least a minute.
+    const double init_s = timeout_s_ > 60.0 ? timeout_s_ : 60.0;
+    const auto deadline = deadline_after(init_s);
+    auto not_ready = [&](int r, const char* what) {
+      return RuntimeFailure("NcclGroup: rank " + std::to_string(r) + "'s communicator on cuda:" +
+                            std::to_string(devices_[static_cast<std::size_t>(r)]) + ": " + what +
+                            " did not finish within " + seconds_str(init_s) + " s");
+    };
+    for (int r = 0; r < n; ++r)
+      if (!wait_ready(*impl_, r, deadline, "ncclCommInitRankConfig", "NcclGroup"))
+        throw not_ready(r, "set-up");
+    grant_pool_access(devices_);
+
+    // Warm-up: NCCL connects a communicator's peers lazily, at its first collective, and
+    // that set-up can deadlock against a pageable device-to-host copy in a peer's thread
+    // (XLA met this). One all-reduce on every communicator, from this thread in one group,
+    // finished before any rank runs, is the barrier after which every connection exists.
+    for (int d : devices_) warm.emplace_back(d);
+    {
+      NcclGroupScope group;
+      for (int r = 0; r < n; ++r) {
+        WarmUp& w = warm[static_cast<std::size_t>(r)];
+        TPSIM_CUDA_CHECK(cudaSetDevice(w.device));
+        TPSIM_NCCL_CHECK(nullptr, ncclAllReduce(w.buf, w.buf, 1, ncclFloat32, ncclSum,
+                                                impl_->slots[static_cast<std::size_t>(r)]->comm,
+                                                w.stream));
+      }
+      group.end();
+    }
+    for (int r = 0; r < n; ++r) {
+      if (!wait_ready(*impl_, r, deadline, "warm-up all_reduce", "NcclGroup"))
+        throw not_ready(r, "the warm-up all_reduce");
+      if (!warm[static_cast<std::size_t>(r)].finished_by(deadline))
+        throw not_ready(r, "the warm-up all_reduce's kernel");
+    }
+  } catch (...) {
+    // ~NcclGroup does not run for a constructor that throws: free every communicator
+    // made so far here (the group above is closed and the device restored by then).
+    abort_all();
+    throw;
   }
 }
 

@@ -200,6 +200,24 @@ TEST_CASE("NcclComm: an abort during the ranks' collectives ends them in an erro
   }
 }
 
+// A device that does not exist fails the set-up inside NCCL's init group. Before the fix
+// that left the group open (so the next NcclGroup's init calls were deferred to a
+// ncclGroupEnd that never came: its set-up timed out), the thread on another device (with
+// two GPUs: cuda:1, set just before the failure) and the first rank's communicator alive.
+TEST_CASE("NcclGroup: a failed set-up closes the group, restores the device, frees the rest", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const int n = test::gpus();
+  const int first = n > 1 ? 1 : 0;
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK_THROWS_AS(NcclGroup({first, n}, 5.0), RuntimeFailure);  // cuda:n does not exist
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 0);
+  // One rank on cuda:0: its set-up and warm-up must go through.
+  NcclGroup one({0}, 5.0);
+  CHECK_FALSE(one.aborted());
+}
+
 TEST_CASE("SimComm: ranks that disagree fail on every rank with one message", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
   try {
