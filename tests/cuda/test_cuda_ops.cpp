@@ -76,8 +76,9 @@ std::vector<std::vector<double>> run_on(Backend& be, DType dt, const std::vector
 
 // The op on both backends, in f32 and f64; each output within the bound (0: exact).
 void compare(const std::string& op, const std::vector<Input>& inputs,
-             const std::vector<int>& outputs, const Run& run, bool exact = false) {
-  for (DType dt : {DType::F32, DType::F64}) {
+             const std::vector<int>& outputs, const Run& run, bool exact = false,
+             const std::vector<DType>& dtypes = {DType::F32, DType::F64}) {
+  for (DType dt : dtypes) {
     auto cpu = make_cpu_backend();
     CudaBackend gpu(0);
     const auto want = run_on(*cpu, dt, inputs, outputs, run);
@@ -149,6 +150,30 @@ TEST_CASE("cuda ops: LayerNorm forward and backward (accumulating)", "[cuda]") {
             be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
             be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
           });
+}
+
+// Past 65535 chunks of 64 rows (≈ 4.19M rows) the dweight kernel's grid.y went beyond the
+// launch limit: before the fix the launch failed (cudaErrorInvalidConfiguration) on any
+// GPU and on an emulator that enforces the limits. Too slow for an emulator that runs a
+// fiber per thread (4M blocks), so it runs only on a device. f64 only: a 4.2M-term f32 sum
+// in two orders differs by ~√N·u ≈ 1e-4, above the f32 bound; in f64 the last two chunks
+// (100 rows) left out would move dweight by ~√100/√N ≈ 5e-3, far above 1e-12.
+TEST_CASE("cuda ops: LayerNorm backward past 4.19M rows", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+#ifdef TPSIM_CUDA_EMU
+  WARN("4.2M-row LayerNorm: too slow for the emulator, skipped");
+  return;
+#endif
+  const i64 N = 65535 * 64 + 100, C = 2;
+  Input x = f("x", {N, C}, 35);
+  for (auto& v : x.values) v += 1.0;
+  compare("layernorm 4.2M rows",
+          {x, f("w", {C}, 36), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
+           f("dy", {N, C}, 37), zeros("dx", {N, C}), zeros("dw", {C})},
+          {6, 7}, [](Backend& be, auto& t) {
+            be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
+            be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
+          }, false, {DType::F64});
 }
 
 TEST_CASE("cuda ops: causal attention forward and backward", "[cuda]") {
