@@ -6,6 +6,7 @@
 // under 2e-5, while any indexing or formula bug gives 1e-2 to 1. Ops that only move data
 // (copy, columns, fill, embedding forward) and the deterministic row-order sums must agree
 // exactly.
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -275,6 +276,26 @@ TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
   for (auto& x : v.values) x = std::abs(x);
   compare("adam", {f("p", {40}, 76), f("g", {40}, 77), f("m", {40}, 79, 0.1), v}, {0, 2, 3},
           [](Backend& be, auto& t) { be.adam_update(t[0], t[1], t[2], t[3], 1e-3, 0.9, 0.95, 1e-8, 0.1, 4); });
+}
+
+// from_host's source is the caller's pageable memory, which it may overwrite or free the
+// moment from_host returns. Before the fix the copy was only enqueued: under an emulator
+// whose streams run lazily the device then read the overwritten values (every time); a
+// GPU's driver usually stages pageable memory before returning, so there it rarely shows.
+TEST_CASE("cuda ops: from_host's source may be overwritten as soon as it returns", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  CudaBackend gpu(0);
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    const std::vector<double> want = randn(3000, 80);
+    std::vector<double> src = want;
+    Tensor t = gpu.empty({3000}, dt, MemCategory::Temporary, "t");
+    gpu.from_host(t, src.data());
+    std::fill(src.begin(), src.end(), -7.0);
+    std::vector<double> expect = want;
+    for (auto& x : expect) x = dt == DType::F32 ? double(float(x)) : x;
+    CHECK(gpu.to_host(t) == expect);
+  }
 }
 
 TEST_CASE("cuda ops: device memory is in the ledger, and returned", "[cuda]") {

@@ -158,6 +158,11 @@ void CudaBackend::copy_to_host(void* dst, const void* src, std::size_t bytes, co
   wait_stream(op);
 }
 
+void CudaBackend::copy_from_host(void* dst, const void* src, std::size_t bytes, const char* op) {
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+  wait_stream(op);
+}
+
 // ---- data movement --------------------------------------------------------------------
 
 void CudaBackend::fill(Tensor& t, double value) {
@@ -188,17 +193,13 @@ void CudaBackend::from_host(Tensor& dst, const double* src) {
   OpCheck("from_host", device()).float_arg("dst", dst);
   if (dst.numel() == 0) return;
   CudaDeviceGuard guard(device_);
-  // A copy from pageable host memory returns once the source has been staged, so the
-  // caller may free `src` as soon as this returns; the stream keeps the order.
   if (dst.dtype() == DType::F64) {
-    TPSIM_CUDA_CHECK(
-        cudaMemcpyAsync(dst.raw(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+    copy_from_host(dst.raw(), src, dst.nbytes(), "from_host");
     return;
   }
   // [numel] f64 staging on the device, converted there; freed in stream order.
   Tensor staging = empty({dst.numel()}, DType::F64, MemCategory::Temporary, "from_host.staging");
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(staging.raw(), src, staging.nbytes(), cudaMemcpyHostToDevice,
-                                   stream_));
+  copy_from_host(staging.raw(), src, staging.nbytes(), "from_host");
   K::convert_from_f64<float>(dst.data<float>(), staging.data<double>(), dst.numel(), stream_);
 }
 
@@ -206,7 +207,7 @@ void CudaBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
   OpCheck("from_host_i64", device()).dtype("dst", dst, DType::I64);
   if (dst.nbytes() == 0) return;
   CudaDeviceGuard guard(device_);
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+  copy_from_host(dst.raw(), src, dst.nbytes(), "from_host_i64");
 }
 
 std::vector<double> CudaBackend::to_host(const Tensor& src) {
@@ -438,8 +439,7 @@ void CudaBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const T
   // [2·rows + 1 + tokens] i64: the plan on the device
   Tensor dplan = empty({static_cast<i64>(plan.packed.size())}, DType::I64, MemCategory::Temporary,
                        "embedding.plan");
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dplan.raw(), plan.packed.data(), dplan.nbytes(),
-                                   cudaMemcpyHostToDevice, stream_));
+  copy_from_host(dplan.raw(), plan.packed.data(), dplan.nbytes(), "embedding_backward");
   on_float(dtable, [&](auto z) {
     using T = decltype(z);
     K::embedding_backward<T>(dtable.data<T>(), dout.data<T>(), dplan.data<i64>(), plan.n_rows, s.C,

@@ -125,6 +125,10 @@ class CudaBackend final : public Backend {
   // A device-to-host copy into pageable memory: the stream is idle first (a pageable copy
   // can deadlock against a peer's NCCL connection set-up) and again after.
   void copy_to_host(void* dst, const void* src, std::size_t bytes, const char* op);
+  // A host-to-device copy from pageable memory that the caller may free or overwrite as
+  // soon as this returns: CUDA does not promise that an asynchronous copy from pageable
+  // memory has read its source by then, so this waits for it.
+  void copy_from_host(void* dst, const void* src, std::size_t bytes, const char* op);
 
   int device_;
   cudaStream_t stream_ = nullptr;
