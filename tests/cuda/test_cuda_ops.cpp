@@ -6,6 +6,8 @@
 // under 2e-5, while any indexing or formula bug gives 1e-2 to 1. Ops that only move data
 // (copy, columns, fill, embedding forward) and the deterministic row-order sums must agree
 // exactly.
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -296,6 +298,33 @@ TEST_CASE("cuda ops: from_host's source may be overwritten as soon as it returns
     for (auto& x : expect) x = dt == DType::F32 ? double(float(x)) : x;
     CHECK(gpu.to_host(t) == expect);
   }
+}
+
+// The backend's handles are members that free themselves (cuda_handles.h): a constructor
+// that fails frees what it made, and the stream goes last. Neither leak nor order is
+// visible through the CUDA API on a GPU; this checks what is: a refused device is a
+// RuntimeFailure that leaves the thread's device alone, and backends built and destroyed
+// with work and stream-ordered frees still queued leave no error behind.
+TEST_CASE("cuda ops: backends come and go cleanly", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK_THROWS_AS(CudaBackend(test::gpus()), RuntimeFailure);
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 0);
+  for (int i = 0; i < 20; ++i) {
+    CudaBackend gpu(0);
+    Tensor a = gpu.empty({1 << 16}, DType::F32, MemCategory::Temporary, "a");
+    gpu.fill(a, 1.0);
+    Tensor b = gpu.empty({1 << 16}, DType::F32, MemCategory::Temporary, "b");
+    gpu.copy(b, a);
+    gpu.scale_inplace(b, 3.0);
+  }  // tensors freed on the stream, then the backend goes with the work still queued
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CudaBackend gpu(0);
+  Tensor t = gpu.empty({4}, DType::F64, MemCategory::Temporary, "t");
+  gpu.fill(t, 2.0);
+  CHECK(gpu.to_host(t) == std::vector<double>(4, 2.0));
 }
 
 TEST_CASE("cuda ops: device memory is in the ledger, and returned", "[cuda]") {

@@ -92,11 +92,15 @@ void CudaAllocator::deallocate(void* p, std::size_t) {
 
 // ---- the backend --------------------------------------------------------------------------
 
-CudaBackend::CudaBackend(int device) : device_(device) {
+// [kSumBlocks + 1] f64, then [1] i64
+constexpr std::size_t kScratchBytes = (K::kSumBlocks + 1) * sizeof(double) + sizeof(std::int64_t);
+
+CudaBackend::CudaBackend(int device)
+    : device_(device),
+      owned_stream_(device),
+      owned_cublas_(device, owned_stream_.get()),
+      scratch_(device, kScratchBytes) {
   CudaDeviceGuard guard(device_);
-  TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  TPSIM_CUBLAS_CHECK(cublasCreate(&cublas_));
-  TPSIM_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
   // Default math: every product and sum in at least the requested precision, never TF32
   // (10 mantissa bits, which the float32 tolerance does not allow). Said explicitly, so
   // that a changed library default cannot slip in.
@@ -107,24 +111,14 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   TPSIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
   std::uint64_t keep = UINT64_MAX;
   TPSIM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  alloc_ = std::make_unique<CudaAllocator>(device_, stream_);
-  TPSIM_CUDA_CHECK(cudaMalloc(&sum_partial_, (K::kSumBlocks + 1) * sizeof(double)));
+  sum_partial_ = static_cast<double*>(scratch_.get());
   sum_result_ = sum_partial_ + K::kSumBlocks;
-  TPSIM_CUDA_CHECK(cudaMalloc(&bad_row_, sizeof(std::int64_t)));
+  bad_row_ = reinterpret_cast<std::int64_t*>(sum_result_ + 1);
+  alloc_ = std::make_unique<CudaAllocator>(device_, stream_);
 }
 
-CudaBackend::~CudaBackend() {
-  // Best effort: a destructor cannot throw, and after a device fault nothing works anyway.
-  int previous = -1;
-  (void)cudaGetDevice(&previous);
-  (void)cudaSetDevice(device_);
-  if (stream_) (void)cudaStreamSynchronize(stream_);
-  if (sum_partial_) (void)cudaFree(sum_partial_);
-  if (bad_row_) (void)cudaFree(bad_row_);
-  if (cublas_) (void)cublasDestroy(cublas_);
-  if (stream_) (void)cudaStreamDestroy(stream_);
-  if (previous >= 0) (void)cudaSetDevice(previous);
-}
+// The members free everything, in order (cuda_handles.h).
+CudaBackend::~CudaBackend() = default;
 
 void CudaBackend::synchronize() { wait_stream("synchronize"); }
 

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/cuda/cuda_handles.h"
 
 namespace tpsim {
 
@@ -130,15 +131,20 @@ class CudaBackend final : public Backend {
   // memory has read its source by then, so this waits for it.
   void copy_from_host(void* dst, const void* src, std::size_t bytes, const char* op);
 
+  // Members are destroyed in reverse order: everything that enqueues on the stream (the
+  // allocator's frees, cuBLAS) goes before the stream does.
   int device_;
-  cudaStream_t stream_ = nullptr;
-  cublasHandle_t cublas_ = nullptr;
-  std::unique_ptr<CudaAllocator> alloc_;
+  CudaStream owned_stream_;
+  cudaStream_t stream_ = owned_stream_.get();
+  CublasHandle owned_cublas_;
+  cublasHandle_t cublas_ = owned_cublas_.get();
   // Small fixed scratch outside the ledger (2 KiB): the deterministic sum's partials [256]
   // and result [1], and the target check's verdict [1].
+  DeviceScratch scratch_;
   double* sum_partial_ = nullptr;
   double* sum_result_ = nullptr;
   std::int64_t* bad_row_ = nullptr;
+  std::unique_ptr<CudaAllocator> alloc_;
   HostWait host_wait_;
 };
 
