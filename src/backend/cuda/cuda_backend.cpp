@@ -11,6 +11,7 @@
 #include <limits>
 #include <thread>
 
+#include "backend/cuda/blas_int.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/embedding_plan.h"
 #include "backend/cuda/kernels.h"
@@ -26,14 +27,6 @@ namespace K = cuda_kernels;
 template <class F>
 void on_float(const Tensor& t, F&& f) {
   dispatch_float(t.dtype(), std::forward<F>(f));
-}
-
-// cuBLAS takes int sizes.
-int blas_int(const char* op, const char* what, i64 v) {
-  if (v > INT_MAX)
-    throw UsageError(std::string(op) + ": " + what + " " + std::to_string(v) +
-                     " exceeds cuBLAS's int range");
-  return static_cast<int>(v < 1 ? 1 : v);
 }
 
 cublasStatus_t gemm_sb(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
@@ -62,10 +55,11 @@ void gemm_rm(cublasHandle_t h, bool trans_a, bool trans_b, i64 M, i64 N, i64 K_,
   if (M == 0 || N == 0 || batch == 0) return;
   const char* op = "gemm";
   TPSIM_CUBLAS_CHECK(gemm_sb(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                             trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, blas_int(op, "N", N),
-                             blas_int(op, "M", M), static_cast<int>(K_), &alpha, B,
-                             blas_int(op, "ldb", ldb), sB, A, blas_int(op, "lda", lda), sA, &beta,
-                             C, blas_int(op, "ldc", ldc), sC, blas_int(op, "batch", batch)));
+                             trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, blas_int(op, "N", N, 0),
+                             blas_int(op, "M", M, 0), blas_int(op, "K", K_, 0), &alpha, B,
+                             blas_int(op, "ldb", ldb, 1), sB, A, blas_int(op, "lda", lda, 1), sA,
+                             &beta, C, blas_int(op, "ldc", ldc, 1), sC,
+                             blas_int(op, "batch", batch, 0)));
 }
 
 }  // namespace
