@@ -327,6 +327,35 @@ TEST_CASE("cuda ops: backends come and go cleanly", "[cuda]") {
   CHECK(gpu.to_host(t) == std::vector<double>(4, 2.0));
 }
 
+// What bit-exactness the code needs on the device (math.h): not the CPU's bits (nvcc
+// contracts multiply-adds), but the same bits from the same op on every rank, which
+// replicated tensors rely on. Two backends (two ranks sharing a GPU) run ops full of
+// multiply-adds and reductions on the same inputs and must agree exactly.
+TEST_CASE("cuda ops: the same op on two backends gives the same bits", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 N = 70, C = 1100;
+  Input x = f("x", {N, C}, 90);
+  Input v = f("v", {N * C}, 95, 0.1);
+  for (auto& e : v.values) e = std::abs(e);
+  const std::vector<Input> inputs = {x, f("w", {C}, 91), zeros("out", {N, C}), zeros("mean", {N}),
+                                     zeros("rstd", {N}), f("dy", {N, C}, 92), zeros("dx", {N, C}),
+                                     zeros("dw", {C}), f("m", {N * C}, 93, 0.1), v,
+                                     zeros("g", {N * C})};
+  const std::vector<int> outs = {2, 6, 7, 8, 9, 10};
+  const Run run = [](Backend& be, std::vector<Tensor>& t) {
+    be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
+    be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
+    Tensor flat = t[2].reshape({N * C});
+    be.gelu_backward(t[10], t[5].reshape({N * C}), flat);
+    be.adam_update(flat, t[10], t[8], t[9], 1e-3, 0.9, 0.95, 1e-8, 0.1, 3);
+  };
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    CudaBackend a(0), b(0);
+    CHECK(run_on(a, dt, inputs, outs, run) == run_on(b, dt, inputs, outs, run));
+  }
+}
+
 TEST_CASE("cuda ops: device memory is in the ledger, and returned", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
   CudaBackend gpu(0);
