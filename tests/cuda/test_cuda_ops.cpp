@@ -124,6 +124,17 @@ TEST_CASE("cuda ops: gemm in all four transposes, with alpha and beta", "[cuda]"
     }
   compare("gemm beta=0", {f("a", {M, K}, 13), f("b", {K, N}, 14), f("out", {M, N}, 15)}, {2},
           [](Backend& be, auto& t) { be.gemm(t[2], t[0], false, t[1], false, 1.0, 0.0); });
+  // Degenerate rows and columns: a vector times a matrix (M = 1), a matrix times a vector
+  // (N = 1) and a dot product, in every transpose; the leading dimensions are then 1 or K.
+  for (auto [m, n] : {std::pair<i64, i64>{1, 17}, {13, 1}, {1, 1}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        Shape sa = ta ? Shape{K, m} : Shape{m, K}, sb = tb ? Shape{n, K} : Shape{K, n};
+        compare("gemm M=" + std::to_string(m) + " N=" + std::to_string(n) + " ta=" +
+                    (ta ? "1" : "0") + " tb=" + (tb ? "1" : "0"),
+                {f("a", sa, 16), f("b", sb, 17), f("out", {m, n}, 18)}, {2},
+                [=](Backend& be, auto& t) { be.gemm(t[2], t[0], ta, t[1], tb, 1.0, 0.5); });
+      }
 }
 
 TEST_CASE("cuda ops: activations", "[cuda]") {
@@ -143,16 +154,22 @@ TEST_CASE("cuda ops: activations", "[cuda]") {
 
 TEST_CASE("cuda ops: LayerNorm forward and backward (accumulating)", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
-  const i64 N = 150, C = 96;  // N > 64: dweight sums over several row chunks
-  Input x = f("x", {N, C}, 30);
-  for (auto& v : x.values) v += 2.0;
-  compare("layernorm",
-          {x, f("w", {C}, 31), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
-           f("dy", {N, C}, 32), f("dx", {N, C}, 33), f("dw", {C}, 34)},
-          {2, 3, 4, 6, 7}, [](Backend& be, auto& t) {
-            be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
-            be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
-          });
+  // N > 64: dweight sums over several row chunks. C = 96 < 256 threads leaves most of a
+  // row block idle; C = 1100 makes every thread loop 5 times over its row and gives
+  // dweight 5 column blocks.
+  for (i64 C : {96, 1100}) {
+    const i64 N = 150;
+    INFO("C = " << C);
+    Input x = f("x", {N, C}, 30);
+    for (auto& v : x.values) v += 2.0;
+    compare("layernorm",
+            {x, f("w", {C}, 31), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
+             f("dy", {N, C}, 32), f("dx", {N, C}, 33), f("dw", {C}, 34)},
+            {2, 3, 4, 6, 7}, [=](Backend& be, auto& t) {
+              be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
+              be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
+            });
+  }
 }
 
 // Past 65535 chunks of 64 rows (≈ 4.19M rows) the dweight kernel's grid.y went beyond the
@@ -181,31 +198,41 @@ TEST_CASE("cuda ops: LayerNorm backward past 4.19M rows", "[cuda]") {
 
 TEST_CASE("cuda ops: causal attention forward and backward", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
-  const i64 B = 3, T = 20, h = 2, d = 8;
-  const Shape s{B * T, h * d};
-  compare("attention",
-          {f("q", s, 40), f("k", s, 41), f("v", s, 42), zeros("out", s), zeros("probs", {B, h, T, T}),
-           f("dout", s, 43), zeros("dq", s), zeros("dk", s), zeros("dv", s)},
-          {3, 4, 6, 7, 8}, [=](Backend& be, auto& t) {
-            const double scale = 1.0 / std::sqrt(double(d));
-            be.attention_forward(t[3], t[4], t[0], t[1], t[2], B, T, h, scale);
-            be.attention_backward(t[6], t[7], t[8], t[5], t[0], t[1], t[2], t[4], B, T, h, scale);
-          });
+  // T = 20 fits one pass of a 256-thread row block; T = 300 makes the softmax rows past
+  // query 255 loop twice, so the block reductions combine two passes.
+  for (auto [B, T] : {std::pair<i64, i64>{3, 20}, {2, 300}}) {
+    const i64 h = 2, d = 8;
+    INFO("T = " << T);
+    const Shape s{B * T, h * d};
+    compare("attention",
+            {f("q", s, 40), f("k", s, 41), f("v", s, 42), zeros("out", s),
+             zeros("probs", {B, h, T, T}), f("dout", s, 43), zeros("dq", s), zeros("dk", s),
+             zeros("dv", s)},
+            {3, 4, 6, 7, 8}, [=](Backend& be, auto& t) {
+              const double scale = 1.0 / std::sqrt(double(d));
+              be.attention_forward(t[3], t[4], t[0], t[1], t[2], B, T, h, scale);
+              be.attention_backward(t[6], t[7], t[8], t[5], t[0], t[1], t[2], t[4], B, T, h, scale);
+            });
+  }
 }
 
 TEST_CASE("cuda ops: masked embedding and its scatter-add", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
-  const i64 R = 6, C = 10, row0 = 4;
+  const i64 R = 6, row0 = 4;
   // ids outside [4, 10) read 0 and add nothing; repeated ids accumulate in token order
   const std::vector<i64> tok = {4, 9, 3, 5, 5, 12, 4, 9, 9, 0};
   const i64 N = static_cast<i64>(tok.size());
-  compare("embedding",
-          {ids("ids", tok), f("table", {R, C}, 50), zeros("out", {N, C}), f("dout", {N, C}, 51),
-           f("dtable", {R, C}, 52)},
-          {2, 4}, [=](Backend& be, auto& t) {
-            be.embedding_forward(t[2], t[0], t[1], row0);
-            be.embedding_backward(t[4], t[3], t[0], row0);
-          }, true);
+  // C = 600: the scatter-add's grid.y has 3 column blocks, the last one partial
+  for (i64 C : {10, 600}) {
+    INFO("C = " << C);
+    compare("embedding",
+            {ids("ids", tok), f("table", {R, C}, 50), zeros("out", {N, C}), f("dout", {N, C}, 51),
+             f("dtable", {R, C}, 52)},
+            {2, 4}, [=](Backend& be, auto& t) {
+              be.embedding_forward(t[2], t[0], t[1], row0);
+              be.embedding_backward(t[4], t[3], t[0], row0);
+            }, true);
+  }
 }
 
 TEST_CASE("cuda ops: vocab-parallel cross-entropy pieces", "[cuda]") {
@@ -254,12 +281,15 @@ TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
   for (DType dt : {DType::F32, DType::F64}) {
     auto cpu = make_cpu_backend();
     CudaBackend gpu(0);
-    const auto y = randn(1000, 70), target = randn(1000, 71);
+    // 200000 > 256 blocks x 256 threads: every thread of the sum's grid-stride loop runs
+    // 3 or 4 times, the last pass partial.
+    const i64 n = 200000;
+    const auto y = randn(n, 70), target = randn(n, 71);
     double s[2], m[2];
     int k = 0;
     for (Backend* be : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(&gpu)}) {
-      Tensor ty = be->empty({1000}, dt, MemCategory::Temporary, "y");
-      Tensor tt = be->empty({1000}, dt, MemCategory::Temporary, "target");
+      Tensor ty = be->empty({n}, dt, MemCategory::Temporary, "y");
+      Tensor tt = be->empty({n}, dt, MemCategory::Temporary, "target");
       be->from_host(ty, y.data());
       be->from_host(tt, target.data());
       s[k] = be->sum(ty);
@@ -267,7 +297,7 @@ TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
       ++k;
     }
     // both accumulate in f64; only the order differs
-    CHECK(std::abs(s[1] - s[0]) <= 1e-12 * 1000);
+    CHECK(std::abs(s[1] - s[0]) <= 1e-12 * double(n));
     CHECK(std::abs(m[1] - m[0]) <= 1e-12 * m[0]);
   }
   compare("mse_backward", {f("y", {40}, 72), f("target", {40}, 73), zeros("dy", {40})}, {2},
