@@ -63,7 +63,8 @@ T="$BUILD/tpsim"
 [ -x "$T" ] || { say "gpu_check: $T was not built"; exit 1; }
 
 # Device tests: the executable directly (ctest -L cuda runs the same cases one by one).
-check "device tests (tpsim_cuda_tests)" "$BUILD/tests/cuda/tpsim_cuda_tests"
+# TPSIM_REQUIRE_GPU=1: a test that finds no usable GPU fails here instead of skipping.
+check "device tests (tpsim_cuda_tests)" env TPSIM_REQUIRE_GPU=1 "$BUILD/tests/cuda/tpsim_cuda_tests"
 
 V=(verify --backend cuda --comm sim --dtype f32)
 check "verify mlp tp 1,2,4,8"                "$T" "${V[@]}" --model mlp --tp 1,2,4,8

@@ -9,6 +9,7 @@
 //  - the device communicators' host rendezvous (DeviceRendezvous) and its validation,
 //    over ThreadComm with made-up device addresses (no device memory is touched).
 #include <catch2/catch.hpp>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/blas_int.h"
 #include "backend/cuda/embedding_plan.h"
 #include "backend/cuda/math.h"
 #include "comm/device_comm.h"
@@ -401,3 +403,23 @@ TEST_CASE("device comm: a rank that never posts times out on the others", "[cuda
 }
 
 }  // namespace
+
+// Every size handed to cuBLAS is range-checked. K used to be cast to int unchecked, so a
+// reduction length past INT_MAX became a different, valid-looking one (2^31 + 5 -> a
+// negative int, 2^32 + 5 -> 5: a silently wrong product).
+TEST_CASE("cuBLAS sizes: past INT_MAX is a usage error; k = 0 stays 0", "[cuda-host]") {
+  const std::int64_t big = std::int64_t{1} << 32;
+  for (const char* what : {"M", "N", "K", "lda", "batch"}) {
+    INFO(what);
+    try {
+      (void)tpsim::blas_int("gemm", what, big + 5, 0);
+      FAIL("expected UsageError");
+    } catch (const tpsim::UsageError& e) {
+      CHECK(std::string(e.what()) ==
+            "gemm: " + std::string(what) + " 4294967301 exceeds cuBLAS's int range");
+    }
+  }
+  CHECK(tpsim::blas_int("gemm", "K", 0, 0) == 0);
+  CHECK(tpsim::blas_int("gemm", "lda", 0, 1) == 1);
+  CHECK(tpsim::blas_int("gemm", "K", INT_MAX, 0) == INT_MAX);
+}

@@ -254,7 +254,10 @@ VerifyReport run_verify(const RunOptions& o) {
     const int tp = o.tp[i];
     {
       std::unique_lock lock(mu);
-      cv.wait(lock, [&] { return in_flight == 0 || in_flight + tp <= kMaxRanksInFlight; });
+      cv.wait(lock, [&] {
+        return in_flight == 0 || (groups_may_run_concurrently(o.device) &&
+                                  in_flight + tp <= kMaxRanksInFlight);
+      });
       in_flight += tp;
     }
     groups.emplace_back([&, i, tp] {

@@ -2,7 +2,9 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <thread>
 
 #include "backend/cuda/cuda_backend.h"
@@ -35,20 +37,6 @@ Clock::time_point deadline_after(double s) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
 
-// Polls until `comm` has finished its current call. Returns false on timeout; throws
-// on an error the communicator reports.
-bool wait_ready(ncclComm_t comm, Clock::time_point deadline, const char* what) {
-  for (;;) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
-    if (r != ncclSuccess) throw_nccl_error(r, comm, "ncclCommGetAsyncError", __FILE__, __LINE__);
-    if (state == ncclSuccess) return true;
-    if (state != ncclInProgress) throw_nccl_error(state, comm, what, __FILE__, __LINE__);
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-}
-
 ncclDataType_t nccl_type(DType d) {
   switch (d) {
     case DType::F32: return ncclFloat32;
@@ -66,81 +54,248 @@ std::string seconds_str(double s) {
   return buf;
 }
 
+// NCCL's P2P transport reads and writes peers' buffers directly, and our buffers come from
+// cudaMallocAsync, i.e. from each device's default memory pool. Peer access to a pool is
+// separate from cudaDeviceEnablePeerAccess: until cudaMemPoolSetAccess grants it, another
+// GPU touching that memory faults. Granted only where the hardware allows peer access
+// (elsewhere NCCL goes through host memory and never touches the pool from a peer).
+void grant_pool_access(const std::vector<int>& devices) {
+  for (int owner : devices) {
+    std::vector<cudaMemAccessDesc> grants;
+    for (int peer : devices) {
+      if (peer == owner) continue;
+      int can = 0;
+      TPSIM_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, peer, owner));
+      if (!can) continue;
+      cudaMemAccessDesc d{};
+      d.location.type = cudaMemLocationTypeDevice;
+      d.location.id = peer;
+      d.flags = cudaMemAccessFlagsProtReadWrite;
+      grants.push_back(d);
+    }
+    if (grants.empty()) continue;
+    cudaMemPool_t pool = nullptr;
+    TPSIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, owner));
+    TPSIM_CUDA_CHECK(cudaMemPoolSetAccess(pool, grants.data(), grants.size()));
+  }
+}
+
+// ncclGroupStart/End as a scope: the group is closed on every path (a group left open
+// would swallow the caller's next NCCL calls until a ncclGroupEnd that never comes).
+class NcclGroupScope {
+ public:
+  NcclGroupScope() { TPSIM_NCCL_CHECK(nullptr, ncclGroupStart()); }
+  ~NcclGroupScope() {
+    if (open_) (void)ncclGroupEnd();
+  }
+  void end() {
+    open_ = false;
+    TPSIM_NCCL_CHECK(nullptr, ncclGroupEnd());
+  }
+  NcclGroupScope(const NcclGroupScope&) = delete;
+  NcclGroupScope& operator=(const NcclGroupScope&) = delete;
+
+ private:
+  bool open_ = true;
+};
+
+// Restores the calling thread's current device when it goes.
+class RestoreDevice {
+ public:
+  RestoreDevice() { TPSIM_CUDA_CHECK(cudaGetDevice(&device_)); }
+  ~RestoreDevice() { (void)cudaSetDevice(device_); }
+  RestoreDevice(const RestoreDevice&) = delete;
+  RestoreDevice& operator=(const RestoreDevice&) = delete;
+
+ private:
+  int device_ = 0;
+};
+
+// One float and a stream on a device, for the warm-up collective.
+struct WarmUp {
+  int device;
+  cudaStream_t stream = nullptr;
+  float* buf = nullptr;  // [1]
+  explicit WarmUp(int d) : device(d) {
+    CudaDeviceGuard g(device);
+    TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    TPSIM_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&buf), sizeof(float), stream));
+    TPSIM_CUDA_CHECK(cudaMemsetAsync(buf, 0, sizeof(float), stream));
+  }
+  ~WarmUp() {
+    if (buf) (void)cudaFreeAsync(buf, stream);
+    if (stream) (void)cudaStreamDestroy(stream);
+  }
+  WarmUp(WarmUp&& o) noexcept : device(o.device), stream(o.stream), buf(o.buf) {
+    o.stream = nullptr;
+    o.buf = nullptr;
+  }
+  WarmUp(const WarmUp&) = delete;
+  WarmUp& operator=(const WarmUp&) = delete;
+  WarmUp& operator=(WarmUp&&) = delete;
+  bool finished_by(Clock::time_point deadline) const {
+    for (;;) {
+      const cudaError_t e = cudaStreamQuery(stream);
+      if (e == cudaSuccess) return true;
+      if (e != cudaErrorNotReady) throw_cuda_error(e, "cudaStreamQuery(stream)", __FILE__, __LINE__);
+      if (Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+};
+
 }  // namespace
 
+// One lock per communicator. A rank holds its communicator's lock for each NCCL call it
+// makes on it (every call is non-blocking, so the lock is held briefly) and abort_all takes
+// each lock in turn: ncclCommAbort never runs during a call on the same communicator, and
+// no call starts on an aborted one (its handle is null once ncclCommAbort freed it).
 struct NcclGroup::Impl {
-  std::vector<ncclComm_t> comms;
-  mutable std::mutex mu;
-  bool aborted = false;
+  struct Slot {
+    std::mutex mu;
+    ncclComm_t comm = nullptr;
+  };
+  std::vector<std::unique_ptr<Slot>> slots;
+  std::mutex abort_mu;  // one abort_all (or the destructor) at a time
+  std::atomic<bool> aborted{false};
 };
+
+namespace {
+
+// f(comm) on `rank`'s communicator, under its lock; CommError once it has been aborted.
+template <class F>
+auto with_comm(NcclGroup::Impl& g, int rank, const std::string& who, F&& f) {
+  NcclGroup::Impl::Slot& slot = *g.slots[static_cast<std::size_t>(rank)];
+  std::lock_guard<std::mutex> lk(slot.mu);
+  if (!slot.comm) throw CommError(who + ": the NCCL communicators were aborted");
+  return f(slot.comm);
+}
+
+// Polls until `rank`'s communicator has finished its current call. Returns false on
+// timeout; throws on an error the communicator reports, or once it has been aborted.
+bool wait_ready(NcclGroup::Impl& g, int rank, Clock::time_point deadline, const char* what,
+                const std::string& who) {
+  for (;;) {
+    const ncclResult_t state = with_comm(g, rank, who, [&](ncclComm_t comm) {
+      ncclResult_t st = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm, &st);
+      if (r != ncclSuccess) throw_nccl_error(r, comm, "ncclCommGetAsyncError", __FILE__, __LINE__);
+      if (st != ncclSuccess && st != ncclInProgress) throw_nccl_error(st, comm, what, __FILE__, __LINE__);
+      return st;
+    });
+    if (state == ncclSuccess) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+}  // namespace
 
 NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
     : devices_(devices), timeout_s_(timeout_s), impl_(std::make_unique<Impl>()) {
   const int n = world_size();
-  impl_->comms.assign(static_cast<std::size_t>(n), nullptr);
-  ncclUniqueId id;
-  TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  int previous = 0;
-  TPSIM_CUDA_CHECK(cudaGetDevice(&previous));
-  // One thread initialises every rank, so the n init calls must be one group.
-  TPSIM_NCCL_CHECK(nullptr, ncclGroupStart());
-  for (int r = 0; r < n; ++r) {
-    TPSIM_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
-    TPSIM_NCCL_CHECK(nullptr, ncclCommInitRankConfig(&impl_->comms[static_cast<std::size_t>(r)],
-                                                     n, id, r, &config));
-  }
-  TPSIM_NCCL_CHECK(nullptr, ncclGroupEnd());
-  TPSIM_CUDA_CHECK(cudaSetDevice(previous));
-  // Set-up (topology detection, connections) can take seconds even when a collective's
-  // timeout is short, so it gets at least a minute.
-  const double init_s = timeout_s_ > 60.0 ? timeout_s_ : 60.0;
-  const auto deadline = deadline_after(init_s);
-  for (int r = 0; r < n; ++r)
-    if (!wait_ready(impl_->comms[static_cast<std::size_t>(r)], deadline, "ncclCommInitRankConfig")) {
-      abort_all();
-      throw RuntimeFailure("NcclGroup: rank " + std::to_string(r) + "'s communicator on cuda:" +
-                           std::to_string(devices_[static_cast<std::size_t>(r)]) +
-                           " was not ready after " + seconds_str(init_s) + " s");
+  for (int r = 0; r < n; ++r) impl_->slots.push_back(std::make_unique<Impl::Slot>());
+  // Declared before the try: a failed set-up aborts the communicators (whose kernels may
+  // use these buffers) before they are freed.
+  std::vector<WarmUp> warm;
+  try {
+    RestoreDevice restore;  // the caller's current device, on every path
+    ncclUniqueId id;
+    TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    {
+      // One thread initialises every rank, so the n init calls must be one group.
+      NcclGroupScope group;
+      for (int r = 0; r < n; ++r) {
+        TPSIM_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
+        TPSIM_NCCL_CHECK(nullptr, ncclCommInitRankConfig(
+                                      &impl_->slots[static_cast<std::size_t>(r)]->comm, n, id, r,
+                                      &config));
+      }
+      group.end();
     }
+    // Set-up (topology detection, connections) can take seconds even when a collective's
+    // timeout is short, so it gets at least a minute.
+    const double init_s = timeout_s_ > 60.0 ? timeout_s_ : 60.0;
+    const auto deadline = deadline_after(init_s);
+    auto not_ready = [&](int r, const char* what) {
+      return RuntimeFailure("NcclGroup: rank " + std::to_string(r) + "'s communicator on cuda:" +
+                            std::to_string(devices_[static_cast<std::size_t>(r)]) + ": " + what +
+                            " did not finish within " + seconds_str(init_s) + " s");
+    };
+    for (int r = 0; r < n; ++r)
+      if (!wait_ready(*impl_, r, deadline, "ncclCommInitRankConfig", "NcclGroup"))
+        throw not_ready(r, "set-up");
+    grant_pool_access(devices_);
+
+    // Warm-up: NCCL connects a communicator's peers lazily, at its first collective, and
+    // that set-up can deadlock against a pageable device-to-host copy in a peer's thread
+    // (XLA met this). One all-reduce on every communicator, from this thread in one group,
+    // finished before any rank runs, is the barrier after which every connection exists.
+    for (int d : devices_) warm.emplace_back(d);
+    {
+      NcclGroupScope group;
+      for (int r = 0; r < n; ++r) {
+        WarmUp& w = warm[static_cast<std::size_t>(r)];
+        TPSIM_CUDA_CHECK(cudaSetDevice(w.device));
+        TPSIM_NCCL_CHECK(nullptr, ncclAllReduce(w.buf, w.buf, 1, ncclFloat32, ncclSum,
+                                                impl_->slots[static_cast<std::size_t>(r)]->comm,
+                                                w.stream));
+      }
+      group.end();
+    }
+    for (int r = 0; r < n; ++r) {
+      if (!wait_ready(*impl_, r, deadline, "warm-up all_reduce", "NcclGroup"))
+        throw not_ready(r, "the warm-up all_reduce");
+      if (!warm[static_cast<std::size_t>(r)].finished_by(deadline))
+        throw not_ready(r, "the warm-up all_reduce's kernel");
+    }
+  } catch (...) {
+    // ~NcclGroup does not run for a constructor that throws: free every communicator
+    // made so far here (the group above is closed and the device restored by then).
+    abort_all();
+    throw;
+  }
 }
 
 NcclGroup::~NcclGroup() {
-  std::lock_guard<std::mutex> lk(impl_->mu);
+  std::lock_guard<std::mutex> lk(impl_->abort_mu);
   if (impl_->aborted) return;
-  // Finalize flushes outstanding work; after a timeout, abort instead of waiting.
+  // Every rank has joined: no call is in flight. Finalize flushes outstanding work; after
+  // a timeout or an error, abort instead of waiting.
   const auto deadline = deadline_after(timeout_s_);
+  const int n = world_size();
   bool clean = true;
-  for (ncclComm_t c : impl_->comms) {
-    if (!c) continue;
-    const ncclResult_t r = ncclCommFinalize(c);
-    if (r != ncclSuccess && r != ncclInProgress) clean = false;
+  for (int r = 0; r < n; ++r) {
+    const ncclResult_t res = ncclCommFinalize(impl_->slots[static_cast<std::size_t>(r)]->comm);
+    if (res != ncclSuccess && res != ncclInProgress) clean = false;
   }
-  for (ncclComm_t c : impl_->comms) {
-    if (!c || !clean) continue;
+  for (int r = 0; r < n && clean; ++r) {
     try {
-      clean = wait_ready(c, deadline, "ncclCommFinalize");
+      clean = wait_ready(*impl_, r, deadline, "ncclCommFinalize", "~NcclGroup");
     } catch (...) {
       clean = false;
     }
   }
-  for (ncclComm_t c : impl_->comms)
-    if (c) (void)(clean ? ncclCommDestroy(c) : ncclCommAbort(c));
+  for (auto& slot : impl_->slots) {
+    std::lock_guard<std::mutex> l(slot->mu);
+    if (slot->comm) (void)(clean ? ncclCommDestroy(slot->comm) : ncclCommAbort(slot->comm));
+    slot->comm = nullptr;
+  }
 }
 
 void NcclGroup::abort_all() {
-  std::lock_guard<std::mutex> lk(impl_->mu);
-  if (impl_->aborted) return;
-  impl_->aborted = true;
-  for (ncclComm_t c : impl_->comms)
-    if (c) (void)ncclCommAbort(c);
+  std::lock_guard<std::mutex> lk(impl_->abort_mu);
+  if (impl_->aborted.exchange(true)) return;
+  for (auto& slot : impl_->slots) {
+    std::lock_guard<std::mutex> l(slot->mu);  // waits for a call in flight on it
+    if (slot->comm) (void)ncclCommAbort(slot->comm);
+    slot->comm = nullptr;
+  }
 }
 
-bool NcclGroup::aborted() const {
-  std::lock_guard<std::mutex> lk(impl_->mu);
-  return impl_->aborted;
-}
+bool NcclGroup::aborted() const { return impl_->aborted.load(); }
 
 NcclComm::NcclComm(NcclGroup& group, Communicator& host, CudaBackend& backend)
     : group_(group), rz_(host, "nccl"), backend_(backend) {
@@ -174,37 +329,37 @@ void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp 
   const cudaStream_t stream = backend_.stream();
   const int dev = backend_.device_index();
   try {
-    if (group_.aborted()) throw CommError(who + ": the NCCL communicators were aborted");
     CudaDeviceGuard guard(dev);
-    if (kind == CollectiveKind::Barrier) TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (kind == CollectiveKind::Barrier) backend_.synchronize();
     const DeviceCallPost mine = DeviceCallPost::of(kind, in, out, op, root, dev);
     (void)rz_.exchange(mine, seq, label_, who, false);
     if (kind != CollectiveKind::Barrier) {
-      ncclComm_t comm = group_.impl().comms[static_cast<std::size_t>(me)];
       const ncclDataType_t dt = nccl_type(in->dtype());
-      switch (kind) {
-        case CollectiveKind::AllReduce:
-          TPSIM_NCCL_CHECK(comm, ncclAllReduce(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
-                                               dt, nccl_op(op), comm, stream));
-          break;
-        case CollectiveKind::AllGather:
-          TPSIM_NCCL_CHECK(comm, ncclAllGather(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
-                                               dt, comm, stream));
-          break;
-        case CollectiveKind::ReduceScatter:
-          TPSIM_NCCL_CHECK(comm, ncclReduceScatter(in->raw(), out->raw(),
-                                                   static_cast<std::size_t>(out->numel()), dt,
-                                                   nccl_op(op), comm, stream));
-          break;
-        case CollectiveKind::Broadcast:
-          TPSIM_NCCL_CHECK(comm, ncclBroadcast(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
-                                               dt, root, comm, stream));
-          break;
-        case CollectiveKind::Barrier:
-          break;
-      }
+      with_comm(group_.impl(), me, who, [&](ncclComm_t comm) {
+        switch (kind) {
+          case CollectiveKind::AllReduce:
+            TPSIM_NCCL_CHECK(comm, ncclAllReduce(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                                 dt, nccl_op(op), comm, stream));
+            break;
+          case CollectiveKind::AllGather:
+            TPSIM_NCCL_CHECK(comm, ncclAllGather(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                                 dt, comm, stream));
+            break;
+          case CollectiveKind::ReduceScatter:
+            TPSIM_NCCL_CHECK(comm, ncclReduceScatter(in->raw(), out->raw(),
+                                                     static_cast<std::size_t>(out->numel()), dt,
+                                                     nccl_op(op), comm, stream));
+            break;
+          case CollectiveKind::Broadcast:
+            TPSIM_NCCL_CHECK(comm, ncclBroadcast(in->raw(), out->raw(), static_cast<std::size_t>(in->numel()),
+                                                 dt, root, comm, stream));
+            break;
+          case CollectiveKind::Barrier:
+            break;
+        }
+      });
       // Enqueueing may still be in progress on a non-blocking communicator.
-      if (!wait_ready(comm, deadline_after(group_.timeout_s()), collective_name(kind))) {
+      if (!wait_ready(group_.impl(), me, deadline_after(group_.timeout_s()), collective_name(kind), who)) {
         const std::string msg = who + ": NCCL did not accept the call within " +
                                 seconds_str(group_.timeout_s()) + " s";
         rz_.host().abort(msg);
@@ -231,6 +386,19 @@ void NcclComm::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
 }
 void NcclComm::broadcast(Tensor& t, int root) { run(CollectiveKind::Broadcast, &t, &t, ReduceOp::Sum, root); }
 void NcclComm::barrier() { run(CollectiveKind::Barrier, nullptr, nullptr, ReduceOp::Sum, 0); }
+
+void NcclComm::check_async() {
+  const std::string who = "rank " + std::to_string(rank());
+  with_comm(group_.impl(), rank(), who, [&](ncclComm_t comm) {
+    ncclResult_t st = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &st);
+    if (r == ncclSuccess && (st == ncclSuccess || st == ncclInProgress)) return;
+    const ncclResult_t bad = r != ncclSuccess ? r : st;
+    const char* last = ncclGetLastError(comm);
+    throw CommError(who + ": NCCL reported an error while the host waited for the device: " +
+                    ncclGetErrorString(bad) + (last && *last ? ": " + std::string(last) : ""));
+  });
+}
 
 void NcclComm::abort(const std::string& reason) {
   rz_.host().abort("rank " + std::to_string(rank()) + " called abort: " + reason);

@@ -11,7 +11,11 @@
 // before any NCCL work is enqueued, with ThreadComm's messages. When a rank fails, the
 // launcher calls NcclGroup::abort_all, which ncclCommAborts every communicator, so work
 // already enqueued on a peer's stream for the failed rank ends instead of spinning, and
-// a peer blocked in a stream synchronise returns.
+// a peer polling its stream (CudaBackend's host waits, which also poll this rank's
+// communicator's asynchronous error and end at the run's timeout) stops.
+//
+// The group warms up every communicator with one all-reduce before any rank runs, so
+// NCCL's lazy connection set-up never overlaps a rank's pageable device-to-host copy.
 #pragma once
 
 #include <memory>
@@ -39,7 +43,8 @@ class NcclGroup {
   int world_size() const { return static_cast<int>(devices_.size()); }
   int device(int rank) const { return devices_[static_cast<std::size_t>(rank)]; }
   double timeout_s() const { return timeout_s_; }
-  // Aborts every communicator (once; later calls do nothing). Thread-safe.
+  // Aborts every communicator (once; later calls do nothing). Thread-safe: it waits for
+  // a call in flight on each communicator, and later calls on it throw CommError.
   void abort_all();
   bool aborted() const;
 
@@ -71,6 +76,9 @@ class NcclComm final : public Communicator {
   void barrier() override;
   // Fails the host group and aborts every NCCL communicator.
   void abort(const std::string& reason) override;
+  // Throws CommError when this rank's communicator reports an asynchronous error or was
+  // aborted (the backend's host waits call it while they poll the stream).
+  void check_async();
 
  private:
   void run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root);

@@ -19,7 +19,7 @@ cudaEvent_t event_of(std::uint64_t h) { return reinterpret_cast<cudaEvent_t>(h);
 
 // `posted`: this rank's inputs are ready on its stream; `done`: it has finished reading
 // its peers' buffers. Timing off: they only order streams.
-struct SimComm::Events {
+struct SimCommGroup::Events {
   int device;
   cudaEvent_t posted = nullptr, done = nullptr;
   explicit Events(int dev) : device(dev) {
@@ -35,16 +35,29 @@ struct SimComm::Events {
   Events& operator=(const Events&) = delete;
 };
 
-SimComm::SimComm(Communicator& host, CudaBackend& backend)
-    : rz_(host, "sim"), backend_(backend), events_(std::make_unique<Events>(backend.device_index())) {
-  if (host.world_size() > cuda_kernels::kMaxRanks)
-    throw UsageError("SimComm: at most " + std::to_string(cuda_kernels::kMaxRanks) +
-                     " ranks may share a GPU, not " + std::to_string(host.world_size()));
+SimCommGroup::SimCommGroup(int world_size, int device) : device_(device) {
+  if (world_size < 1 || world_size > cuda_kernels::kMaxRanks)
+    throw UsageError("SimComm: 1 to " + std::to_string(cuda_kernels::kMaxRanks) +
+                     " ranks may share a GPU, not " + std::to_string(world_size));
+  for (int r = 0; r < world_size; ++r) events_.push_back(std::make_unique<Events>(device));
+}
+
+SimCommGroup::~SimCommGroup() = default;
+
+SimComm::SimComm(SimCommGroup& group, Communicator& host, CudaBackend& backend)
+    : rz_(host, "sim"), backend_(backend), events_(group.events(host.rank())) {
+  if (host.world_size() != group.world_size())
+    throw UsageError("SimComm: host group has " + std::to_string(host.world_size()) +
+                     " ranks, the SimComm group " + std::to_string(group.world_size()));
+  if (backend.device_index() != group.device())
+    throw UsageError("SimComm: rank " + std::to_string(host.rank()) + "'s backend is on cuda:" +
+                     std::to_string(backend.device_index()) + ", its group's events on cuda:" +
+                     std::to_string(group.device()));
 }
 
 SimComm::~SimComm() {
   // A peer may still be reading this rank's buffers only if this rank left mid-call
-  // after an error; let its stream drain first so the events are not destroyed in use.
+  // after an error; let its stream drain before the caller frees them.
   (void)cudaStreamSynchronize(backend_.stream());
 }
 
@@ -71,9 +84,9 @@ void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp o
   try {
     CudaDeviceGuard guard(dev);
     DeviceCallPost mine = DeviceCallPost::of(kind, in, out, op, root, dev);
-    mine.handle0 = reinterpret_cast<std::uint64_t>(events_->posted);
-    mine.handle1 = reinterpret_cast<std::uint64_t>(events_->done);
-    TPSIM_CUDA_CHECK(cudaEventRecord(events_->posted, stream));
+    mine.handle0 = reinterpret_cast<std::uint64_t>(events_.posted);
+    mine.handle1 = reinterpret_cast<std::uint64_t>(events_.done);
+    TPSIM_CUDA_CHECK(cudaEventRecord(events_.posted, stream));
     const std::vector<DeviceCallPost> posts = rz_.exchange(mine, seq, label_, who, true);
 
     // Between the rendezvous: every post is valid and every peer's buffer is ours to
@@ -123,7 +136,7 @@ void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp o
         case CollectiveKind::Barrier:
           break;
       }
-      TPSIM_CUDA_CHECK(cudaEventRecord(events_->done, stream));
+      TPSIM_CUDA_CHECK(cudaEventRecord(events_.done, stream));
     } catch (...) {
       compute_error = std::current_exception();
     }
@@ -139,7 +152,7 @@ void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp o
     if (scratch.defined())
       TPSIM_CUDA_CHECK(cudaMemcpyAsync(out->raw(), scratch.raw(), out->nbytes(),
                                        cudaMemcpyDeviceToDevice, stream));
-    if (kind == CollectiveKind::Barrier) TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (kind == CollectiveKind::Barrier) backend_.synchronize();
   } catch (...) {
     rec.t_end_ns = steady_now_ns();
     records_.push_back(std::move(rec));

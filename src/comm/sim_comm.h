@@ -14,10 +14,14 @@
 //      overwrites or frees a buffer a peer still reads. all_reduce computes into a
 //      scratch buffer and copies it into the tensor only after that wait.
 // Records, validation messages, timeouts and aborts are ThreadComm's.
+//
+// The events belong to the group (SimCommGroup), not to a rank: a rank that finishes
+// first must not destroy events that a slower peer's stream still waits on.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "comm/device_comm.h"
@@ -26,11 +30,32 @@ namespace tpsim {
 
 class CudaBackend;
 
+// The two events of every rank of one group, on one device. Create it before the ranks
+// start and destroy it after they have all joined (and their streams drained).
+class SimCommGroup {
+ public:
+  SimCommGroup(int world_size, int device);
+  ~SimCommGroup();
+  SimCommGroup(const SimCommGroup&) = delete;
+  SimCommGroup& operator=(const SimCommGroup&) = delete;
+
+  int world_size() const { return static_cast<int>(events_.size()); }
+  int device() const { return device_; }
+
+  struct Events;  // `posted` and `done`; in sim_comm.cpp (keeps CUDA headers out of here)
+  Events& events(int rank) { return *events_[static_cast<std::size_t>(rank)]; }
+
+ private:
+  int device_;
+  std::vector<std::unique_ptr<Events>> events_;
+};
+
 class SimComm final : public Communicator {
  public:
   // `host` joins the same ranks on the host (rank and world size come from it); the
-  // collectives run on `backend`'s device and stream. Both must outlive this object.
-  SimComm(Communicator& host, CudaBackend& backend);
+  // collectives run on `backend`'s device and stream, with `group`'s events. All three
+  // must outlive this object.
+  SimComm(SimCommGroup& group, Communicator& host, CudaBackend& backend);
   ~SimComm() override;
   SimComm(const SimComm&) = delete;
   SimComm& operator=(const SimComm&) = delete;
@@ -51,8 +76,7 @@ class SimComm final : public Communicator {
 
   DeviceRendezvous rz_;
   CudaBackend& backend_;
-  struct Events;
-  std::unique_ptr<Events> events_;
+  SimCommGroup::Events& events_;  // this rank's, owned by the group
   std::int64_t seq_ = 0;
 };
 

@@ -37,6 +37,10 @@ void check_launch(const DeviceOptions& dev, int world) {
     throw UsageError("--comm nccl/sim need --backend cuda; CPU ranks use --comm threads");
 }
 
+bool groups_may_run_concurrently(const DeviceOptions& dev) {
+  return dev.backend == BackendKind::Cpu || dev.comm == CommKind::Sim;
+}
+
 void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
   if (dev.backend == BackendKind::Cuda) {
     launch_cuda_ranks(dev, world, timeout_s, fn);

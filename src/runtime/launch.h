@@ -29,6 +29,12 @@ CommKind parse_comm_kind(const std::string& s);        // "auto" | "threads" | "
 // refuses before it spends time on the reference.
 void check_launch(const DeviceOptions& dev, int world);
 
+// Whether several groups of ranks may run at the same time (verify runs its TP groups
+// concurrently when they may). NCCL documents several communicators working on one GPU at
+// once as unsafe (a cudaFree in one group can block behind another group's spinning
+// kernel), so CUDA ranks that may get NCCL (--comm nccl, or auto) run one group at a time.
+bool groups_may_run_concurrently(const DeviceOptions& dev);
+
 using RankMain = std::function<void(int rank, Backend& be, Communicator& comm)>;
 
 // Runs `fn` on `world` ranks, one thread each, and rethrows the root-cause error of any

@@ -29,7 +29,11 @@ void check_cuda_launch(const DeviceOptions& dev, int world) { (void)plan_for(dev
 void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
   const CudaPlan plan = plan_for(dev, world);
   std::unique_ptr<NcclGroup> nccl;
-  if (plan.comm == CommKind::Nccl) nccl = std::make_unique<NcclGroup>(plan.devices, timeout_s);
+  std::unique_ptr<SimCommGroup> sim;  // its events outlive every rank (see sim_comm.h)
+  if (plan.comm == CommKind::Nccl)
+    nccl = std::make_unique<NcclGroup>(plan.devices, timeout_s);
+  else
+    sim = std::make_unique<SimCommGroup>(world, plan.devices.front());
 
   run_ranks(world, timeout_s, [&](int rank, Communicator& host) {
     const int d = plan.devices[static_cast<std::size_t>(rank)];
@@ -38,17 +42,29 @@ void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, co
     CudaBackend& device_backend = *cuda;
     std::unique_ptr<Backend> be = std::move(cuda);
     if (dev.wrap) be = dev.wrap(rank, std::move(be));
+    // Host waits for the device end at the run's timeout (with NCCL, also at an
+    // asynchronous error of this rank's communicator, while it lives), never hang.
+    const HostWait plain{"rank " + std::to_string(rank), timeout_s, nullptr};
+    device_backend.set_host_wait(plain);
     try {
-      // The communicator dies before the backend whose stream it uses.
+      // The communicator dies before the backend whose stream it uses; a fault in work
+      // still queued surfaces at the synchronize, on its own rank.
       if (nccl) {
         NcclComm comm(*nccl, host, device_backend);
-        fn(rank, *be, comm);
+        device_backend.set_host_wait({plain.who, timeout_s, [&comm] { comm.check_async(); }});
+        try {
+          fn(rank, *be, comm);
+          device_backend.synchronize();
+        } catch (...) {
+          device_backend.set_host_wait(plain);
+          throw;
+        }
+        device_backend.set_host_wait(plain);
       } else {
-        SimComm comm(host, device_backend);
+        SimComm comm(*sim, host, device_backend);
         fn(rank, *be, comm);
+        device_backend.synchronize();
       }
-      // A fault in work still queued surfaces here, on its own rank.
-      device_backend.synchronize();
     } catch (...) {
       // Peers may have NCCL work queued that waits for this rank: end it.
       if (nccl) nccl->abort_all();

@@ -3,6 +3,7 @@
 
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,14 @@ namespace tpsim::test {
 
 // The number of visible GPUs (0 without a driver or device); `why` says why none.
 inline int gpus(std::string* why = nullptr) { return cuda_device_count(why); }
+
+// TPSIM_REQUIRE_GPU=1, set on GPU runners, turns "no CUDA device: skipped" into a
+// failure: a runner whose driver is unusable must not pass with every device test
+// skipped. Tests that need several GPUs still skip on a runner with fewer but at least one.
+inline bool gpu_required() {
+  const char* v = std::getenv("TPSIM_REQUIRE_GPU");
+  return v && std::string(v) == "1";
+}
 
 // ‖a−b‖/‖b‖ (‖a−b‖ when b is 0).
 inline double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
@@ -25,23 +34,20 @@ inline double rel_err(const std::vector<double>& a, const std::vector<double>& b
 
 }  // namespace tpsim::test
 
-// First line of every device test: passes with a warning when there is no GPU.
-#define TPSIM_REQUIRE_CUDA()                                                    \
-  do {                                                                          \
-    std::string tpsim_why_;                                                     \
-    if (::tpsim::test::gpus(&tpsim_why_) == 0) {                                \
-      WARN("no CUDA device: skipped (" << tpsim_why_ << ")");                   \
-      return;                                                                   \
-    }                                                                           \
-  } while (0)
+// First line of every device test: passes with a warning when there is no GPU (fails
+// under TPSIM_REQUIRE_GPU=1).
+#define TPSIM_REQUIRE_CUDA() TPSIM_REQUIRE_GPUS(1)
 
 // The same for tests that need n GPUs (NCCL).
 #define TPSIM_REQUIRE_GPUS(n)                                                   \
   do {                                                                          \
-    const int tpsim_have_ = ::tpsim::test::gpus();                              \
+    std::string tpsim_why_;                                                     \
+    const int tpsim_have_ = ::tpsim::test::gpus(&tpsim_why_);                   \
+    if (tpsim_have_ == 0 && ::tpsim::test::gpu_required())                      \
+      FAIL("TPSIM_REQUIRE_GPU=1 and no CUDA device (" << tpsim_why_ << ")");     \
     if (tpsim_have_ < (n)) {                                                    \
-      WARN("needs " << (n) << " CUDA devices, found " << tpsim_have_            \
-                    << ": skipped");                                            \
+      WARN("needs " << (n) << " CUDA device(s), found " << tpsim_have_          \
+                    << ": skipped" << (tpsim_have_ == 0 ? " (" + tpsim_why_ + ")" : ""));  \
       return;                                                                   \
     }                                                                           \
   } while (0)

@@ -1,5 +1,7 @@
 // Bad device requests through the real binary: exit 2 and exactly one line. Runs with or
 // without a GPU (the request that is impossible differs).
+#include <cstdio>
+#include <filesystem>
 #include <cstdlib>
 #include <string>
 
@@ -38,6 +40,39 @@ TEST_CASE("cli: impossible CUDA requests exit 2 with one line", "[cuda]") {
   unsetenv("TPSIM_CUDA_DEVICE");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.out, Catch::Matchers::Contains("TPSIM_CUDA_DEVICE=99: no such device"));
+}
+
+// This test binary run again on one device test case, with and without
+// TPSIM_REQUIRE_GPU=1. Before the fix the variable changed nothing: without a GPU the case
+// was skipped and passed either way, so a GPU runner with a broken driver went green.
+TEST_CASE("device tests: TPSIM_REQUIRE_GPU=1 turns a skip into a failure", "[cuda]") {
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const auto run_case = [&](const char* require) {
+    setenv("TPSIM_REQUIRE_GPU", require, 1);
+    const std::string cmd =
+        "'" + self + "' \"cuda ops: a host tensor is refused with the CPU backend's message "
+        "shape\" 2>&1";
+    tpsim::testing::CliResult r;
+    if (FILE* p = popen(cmd.c_str(), "r")) {
+      char buf[4096];
+      std::size_t n;
+      while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+      const int status = pclose(p);
+      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    }
+    unsetenv("TPSIM_REQUIRE_GPU");
+    return r;
+  };
+  const auto plain = run_case("0");
+  const auto required = run_case("1");
+  INFO(plain.out << "\n---\n" << required.out);
+  CHECK(plain.exit_code == 0);
+  if (tpsim::test::gpus() == 0) {
+    CHECK(required.exit_code != 0);
+    CHECK_THAT(required.out, Catch::Matchers::Contains("TPSIM_REQUIRE_GPU=1 and no CUDA device"));
+  } else {
+    CHECK(required.exit_code == 0);
+  }
 }
 
 }  // namespace

@@ -2,12 +2,20 @@
 // exact expectations: reductions run in rank order 0..n-1, so sums of floats must equal,
 // bit for bit, the same sums done in order on the host (nccl-tests' zero tolerance;
 // for NCCL, whose order is its own, the values are small integers, exact in any order).
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <stdexcept>
+#include <thread>
 #include <string>
 #include <vector>
 
+#include <cuda_runtime.h>
+
 #include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "comm/nccl_comm.h"
+#include "comm/rank_runner.h"
 #include "core/errors.h"
 #include "cuda_test_util.h"
 #include "runtime/launch.h"
@@ -106,6 +114,108 @@ TEST_CASE("NcclComm: every collective on a GPU per rank", "[cuda]") {
   const int n = test::gpus();
   check_collectives<float>(CommKind::Nccl, n < 4 ? n : 4);
   check_collectives<double>(CommKind::Nccl, 2);
+}
+
+// The teardown race: rank 0 returns right after a collective (its SimComm, backend and
+// ThreadComm are destroyed) while rank 1 is slow and has not yet run the waits its stream
+// holds on rank 0's events. Before the fix each rank destroyed its own events in
+// ~SimComm, so rank 1's stream waited on a destroyed event: under an emulator whose
+// streams run lazily (at rank 1's to_host, after rank 0 is gone) that is
+// cudaErrorInvalidResourceHandle every time; on a GPU it shows only when rank 1's host
+// thread enqueues its wait after rank 0 tore down, which the repetitions make likely to
+// hit at least once but not certain. With the group owning the events it always passes.
+TEST_CASE("SimComm: a slow peer still waits on a fast rank's events after it tore down", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 count = 4096;
+  const auto sum = rank_order_sum<float>(2, count);
+  for (int rep = 0; rep < 8; ++rep) {
+    INFO("repetition " << rep);
+    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}}, 2, 20.0, [&](int r, Backend& be, Communicator& c) {
+      const auto in = inputs(r, count);
+      Tensor t = be.empty({count}, DType::F32, MemCategory::CommBuffer, "t");
+      be.from_host(t, in.data());
+      c.all_reduce(t, ReduceOp::Sum);
+      if (r == 0) return;  // fast: tears down at once
+      std::this_thread::sleep_for(std::chrono::milliseconds(rep == 0 ? 100 : 5));
+      CHECK(be.to_host(t) == sum);
+    });
+  }
+}
+
+// NCCL's P2P transport touches peers' buffers, which come from each device's default
+// (cudaMallocAsync) pool. Before the fix no pool granted access to the other GPUs, so this
+// failed on any machine with two peer-capable GPUs (and the collectives above could fault).
+TEST_CASE("NcclGroup: each device's default pool is open to its peers in the group", "[cuda]") {
+  TPSIM_REQUIRE_GPUS(2);
+  NcclGroup group({0, 1}, 20.0);
+  int checked = 0;
+  for (int owner : {0, 1}) {
+    const int peer = 1 - owner;
+    int can = 0;
+    REQUIRE(cudaDeviceCanAccessPeer(&can, peer, owner) == cudaSuccess);
+    if (!can) continue;  // no P2P between them: NCCL goes through host memory
+    cudaMemPool_t pool = nullptr;
+    REQUIRE(cudaDeviceGetDefaultMemPool(&pool, owner) == cudaSuccess);
+    cudaMemLocation where{};
+    where.type = cudaMemLocationTypeDevice;
+    where.id = peer;
+    cudaMemAccessFlags flags = cudaMemAccessFlagsProtNone;
+    REQUIRE(cudaMemPoolGetAccess(&flags, pool, &where) == cudaSuccess);
+    CHECK(flags == cudaMemAccessFlagsProtReadWrite);
+    ++checked;
+  }
+  if (checked == 0) WARN("cuda:0 and cuda:1 cannot access each other: nothing to check");
+}
+
+// abort_all while both ranks are inside NCCL calls (enqueueing, or polling
+// ncclCommGetAsyncError) on the communicators it aborts. Before the fix abort_all freed a
+// communicator under a call in flight on it, and a rank could find "not aborted" and then
+// use the freed handle: a use-after-free whenever the abort lands in that window (on a GPU
+// sometimes, hence the repetitions at varying points; under an emulator whose abort frees
+// the handle, reliably). With the per-communicator lock every rank ends in an error.
+TEST_CASE("NcclComm: an abort during the ranks' collectives ends them in an error", "[cuda]") {
+  TPSIM_REQUIRE_GPUS(2);
+  for (int rep = 0; rep < 5; ++rep) {
+    INFO("repetition " << rep);
+    NcclGroup group({0, 1}, 10.0);
+    ThreadCommGroup host(2, 10.0);
+    std::atomic<int> calls{0};
+    std::thread aborter([&] {
+      while (calls.load() < 10 + 7 * rep) std::this_thread::yield();
+      group.abort_all();
+    });
+    CHECK_THROWS_AS(run_ranks(host, [&](int r, Communicator& hc) {
+                      CudaBackend be(r);
+                      NcclComm c(group, hc, be);
+                      Tensor t = be.empty({1 << 16}, DType::F32, MemCategory::CommBuffer, "t");
+                      be.fill(t, 1.0);
+                      for (int i = 0; i < 100000; ++i) {
+                        c.all_reduce(t, ReduceOp::Sum);
+                        calls.fetch_add(1);
+                      }
+                    }),
+                    RuntimeFailure);
+    aborter.join();
+    CHECK(group.aborted());
+  }
+}
+
+// A device that does not exist fails the set-up inside NCCL's init group. Before the fix
+// that left the group open (so the next NcclGroup's init calls were deferred to a
+// ncclGroupEnd that never came: its set-up timed out), the thread on another device (with
+// two GPUs: cuda:1, set just before the failure) and the first rank's communicator alive.
+TEST_CASE("NcclGroup: a failed set-up closes the group, restores the device, frees the rest", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const int n = test::gpus();
+  const int first = n > 1 ? 1 : 0;
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK_THROWS_AS(NcclGroup({first, n}, 5.0), RuntimeFailure);  // cuda:n does not exist
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 0);
+  // One rank on cuda:0: its set-up and warm-up must go through.
+  NcclGroup one({0}, 5.0);
+  CHECK_FALSE(one.aborted());
 }
 
 TEST_CASE("SimComm: ranks that disagree fail on every rank with one message", "[cuda]") {

@@ -6,6 +6,9 @@
 // under 2e-5, while any indexing or formula bug gives 1e-2 to 1. Ops that only move data
 // (copy, columns, fill, embedding forward) and the deterministic row-order sums must agree
 // exactly.
+#include <cuda_runtime.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -76,8 +79,9 @@ std::vector<std::vector<double>> run_on(Backend& be, DType dt, const std::vector
 
 // The op on both backends, in f32 and f64; each output within the bound (0: exact).
 void compare(const std::string& op, const std::vector<Input>& inputs,
-             const std::vector<int>& outputs, const Run& run, bool exact = false) {
-  for (DType dt : {DType::F32, DType::F64}) {
+             const std::vector<int>& outputs, const Run& run, bool exact = false,
+             const std::vector<DType>& dtypes = {DType::F32, DType::F64}) {
+  for (DType dt : dtypes) {
     auto cpu = make_cpu_backend();
     CudaBackend gpu(0);
     const auto want = run_on(*cpu, dt, inputs, outputs, run);
@@ -120,6 +124,17 @@ TEST_CASE("cuda ops: gemm in all four transposes, with alpha and beta", "[cuda]"
     }
   compare("gemm beta=0", {f("a", {M, K}, 13), f("b", {K, N}, 14), f("out", {M, N}, 15)}, {2},
           [](Backend& be, auto& t) { be.gemm(t[2], t[0], false, t[1], false, 1.0, 0.0); });
+  // Degenerate rows and columns: a vector times a matrix (M = 1), a matrix times a vector
+  // (N = 1) and a dot product, in every transpose; the leading dimensions are then 1 or K.
+  for (auto [m, n] : {std::pair<i64, i64>{1, 17}, {13, 1}, {1, 1}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        Shape sa = ta ? Shape{K, m} : Shape{m, K}, sb = tb ? Shape{n, K} : Shape{K, n};
+        compare("gemm M=" + std::to_string(m) + " N=" + std::to_string(n) + " ta=" +
+                    (ta ? "1" : "0") + " tb=" + (tb ? "1" : "0"),
+                {f("a", sa, 16), f("b", sb, 17), f("out", {m, n}, 18)}, {2},
+                [=](Backend& be, auto& t) { be.gemm(t[2], t[0], ta, t[1], tb, 1.0, 0.5); });
+      }
 }
 
 TEST_CASE("cuda ops: activations", "[cuda]") {
@@ -139,45 +154,85 @@ TEST_CASE("cuda ops: activations", "[cuda]") {
 
 TEST_CASE("cuda ops: LayerNorm forward and backward (accumulating)", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
-  const i64 N = 150, C = 96;  // N > 64: dweight sums over several row chunks
-  Input x = f("x", {N, C}, 30);
-  for (auto& v : x.values) v += 2.0;
-  compare("layernorm",
-          {x, f("w", {C}, 31), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
-           f("dy", {N, C}, 32), f("dx", {N, C}, 33), f("dw", {C}, 34)},
-          {2, 3, 4, 6, 7}, [](Backend& be, auto& t) {
+  // N > 64: dweight sums over several row chunks. C = 96 < 256 threads leaves most of a
+  // row block idle; C = 1100 makes every thread loop 5 times over its row and gives
+  // dweight 5 column blocks.
+  for (i64 C : {96, 1100}) {
+    const i64 N = 150;
+    INFO("C = " << C);
+    Input x = f("x", {N, C}, 30);
+    for (auto& v : x.values) v += 2.0;
+    compare("layernorm",
+            {x, f("w", {C}, 31), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
+             f("dy", {N, C}, 32), f("dx", {N, C}, 33), f("dw", {C}, 34)},
+            {2, 3, 4, 6, 7}, [=](Backend& be, auto& t) {
+              be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
+              be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
+            });
+  }
+}
+
+// Past 65535 chunks of 64 rows (≈ 4.19M rows) the dweight kernel's grid.y went beyond the
+// launch limit: before the fix the launch failed (cudaErrorInvalidConfiguration) on any
+// GPU and on an emulator that enforces the limits. Too slow for an emulator that runs a
+// fiber per thread (4M blocks), so it runs only on a device. f64 only: a 4.2M-term f32 sum
+// in two orders differs by ~√N·u ≈ 1e-4, above the f32 bound; in f64 the last two chunks
+// (100 rows) left out would move dweight by ~√100/√N ≈ 5e-3, far above 1e-12.
+TEST_CASE("cuda ops: LayerNorm backward past 4.19M rows", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+#ifdef TPSIM_CUDA_EMU
+  WARN("4.2M-row LayerNorm: too slow for the emulator, skipped");
+  return;
+#endif
+  const i64 N = 65535 * 64 + 100, C = 2;
+  Input x = f("x", {N, C}, 35);
+  for (auto& v : x.values) v += 1.0;
+  compare("layernorm 4.2M rows",
+          {x, f("w", {C}, 36), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
+           f("dy", {N, C}, 37), zeros("dx", {N, C}), zeros("dw", {C})},
+          {6, 7}, [](Backend& be, auto& t) {
             be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
             be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
-          });
+          }, false, {DType::F64});
 }
 
 TEST_CASE("cuda ops: causal attention forward and backward", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
-  const i64 B = 3, T = 20, h = 2, d = 8;
-  const Shape s{B * T, h * d};
-  compare("attention",
-          {f("q", s, 40), f("k", s, 41), f("v", s, 42), zeros("out", s), zeros("probs", {B, h, T, T}),
-           f("dout", s, 43), zeros("dq", s), zeros("dk", s), zeros("dv", s)},
-          {3, 4, 6, 7, 8}, [=](Backend& be, auto& t) {
-            const double scale = 1.0 / std::sqrt(double(d));
-            be.attention_forward(t[3], t[4], t[0], t[1], t[2], B, T, h, scale);
-            be.attention_backward(t[6], t[7], t[8], t[5], t[0], t[1], t[2], t[4], B, T, h, scale);
-          });
+  // T = 20 fits one pass of a 256-thread row block; T = 300 makes the softmax rows past
+  // query 255 loop twice, so the block reductions combine two passes.
+  for (auto [B, T] : {std::pair<i64, i64>{3, 20}, {2, 300}}) {
+    const i64 h = 2, d = 8;
+    INFO("T = " << T);
+    const Shape s{B * T, h * d};
+    compare("attention",
+            {f("q", s, 40), f("k", s, 41), f("v", s, 42), zeros("out", s),
+             zeros("probs", {B, h, T, T}), f("dout", s, 43), zeros("dq", s), zeros("dk", s),
+             zeros("dv", s)},
+            {3, 4, 6, 7, 8}, [=](Backend& be, auto& t) {
+              const double scale = 1.0 / std::sqrt(double(d));
+              be.attention_forward(t[3], t[4], t[0], t[1], t[2], B, T, h, scale);
+              be.attention_backward(t[6], t[7], t[8], t[5], t[0], t[1], t[2], t[4], B, T, h, scale);
+            });
+  }
 }
 
 TEST_CASE("cuda ops: masked embedding and its scatter-add", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
-  const i64 R = 6, C = 10, row0 = 4;
+  const i64 R = 6, row0 = 4;
   // ids outside [4, 10) read 0 and add nothing; repeated ids accumulate in token order
   const std::vector<i64> tok = {4, 9, 3, 5, 5, 12, 4, 9, 9, 0};
   const i64 N = static_cast<i64>(tok.size());
-  compare("embedding",
-          {ids("ids", tok), f("table", {R, C}, 50), zeros("out", {N, C}), f("dout", {N, C}, 51),
-           f("dtable", {R, C}, 52)},
-          {2, 4}, [=](Backend& be, auto& t) {
-            be.embedding_forward(t[2], t[0], t[1], row0);
-            be.embedding_backward(t[4], t[3], t[0], row0);
-          }, true);
+  // C = 600: the scatter-add's grid.y has 3 column blocks, the last one partial
+  for (i64 C : {10, 600}) {
+    INFO("C = " << C);
+    compare("embedding",
+            {ids("ids", tok), f("table", {R, C}, 50), zeros("out", {N, C}), f("dout", {N, C}, 51),
+             f("dtable", {R, C}, 52)},
+            {2, 4}, [=](Backend& be, auto& t) {
+              be.embedding_forward(t[2], t[0], t[1], row0);
+              be.embedding_backward(t[4], t[3], t[0], row0);
+            }, true);
+  }
 }
 
 TEST_CASE("cuda ops: vocab-parallel cross-entropy pieces", "[cuda]") {
@@ -226,12 +281,15 @@ TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
   for (DType dt : {DType::F32, DType::F64}) {
     auto cpu = make_cpu_backend();
     CudaBackend gpu(0);
-    const auto y = randn(1000, 70), target = randn(1000, 71);
+    // 200000 > 256 blocks x 256 threads: every thread of the sum's grid-stride loop runs
+    // 3 or 4 times, the last pass partial.
+    const i64 n = 200000;
+    const auto y = randn(n, 70), target = randn(n, 71);
     double s[2], m[2];
     int k = 0;
     for (Backend* be : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(&gpu)}) {
-      Tensor ty = be->empty({1000}, dt, MemCategory::Temporary, "y");
-      Tensor tt = be->empty({1000}, dt, MemCategory::Temporary, "target");
+      Tensor ty = be->empty({n}, dt, MemCategory::Temporary, "y");
+      Tensor tt = be->empty({n}, dt, MemCategory::Temporary, "target");
       be->from_host(ty, y.data());
       be->from_host(tt, target.data());
       s[k] = be->sum(ty);
@@ -239,7 +297,7 @@ TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
       ++k;
     }
     // both accumulate in f64; only the order differs
-    CHECK(std::abs(s[1] - s[0]) <= 1e-12 * 1000);
+    CHECK(std::abs(s[1] - s[0]) <= 1e-12 * double(n));
     CHECK(std::abs(m[1] - m[0]) <= 1e-12 * m[0]);
   }
   compare("mse_backward", {f("y", {40}, 72), f("target", {40}, 73), zeros("dy", {40})}, {2},
@@ -250,6 +308,82 @@ TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
   for (auto& x : v.values) x = std::abs(x);
   compare("adam", {f("p", {40}, 76), f("g", {40}, 77), f("m", {40}, 79, 0.1), v}, {0, 2, 3},
           [](Backend& be, auto& t) { be.adam_update(t[0], t[1], t[2], t[3], 1e-3, 0.9, 0.95, 1e-8, 0.1, 4); });
+}
+
+// from_host's source is the caller's pageable memory, which it may overwrite or free the
+// moment from_host returns. Before the fix the copy was only enqueued: under an emulator
+// whose streams run lazily the device then read the overwritten values (every time); a
+// GPU's driver usually stages pageable memory before returning, so there it rarely shows.
+TEST_CASE("cuda ops: from_host's source may be overwritten as soon as it returns", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  CudaBackend gpu(0);
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    const std::vector<double> want = randn(3000, 80);
+    std::vector<double> src = want;
+    Tensor t = gpu.empty({3000}, dt, MemCategory::Temporary, "t");
+    gpu.from_host(t, src.data());
+    std::fill(src.begin(), src.end(), -7.0);
+    std::vector<double> expect = want;
+    for (auto& x : expect) x = dt == DType::F32 ? double(float(x)) : x;
+    CHECK(gpu.to_host(t) == expect);
+  }
+}
+
+// The backend's handles are members that free themselves (cuda_handles.h): a constructor
+// that fails frees what it made, and the stream goes last. Neither leak nor order is
+// visible through the CUDA API on a GPU; this checks what is: a refused device is a
+// RuntimeFailure that leaves the thread's device alone, and backends built and destroyed
+// with work and stream-ordered frees still queued leave no error behind.
+TEST_CASE("cuda ops: backends come and go cleanly", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK_THROWS_AS(CudaBackend(test::gpus()), RuntimeFailure);
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 0);
+  for (int i = 0; i < 20; ++i) {
+    CudaBackend gpu(0);
+    Tensor a = gpu.empty({1 << 16}, DType::F32, MemCategory::Temporary, "a");
+    gpu.fill(a, 1.0);
+    Tensor b = gpu.empty({1 << 16}, DType::F32, MemCategory::Temporary, "b");
+    gpu.copy(b, a);
+    gpu.scale_inplace(b, 3.0);
+  }  // tensors freed on the stream, then the backend goes with the work still queued
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CudaBackend gpu(0);
+  Tensor t = gpu.empty({4}, DType::F64, MemCategory::Temporary, "t");
+  gpu.fill(t, 2.0);
+  CHECK(gpu.to_host(t) == std::vector<double>(4, 2.0));
+}
+
+// What bit-exactness the code needs on the device (math.h): not the CPU's bits (nvcc
+// contracts multiply-adds), but the same bits from the same op on every rank, which
+// replicated tensors rely on. Two backends (two ranks sharing a GPU) run ops full of
+// multiply-adds and reductions on the same inputs and must agree exactly.
+TEST_CASE("cuda ops: the same op on two backends gives the same bits", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 N = 70, C = 1100;
+  Input x = f("x", {N, C}, 90);
+  Input v = f("v", {N * C}, 95, 0.1);
+  for (auto& e : v.values) e = std::abs(e);
+  const std::vector<Input> inputs = {x, f("w", {C}, 91), zeros("out", {N, C}), zeros("mean", {N}),
+                                     zeros("rstd", {N}), f("dy", {N, C}, 92), zeros("dx", {N, C}),
+                                     zeros("dw", {C}), f("m", {N * C}, 93, 0.1), v,
+                                     zeros("g", {N * C})};
+  const std::vector<int> outs = {2, 6, 7, 8, 9, 10};
+  const Run run = [](Backend& be, std::vector<Tensor>& t) {
+    be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
+    be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
+    Tensor flat = t[2].reshape({N * C});
+    be.gelu_backward(t[10], t[5].reshape({N * C}), flat);
+    be.adam_update(flat, t[10], t[8], t[9], 1e-3, 0.9, 0.95, 1e-8, 0.1, 3);
+  };
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    CudaBackend a(0), b(0);
+    CHECK(run_on(a, dt, inputs, outs, run) == run_on(b, dt, inputs, outs, run));
+  }
 }
 
 TEST_CASE("cuda ops: device memory is in the ledger, and returned", "[cuda]") {

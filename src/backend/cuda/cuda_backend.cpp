@@ -3,15 +3,20 @@
 // Built by the host compiler, so it gets the project's full warning set.
 #include "backend/cuda/cuda_backend.h"
 
+#include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cmath>
 #include <limits>
+#include <thread>
 
+#include "backend/cuda/blas_int.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/embedding_plan.h"
 #include "backend/cuda/kernels.h"
 #include "backend/op_checks.h"
+#include "core/errors.h"
 
 namespace tpsim {
 namespace {
@@ -22,14 +27,6 @@ namespace K = cuda_kernels;
 template <class F>
 void on_float(const Tensor& t, F&& f) {
   dispatch_float(t.dtype(), std::forward<F>(f));
-}
-
-// cuBLAS takes int sizes.
-int blas_int(const char* op, const char* what, i64 v) {
-  if (v > INT_MAX)
-    throw UsageError(std::string(op) + ": " + what + " " + std::to_string(v) +
-                     " exceeds cuBLAS's int range");
-  return static_cast<int>(v < 1 ? 1 : v);
 }
 
 cublasStatus_t gemm_sb(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
@@ -58,10 +55,11 @@ void gemm_rm(cublasHandle_t h, bool trans_a, bool trans_b, i64 M, i64 N, i64 K_,
   if (M == 0 || N == 0 || batch == 0) return;
   const char* op = "gemm";
   TPSIM_CUBLAS_CHECK(gemm_sb(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                             trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, blas_int(op, "N", N),
-                             blas_int(op, "M", M), static_cast<int>(K_), &alpha, B,
-                             blas_int(op, "ldb", ldb), sB, A, blas_int(op, "lda", lda), sA, &beta,
-                             C, blas_int(op, "ldc", ldc), sC, blas_int(op, "batch", batch)));
+                             trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, blas_int(op, "N", N, 0),
+                             blas_int(op, "M", M, 0), blas_int(op, "K", K_, 0), &alpha, B,
+                             blas_int(op, "ldb", ldb, 1), sB, A, blas_int(op, "lda", lda, 1), sA,
+                             &beta, C, blas_int(op, "ldc", ldc, 1), sC,
+                             blas_int(op, "batch", batch, 0)));
 }
 
 }  // namespace
@@ -88,11 +86,15 @@ void CudaAllocator::deallocate(void* p, std::size_t) {
 
 // ---- the backend --------------------------------------------------------------------------
 
-CudaBackend::CudaBackend(int device) : device_(device) {
+// [kSumBlocks + 1] f64, then [1] i64
+constexpr std::size_t kScratchBytes = (K::kSumBlocks + 1) * sizeof(double) + sizeof(std::int64_t);
+
+CudaBackend::CudaBackend(int device)
+    : device_(device),
+      owned_stream_(device),
+      owned_cublas_(device, owned_stream_.get()),
+      scratch_(device, kScratchBytes) {
   CudaDeviceGuard guard(device_);
-  TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  TPSIM_CUBLAS_CHECK(cublasCreate(&cublas_));
-  TPSIM_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
   // Default math: every product and sum in at least the requested precision, never TF32
   // (10 mantissa bits, which the float32 tolerance does not allow). Said explicitly, so
   // that a changed library default cannot slip in.
@@ -103,28 +105,50 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   TPSIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
   std::uint64_t keep = UINT64_MAX;
   TPSIM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  alloc_ = std::make_unique<CudaAllocator>(device_, stream_);
-  TPSIM_CUDA_CHECK(cudaMalloc(&sum_partial_, (K::kSumBlocks + 1) * sizeof(double)));
+  sum_partial_ = static_cast<double*>(scratch_.get());
   sum_result_ = sum_partial_ + K::kSumBlocks;
-  TPSIM_CUDA_CHECK(cudaMalloc(&bad_row_, sizeof(std::int64_t)));
+  bad_row_ = reinterpret_cast<std::int64_t*>(sum_result_ + 1);
+  alloc_ = std::make_unique<CudaAllocator>(device_, stream_);
 }
 
-CudaBackend::~CudaBackend() {
-  // Best effort: a destructor cannot throw, and after a device fault nothing works anyway.
-  int previous = -1;
-  (void)cudaGetDevice(&previous);
-  (void)cudaSetDevice(device_);
-  if (stream_) (void)cudaStreamSynchronize(stream_);
-  if (sum_partial_) (void)cudaFree(sum_partial_);
-  if (bad_row_) (void)cudaFree(bad_row_);
-  if (cublas_) (void)cublasDestroy(cublas_);
-  if (stream_) (void)cudaStreamDestroy(stream_);
-  if (previous >= 0) (void)cudaSetDevice(previous);
-}
+// The members free everything, in order (cuda_handles.h).
+CudaBackend::~CudaBackend() = default;
 
-void CudaBackend::synchronize() {
+void CudaBackend::synchronize() { wait_stream("synchronize"); }
+
+void CudaBackend::wait_stream(const char* op) {
   CudaDeviceGuard guard(device_);
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  for (int polls = 0;; ++polls) {
+    const cudaError_t e = cudaStreamQuery(stream_);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) throw_cuda_error(e, "cudaStreamQuery(stream_)", __FILE__, __LINE__);
+    if (host_wait_.poll) host_wait_.poll();
+    const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (host_wait_.timeout_s > 0 && waited > host_wait_.timeout_s) {
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", host_wait_.timeout_s);
+      throw CommError(host_wait_.who + ": " + op + ": the device did not finish this rank's " +
+                      "queued work within " + secs + " s (a collective may be stuck); aborting");
+    }
+    // Short ops finish within the first polls; after that, stop burning a core.
+    if (polls < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void CudaBackend::copy_to_host(void* dst, const void* src, std::size_t bytes, const char* op) {
+  wait_stream(op);
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  wait_stream(op);
+}
+
+void CudaBackend::copy_from_host(void* dst, const void* src, std::size_t bytes, const char* op) {
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+  wait_stream(op);
 }
 
 // ---- data movement --------------------------------------------------------------------
@@ -157,17 +181,13 @@ void CudaBackend::from_host(Tensor& dst, const double* src) {
   OpCheck("from_host", device()).float_arg("dst", dst);
   if (dst.numel() == 0) return;
   CudaDeviceGuard guard(device_);
-  // A copy from pageable host memory returns once the source has been staged, so the
-  // caller may free `src` as soon as this returns; the stream keeps the order.
   if (dst.dtype() == DType::F64) {
-    TPSIM_CUDA_CHECK(
-        cudaMemcpyAsync(dst.raw(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+    copy_from_host(dst.raw(), src, dst.nbytes(), "from_host");
     return;
   }
   // [numel] f64 staging on the device, converted there; freed in stream order.
   Tensor staging = empty({dst.numel()}, DType::F64, MemCategory::Temporary, "from_host.staging");
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(staging.raw(), src, staging.nbytes(), cudaMemcpyHostToDevice,
-                                   stream_));
+  copy_from_host(staging.raw(), src, staging.nbytes(), "from_host");
   K::convert_from_f64<float>(dst.data<float>(), staging.data<double>(), dst.numel(), stream_);
 }
 
@@ -175,7 +195,7 @@ void CudaBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
   OpCheck("from_host_i64", device()).dtype("dst", dst, DType::I64);
   if (dst.nbytes() == 0) return;
   CudaDeviceGuard guard(device_);
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+  copy_from_host(dst.raw(), src, dst.nbytes(), "from_host_i64");
 }
 
 std::vector<double> CudaBackend::to_host(const Tensor& src) {
@@ -190,9 +210,7 @@ std::vector<double> CudaBackend::to_host(const Tensor& src) {
     K::convert_to_f64<float>(staging.data<double>(), src.data<float>(), src.numel(), stream_);
     from = staging.raw();
   }
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(out.data(), from, out.size() * sizeof(double),
-                                   cudaMemcpyDeviceToHost, stream_));
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(out.data(), from, out.size() * sizeof(double), "to_host");
   return out;
 }
 
@@ -402,16 +420,14 @@ void CudaBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const T
   CudaDeviceGuard guard(device_);
   // The ids come to the host (N i64s, one wait) to plan the scatter-add there.
   std::vector<i64> host_ids(static_cast<std::size_t>(s.N));
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(host_ids.data(), ids.data<i64>(), host_ids.size() * sizeof(i64),
-                                   cudaMemcpyDeviceToHost, stream_));
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(host_ids.data(), ids.data<i64>(), host_ids.size() * sizeof(i64),
+               "embedding_backward");
   const K::EmbeddingPlan plan = K::make_embedding_plan(host_ids.data(), s.N, row0, s.R);
   if (plan.n_rows == 0) return;
   // [2·rows + 1 + tokens] i64: the plan on the device
   Tensor dplan = empty({static_cast<i64>(plan.packed.size())}, DType::I64, MemCategory::Temporary,
                        "embedding.plan");
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dplan.raw(), plan.packed.data(), dplan.nbytes(),
-                                   cudaMemcpyHostToDevice, stream_));
+  copy_from_host(dplan.raw(), plan.packed.data(), dplan.nbytes(), "embedding_backward");
   on_float(dtable, [&](auto z) {
     using T = decltype(z);
     K::embedding_backward<T>(dtable.data<T>(), dout.data<T>(), dplan.data<i64>(), plan.n_rows, s.C,
@@ -426,12 +442,10 @@ void CudaBackend::check_targets(const char* op, const Tensor& targets, const Ten
   const i64 N = targets.numel(), Vl = logits.dim(1);
   K::ce_check_targets(bad_row_, targets.data<i64>(), N, Vl, col0, valid, stream_);
   i64 bad = N;
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(&bad, bad_row_, sizeof bad, cudaMemcpyDeviceToHost, stream_));
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(&bad, bad_row_, sizeof bad, op);
   if (bad >= N) return;
   i64 target = 0;
-  TPSIM_CUDA_CHECK(cudaMemcpy(&target, targets.data<i64>() + bad, sizeof target,
-                              cudaMemcpyDeviceToHost));
+  copy_to_host(&target, targets.data<i64>() + bad, sizeof target, op);
   // The CPU backend's message, word for word.
   const bool negative = target < 0;
   throw Error(std::string(op) + ": targets '" + targets.tag() + "' row " + std::to_string(bad) +
@@ -500,8 +514,7 @@ void CudaBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tenso
 
 double CudaBackend::read_sum() {
   double r = 0.0;
-  TPSIM_CUDA_CHECK(cudaMemcpyAsync(&r, sum_result_, sizeof r, cudaMemcpyDeviceToHost, stream_));
-  TPSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(&r, sum_result_, sizeof r, "sum");
   return r;
 }
 

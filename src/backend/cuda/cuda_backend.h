@@ -3,16 +3,19 @@
 // cuBLAS handle bound to that stream, and an allocator that takes stream-ordered device
 // memory (cudaMallocAsync/cudaFreeAsync) and records every byte in the rank's ledger.
 // Ops return as soon as their work is enqueued; to_host, sum and mse_forward wait for
-// the stream, since they hand results to the host.
+// the stream, since they hand results to the host. Those waits poll the stream against a
+// deadline (HostWait), so work stuck behind a collective ends in an error, not a hang.
 #pragma once
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/cuda/cuda_handles.h"
 
 namespace tpsim {
 
@@ -31,6 +34,14 @@ class CudaAllocator final : public Allocator {
   cudaStream_t stream_;
 };
 
+// How a host wait for a backend's stream ends when the device does not finish. The
+// launcher sets the run's --timeout and, with NCCL, a poll of the rank's communicator.
+struct HostWait {
+  std::string who;             // "rank 1": starts the error message
+  double timeout_s = 0.0;      // 0: no deadline
+  std::function<void()> poll;  // called while waiting; throws to end the wait
+};
+
 class CudaBackend final : public Backend {
  public:
   // Throws RuntimeFailure when the device cannot be used (see cuda_check.h).
@@ -43,8 +54,10 @@ class CudaBackend final : public Backend {
   Allocator& allocator() override { return *alloc_; }
   int device_index() const { return device_; }
   cudaStream_t stream() const { return stream_; }
-  // Waits until every op enqueued so far has finished; throws what the device reported.
+  // Waits until every op enqueued so far has finished; throws what the device reported,
+  // or CommError when the HostWait's deadline passes first.
   void synchronize();
+  void set_host_wait(HostWait w) { host_wait_ = std::move(w); }
 
   void fill(Tensor& t, double value) override;
   void copy(Tensor& dst, const Tensor& src) override;
@@ -108,16 +121,31 @@ class CudaBackend final : public Backend {
                      std::int64_t col0, std::int64_t valid);
   // Reads the f64 scalar sum_result_ back (after sum_f64 / sum_sq_diff_f64).
   double read_sum();
+  // Polls the stream until it is idle, under host_wait_ ("op" names the caller).
+  void wait_stream(const char* op);
+  // A device-to-host copy into pageable memory: the stream is idle first (a pageable copy
+  // can deadlock against a peer's NCCL connection set-up) and again after.
+  void copy_to_host(void* dst, const void* src, std::size_t bytes, const char* op);
+  // A host-to-device copy from pageable memory that the caller may free or overwrite as
+  // soon as this returns: CUDA does not promise that an asynchronous copy from pageable
+  // memory has read its source by then, so this waits for it.
+  void copy_from_host(void* dst, const void* src, std::size_t bytes, const char* op);
 
+  // Members are destroyed in reverse order: everything that enqueues on the stream (the
+  // allocator's frees, cuBLAS) goes before the stream does.
   int device_;
-  cudaStream_t stream_ = nullptr;
-  cublasHandle_t cublas_ = nullptr;
-  std::unique_ptr<CudaAllocator> alloc_;
+  CudaStream owned_stream_;
+  cudaStream_t stream_ = owned_stream_.get();
+  CublasHandle owned_cublas_;
+  cublasHandle_t cublas_ = owned_cublas_.get();
   // Small fixed scratch outside the ledger (2 KiB): the deterministic sum's partials [256]
   // and result [1], and the target check's verdict [1].
+  DeviceScratch scratch_;
   double* sum_partial_ = nullptr;
   double* sum_result_ = nullptr;
   std::int64_t* bad_row_ = nullptr;
+  std::unique_ptr<CudaAllocator> alloc_;
+  HostWait host_wait_;
 };
 
 // A CUDA backend on `device` (make it current on the calling thread first).

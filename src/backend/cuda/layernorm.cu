@@ -9,6 +9,7 @@ namespace tpsim::cuda_kernels {
 namespace {
 
 constexpr i64 kRowsPerChunk = 64;
+constexpr i64 kMaxGridY = 65535;  // the launch limit on grid.y
 
 template <class T>
 __global__ void layernorm_forward_kernel(T* out, T* mean, T* rstd, const T* inp, const T* weight,
@@ -52,18 +53,23 @@ __global__ void layernorm_dinp_kernel(T* dinp, const T* dout, const T* inp, cons
         cuda_math::ln_dinp(dy[c], weight[c], cuda_math::ln_xhat(x[c], m, r), r, g_mean, gx_mean);
 }
 
-// partial[chunk, c] = Σ over the chunk's rows of dout·xhat; grid (column blocks, chunks).
+// partial[chunk, c] = Σ over the chunk's rows of dout·xhat; grid (column blocks, up to
+// kMaxGridY chunks), striding over the chunks: past 65535 · 64 ≈ 4.19M rows there are
+// more chunks than grid.y may have.
 template <class T>
 __global__ void layernorm_dweight_partial_kernel(T* partial, const T* dout, const T* inp,
-                                                 const T* mean, const T* rstd, i64 N, i64 C) {
+                                                 const T* mean, const T* rstd, i64 N, i64 C,
+                                                 i64 chunks) {
   const i64 c = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x;
   if (c >= C) return;
-  const i64 r0 = blockIdx.y * kRowsPerChunk;
-  const i64 r1 = r0 + kRowsPerChunk < N ? r0 + kRowsPerChunk : N;
-  T acc = T(0);
-  for (i64 i = r0; i < r1; ++i)
-    acc += dout[i * C + c] * cuda_math::ln_xhat(inp[i * C + c], mean[i], rstd[i]);
-  partial[blockIdx.y * C + c] = acc;
+  for (i64 k = blockIdx.y; k < chunks; k += gridDim.y) {
+    const i64 r0 = k * kRowsPerChunk;
+    const i64 r1 = r0 + kRowsPerChunk < N ? r0 + kRowsPerChunk : N;
+    T acc = T(0);
+    for (i64 i = r0; i < r1; ++i)
+      acc += dout[i * C + c] * cuda_math::ln_xhat(inp[i * C + c], mean[i], rstd[i]);
+    partial[k * C + c] = acc;
+  }
 }
 
 // dweight[c] += Σ_chunk partial[chunk, c], chunks in order.
@@ -98,8 +104,9 @@ void layernorm_backward(T* dinp, T* dweight, T* partial, const T* dout, const T*
   TPSIM_CUDA_CHECK_LAUNCH();
   const i64 chunks = layernorm_dweight_chunks(N);
   const dim3 grid(static_cast<unsigned>((C + kRowThreads - 1) / kRowThreads),
-                  static_cast<unsigned>(chunks));
-  layernorm_dweight_partial_kernel<<<grid, kRowThreads, 0, s>>>(partial, dout, inp, mean, rstd, N, C);
+                  static_cast<unsigned>(chunks < kMaxGridY ? chunks : kMaxGridY));
+  layernorm_dweight_partial_kernel<<<grid, kRowThreads, 0, s>>>(partial, dout, inp, mean, rstd, N, C,
+                                                              chunks);
   TPSIM_CUDA_CHECK_LAUNCH();
   layernorm_dweight_final_kernel<<<grid.x, kRowThreads, 0, s>>>(dweight, partial, chunks, C);
   TPSIM_CUDA_CHECK_LAUNCH();
