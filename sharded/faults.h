@@ -28,14 +28,33 @@ enum class Fault {
   SpSwapBackwardCollectives,  // all-gather and reduce-scatter swapped in backward
 };
 
+// What a fault needs in order to change anything. A fault injected where it cannot act
+// would let a user believe verify saw it and found nothing, so such a run is refused.
+struct FaultNeeds {
+  const char* model = nullptr;        // "mlp" or "gpt"; nullptr for none (Fault::None)
+  bool loss_parallel = false;         // acts on the vocab-parallel embedding or loss
+  bool sequence_parallel = false;     // acts on the SP collectives
+  bool no_sequence_parallel = false;  // SP replaces the f/g it removes
+  bool vocab_padding = false;         // acts on padded vocabulary rows: some must exist
+  int min_tp = 1;                     // at a smaller degree the broken step is a no-op
+};
+
 struct FaultInfo {
   Fault fault;
   const char* name;  // the CLI spelling
   const char* what;
+  FaultNeeds needs;
 };
 
 const std::vector<FaultInfo>& all_faults();
 Fault parse_fault(const std::string& name);  // throws UsageError listing the names
 const char* fault_name(Fault f);
+const FaultInfo& fault_info(Fault f);
+
+// Throws UsageError when `f` cannot act on this run: another model, a parallelism flag it
+// needs missing (or one that removes it present), or no TP degree large enough.
+// `padded` says whether the vocabulary gets padding rows at some TP degree of the run.
+void check_fault_applies(Fault f, const char* model, bool loss_parallel, bool sequence_parallel,
+                         int max_tp, bool padded);
 
 }  // namespace tpsim
