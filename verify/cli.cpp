@@ -33,7 +33,7 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("-t,--tp", raw.tp,
                  tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
                          : "TP degree (number of ranks)")
-      ->check([](const std::string& s) { return s.empty() ? "'': empty list (expected e.g. 1,2)" : ""; });
+      ->check([](const std::string& s) { return s.empty() ? "'': empty list" : ""; });
   cmd.add_option("-d,--dtype", raw.dtype, "f32 or f64: the sharded model's precision");
   cmd.add_option("-s,--steps", raw.steps, "training steps (default: mlp 2, gpt 5)");
   cmd.add_option("--lr", o.lr, "learning rate (mlp: SGD, gpt: Adam)");

@@ -81,6 +81,8 @@ void write_file_atomically(const std::string& path, std::string_view bytes,
   f.commit();
 }
 
-void check_writable(const std::string& path, const std::string& flag) { AtomicFile probe(path, flag); }
+void check_writable(const std::string& path, const std::string& flag) {
+  const AtomicFile probe(path, flag);  // created, then removed: nothing is left behind
+}
 
 }  // namespace tpsim
