@@ -73,8 +73,11 @@ GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
 }
 
 double predicted_run_bytes(const RunOptions& o, const std::string& command, std::string* detail) {
+  // Ranks on a device keep their tensors in device memory, which this check does not
+  // query (yet): only what lives in host memory counts.
+  const bool host_ranks = o.device.backend == BackendKind::Cpu;
   std::vector<double> groups;
-  for (int t : o.tp) groups.push_back(t * rank_bytes(o, t, o.dtype, true));
+  for (int t : o.tp) groups.push_back(host_ranks ? t * rank_bytes(o, t, o.dtype, true) : 0.0);
   std::ostringstream d;
   double total = 0;
   if (command == "verify") {
@@ -82,6 +85,7 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
     const double ranks = peak_groups(o.tp, groups);
     total = ref + ranks;
     d << "reference " << gib(ref) << " + ranks running at once " << gib(ranks);
+    if (!host_ranks) d.str("the reference");
   } else {
     total = *std::max_element(groups.begin(), groups.end());
     d << "the largest TP group";

@@ -15,9 +15,10 @@ namespace tpsim {
 GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam);
 
 // The bytes a run of `command` ("train", "verify" or "profile") is predicted to hold at
-// its peak, all ranks of the process together: for train and profile the largest TP
-// group (they run one group at a time); for verify the float64 reference plus the
-// largest set of groups that may run at once. `detail` gets the parts, for the message.
+// its peak in host memory, all ranks of the process together: for train and profile the
+// largest TP group (they run one group at a time); for verify the float64 reference plus
+// the largest set of groups that may run at once. Ranks on a CUDA device count nothing
+// here (device memory is not checked). `detail` gets the parts, for the message.
 double predicted_run_bytes(const RunOptions& o, const std::string& command, std::string* detail);
 
 // The memory this process may still use: /proc/meminfo's MemAvailable, or less under an
