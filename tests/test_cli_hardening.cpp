@@ -185,10 +185,11 @@ TEST_CASE("a run predicted not to fit in memory is refused before any work", "[c
   // Under an address-space limit the default GPT verify (about 2 GiB predicted) is refused.
   const auto u = run_tpsim("verify --model gpt", "ulimit -v 1500000;");
   expect_one_line(u, 2, "memory: this verify run is predicted to need ");
-  // --force skips the check: the run starts and meets the limit for real.
-  const auto f = run_tpsim("train --model gpt --force", "ulimit -v 1500000;");
-  INFO(f.out);
-  REQUIRE(f.exit_code != 2);
+  // --force skips the check: the run starts and meets the limit for real (a 2 GB wte).
+  const std::string big_vocab = "train --model gpt --vocab-size 2000000 --steps 1";
+  expect_one_line(run_tpsim(big_vocab, "ulimit -v 600000;"), 2, "is predicted to need 9.6 GiB");
+  expect_last_line(run_tpsim(big_vocab + " --force", "ulimit -v 600000;"), 3,
+                   "tpsim: runtime failure: out of memory");
   // A small run passes the check under the same limit.
   const auto s = run_tpsim("train " + kSmallGpt + "--steps 1", "ulimit -v 1500000;");
   INFO(s.out);
