@@ -598,7 +598,7 @@ std::string local_error(int n, int bad,
 
 }  // namespace
 
-TEST_CASE("a rank's own bad arguments fail at once on that rank; the group stays usable",
+TEST_CASE("a rank's own bad arguments fail at once on that rank and leave the group usable",
           "[comm]") {
   SECTION("all_gather output of the wrong size") {
     auto m = local_error(3, 2, [](int, Communicator& comm, Allocator& a, bool good) {
