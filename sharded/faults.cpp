@@ -40,7 +40,9 @@ const std::vector<FaultInfo>& all_faults() {
       {Fault::VocabRangeOffByOne, "vocab-range-off-by-one",
        "loss-parallel: rank 1's embedding vocab range off by one", kLp},
       {Fault::PaddedLogitsInSoftmax, "padded-logits-in-softmax",
-       "loss-parallel: padded vocab columns left in the softmax", kLp},
+       "loss-parallel: padded vocab columns left in the softmax",
+       {.mlp = false, .gpt = true, .loss_parallel = Needs::On, .min_tp = 1,
+        .vocab_padding = true}},
       {Fault::DropTargetLogitAllReduce, "drop-target-logit-all-reduce",
        "loss-parallel: target logit not all-reduced", kLp},
       {Fault::CeShardFirstIdUnowned, "ce-shard-first-id-unowned",
@@ -77,21 +79,34 @@ const FaultInfo& fault_info(Fault f) {
 
 const char* fault_name(Fault f) { return fault_info(f).name; }
 
-std::string fault_inapplicable(Fault f, bool gpt, bool loss_parallel, bool sequence_parallel,
-                               int max_tp, bool f64) {
+std::string fault_inapplicable(Fault f, const FaultTarget& run) {
   const FaultScope& s = fault_info(f).scope;
-  if (gpt ? !s.gpt : !s.mlp) return gpt ? "applies to --model mlp" : "applies to --model gpt";
+  if (run.gpt ? !s.gpt : !s.mlp)
+    return std::string("breaks the ") + (run.gpt ? "mlp" : "gpt") + ", not --model " +
+           (run.gpt ? "gpt" : "mlp") + "; it cannot apply to this run";
   auto mismatch = [](Needs n, bool on) {
     return (n == Needs::On && !on) || (n == Needs::Off && on);
   };
-  if (mismatch(s.loss_parallel, loss_parallel))
-    return s.loss_parallel == Needs::On ? "needs --loss-parallel" : "needs no --loss-parallel";
-  if (mismatch(s.sequence_parallel, sequence_parallel))
-    return s.sequence_parallel == Needs::On ? "needs --sequence-parallel"
-                                            : "changes nothing with --sequence-parallel";
-  if (max_tp < s.min_tp) return "needs a TP degree of at least " + std::to_string(s.min_tp);
-  if (s.f64_only && !f64) return "is below float32's tolerance: needs --dtype f64";
+  if (mismatch(s.loss_parallel, run.loss_parallel))
+    return "breaks the vocab-parallel embedding or loss; it needs --loss-parallel";
+  if (mismatch(s.sequence_parallel, run.sequence_parallel))
+    return s.sequence_parallel == Needs::On
+               ? "breaks a sequence-parallel collective; it needs --sequence-parallel"
+               : "removes an f/g that --sequence-parallel replaces by all-gather and "
+                 "reduce-scatter; it cannot apply with --sequence-parallel";
+  if (s.vocab_padding && !run.padded)
+    return "needs padded vocabulary rows, and no TP degree of this run pads the vocabulary "
+           "(see --make-vocab-divisible-by)";
+  if (run.max_tp < s.min_tp)
+    return "needs a TP degree of at least " + std::to_string(s.min_tp) +
+           " to change anything; --tp has at most " + std::to_string(run.max_tp);
+  if (s.f64_only && !run.f64) return "is below float32's tolerance; it needs --dtype f64";
   return "";
+}
+
+void check_fault_applies(Fault f, const FaultTarget& run) {
+  const std::string why = fault_inapplicable(f, run);
+  if (!why.empty()) throw UsageError("--inject-fault " + std::string(fault_name(f)) + ": " + why);
 }
 
 }  // namespace tpsim

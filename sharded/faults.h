@@ -44,6 +44,7 @@ struct FaultScope {
   Needs sequence_parallel = Needs::Either;
   int min_tp = 2;          // below it the broken code path computes the right thing
   bool f64_only = false;   // its error is below float32's tolerance
+  bool vocab_padding = false;  // acts on padded vocabulary rows: some must exist
 };
 
 struct FaultInfo {
@@ -58,10 +59,20 @@ Fault parse_fault(const std::string& name);  // throws UsageError listing the na
 const char* fault_name(Fault f);
 const FaultInfo& fault_info(Fault f);
 
-// "" when `f` changes a run of this kind at some TP degree; otherwise why it cannot
-// ("needs --loss-parallel"), so that a fault that cannot apply is refused, never silently
-// passed. Fault::None applies everywhere.
-std::string fault_inapplicable(Fault f, bool gpt, bool loss_parallel, bool sequence_parallel,
-                               int max_tp, bool f64);
+// What a run is, as far as faults care.
+struct FaultTarget {
+  bool gpt = false;
+  bool loss_parallel = false, sequence_parallel = false;
+  int max_tp = 1;
+  bool f64 = true;
+  bool padded = false;  // some TP degree of the run pads the vocabulary
+};
+
+// "" when `f` changes such a run at some TP degree; otherwise why it cannot ("needs
+// --loss-parallel"). A fault injected where it cannot act would let a user believe verify
+// saw it and found nothing, so such a run is refused. Fault::None applies everywhere.
+std::string fault_inapplicable(Fault f, const FaultTarget& run);
+// Throws UsageError "--inject-fault NAME: <why>" when fault_inapplicable says why.
+void check_fault_applies(Fault f, const FaultTarget& run);
 
 }  // namespace tpsim

@@ -17,8 +17,9 @@ struct CliResult {
   std::string out;  // stdout and stderr together
 };
 
-inline CliResult run_tpsim(const std::string& args) {
-  const std::string cmd = std::string(TPSIM_BINARY) + " " + args + " 2>&1";
+// `shell` runs first in the same shell, e.g. "ulimit -v 1000000;".
+inline CliResult run_tpsim(const std::string& args, const std::string& shell = "") {
+  const std::string cmd = shell + " " + std::string(TPSIM_BINARY) + " " + args + " 2>&1";
   CliResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;

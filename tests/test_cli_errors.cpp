@@ -24,8 +24,8 @@ TEST_CASE("bad flags are one-line usage errors with exit 2", "[cli]") {
   expect_usage_error("verify --model mlp --tp 3", "does not divide the MLP's hidden size 128");
   expect_usage_error("verify --model mlp --steps -1", "--steps");
   expect_usage_error("verify --model transformer", "--model");
-  expect_usage_error("verify --model mlp --tp 1,a", "'a' is not a whole number");
-  expect_usage_error("verify --model mlp --tp 1,,2", "is not a whole number");
+  expect_usage_error("verify --model mlp --tp 1,a", "--tp 'a': not a whole number");
+  expect_usage_error("verify --model mlp --tp 1,,2", "--tp '1,,2': an empty item");
   expect_usage_error("verify --model gpt --tp 3", "does not divide --heads 8");
   expect_usage_error("verify --model mlp --dtype f16", "--dtype");
   expect_usage_error("train --model mlp --tp 1,2", "one degree");

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <optional>
 #include <algorithm>
@@ -147,6 +148,31 @@ TEST_CASE("safetensors: files on disk round trip", "[io]") {
   CHECK_THROWS_WITH(read_safetensors(dir.file("nope.safetensors")), Catch::Contains("no such file"));
   CHECK_THROWS_WITH(read_safetensors(dir.path.string()), Catch::Contains("not a regular file"));
   CHECK_THROWS_AS(write_safetensors(dir.file("no/such/dir/x.safetensors"), f), UsageError);
+}
+
+// The reader reads the header and then each tensor where the header puts it, so the
+// checks on lengths and layout hold for files on disk as for bytes in memory. (That it
+// reads no more than that is shown by the CLI test under an address-space limit.)
+TEST_CASE("safetensors: files on disk are checked before their data is read", "[io]") {
+  TempDir dir;
+  const std::string path = dir.file("h.safetensors");
+  // 3 GB, sparse, with a header length of 150 MB: within the file, over the cap.
+  {
+    std::ofstream out(path, std::ios::binary);
+    Bytes head = make_file("", {}, 150'000'000);
+    out.write(reinterpret_cast<const char*>(head.data()), 8);
+  }
+  std::filesystem::resize_file(path, 3'000'000'000ULL);
+  CHECK_THROWS_WITH(read_safetensors(path),
+                    path + ": header length 150000000 exceeds the limit of 100000000 bytes");
+  // A valid file whose last tensor was cut short: the layout check names it.
+  StFile f;
+  f.tensors["a"] = st_from_f64({2}, {1, 2}, DType::F64);
+  f.tensors["b"] = st_from_f64({3}, {3, 4, 5}, DType::F32);
+  write_safetensors(path, f);
+  CHECK(read_safetensors(path) == f);
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 1);
+  CHECK_THROWS_WITH(read_safetensors(path), Catch::Contains("run past the end of the data buffer"));
 }
 
 TEST_CASE("safetensors: empty files, zero-size tensors, header exactly the file size", "[io]") {

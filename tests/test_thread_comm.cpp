@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <latch>
 #include <limits>
 #include <string>
@@ -526,12 +527,13 @@ TEST_CASE("mismatched calls fail on every rank, naming what each rank passed", "
   }
   SECTION("numel") {
     auto m = comm_errors(4, [](int r, Communicator& comm, Allocator& a) {
+      // Each call fits the world size on its own; only together do they disagree.
       Tensor in = make(a, {r == 3 ? 3 : 2, 5}, DType::F64, "in");
-      Tensor out = make(a, {4 * 2, 5}, DType::F64, "out");
+      Tensor out = make(a, {4 * (r == 3 ? 3 : 2), 5}, DType::F64, "out");
       comm.all_gather(in, out);
     });
     REQUIRE_THAT(m[0], Contains("ranks 0, 1, 2 passed all_gather(in=f64[2,5], out=f64[8,5]); "
-                                "rank 3 passed all_gather(in=f64[3,5], out=f64[8,5])"));
+                                "rank 3 passed all_gather(in=f64[3,5], out=f64[12,5])"));
   }
   SECTION("reduce op") {
     auto m = comm_errors(3, [](int r, Communicator& comm, Allocator& a) {
@@ -560,61 +562,143 @@ TEST_CASE("mismatched calls fail on every rank, naming what each rank passed", "
   }
 }
 
-TEST_CASE("bad arguments fail on every rank and touch no buffer", "[comm]") {
-  SECTION("all_gather output of the wrong size on every rank") {
-    auto m = comm_errors(3, [](int, Communicator& comm, Allocator& a) {
-      Tensor in = make(a, {4}, DType::F32, "in"), out = make(a, {10}, DType::F32, "out");
+namespace {
+
+// Rank `bad` makes a call with bad arguments, which must throw CommError on that rank at
+// once: its peers call nothing until it has thrown, so an error that waited for them
+// would end in the timeout instead. Then every rank makes the call correctly, and it must
+// complete: the local error left the group usable. Returns the bad rank's message.
+std::string local_error(int n, int bad,
+                        const std::function<void(int, Communicator&, Allocator&, bool)>& call) {
+  std::string msg = "<no error>";
+  std::atomic<bool> raised{false};
+  std::vector<std::size_t> records(static_cast<std::size_t>(n));
+  run_ranks(n, 10.0, [&](int r, Communicator& comm) {
+    HostAllocator alloc;
+    if (r == bad) {
+      try {
+        call(r, comm, alloc, false);
+      } catch (const CommError& e) {
+        msg = e.what();
+      }
+      raised = true;
+    } else {
+      while (!raised) std::this_thread::yield();
+    }
+    call(r, comm, alloc, true);
+    comm.barrier();
+    records[static_cast<std::size_t>(r)] = comm.records().size();
+  });
+  INFO(msg);
+  // The failed call used no sequence number and left no record.
+  REQUIRE(records == std::vector<std::size_t>(static_cast<std::size_t>(n), 2));
+  REQUIRE_THAT(msg, StartsWith("rank " + std::to_string(bad) + ": "));
+  return msg;
+}
+
+}  // namespace
+
+TEST_CASE("a rank's own bad arguments fail at once on that rank and leave the group usable",
+          "[comm]") {
+  SECTION("all_gather output of the wrong size") {
+    auto m = local_error(3, 2, [](int, Communicator& comm, Allocator& a, bool good) {
+      Tensor in = make(a, {4}, DType::F32, "in"), out = make(a, {good ? 12 : 10}, DType::F32, "out");
       comm.all_gather(in, out);
     });
-    REQUIRE_THAT(m[2], Contains("bad arguments: ranks 0, 1, 2 passed all_gather(in=f32[4], "
-                                "out=f32[10]): out must have 3 x 4 elements, not 10"));
+    REQUIRE_THAT(m, Contains("rank 2: all_gather #0: bad arguments: all_gather(in=f32[4], "
+                             "out=f32[10]): out must have 3 x 4 elements, not 10"));
   }
   SECTION("reduce_scatter input not a multiple of the world size") {
-    auto m = comm_errors(2, [](int, Communicator& comm, Allocator& a) {
-      Tensor in = make(a, {5}, DType::F64, "in"), out = make(a, {2}, DType::F64, "out");
+    auto m = local_error(2, 0, [](int, Communicator& comm, Allocator& a, bool good) {
+      Tensor in = make(a, {good ? 4 : 5}, DType::F64, "in"), out = make(a, {2}, DType::F64, "out");
       comm.reduce_scatter(in, out, ReduceOp::Sum);
     });
-    REQUIRE_THAT(m[0], Contains("in must have 2 x 2 elements, not 5"));
+    REQUIRE_THAT(m, Contains("in must have 2 x 2 elements, not 5"));
   }
   SECTION("in and out dtypes differ") {
-    auto m = comm_errors(2, [](int, Communicator& comm, Allocator& a) {
-      Tensor in = make(a, {2}, DType::F32, "in"), out = make(a, {4}, DType::F64, "out");
+    auto m = local_error(2, 1, [](int, Communicator& comm, Allocator& a, bool good) {
+      Tensor in = make(a, {2}, DType::F32, "in");
+      Tensor out = make(a, {4}, good ? DType::F32 : DType::F64, "out");
       comm.all_gather(in, out);
     });
-    REQUIRE_THAT(m[0], Contains("in and out must have the same dtype"));
+    REQUIRE_THAT(m, Contains("in and out must have the same dtype"));
   }
-  SECTION("root out of range") {
-    auto m = comm_errors(2, [](int, Communicator& comm, Allocator& a) {
+  SECTION("root out of range, and the corrected call delivers the data") {
+    std::vector<float> got(2);
+    auto m = local_error(2, 1, [&](int r, Communicator& comm, Allocator& a, bool good) {
       Tensor t = make(a, {2}, DType::F32, "t");
-      comm.broadcast(t, 2);
+      t.data<float>()[0] = static_cast<float>(r + 7);
+      comm.broadcast(t, good ? 0 : 2);
+      if (good) got[static_cast<std::size_t>(r)] = t.data<float>()[0];
     });
-    REQUIRE_THAT(m[1], Contains("root 2 is not a rank of this 2-rank group"));
+    REQUIRE(got == std::vector<float>{7.0f, 7.0f});
+    REQUIRE_THAT(m, Contains("rank 1: broadcast #0: bad arguments: broadcast(f32[2], root=2): "
+                             "root 2 is not a rank of this 2-rank group"));
   }
   SECTION("undefined tensor") {
-    auto m = comm_errors(2, [](int r, Communicator& comm, Allocator& a) {
-      Tensor t = r == 0 ? Tensor() : make(a, {2}, DType::F32, "t");
+    auto m = local_error(2, 0, [](int, Communicator& comm, Allocator& a, bool good) {
+      Tensor t = good ? make(a, {2}, DType::F32, "t") : Tensor();
       comm.all_reduce(t, ReduceOp::Sum);
     });
-    REQUIRE_THAT(m[0], Contains("rank 0 passed all_reduce(undefined, sum)"));
+    REQUIRE_THAT(m, Contains("all_reduce(undefined, sum): the tensor is undefined"));
   }
   SECTION("device memory") {
-    auto m = comm_errors(2, [](int, Communicator& comm, Allocator&) {
+    auto m = local_error(2, 0, [](int, Communicator& comm, Allocator& a, bool good) {
       FakeCudaAllocator dev;
-      Tensor t = make(dev, {2}, DType::F32, "t");
+      Tensor t = make(good ? a : static_cast<Allocator&>(dev), {2}, DType::F32, "t");
       comm.all_reduce(t, ReduceOp::Sum);
     });
-    REQUIRE_THAT(m[0], Contains("all_reduce(f32[2]@cuda:0, sum): the tensor is on cuda:0; "
-                                "ThreadComm needs host memory"));
+    REQUIRE_THAT(m, Contains("all_reduce(f32[2]@cuda:0, sum): the tensor is on cuda:0; "
+                             "ThreadComm needs host memory"));
   }
   SECTION("in place at the wrong chunk") {
-    auto m = comm_errors(3, [](int r, Communicator& comm, Allocator& a) {
+    auto m = local_error(3, 0, [](int r, Communicator& comm, Allocator& a, bool good) {
       Tensor out = make(a, {6, 2}, DType::F32, "out");
-      Tensor in = out.narrow0(((r + 1) % 3) * 2, 2);
+      Tensor in = out.narrow0(((r + (good ? 0 : 1)) % 3) * 2, 2);
       comm.all_gather(in, out);
     });
-    REQUIRE_THAT(m[0], Contains("rank 0 passed all_gather(in=f32[2,2], out=f32[6,2]): in overlaps "
-                                "out but is not its chunk 0"));
+    REQUIRE_THAT(m, Contains("all_gather(in=f32[2,2], out=f32[6,2]): in overlaps "
+                             "out but is not its chunk 0"));
   }
+}
+
+TEST_CASE("calls issued in a different order or with another shape are caught before data "
+          "moves, naming both calls", "[comm]") {
+  SECTION("two same-size all-reduces in reversed order") {
+    std::vector<std::vector<float>> after(2);
+    auto m = comm_errors(2, [&](int r, Communicator& comm, Allocator& a) {
+      Tensor x = make(a, {4}, DType::F32, "A"), y = make(a, {4}, DType::F32, "B");
+      for (std::int64_t i = 0; i < 4; ++i) x.data<float>()[i] = y.data<float>()[i] = 1;
+      const char* first = r == 0 ? "A" : "B";
+      try {
+        comm.set_label(first);
+        comm.all_reduce(r == 0 ? x : y, ReduceOp::Sum);
+        comm.set_label(r == 0 ? "B" : "A");
+        comm.all_reduce(r == 0 ? y : x, ReduceOp::Sum);
+      } catch (...) {
+        after[static_cast<std::size_t>(r)].assign(x.data<float>(), x.data<float>() + 4);
+        throw;
+      }
+    });
+    for (int r = 0; r < 2; ++r)
+      REQUIRE_THAT(m[static_cast<std::size_t>(r)],
+                   Contains("ranks disagree on the call: rank 0 passed all_reduce(f32[4], sum) "
+                            "(\"A\"); rank 1 passed all_reduce(f32[4], sum) (\"B\")"));
+    for (const auto& v : after)
+      REQUIRE(std::all_of(v.begin(), v.end(), [](float x) { return x == 1; }));
+  }
+  SECTION("the same count in another shape") {
+    auto m = comm_errors(2, [](int r, Communicator& comm, Allocator& a) {
+      Tensor t = make(a, r == 0 ? Shape{2, 3} : Shape{3, 2}, DType::F64, "t");
+      comm.all_reduce(t, ReduceOp::Sum);
+    });
+    REQUIRE_THAT(m[0], Contains("rank 0 passed all_reduce(f64[2,3], sum); "
+                                "rank 1 passed all_reduce(f64[3,2], sum)"));
+  }
+}
+
+TEST_CASE("errors only the ranks together can see fail every rank and touch no buffer",
+          "[comm]") {
   SECTION("two ranks passing the same memory") {
     HostAllocator shared_alloc;
     Tensor shared = make(shared_alloc, {4}, DType::F32, "shared");
@@ -627,8 +711,9 @@ TEST_CASE("bad arguments fail on every rank and touch no buffer", "[comm]") {
   SECTION("a mismatch leaves every buffer as it was") {
     std::vector<std::vector<float>> after(2);
     comm_errors(2, [&](int r, Communicator& comm, Allocator& a) {
-      Tensor in = make(a, {3}, DType::F32, "in"), out = make(a, {r == 0 ? 6 : 7}, DType::F32, "out");
-      for (std::int64_t i = 0; i < 3; ++i) in.data<float>()[i] = 5;
+      const std::int64_t chunk = r == 0 ? 3 : 4;
+      Tensor in = make(a, {chunk}, DType::F32, "in"), out = make(a, {2 * chunk}, DType::F32, "out");
+      for (std::int64_t i = 0; i < chunk; ++i) in.data<float>()[i] = 5;
       for (std::int64_t i = 0; i < out.numel(); ++i) out.data<float>()[i] = -1;
       try {
         comm.all_gather(in, out);

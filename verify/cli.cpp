@@ -1,13 +1,14 @@
 #include "verify/cli.h"
 
 #include <CLI/CLI.hpp>
-#include <charconv>
 #include <iostream>
+#include <limits>
 
 #include "verify/profile_run.h"
 #include "verify/report.h"
 #include "verify/sweep.h"
 #include "verify/train_run.h"
+#include "verify/validate.h"
 #include "verify/verify_run.h"
 
 namespace tpsim {
@@ -19,8 +20,9 @@ struct RawFlags {
   std::string model = "mlp";
   std::string tp;  // empty: train 1; verify 1,2,4,8 for the mlp, 1,2 for the gpt
   std::string dtype;
-  long long steps = 0;
-  long long batch_size = 0;
+  std::string steps;       // empty: the model's default
+  std::string batch_size;  // empty: the model's default
+  std::string seed = "1234";
   std::string fault = "none";
   std::string backend = "cpu";
   std::string comm = "auto";
@@ -50,35 +52,18 @@ void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
   if (unset("--batch-size")) o.batch_size = kSmallGptBatch;
 }
 
-std::vector<int> parse_tp_list(const std::string& s) {
-  std::vector<int> out;
-  std::size_t start = 0;
-  while (true) {
-    const auto end = s.find(',', start);
-    const std::string item = s.substr(start, end == std::string::npos ? end : end - start);
-    int v = 0;
-    auto [p, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
-    if (item.empty() || ec != std::errc() || p != item.data() + item.size())
-      throw UsageError("--tp: '" + item + "' is not a whole number (expected e.g. 1,2,4,8)");
-    if (v < 1) throw UsageError("--tp: degree " + item + " must be at least 1");
-    out.push_back(v);
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  return out;
-}
-
 void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {
   cmd.add_option("-m,--model", raw.model, "mlp (the seed's naive TP MLP) or gpt")
       ->check(CLI::IsMember({"mlp", "gpt"}));
   cmd.add_option("-t,--tp", raw.tp,
                  tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
-                         : "TP degree (number of ranks)");
+                         : "TP degree (number of ranks)")
+      ->check([](const std::string& s) { return s.empty() ? "'': empty list" : ""; });
   cmd.add_option("-d,--dtype", raw.dtype, "f32 or f64: the sharded model's precision");
   cmd.add_option("-s,--steps", raw.steps, "training steps (default: mlp 2, gpt 5)");
   cmd.add_option("--lr", o.lr, "learning rate (mlp: SGD, gpt: Adam)");
   cmd.add_option("--weight-decay", o.adam.weight_decay, "Adam's L2 weight decay (gpt)");
-  cmd.add_option("--seed", o.seed, "seed of weights and data");
+  cmd.add_option("--seed", raw.seed, "seed of weights and data (0 or more)");
   cmd.add_option("--vocab-size", o.gpt.vocab_size, "gpt vocabulary size");
   cmd.add_option("--block-size", o.gpt.block_size, "gpt context length (wpe rows)");
   cmd.add_option("--hidden", o.gpt.hidden, "gpt hidden size H");
@@ -108,6 +93,8 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                                      "(ranks sharing a GPU)");
   cmd.add_option("--timeout", o.timeout_s, "seconds a collective may wait for a rank");
   cmd.add_option("--json", o.json_path, "write a machine-readable report here");
+  cmd.add_flag("--force", o.force, "run even when the memory model predicts more than the "
+                                   "memory available");
 }
 
 void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, bool verify) {
@@ -120,29 +107,19 @@ void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, boo
   if (tp.empty()) tp = !verify ? "1" : o.model == ModelKind::Mlp ? "1,2,4,8" : "1,2";
   o.tp = parse_tp_list(tp);
   o.dtype = raw.dtype.empty() ? default_dtype : parse_float_dtype(raw.dtype);
-  if (raw.steps < 0) throw UsageError("--steps: " + std::to_string(raw.steps) + " is negative");
-  o.steps = raw.steps > 0 ? static_cast<int>(raw.steps) : (o.model == ModelKind::Mlp ? 2 : 5);
-  if (raw.batch_size < 0) throw UsageError("--batch-size must be positive");
-  if (raw.batch_size > 0) {
-    o.batch_size = raw.batch_size;
-    o.mlp.batch = raw.batch_size;
-  }
+  // Ranges are checked by validate_run_options, with every other number.
+  const auto min64 = std::numeric_limits<std::int64_t>::min();
+  const auto max64 = std::numeric_limits<std::int64_t>::max();
+  o.steps = raw.steps.empty() ? (o.model == ModelKind::Mlp ? 2 : 5)
+                              : parse_int_flag("--steps", raw.steps, min64, max64);
+  if (!raw.batch_size.empty())
+    o.batch_size = o.mlp.batch = parse_int_flag("--batch-size", raw.batch_size, min64, max64);
+  o.seed = static_cast<std::uint64_t>(parse_int_flag("--seed", raw.seed, 0, max64));
   o.adam.lr = o.lr;
   o.fault = parse_fault(raw.fault);
   o.device.backend = parse_backend_kind(raw.backend);
   o.device.comm = parse_comm_kind(raw.comm);
-  if (!(o.lr > 0)) throw UsageError("--lr must be positive");
-  if (!(o.timeout_s > 0)) throw UsageError("--timeout must be positive");
-  const auto& g = o.gpt;
-  if (g.vocab_size < 2 || g.block_size < 1 || g.hidden < 1 || g.heads < 1 || g.layers < 0)
-    throw UsageError("gpt sizes must be positive (--vocab-size >= 2, --layers >= 0)");
-  if (g.hidden % g.heads != 0)
-    throw UsageError("--hidden " + std::to_string(g.hidden) + " is not divisible by --heads " +
-                     std::to_string(g.heads));
-  if (o.make_vocab_divisible_by < 1) throw UsageError("--make-vocab-divisible-by must be >= 1");
-  if (o.model == ModelKind::Mlp && (o.loss_parallel || o.sequence_parallel))
-    throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
-  if (o.seq_len < 2) throw UsageError("--seq-len must be at least 2 (labels are the next token)");
+  validate_run_options(o);
 }
 
 const char* kFooter = R"(
@@ -163,6 +140,7 @@ Examples:
   tpsim verify --model mlp --tp 2 --inject-fault mlp-drop-f-backward   # must fail
 )") + kFooter);
   app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();  // --help shows every default
 
   RunOptions o;
   RawFlags raw;
@@ -242,7 +220,7 @@ Examples:
         if (verify->count(flag) > 0)
           throw UsageError(std::string(flag) + " describes one configuration: add --model mlp or "
                            "--model gpt (without --model, verify runs the default sweep)");
-      if (raw.steps == 0) raw.steps = 2;
+      if (raw.steps.empty()) raw.steps = "2";
       finish_options(o, raw, DType::F64, true);
       const SweepReport r = run_sweep(default_sweep(o));
       print_sweep_report(std::cout, o, r);
@@ -252,7 +230,7 @@ Examples:
     if (*profile) {
       // Defaults: the seed's float32, one TP degree unless a list is given, 2 steps.
       if (raw.tp.empty()) raw.tp = "1";
-      if (raw.steps == 0) raw.steps = 2;
+      if (raw.steps.empty()) raw.steps = "2";
       apply_preset(*profile, o, raw);
       finish_options(o, raw, DType::F32, true);
       if (raw.batch.empty()) o.batch = BatchKind::Random;  // profile times the seed's batch
@@ -261,6 +239,7 @@ Examples:
     }
     apply_preset(*verify, o, raw);
     finish_options(o, raw, DType::F64, true);
+    check_fault_applies(o.fault, fault_target(o));
     const VerifyReport r = run_verify(o);
     print_verify_report(std::cout, o, r);
     if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);

@@ -38,6 +38,13 @@ struct Comparison {
 
 // Compares obs.values with the block of `reference_full` that obs.spec names. Padded
 // positions compare against 0: padding must stay exactly zero.
+//
+// Non-finite values: NaN against NaN, and an infinity against the same infinity, agree
+// (distance 0): both models computed the same overflow, so the sharding is not at fault,
+// though the run has diverged, which the ranks report (verify/divergence.h, exit 3). Any
+// other pairing differs with distance infinity and fails: a finite value against a
+// non-finite one, NaN against an infinity, +inf against -inf. Only finite reference values
+// count in the norm of the reference.
 Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
                                 double tolerance);
 

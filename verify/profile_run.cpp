@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -12,6 +11,8 @@
 #include <sstream>
 #include <unistd.h>
 
+#include "io/atomic_file.h"
+#include "verify/memory_check.h"
 #include "runtime/launch.h"
 #include "verify/inputs.h"
 #include "core/clock.h"
@@ -98,20 +99,6 @@ StepStats step_stats(const RankProfile& r) {
     s.flops_executed /= n;
   }
   return s;
-}
-
-GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
-  GptMemoryQuery q;
-  q.cfg = o.gpt;
-  q.B = o.batch_size;
-  q.T = o.seq_len;
-  q.t = tp;
-  q.sequence_parallel = o.sequence_parallel;
-  q.loss_parallel = o.loss_parallel;
-  q.make_vocab_divisible_by = o.make_vocab_divisible_by;
-  q.dtype = o.dtype;
-  q.adam = adam;
-  return q;
 }
 
 // "h.3.ln1.weight" -> "h.*.ln1.weight", so a list of replicated tensors stays short.
@@ -490,6 +477,10 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
     check_tp_degree(o, tp);
     check_launch(o.device, tp);
   }
+  check_memory(o, "profile");
+  // Before the work: the files go next to these paths (per_tp_path changes only the name).
+  if (!p.trace_path.empty()) check_writable(p.trace_path, "--trace");
+  if (!p.html_path.empty()) check_writable(p.html_path, "--html");
   const RunInputs in = prepare_inputs(o);
   ProfileResult result;
   const bool several = o.tp.size() > 1;
@@ -546,16 +537,16 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
                               std::to_string(tp);
     if (!p.trace_path.empty()) {
       const std::string path = per_tp_path(p.trace_path, tp, several);
-      std::ofstream fo(path);
-      if (!fo) throw UsageError("--trace: cannot write '" + path + "'");
-      write_chrome_trace(fo, run.ranks, title);
+      std::ostringstream text;
+      write_chrome_trace(text, run.ranks, title);
+      write_file_atomically(path, text.str(), "--trace");
       os << "\ntrace: " << path << " (open in https://ui.perfetto.dev or chrome://tracing)\n";
     }
     if (!p.html_path.empty()) {
       const std::string path = per_tp_path(p.html_path, tp, several);
-      std::ofstream fo(path);
-      if (!fo) throw UsageError("--html: cannot write '" + path + "'");
-      write_memory_html(fo, run.ranks, title);
+      std::ostringstream text;
+      write_memory_html(text, run.ranks, title);
+      write_file_atomically(path, text.str(), "--html");
       os << "memory plot: " << path << "\n";
     }
     result.runs.push_back(std::move(run));
@@ -614,9 +605,7 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
                         {"dtype", dtype_name(o.dtype)}, {"steps", o.steps},
                         {"tp", nlohmann::json::array()}};
     for (const auto& r : result.runs) j["tp"].push_back(tp_json(o, r));
-    std::ofstream fo(o.json_path);
-    if (!fo) throw UsageError("--json: cannot write '" + o.json_path + "'");
-    fo << j.dump(2) << "\n";
+    write_file_atomically(o.json_path, j.dump(2) + "\n", "--json");
   }
   return result;
 }

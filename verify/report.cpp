@@ -2,9 +2,10 @@
 
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+
+#include "io/atomic_file.h"
 
 namespace tpsim {
 
@@ -189,10 +190,7 @@ void write_verify_json(const std::string& path, const RunOptions& o, const Verif
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) {
-  std::ofstream f(path);
-  if (!f) throw UsageError("--json: cannot write '" + path + "'");
-  f << j.dump(2) << "\n";
-  if (!f) throw UsageError("--json: write to '" + path + "' failed");
+  write_file_atomically(path, j.dump(2) + "\n", "--json");
 }
 
 }  // namespace tpsim

@@ -18,6 +18,12 @@ void check_tp_degree(const RunOptions& o, int tp) {
   if (g.heads % tp != 0)
     throw UsageError("--tp " + t + ": does not divide --heads " + std::to_string(g.heads) +
                      " (each rank owns whole heads)");
+  // Without --data the batch is B x T; a --data batch is checked by the model.
+  const std::int64_t tokens = o.batch_size * o.seq_len;
+  if (o.sequence_parallel && o.data_path.empty() && tokens % tp != 0)
+    throw UsageError("--sequence-parallel: batch x sequence = " + std::to_string(tokens) +
+                     " tokens do not split evenly over tp " + t +
+                     " (no padding: choose a divisible --batch-size/--seq-len)");
   if ((4 * g.hidden) % tp != 0)
     throw UsageError("--tp " + t + ": does not divide the MLP width 4*--hidden = " +
                      std::to_string(4 * g.hidden));

@@ -21,7 +21,7 @@ struct RunOptions {
   ModelKind model = ModelKind::Mlp;
   DType dtype = DType::F32;
   std::vector<int> tp = {1};
-  int steps = 2;
+  std::int64_t steps = 2;
   std::uint64_t seed = 1234;
   double lr = 0.01;
   AdamConfig adam;  // the GPT's optimizer; adam.lr mirrors lr
@@ -40,6 +40,7 @@ struct RunOptions {
   bool resync = false;
   Fault fault = Fault::None;
   double timeout_s = 60.0;  // per collective
+  bool force = false;       // --force: run even when the memory check predicts too much
   DeviceOptions device;
 };
 
@@ -47,6 +48,7 @@ const char* model_name(ModelKind m);
 const char* batch_kind_name(BatchKind b);
 
 // Throws UsageError when a TP degree cannot shard the model (one line, naming the rule).
+// Expects sizes that validate_run_options accepted (4*hidden cannot overflow).
 void check_tp_degree(const RunOptions& o, int tp);
 
 }  // namespace tpsim

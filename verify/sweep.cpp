@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/clock.h"
+#include "verify/validate.h"
 
 namespace tpsim {
 
@@ -43,11 +44,7 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   std::vector<SweepCase> cases;
   std::string why;
   for (auto& c : all) {
-    const RunOptions& o = c.options;
-    int max_tp = 1;
-    for (int t : o.tp) max_tp = std::max(max_tp, t);
-    const std::string no = fault_inapplicable(o.fault, o.model == ModelKind::Gpt, o.loss_parallel,
-                                              o.sequence_parallel, max_tp, o.dtype == DType::F64);
+    const std::string no = fault_inapplicable(c.options.fault, fault_target(c.options));
     if (no.empty()) cases.push_back(std::move(c));
     else if (why.empty()) why = no;
   }

@@ -1,13 +1,15 @@
 #include "verify/train_run.h"
 
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "runtime/launch.h"
+#include "io/atomic_file.h"
 #include "io/checkpoint.h"
+#include "verify/divergence.h"
 #include "verify/inputs.h"
+#include "verify/memory_check.h"
 #include "verify/torch_print.h"
 
 namespace tpsim {
@@ -26,6 +28,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   const int tp = o.tp[0];
   check_tp_degree(o, tp);
   check_launch(o.device, tp);
+  check_memory(o, "train");
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
 
@@ -38,6 +41,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     if (!in.loaded.empty()) model->load_params(in.loaded);
     for (int step = 1; step <= o.steps; ++step) {
       const double loss = model->forward_backward();
+      check_finite(loss, model->observe_param_grads(), rank, step);
       if (o.model == ModelKind::Mlp) {
         // fc1's gradient, reassembled from the shards (every rank joins the gather).
         auto grads = model->gather_grads(comm);
@@ -67,9 +71,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     nlohmann::json j = {{"tool", "tpsim"}, {"command", "train"},   {"model", model_name(o.model)},
                         {"tp", tp},         {"dtype", dtype_name(o.dtype)}, {"seed", o.seed},
                         {"losses", result.losses}};
-    std::ofstream f(o.json_path);
-    if (!f) throw UsageError("--json: cannot write '" + o.json_path + "'");
-    f << j.dump(2) << "\n";
+    write_file_atomically(o.json_path, j.dump(2) + "\n", "--json");
   }
   return result;
 }

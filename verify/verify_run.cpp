@@ -9,6 +9,8 @@
 #include <tuple>
 
 #include "runtime/launch.h"
+#include "verify/divergence.h"
+#include "verify/memory_check.h"
 #include "verify/tolerance.h"
 
 namespace tpsim {
@@ -154,9 +156,16 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       auto fwd = model->observe_forward();
       auto grads = model->observe_param_grads();
       auto act = model->observe_activation_grads();
+      const std::size_t checked_before = mine.all.size();
       check.check(fwd, Phase::Forward);
       check.check(grads, Phase::Backward);
       check.check(act, Phase::Backward);
+      // A non-finite loss or gradient that the reference shares is a diverged run, not a
+      // mismatch; one that it does not share failed a comparison above and is reported
+      // as the mismatch it is.
+      if (std::all_of(mine.all.begin() + static_cast<std::ptrdiff_t>(checked_before),
+                      mine.all.end(), [](const Comparison& c) { return c.pass; }))
+        check_finite(loss, grads, rank, step);
       model->optimizer_step();
       auto params = model->observe_params();
       check.check(params, Phase::Update);
@@ -225,6 +234,7 @@ VerifyReport run_verify(const RunOptions& o) {
     check_tp_degree(o, tp);
     check_launch(o.device, tp);
   }
+  check_memory(o, "verify");
   VerifyReport rep;
   rep.tolerance = norm_tolerance(o);
   const RunInputs in = prepare_inputs(o);
@@ -246,7 +256,6 @@ VerifyReport run_verify(const RunOptions& o) {
   std::vector<std::thread> groups;
   // Every rank holds its own model (a replicated wte is 100 MB in f64), so at most
   // kMaxRanksInFlight ranks run at once; a larger group runs alone.
-  constexpr int kMaxRanksInFlight = 8;
   std::mutex mu;
   std::condition_variable cv;
   int in_flight = 0;

@@ -36,6 +36,11 @@ struct VerifyReport {
   std::optional<Comparison> first_failure;  // earliest step, then earliest in backward order
 };
 
+// verify runs the reference and its TP groups at once; every rank holds a model of its
+// own, so groups start in order while the ranks in flight stay within this many (a larger
+// group runs alone). The memory check predicts the same schedule.
+inline constexpr int kMaxRanksInFlight = 8;
+
 VerifyReport run_verify(const RunOptions& o);
 
 }  // namespace tpsim

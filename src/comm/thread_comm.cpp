@@ -103,12 +103,16 @@ std::string signature(const Post& p) {
   return s + ")" + quoted_label(p.label);
 }
 
-// Whether two ranks' calls can be one collective. Shapes may differ; counts may not.
+// Whether two ranks' calls can be one collective: the same fingerprint, which includes
+// the label and the shapes. Two same-size calls issued in a different order on two ranks
+// differ in their labels, and a reshaped call in its shape; either would otherwise move
+// data between tensors that do not correspond.
 bool same_call(const Post& a, const Post& b) {
-  if (a.kind != b.kind) return false;
+  if (a.kind != b.kind || a.label != b.label) return false;
   if (a.kind == CollectiveKind::Barrier) return true;
   auto same_arg = [](const TensorArg& x, const TensorArg& y) {
-    return x.defined == y.defined && x.dtype == y.dtype && x.numel == y.numel;
+    return x.defined == y.defined && x.dtype == y.dtype && x.numel == y.numel &&
+           x.shape == y.shape;
   };
   if (!same_arg(a.in, b.in) || !same_arg(a.out, b.out)) return false;
   if (is_reduction(a.kind) && a.op != b.op) return false;
@@ -202,23 +206,19 @@ Span write_span(const Post& p, int q) {
   }
 }
 
-// Checks every rank's call. Each rank runs this on the same posts, so every rank reaches
-// the same verdict and no rank touches a buffer when any call is wrong.
+// Checks what only all the calls together tell: that they agree, and that no two ranks
+// pass the same memory (each rank's own arguments were checked before it posted). Each
+// rank runs this on the same posts, so every rank reaches the same verdict and no rank
+// touches a buffer when any call is wrong.
 std::string check_calls(const std::vector<Post>& posts) {
   const int n = static_cast<int>(posts.size());
   bool agree = true;
   for (int q = 1; q < n; ++q) agree = agree && same_call(posts[0], posts[static_cast<std::size_t>(q)]);
-  std::vector<std::pair<int, std::string>> items;
   if (!agree) {
+    std::vector<std::pair<int, std::string>> items;
     for (int q = 0; q < n; ++q) items.push_back({q, signature(posts[static_cast<std::size_t>(q)])});
     return "ranks disagree on the call: " + grouped(items);
   }
-  for (int q = 0; q < n; ++q) {
-    const Post& p = posts[static_cast<std::size_t>(q)];
-    std::string problem = local_problem(p, q, n);
-    if (!problem.empty()) items.push_back({q, signature(p) + ": " + problem});
-  }
-  if (!items.empty()) return "bad arguments: " + grouped(items);
   // Ranks are threads of one process, so two of them could pass the same memory; one
   // rank writing what another reads would be a data race, not a collective.
   for (int q = 0; q < n; ++q) {
@@ -498,7 +498,7 @@ void ThreadComm::run(Call& call) {
   ThreadCommGroup::State& st = *group_.state_;
   const int n = st.n;
   Post& mine = call.post;
-  mine.seq = seq_++;
+  mine.seq = seq_;
   mine.label = label_;
   CollectiveRecord rec{mine.kind,
                        mine.seq,
@@ -509,6 +509,12 @@ void ThreadComm::run(Call& call) {
                        label_};
   const std::string who = "rank " + std::to_string(rank_) + ": " + collective_name(mine.kind) +
                           " #" + std::to_string(mine.seq) + quoted_label(label_);
+  // An error in this rank's own arguments is raised here, at once and before the call is
+  // posted: no peer ever sees the call, its sequence number stays unused and no record
+  // is kept, so the group is as healthy as before and a corrected call may follow.
+  if (std::string problem = local_problem(mine, rank_, n); !problem.empty())
+    throw CommError(who + ": bad arguments: " + signature(mine) + ": " + problem);
+  ++seq_;
   const std::int64_t phase = 2 * mine.seq + 1;
   const CollectiveKind kind = mine.kind;
   const ReduceOp op = mine.op;

@@ -10,6 +10,20 @@
 // Nothing hangs: a rendezvous fails, on every waiting rank, when the group's timeout
 // passes, when a rank aborts, or when a rank's ThreadComm is destroyed while peers wait
 // for it. The first failure is kept: afterwards every collective throws CommError at once.
+//
+// Which errors fail ("poison") the group, and why:
+//  - Local: an argument error a rank can see in its own call (an undefined tensor, device
+//    memory, root out of range, in/out dtypes or sizes that do not fit the world size, an
+//    in-place buffer that is not this rank's chunk). It throws CommError on that rank at
+//    once, before the call is posted, and poisons nothing: the peers never saw the call,
+//    so they keep waiting for this rank's next (corrected) call under the same sequence
+//    number, and the group stays usable.
+//  - Group: a disagreement between ranks (kind, label, dtype, shape, op or root: the
+//    call's fingerprint), two ranks passing overlapping memory, a timeout, an abort, a
+//    rank that left, or a failure while computing. These are seen only once the ranks'
+//    calls meet, when the ranks have already diverged from one program order (no rank
+//    can tell which call was meant) or one of them is gone, so the group fails on every
+//    rank and stays failed.
 #pragma once
 
 #include <memory>

@@ -15,6 +15,8 @@
 #include <string_view>
 #include <tuple>
 
+#include "io/atomic_file.h"
+
 namespace tpsim::st {
 
 // Element bytes are reinterpreted as IEEE floats, and F64 -> F32 relies on IEEE rounding
@@ -490,34 +492,58 @@ StTensor st_from_i64(const Shape& shape, const std::vector<std::int64_t>& values
   return t;
 }
 
-StFile parse_safetensors(const unsigned char* data, std::size_t size, const std::string& source) {
+namespace {
+
+// The header length in the first 8 bytes, checked against the file size and the cap
+// before anything else is read or allocated.
+std::uint64_t header_length(const unsigned char* first8, std::uint64_t size,
+                            const std::string& source) {
   if (size < 8)
     fail(source, "file is " + std::to_string(size) +
                      " bytes, shorter than the 8-byte header length");
-  const std::uint64_t n = load_le<std::uint64_t>(data);
+  const std::uint64_t n = load_le<std::uint64_t>(first8);
   if (n > size - 8)
     fail(source, "header length " + std::to_string(n) + " exceeds the file size (" +
                      std::to_string(size) + " bytes)");
   if (n > kMaxHeaderBytes)
     fail(source, "header length " + std::to_string(n) + " exceeds the limit of " +
                      std::to_string(kMaxHeaderBytes) + " bytes");
+  return n;
+}
 
-  const json root = parse_header_json(data + 8, static_cast<std::size_t>(n), source);
-  if (!root.is_object()) fail(source, "header is " + describe(root) + ", not a JSON object");
-
-  StFile file;
+// The header's n bytes of JSON, checked against a file of `size` bytes: the metadata, and
+// the tensors' entries tiling the data buffer exactly.
+struct Header {
+  std::map<std::string, std::string> metadata;
   std::vector<Entry> entries;
+  std::uint64_t data_start = 0;
+};
+
+Header parse_header(const unsigned char* text, std::uint64_t n, std::uint64_t size,
+                    const std::string& source) {
+  const json root = parse_header_json(text, static_cast<std::size_t>(n), source);
+  if (!root.is_object()) fail(source, "header is " + describe(root) + ", not a JSON object");
+  Header h;
   for (const auto& item : root.items()) {
     if (item.key() == "__metadata__")
-      file.metadata = parse_metadata(source, item.value());
+      h.metadata = parse_metadata(source, item.value());
     else
-      entries.push_back(parse_entry(source, item.key(), item.value()));
+      h.entries.push_back(parse_entry(source, item.key(), item.value()));
   }
+  h.data_start = 8 + n;
+  check_layout(source, h.entries, size - h.data_start, h.data_start);
+  return h;
+}
 
-  const std::uint64_t data_start = 8 + n;
-  check_layout(source, entries, size - data_start, data_start);
-  for (const Entry& e : entries) {
-    const unsigned char* p = data + data_start;
+}  // namespace
+
+StFile parse_safetensors(const unsigned char* data, std::size_t size, const std::string& source) {
+  const std::uint64_t n = header_length(data, size, source);
+  Header h = parse_header(data + 8, n, size, source);
+  StFile file;
+  file.metadata = std::move(h.metadata);
+  for (const Entry& e : h.entries) {
+    const unsigned char* p = data + h.data_start;
     file.tensors.emplace(e.name, StTensor{e.dtype, e.shape,
                                           std::vector<unsigned char>(p + e.begin, p + e.end)});
   }
@@ -532,13 +558,30 @@ StFile read_safetensors(const std::string& path) {
   if (ec) fail(path, "cannot read its size: " + ec.message());
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
-  // The whole file at once: tpsim's checkpoints are small, and one buffer lets the parser
-  // check every length against the real size before trusting it.
-  std::vector<unsigned char> buf(static_cast<std::size_t>(size));
-  in.read(reinterpret_cast<char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
-  if (static_cast<std::uintmax_t>(in.gcount()) != size)
-    fail(path, "read " + std::to_string(in.gcount()) + " of " + std::to_string(size) + " bytes");
-  return parse_safetensors(buf.data(), buf.size(), path);
+  // Read only what the header describes, each length checked before it is trusted: a
+  // hostile length costs nothing, and weights are read tensor by tensor, never the file
+  // at once.
+  auto read_at = [&](std::uint64_t offset, unsigned char* dst, std::uint64_t count) {
+    in.seekg(static_cast<std::streamoff>(offset));
+    in.read(reinterpret_cast<char*>(dst), static_cast<std::streamsize>(count));
+    if (!in || static_cast<std::uint64_t>(in.gcount()) != count)
+      fail(path, "read " + std::to_string(in.gcount()) + " of " + std::to_string(count) +
+                     " bytes at file byte " + std::to_string(offset));
+  };
+  std::array<unsigned char, 8> first8{};
+  if (size >= 8) read_at(0, first8.data(), 8);
+  const std::uint64_t n = header_length(first8.data(), size, path);
+  std::vector<unsigned char> text(static_cast<std::size_t>(n));
+  read_at(8, text.data(), n);
+  Header h = parse_header(text.data(), n, size, path);
+  StFile file;
+  file.metadata = std::move(h.metadata);
+  for (const Entry& e : h.entries) {
+    StTensor t{e.dtype, e.shape, std::vector<unsigned char>(static_cast<std::size_t>(e.end - e.begin))};
+    read_at(h.data_start + e.begin, t.bytes.data(), e.end - e.begin);
+    file.tensors.emplace(e.name, std::move(t));
+  }
+  return file;
 }
 
 std::vector<unsigned char> serialize_safetensors(const StFile& file) {
@@ -562,11 +605,7 @@ std::vector<unsigned char> serialize_safetensors(const StFile& file) {
 
 void write_safetensors(const std::string& path, const StFile& file) {
   const std::vector<unsigned char> bytes = serialize_safetensors(file);
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) fail(path, std::string("cannot open for writing: ") + std::strerror(errno));
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  out.close();
-  if (!out) fail(path, std::string("cannot write: ") + std::strerror(errno));
+  write_file_atomically(path, {reinterpret_cast<const char*>(bytes.data()), bytes.size()});
 }
 
 }  // namespace tpsim::st
