@@ -2,7 +2,7 @@
 // run synchronously on the calling thread (the rank's thread). Float math is done in the
 // tensor's dtype, as a float32 device would (f32 GEMMs accumulate in f32), except sum()
 // and mse_forward(), which accumulate in f64 as backend.h specifies. GEMMs go through
-// Eigen, single-threaded (EIGEN_DONT_PARALLELIZE: the ranks are the threads).
+// OpenBLAS, one thread per call (backend/blas.h: the ranks are the threads).
 //
 // Beyond backend.h, the CPU backend rejects labels that no vocabulary shard could hold:
 // a target below 0 other than kIgnoreIndex, or one that falls in this shard's padded
