@@ -4,7 +4,18 @@ namespace tpsim {
 
 Observation ShardedModel::observe(const std::string& name, const ShardSpec& spec,
                                   const Tensor& t) {
-  return {name, spec, be_.to_host(t)};
+  Observation o{name, spec, {}};
+  if (auto it = spare_.find(name); it != spare_.end()) {
+    o.values = std::move(it->second);
+    spare_.erase(it);
+  }
+  be_.to_host_into(t, o.values);
+  return o;
+}
+
+void ShardedModel::recycle(std::vector<Observation>&& used) {
+  for (auto& o : used) spare_[o.name] = std::move(o.values);
+  used.clear();
 }
 
 std::vector<Observation> ShardedModel::observe_param_grads() {

@@ -42,6 +42,9 @@ class ShardedModel {
   std::vector<Observation> observe_params();
   // Replaces every shard with its block of the given full tensors (for --resync, --load).
   void load_params(const std::map<std::string, std::vector<double>>& full);
+  // Hands back observations the caller is done with: the next observe_* of the same
+  // tensors copies into their storage instead of allocating (and page-faulting) anew.
+  void recycle(std::vector<Observation>&& used);
   // Full parameter tensors reassembled from every rank's shard (collective: all ranks call).
   std::map<std::string, std::vector<double>> gather_params(Communicator& comm);
   std::map<std::string, std::vector<double>> gather_grads(Communicator& comm);
@@ -50,6 +53,9 @@ class ShardedModel {
   explicit ShardedModel(Backend& be) : be_(be) {}
   Observation observe(const std::string& name, const ShardSpec& spec, const Tensor& t);
   Backend& be_;
+
+ private:
+  std::map<std::string, std::vector<double>> spare_;  // recycled storage, by tensor name
 };
 
 }  // namespace tpsim

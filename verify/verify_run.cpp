@@ -257,6 +257,10 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       mine.losses.push_back(loss);
 
       StepChecker check(ref.wait(step), tol, step, mine);
+      // Last step's observations go back to the model to be refilled: past the second
+      // barrier below, no rank reads another's slot any more.
+      auto& slot = replica_slots[static_cast<std::size_t>(rank)];
+      model->recycle(std::move(slot));
       auto fwd = model->observe_forward();
       auto grads = model->observe_param_grads();
       auto act = model->observe_activation_grads();
@@ -268,8 +272,6 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       check.check(params, Phase::Update);
 
       // Replicas against rank 0: publish, wait, compare, wait (so slots outlive readers).
-      auto& slot = replica_slots[static_cast<std::size_t>(rank)];
-      slot.clear();
       std::vector<Phase> phases;
       for (auto [group, phase] : {std::pair{&fwd, Phase::Forward}, {&grads, Phase::Backward},
                                   {&act, Phase::Backward}, {&params, Phase::Update}})

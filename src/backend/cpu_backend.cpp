@@ -375,14 +375,18 @@ void CpuBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
 }
 
 std::vector<double> CpuBackend::to_host(const Tensor& src) {
+  std::vector<double> out;
+  to_host_into(src, out);
+  return out;
+}
+
+void CpuBackend::to_host_into(const Tensor& src, std::vector<double>& dst) {
   OpCheck("to_host", device()).float_arg("src", src);
-  std::vector<double> out(static_cast<std::size_t>(src.numel()));
   on_float(src, [&](auto z) {
     using T = decltype(z);
     const T* p = src.data<T>();
-    for (i64 i = 0; i < src.numel(); ++i) out[static_cast<std::size_t>(i)] = double(p[i]);
+    dst.assign(p, p + src.numel());  // no zero-fill before the copy; reuses dst's storage
   });
-  return out;
 }
 
 void CpuBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
