@@ -326,12 +326,24 @@ void adam_kernel(T* param, const T* grad, T* m, T* v, i64 n, double lr, double b
   const T step_size = T(lr / bc1), bc2_sqrt = T(std::sqrt(bc2));
   const T b1 = T(beta1), b2 = T(beta2), one_b1 = T(1.0 - beta1), one_b2 = T(1.0 - beta2);
   const T wd = T(weight_decay), e = T(eps);
-  for (i64 i = 0; i < n; ++i) {
+  // Vectorised by Eigen (its sqrt is the exact IEEE one), in cache-sized chunks so that
+  // the three statements make one pass over memory. Each element's operations and their
+  // order are those of the scalar formula.
+  constexpr i64 kChunk = 2048;
+  for (i64 i0 = 0; i0 < n; i0 += kChunk) {
+    const i64 c = std::min(kChunk, n - i0);
+    Vec<T> p(param + i0, c), mm(m + i0, c), vv(v + i0, c);
+    ConstVec<T> gr(grad + i0, c);
     // torch adds the decay term only when weight_decay != 0 (so 0·inf never makes a NaN)
-    const T g = weight_decay != 0.0 ? grad[i] + wd * param[i] : grad[i];
-    m[i] = b1 * m[i] + one_b1 * g;
-    v[i] = b2 * v[i] + one_b2 * g * g;
-    param[i] -= step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + e);
+    if (weight_decay != 0.0) {
+      const auto g = gr + wd * p;
+      mm = b1 * mm + one_b1 * g;
+      vv = b2 * vv + one_b2 * g * g;
+    } else {
+      mm = b1 * mm + one_b1 * gr;
+      vv = b2 * vv + one_b2 * gr * gr;
+    }
+    p -= step_size * mm / (vv.sqrt() / bc2_sqrt + e);
   }
 }
 
