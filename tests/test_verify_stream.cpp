@@ -21,15 +21,20 @@ const std::string kGpt8 =
     "verify --model gpt --vocab-size 101 --hidden 32 --heads 8 --layers 2 --seq-len 16 "
     "--tp 1,2,4,8 --steps 4 ";
 
+// Runs kGpt8 with `flags`, expects `exit_code`, returns the JSON report.
+nlohmann::json verify_json(const std::string& flags, const std::string& name, int exit_code) {
+  const std::string json = temp_path(name);
+  const auto r = run_tpsim(kGpt8 + flags + " --json " + json);
+  INFO(r.out);
+  REQUIRE(r.exit_code == exit_code);
+  return read_json(json);
+}
+
 }  // namespace
 
 TEST_CASE("verify: a TP list beyond 8 ranks (two waves) reports every degree",
           "[cli][stream]") {
-  const std::string json = temp_path("stream-waves.json");
-  const auto r = run_tpsim(kGpt8 + "--json " + json);
-  INFO(r.out);
-  REQUIRE(r.exit_code == 0);
-  const auto j = read_json(json);
+  const auto j = verify_json("", "stream-waves.json", 0);
   REQUIRE(j["reference"]["losses"].size() == 4);
   REQUIRE(j["tp"].size() == 4);
   for (const auto& t : j["tp"]) {
@@ -45,11 +50,7 @@ TEST_CASE("verify: a TP list beyond 8 ranks (two waves) reports every degree",
 
 TEST_CASE("verify: the step-by-step fold keeps the worst of every step and every failure",
           "[cli][stream]") {
-  const std::string json = temp_path("stream-fold.json");
-  const auto r = run_tpsim(kGpt8 + "--inject-fault gpt-missing-f --json " + json);
-  INFO(r.out);
-  REQUIRE(r.exit_code == 1);
-  const auto j = read_json(json);
+  const auto j = verify_json("--inject-fault gpt-missing-f", "stream-fold.json", 1);
   REQUIRE(j["first_failure"]["step"] == 1);
   REQUIRE(j["first_failure"]["tensor"] == "h.1.ln1.weight.grad");
   for (const auto& t : j["tp"]) {
