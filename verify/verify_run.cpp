@@ -1,7 +1,6 @@
 #include "verify/verify_run.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -23,25 +22,26 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 // The reference's steps as they are produced, for the ranks of the TP groups that run at
 // the same time. The reference runs on its own thread, at most one step ahead of the
-// slowest rank, and a step's slot is recycled once every rank has finished the step after
-// it (a --resync rank loads step s-1's parameters at step s): three slots suffice, so
+// slowest rank, in a ring of recycled slots: two (the step being checked, the one being
+// computed), or three with --resync (whose ranks load step s-1's parameters at step s).
+// Either way the producer may fill step p once every rank has finished step p-2, and
 // memory does not grow with steps.
 class ReferenceFeed {
  public:
-  explicit ReferenceFeed(int consumers) : consumers_(consumers) {}
+  ReferenceFeed(int consumers, bool resync) : slots_(resync ? 3 : 2), consumers_(consumers) {}
 
   // Producer: the slot for `step`, once the step that used it before has been let go.
   RefStep& slot(int step) {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return step <= kSlots || consumers_ == 0 || all_done_ >= step - 2; });
+    cv_.wait(lock, [&] { return step <= 2 || consumers_ == 0 || all_done_ >= step - 2; });
     waited_s_ += seconds_since(t0);
-    return slots_[static_cast<std::size_t>((step - 1) % kSlots)];
+    return at(step);
   }
   void publish(int step) {
     std::lock_guard lock(mu_);
     published_ = step;
-    losses_.push_back(slots_[static_cast<std::size_t>((step - 1) % kSlots)].loss);
+    losses_.push_back(at(step).loss);
     cv_.notify_all();
   }
   void fail(std::exception_ptr e) {
@@ -51,13 +51,14 @@ class ReferenceFeed {
   }
 
   // Consumer: blocks until `step` is published; throws if the reference failed first. The
-  // step stays valid until this rank calls done(step + 1) or retire().
+  // step stays valid until this rank calls done(step) (done(step + 1) with --resync) or
+  // retire().
   const RefStep& wait(int step) {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return published_ >= step || error_; });
     if (published_ < step) throw RuntimeFailure("verify: the reference run failed before step " +
                                                 std::to_string(step));
-    return slots_[static_cast<std::size_t>((step - 1) % kSlots)];
+    return at(step);
   }
   // This rank has finished `step` (ranks finish their steps in order).
   void done(int step) {
@@ -97,10 +98,10 @@ class ReferenceFeed {
     }
     cv_.notify_all();
   }
-  static constexpr int kSlots = 3;
+  RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
   std::mutex mu_;
   std::condition_variable cv_;
-  std::array<RefStep, kSlots> slots_;  // step s lives in slots_[(s-1) % kSlots]
+  std::vector<RefStep> slots_;         // step s lives in slots_[(s-1) % size]
   int consumers_;                      // ranks still reading
   int published_ = 0;
   int all_done_ = 0;                   // every consumer has finished steps 1..all_done_
@@ -331,7 +332,7 @@ VerifyReport run_verify(const RunOptions& o) {
   for (std::size_t w = 0; w < waves.size(); ++w) {
     int consumers = 0;
     for (std::size_t i : waves[w]) consumers += o.tp[i];
-    ReferenceFeed ref(consumers);
+    ReferenceFeed ref(consumers, o.resync);
     double ref_seconds = 0;
     std::thread reference([&] {
       auto t0 = std::chrono::steady_clock::now();
