@@ -34,7 +34,7 @@ class ReferenceFeed {
   RefStep& slot(int step) {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return step <= 2 || consumers_ == 0 || all_done_ >= step - 2; });
+    cv_.wait(lock, [&] { return step <= 2 || consumers_ <= 0 || all_done_ >= step - 2; });
     waited_s_ += seconds_since(t0);
     return at(step);
   }
@@ -73,6 +73,14 @@ class ReferenceFeed {
       if (step <= last_done) --n;  // count only the ranks still reading
     --consumers_;
     advance();
+  }
+
+  // No rank reads any more: the reference need not wait for anyone (ranks of a group
+  // whose launch failed never retire themselves).
+  void close() {
+    std::lock_guard lock(mu_);
+    consumers_ = 0;
+    cv_.notify_all();
   }
 
   std::exception_ptr error() {
@@ -356,6 +364,7 @@ VerifyReport run_verify(const RunOptions& o) {
         }
       });
     for (auto& g : groups) g.join();
+    ref.close();
     reference.join();
     // The reference's own failure is the root cause of any "reference failed" in a group.
     if (auto e = ref.error()) std::rethrow_exception(e);
