@@ -4,17 +4,20 @@ namespace tpsim {
 
 Observation ShardedModel::observe(const std::string& name, const ShardSpec& spec,
                                   const Tensor& t) {
+  if (const double* p = be_.host_view_f64(t))
+    return {name, spec, ObservedValues::view(p, static_cast<std::size_t>(t.numel()))};
   Observation o{name, spec, {}};
   if (auto it = spare_.find(name); it != spare_.end()) {
-    o.values = std::move(it->second);
+    o.values.copy() = std::move(it->second);
     spare_.erase(it);
   }
-  be_.to_host_into(t, o.values);
+  be_.to_host_into(t, o.values.copy());
   return o;
 }
 
 void ShardedModel::recycle(std::vector<Observation>&& used) {
-  for (auto& o : used) spare_[o.name] = std::move(o.values);
+  for (auto& o : used)
+    if (!o.values.copy().empty()) spare_[o.name] = std::move(o.values.copy());
   used.clear();
 }
 

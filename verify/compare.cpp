@@ -21,7 +21,7 @@ namespace {
 struct ObservationView {
   const std::string& name;
   const ShardSpec& spec;
-  const std::vector<double>& values;
+  const ObservedValues& values;
 };
 
 Comparison header(const ObservationView& obs) {
@@ -34,12 +34,12 @@ Comparison header(const ObservationView& obs) {
   return c;
 }
 
-Comparison compare_view(const ObservationView& obs, const std::vector<double>& reference_full,
-                        double tolerance) {
+Comparison compare_view(const ObservationView& obs, const double* reference_full,
+                        std::size_t reference_size, double tolerance) {
   Comparison c = header(obs);
   c.tolerance = tolerance;
-  if (static_cast<std::int64_t>(reference_full.size()) != shape_numel(obs.spec.full_shape))
-    throw Error("compare " + obs.name + ": reference has " + std::to_string(reference_full.size()) +
+  if (static_cast<std::int64_t>(reference_size) != shape_numel(obs.spec.full_shape))
+    throw Error("compare " + obs.name + ": reference has " + std::to_string(reference_size) +
                 " values, the shard map says " + shape_str(obs.spec.full_shape));
   // Plain double sums: the norms need a few correct digits, not the last one.
   double diff2 = 0, ref2 = 0;
@@ -70,7 +70,8 @@ Comparison compare_view(const ObservationView& obs, const std::vector<double>& r
 
 Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
                                 double tolerance) {
-  return compare_view({obs.name, obs.spec, obs.values}, reference_full, tolerance);
+  return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
+                      reference_full.size(), tolerance);
 }
 
 Comparison compare_replica(const Observation& obs, const Observation& rank0) {
@@ -79,7 +80,8 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0) {
   ShardSpec whole = obs.spec;
   whole.world = 1;  // compare the whole tensor, index for index
   whole.split_dim = -1;
-  Comparison c = compare_view({obs.name, whole, obs.values}, rank0.values, 0.0);
+  Comparison c =
+      compare_view({obs.name, whole, obs.values}, rank0.values.data(), rank0.values.size(), 0.0);
   c.shard = obs.spec.shard_str();
   c.rank = obs.spec.rank;
   c.tp = obs.spec.world;

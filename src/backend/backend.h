@@ -37,6 +37,9 @@ class Backend {
   // The same into `dst`, whose storage is reused when it is large enough (a backend that
   // does not override it allocates anew).
   virtual void to_host_into(const Tensor& src, std::vector<double>& dst) { dst = to_host(src); }
+  // src's own values when they already are f64 in host memory (to be read, not copied),
+  // else nullptr.
+  virtual const double* host_view_f64(const Tensor& /*src*/) { return nullptr; }
   // dst[M,n] = src[M,N][:, col0 : col0+n]
   virtual void copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) = 0;
   // dst[M,N][:, col0 : col0+n] = src[M,n]
