@@ -375,6 +375,15 @@ TEST_CASE("cpu backend: to_host_into overwrites in place, reusing the storage", 
   }
 }
 
+TEST_CASE("cpu backend: host_view_f64 views f64 tensors and refuses f32", "[backend]") {
+  Env env;
+  const Vec x = env.randn(6);
+  Tensor t64 = env.make({2, 3}, DType::F64, x, "x64");
+  CHECK(env.be->host_view_f64(t64) == t64.data<double>());  // the tensor itself, no copy
+  Tensor t32 = env.make({2, 3}, DType::F32, x, "x32");
+  CHECK(env.be->host_view_f64(t32) == nullptr);  // f32 must be converted: no view
+}
+
 TEST_CASE("cpu backend: copy_columns and set_columns", "[backend]") {
   Env env;
   for (DType dt : kFloatTypes) {
