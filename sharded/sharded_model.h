@@ -30,6 +30,9 @@ class ObservedValues {
   std::size_t size() const { return view_ ? n_ : copy_.size(); }
   const double* data() const { return view_ ? view_ : copy_.data(); }
   double operator[](std::size_t i) const { return data()[i]; }
+  const double* begin() const { return data(); }
+  const double* end() const { return data() + size(); }
+  bool empty() const { return size() == 0; }
   std::vector<double> to_vector() const { return {data(), data() + size()}; }
   // The owned copy, to be (re)filled; ends any view.
   std::vector<double>& copy() {
