@@ -1,15 +1,16 @@
 // tpsim_bench: how close does the sharded CPU model come to this machine's GEMM peak?
 //
-// 1. GEMM peak: the CPU backend's own f32 GEMM ([n,n]·[n,n], Eigen, one thread per call,
-//    as the ranks use it), the best call over a second, on one thread, and on every core
-//    at once (one GEMM per thread, summed).
+// 1. The BLAS's own peak: OpenBLAS's cblas_sgemm / cblas_dgemm called directly ([n,n]·[n,n]
+//    and the model's largest GEMM shape), one thread per call as the ranks use it, the best
+//    call over half a second, on one thread and on every core at once (one GEMM per thread,
+//    summed). Also which kernel OpenBLAS chose, and the theoretical FMA peak derived from
+//    /proc/cpuinfo (clock x vector lanes x 2 flops per FMA x FMA pipes).
 // 2. The GPT at TP 1, 2, 4 on a GEMM-bound configuration (H large next to T and V, so that
-//    the q/k/v/o and MLP GEMMs carry ~95% of the FLOPs), timed by `tpsim profile`'s
-//    machinery: mean step time of steps 2.., the slowest rank's.
-// 3. The GEMM peak again, so a drift of the machine (other load, thermal) shows.
+//    the q/k/v/o and MLP GEMMs carry ~95% of the FLOPs), f32 and f64, timed by `tpsim
+//    profile`'s machinery: mean step time of steps 2.., the slowest rank's.
+// 3. The BLAS peak again, so a drift of the machine (other load, thermal) shows.
 // Achieved GFLOP/s = model FLOPs per step (72·B·T·L·H²·(1 + T/6H + V/12HL)) / step time;
-// the ratio is against the all-core peak, and against the peak of the cores the ranks
-// can use (min(t, cores) × one core's).
+// the ratio is against the one-thread BLAS peak times min(t, cores).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -20,7 +21,9 @@
 #include <thread>
 #include <vector>
 
-#include "backend/backend.h"
+#include <cblas.h>
+
+#include "backend/blas.h"
 #include "core/errors.h"
 #include "verify/profile_run.h"
 
@@ -32,23 +35,26 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The best GFLOP/s of one [M,K]·[K,N] GEMM call over `min_s` seconds of repeats.
-double gemm_gflops(std::int64_t M, std::int64_t K, std::int64_t N, double min_s) {
-  auto be = make_cpu_backend();
-  Tensor a = be->empty({M, K}, DType::F32, MemCategory::Temporary, "bench.a");
-  Tensor b = be->empty({K, N}, DType::F32, MemCategory::Temporary, "bench.b");
-  Tensor c = be->empty({M, N}, DType::F32, MemCategory::Temporary, "bench.c");
-  be->fill(a, 0.5);
-  be->fill(b, 0.25);
-  be->gemm(c, a, false, b, false);  // warm-up: page faults, caches
-  // The best single call: a peak is what the machine can do, and on a shared machine the
-  // mean would measure the neighbours' load instead.
-  const double flops = 2.0 * static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(N);
+void blas_gemm(int M, int N, int K, const float* a, const float* b, float* c) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, K, 1.0f, a, K, b, N, 0.0f, c, N);
+}
+void blas_gemm(int M, int N, int K, const double* a, const double* b, double* c) {
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, N, K, 1.0, a, K, b, N, 0.0, c, N);
+}
+
+// The best GFLOP/s of one [M,K]·[K,N] BLAS call over `min_s` seconds of repeats: a peak is
+// what the machine can do, and on a shared machine the mean would measure the neighbours.
+template <class T>
+double gemm_gflops(int M, int K, int N, double min_s) {
+  std::vector<T> a(static_cast<std::size_t>(M) * K, T(0.5)), b(static_cast<std::size_t>(K) * N, T(0.25)),
+      c(static_cast<std::size_t>(M) * N);
+  blas_gemm(M, N, K, a.data(), b.data(), c.data());  // warm-up: page faults, caches
+  const double flops = 2.0 * M * static_cast<double>(K) * N;
   const auto t0 = std::chrono::steady_clock::now();
   double best = 0;
   do {
     const auto t = std::chrono::steady_clock::now();
-    be->gemm(c, a, false, b, false);
+    blas_gemm(M, N, K, a.data(), b.data(), c.data());
     best = std::max(best, flops / seconds_since(t) * 1e-9);
   } while (seconds_since(t0) < min_s);
   return best;
@@ -57,21 +63,22 @@ double gemm_gflops(std::int64_t M, std::int64_t K, std::int64_t N, double min_s)
 // The shapes the peak is the best of: squares, and the model's own largest GEMM (ffn1's
 // [B·T, H]·[H, 4H]), so that the ratio compares like with like.
 struct Shape3 {
-  std::int64_t M, K, N;
+  int M, K, N;
 };
 
 struct Peak {
   double one_core = 0, all_cores = 0;
 };
 
+template <class T>
 Peak measure_peak(int cores, const std::vector<Shape3>& shapes, double min_s) {
   Peak p;
   for (const auto& sh : shapes) {
-    p.one_core = std::max(p.one_core, gemm_gflops(sh.M, sh.K, sh.N, min_s));
+    p.one_core = std::max(p.one_core, gemm_gflops<T>(sh.M, sh.K, sh.N, min_s));
     std::vector<double> each(static_cast<std::size_t>(cores));
     std::vector<std::thread> th;
     for (int i = 0; i < cores; ++i)
-      th.emplace_back([&, i] { each[static_cast<std::size_t>(i)] = gemm_gflops(sh.M, sh.K, sh.N, min_s); });
+      th.emplace_back([&, i] { each[static_cast<std::size_t>(i)] = gemm_gflops<T>(sh.M, sh.K, sh.N, min_s); });
     for (auto& t : th) t.join();
     double all = 0;
     for (double g : each) all += g;
@@ -80,17 +87,81 @@ Peak measure_peak(int cores, const std::vector<Shape3>& shapes, double min_s) {
   return p;
 }
 
+// The FMA peak of one core from /proc/cpuinfo: clock (cpu MHz, the nominal clock a VM
+// reports) x lanes of the widest FMA vector in the flags x 2 flops per FMA x 2 FMA pipes
+// (an assumption: the pipe count is not in the flags; 2 for every x86 server core since
+// Haswell and Zen 2). Zero when the file or the fields are missing.
+struct TheoreticalPeak {
+  double mhz = 0;
+  int vector_bits = 0;
+  double f32 = 0, f64 = 0;  // GFLOP/s per core
+  std::string model;
+};
+
+TheoreticalPeak theoretical_peak() {
+  TheoreticalPeak t;
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, flags;
+  while (std::getline(in, line)) {
+    auto value = [&] { return line.substr(line.find(':') + 2); };
+    if (t.mhz == 0 && line.rfind("cpu MHz", 0) == 0) t.mhz = std::stod(value());
+    if (t.model.empty() && line.rfind("model name", 0) == 0) t.model = value();
+    if (flags.empty() && line.rfind("flags", 0) == 0) flags = " " + value() + " ";
+  }
+  if (flags.find(" fma ") == std::string::npos) return t;
+  t.vector_bits = flags.find(" avx512f ") != std::string::npos ? 512 : 256;
+  const double fma_pipes = 2, flops_per_fma = 2;
+  t.f32 = t.mhz * 1e-3 * (t.vector_bits / 32) * flops_per_fma * fma_pipes;
+  t.f64 = t.f32 / 2;
+  return t;
+}
+
 std::string f(const char* fm, double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, fm, v);
   return buf;
 }
 
+// One dtype's model runs at TP 1, 2, 4, as markdown rows against `peak1` (one thread).
+std::string model_rows(const ProfileResult& res, double flops, double peak1, int cores,
+                       const char* dtype) {
+  std::ostringstream out;
+  for (const auto& run : res.runs) {
+    double step = 0, compute = 0, comm = 0;
+    for (const auto& r : run.ranks) {
+      double st = 0, c = 0, m = 0;
+      int n = 0;
+      for (std::size_t i = 1; i < r.steps.size(); ++i) {  // step 1 is not counted
+        const auto [b, e] = r.steps[i];
+        st += static_cast<double>(e - b) * 1e-9;
+        for (const auto& op : r.ops)
+          if (op.t_begin_ns >= b && op.t_begin_ns <= e)
+            c += static_cast<double>(op.t_end_ns - op.t_begin_ns) * 1e-9;
+        for (const auto& cr : r.collectives)
+          if (cr.t_begin_ns >= b && cr.t_begin_ns <= e)
+            m += static_cast<double>(cr.t_end_ns - cr.t_begin_ns) * 1e-9;
+        ++n;
+      }
+      if (n > 0 && st / n > step) {
+        step = st / n;
+        compute = c / n;
+        comm = m / n;
+      }
+    }
+    const double g = flops / step * 1e-9;
+    const double usable = peak1 * std::min(run.tp, cores);
+    out << "| " << dtype << " | " << run.tp << " | " << f("%.1f", step * 1e3) << " | "
+        << f("%.1f", compute * 1e3) << " | " << f("%.1f", comm * 1e3) << " | " << f("%.2f", g)
+        << " | " << f("%.2f", g / usable) << " |\n";
+  }
+  return out.str();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"tpsim_bench: step time and GFLOP/s of the sharded CPU GPT at TP 1, 2, 4 next to "
-               "this machine's GEMM peak, measured in the same run"};
+               "this machine's BLAS GEMM peak, measured in the same run"};
   int steps = 3;
   std::int64_t hidden = 1024, batch = 2, seq = 128, vocab = 1024;
   std::string append;
@@ -101,6 +172,7 @@ int main(int argc, char** argv) {
   app.add_option("--vocab-size", vocab, "V");
   app.add_option("--append", append, "append the results as a dated markdown section here");
   CLI11_PARSE(app, argc, argv);
+  init_blas_one_thread_per_caller();
 
   try {
     if (steps < 2) throw UsageError("--steps must be at least 2 (step 1 is not counted)");
@@ -115,12 +187,13 @@ int main(int argc, char** argv) {
     std::string load = "?";
     if (std::ifstream la("/proc/loadavg"); la) std::getline(la, load);
     const std::vector<Shape3> shapes = {
-        {512, 512, 512}, {1024, 1024, 1024}, {batch * seq, hidden, 4 * hidden}};
-    const Peak before = measure_peak(cores, shapes, 0.5);
+        {512, 512, 512}, {1024, 1024, 1024},
+        {static_cast<int>(batch * seq), static_cast<int>(hidden), static_cast<int>(4 * hidden)}};
+    const Peak s_before = measure_peak<float>(cores, shapes, 0.5);
+    const Peak d_before = measure_peak<double>(cores, shapes, 0.5);
 
     RunOptions o;
     o.model = ModelKind::Gpt;
-    o.dtype = DType::F32;
     o.gpt.hidden = hidden;
     o.gpt.heads = 16;
     o.gpt.layers = 2;
@@ -132,56 +205,42 @@ int main(int argc, char** argv) {
     o.loss_parallel = true;  // the head splits too: no rank repeats another's work
     o.tp = {1, 2, 4};
     std::ostringstream sink;
-    const ProfileResult res = run_profile(o, ProfileOptions{}, sink);
+    o.dtype = DType::F32;
+    const ProfileResult res32 = run_profile(o, ProfileOptions{}, sink);
+    o.dtype = DType::F64;
+    const ProfileResult res64 = run_profile(o, ProfileOptions{}, sink);
 
-    const Peak after = measure_peak(cores, shapes, 0.5);
-    const double peak1 = 0.5 * (before.one_core + after.one_core);
-    const double peakall = 0.5 * (before.all_cores + after.all_cores);
+    const Peak s_after = measure_peak<float>(cores, shapes, 0.5);
+    const Peak d_after = measure_peak<double>(cores, shapes, 0.5);
+    const double s_peak1 = 0.5 * (s_before.one_core + s_after.one_core);
+    const double d_peak1 = 0.5 * (d_before.one_core + d_after.one_core);
     const double flops = model_flops_per_step(o);
+    const TheoreticalPeak th = theoretical_peak();
 
     out << "## " << date << "\n\n"
-        << "Machine: " << cores << " cores. GEMM peak (f32, the CPU backend's gemm, the best "
-        << "call of 512^3, 1024^3 and the model's [" << batch * seq << "," << hidden << "]x["
-        << hidden << "," << 4 * hidden << "]): one core " << f("%.2f", before.one_core) << " / " << f("%.2f", after.one_core)
-        << " GFLOP/s, all cores " << f("%.2f", before.all_cores) << " / "
-        << f("%.2f", after.all_cores) << " GFLOP/s (before / after the model runs). /proc/loadavg at the start: " << load
-        << ".\n\n"
-        << "Model: gpt f32, H " << hidden << ", A 16, L 2, V " << vocab << ", batch " << batch
+        << "Machine: " << cores << " cores (" << th.model << ", " << f("%.0f", th.mhz)
+        << " MHz per /proc/cpuinfo). /proc/loadavg at the start: " << load << ".\n\n"
+        << "BLAS: " << blas_description() << ".\n\n"
+        << "Theoretical FMA peak per core: " << f("%.0f", th.mhz) << " MHz x " << th.vector_bits
+        << "-bit FMA (" << th.vector_bits / 32 << " f32 / " << th.vector_bits / 64
+        << " f64 lanes) x 2 flops x 2 FMA pipes (assumed) = " << f("%.1f", th.f32) << " f32 / "
+        << f("%.1f", th.f64) << " f64 GFLOP/s; a 256-bit (AVX2) kernel can reach half of it.\n\n"
+        << "BLAS peak (cblas_sgemm / cblas_dgemm, the best call of 512^3, 1024^3 and the model's ["
+        << batch * seq << "," << hidden << "]x[" << hidden << "," << 4 * hidden
+        << "], before / after the model runs): f32 one thread " << f("%.2f", s_before.one_core)
+        << " / " << f("%.2f", s_after.one_core) << ", all cores " << f("%.2f", s_before.all_cores)
+        << " / " << f("%.2f", s_after.all_cores) << " GFLOP/s; f64 one thread "
+        << f("%.2f", d_before.one_core) << " / " << f("%.2f", d_after.one_core) << ", all cores "
+        << f("%.2f", d_before.all_cores) << " / " << f("%.2f", d_after.all_cores) << " GFLOP/s.\n\n"
+        << "Model: gpt, H " << hidden << ", A 16, L 2, V " << vocab << ", batch " << batch
         << " x seq " << seq << ", loss parallel; " << f("%.4g", flops)
         << " model FLOPs per step (72·B·T·L·H²·(1 + T/6H + V/12HL)); mean of steps 2.." << steps
-        << ", the slowest rank.\n\n"
-        << "| tp | step ms | compute ms | comm ms | GFLOP/s | / all-core peak | / peak of min(t, cores) cores |\n"
-        << "|---:|---:|---:|---:|---:|---:|---:|\n";
-    for (const auto& run : res.runs) {
-      double step = 0, compute = 0, comm = 0;
-      for (const auto& r : run.ranks) {
-        const std::size_t first = 1;
-        double s = 0, c = 0, m = 0;
-        int n = 0;
-        for (std::size_t i = first; i < r.steps.size(); ++i) {
-          const auto [b, e] = r.steps[i];
-          s += static_cast<double>(e - b) * 1e-9;
-          for (const auto& op : r.ops)
-            if (op.t_begin_ns >= b && op.t_begin_ns <= e)
-              c += static_cast<double>(op.t_end_ns - op.t_begin_ns) * 1e-9;
-          for (const auto& cr : r.collectives)
-            if (cr.t_begin_ns >= b && cr.t_begin_ns <= e)
-              m += static_cast<double>(cr.t_end_ns - cr.t_begin_ns) * 1e-9;
-          ++n;
-        }
-        if (n > 0 && s / n > step) {
-          step = s / n;
-          compute = c / n;
-          comm = m / n;
-        }
-      }
-      const double g = flops / step * 1e-9;
-      const double usable = peak1 * std::min(run.tp, cores);
-      out << "| " << run.tp << " | " << f("%.1f", step * 1e3) << " | " << f("%.1f", compute * 1e3)
-          << " | " << f("%.1f", comm * 1e3) << " | " << f("%.2f", g) << " | "
-          << f("%.2f", g / peakall) << " | " << f("%.2f", g / usable) << " |\n";
-    }
-    out << "\n";
+        << ", the slowest rank. The ratio is against the one-thread BLAS peak of the same dtype "
+        << "(mean of before and after) times min(t, cores).\n\n"
+        << "| dtype | tp | step ms | compute ms | comm ms | GFLOP/s | / BLAS peak of min(t, cores) threads |\n"
+        << "|---|---:|---:|---:|---:|---:|---:|\n"
+        << model_rows(res32, flops, s_peak1, cores, "f32")
+        << model_rows(res64, flops, d_peak1, cores, "f64") << "\n";
     std::cout << out.str();
     if (!append.empty()) {
       std::ofstream fo(append, std::ios::app);

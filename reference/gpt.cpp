@@ -124,13 +124,14 @@ void matmul_forward(Matrix<S>& out, const Matrix<S>& x, const Matrix<S>& w) {
   });
 }
 
-// dW += dout^T x   [out, in]; dx += dout W   [N, in] (both accumulate: q/k/v share their
-// input, and wte is both the LM head and the embedding).
+// dW = dout^T x   [out, in]; dx += dout W   [N, in]. dW is written, not accumulated: each
+// weight has exactly one product (wte's LM head runs before its embedding adds to it);
+// dx accumulates, since q/k/v share their input.
 template <class S>
 void matmul_backward(Matrix<S>& dx, Matrix<S>& dw, const Matrix<S>& dout, const Matrix<S>& x,
                      const Matrix<S>& w) {
   in_two_halves(dw.rows(), worth_two_threads(dw.rows(), dw.cols(), x.rows()), [&](Index b, Index e) {
-    dw.middleRows(b, e - b).noalias() += dout.middleCols(b, e - b).transpose() * x;
+    dw.middleRows(b, e - b).noalias() = dout.middleCols(b, e - b).transpose() * x;
   });
   in_two_halves(dx.rows(), worth_two_threads(dx.rows(), dx.cols(), w.rows()), [&](Index b, Index e) {
     dx.middleRows(b, e - b).noalias() += dout.middleRows(b, e - b) * w;
@@ -311,7 +312,14 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   const auto P = [this](const std::string& name) -> const Matrix<S>& { return params_.at(name); };
   const auto G = [this](const std::string& name) -> Matrix<S>& { return grads_.at(name); };
   const auto block = [](Index l) { return "h." + std::to_string(l) + "."; };
-  for (auto& [name, g] : grads_) g.setZero();
+  // Only the gradients that are sums over rows start from zero: the LayerNorm weights and
+  // wpe. Linear weights and wte are written whole by their product in matmul_backward.
+  G("wpe.weight").setZero();
+  G("ln_f.weight").setZero();
+  for (Index l = 0; l < L; ++l) {
+    G(block(l) + "ln1.weight").setZero();
+    G(block(l) + "ln2.weight").setZero();
+  }
   blocks_.resize(static_cast<std::size_t>(L));
 
   // ------------------------------------------------------------ forward

@@ -55,7 +55,9 @@ class Adam {
         m = Matrix<S>::Zero(p.rows(), p.cols());
         v = Matrix<S>::Zero(p.rows(), p.cols());
       }
-      const auto g = (git->second.array() + wd * p.array()).eval();  // [same as p], g'
+      // g' as an expression, evaluated inside each of the two loops below (before p moves):
+      // a temporary the size of wte would cost a page-faulted allocation every step.
+      const auto g = git->second.array() + wd * p.array();  // [same as p]
       m.array() = b1 * m.array() + one_minus_b1 * g;
       v.array() = b2 * v.array() + one_minus_b2 * g.square();
       p.array() -= step_size * m.array() / (v.array().sqrt() / bc2_sqrt + eps);

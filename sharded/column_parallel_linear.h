@@ -19,11 +19,11 @@ struct ColumnParallelLinear {
   void forward(Backend& be, Tensor& out, const Tensor& inp) const {
     be.gemm(out, inp, false, weight->value, true);
   }
-  // dW_r [out/t,in] += doutᵀ · inp; dinp [N,in] (+= when accumulate) = dout · W_r, this
+  // dW_r [out/t,in] = doutᵀ · inp (written: the weight's one product); dinp [N,in] (+= when accumulate) = dout · W_r, this
   // rank's share of the input gradient: f's backward sums the shares.
   void backward(Backend& be, Tensor& dinp, const Tensor& dout, const Tensor& inp,
                 bool accumulate) const {
-    be.gemm(weight->grad, dout, true, inp, false, 1.0, 1.0);
+    be.gemm(weight->grad, dout, true, inp, false);
     be.gemm(dinp, dout, false, weight->value, false, 1.0, accumulate ? 1.0 : 0.0);
   }
 };

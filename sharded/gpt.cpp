@@ -107,6 +107,16 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     }
   }
 
+  // Gradients accumulated into, hence zeroed each step: LayerNorm weights and wpe. Linear
+  // weights are written whole by their gradient GEMM, and so is wte by the LM head's
+  // (the embedding adds to it after), except when a fault drops that product.
+  for (auto& p : params_) {
+    const bool linear = p.spec.name.ends_with("proj.weight") || p.spec.name.ends_with("ffn1.weight") ||
+                        p.spec.name.ends_with("ffn2.weight");
+    const bool head_writes = p.spec.name == "wte.weight" && fault != Fault::GptUntiedEmbeddingGrad;
+    if (!linear && !head_writes) summed_grads_.push_back(&p);
+  }
+
   // ---- inputs ----
   std::vector<std::int64_t> ids(batch.input_ids.begin() + tok0_,
                                 batch.input_ids.begin() + tok0_ + Nl_);
@@ -220,7 +230,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
 ShardedGpt::~ShardedGpt() = default;
 
 double ShardedGpt::forward_backward() {
-  zero_grads(be_, params_);
+  // Only the gradients that are sums over rows start from zero (see summed_grads_).
+  for (Parameter* p : summed_grads_) be_.fill(p->grad, 0.0);
   forward();
   backward();
   return loss_;
@@ -375,10 +386,9 @@ void ShardedGpt::backward() {
   ce_->ce.backward(be_, dlogits, logits_, targets_, n_valid_);
   Tensor* dwte_head = &wte.grad;
   if (fault_ == Fault::GptUntiedEmbeddingGrad) {
-    be_.fill(s.untied, 0.0);
     dwte_head = &s.untied;  // the bug: the LM head's share never reaches wte.grad
   }
-  be_.gemm(*dwte_head, dlogits, true, hf_full_, false, 1.0, 1.0);
+  be_.gemm(*dwte_head, dlogits, true, hf_full_, false);  // wte.grad's first writer
   Tensor dhf;  // [Nl,H] gradient of ln_f's output
   if (par_.loss_parallel) {
     // The logits are split by vocabulary: each rank's dhf is a share; f's backward sums.

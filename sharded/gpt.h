@@ -73,6 +73,7 @@ class ShardedGpt final : public ShardedModel {
   std::int64_t n_valid_;     // non-ignored labels in the batch
 
   std::vector<Parameter> params_;  // forward order, as gpt_param_specs
+  std::vector<Parameter*> summed_grads_;  // zeroed before each backward; the rest are written
   std::vector<std::unique_ptr<Block>> blocks_;
 
   Tensor ids_;        // [Nl] i64   token ids of the residual stream's tokens

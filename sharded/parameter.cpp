@@ -24,10 +24,6 @@ void load_full(Backend& be, Parameter& p, const std::vector<double>& full) {
   be.from_host(p.value, block.data());
 }
 
-void zero_grads(Backend& be, std::vector<Parameter>& params) {
-  for (auto& p : params) be.fill(p.grad, 0.0);
-}
-
 void sgd_step(Backend& be, std::vector<Parameter>& params, double lr) {
   for (auto& p : params) be.sgd_update(p.value, p.grad, lr);
 }

@@ -23,7 +23,6 @@ Parameter make_parameter(Backend& be, ShardSpec spec, DType dtype, std::uint64_t
 // Overwrites the shard with its block of a full (unpadded, row-major) tensor.
 void load_full(Backend& be, Parameter& p, const std::vector<double>& full);
 
-void zero_grads(Backend& be, std::vector<Parameter>& params);
 void sgd_step(Backend& be, std::vector<Parameter>& params, double lr);
 void adam_step(Backend& be, std::vector<Parameter>& params, const AdamConfig& c,
                std::int64_t step);

@@ -17,10 +17,11 @@ struct RowParallelLinear {
   void forward(Backend& be, Tensor& out, const Tensor& inp) const {
     be.gemm(out, inp, false, weight->value, true);
   }
-  // dout [N,out] is the full (replicated) gradient. dW_r [out,in/t] += doutᵀ · inp_r;
+  // dout [N,out] is the full (replicated) gradient. dW_r [out,in/t] = doutᵀ · inp_r
+  // (written: the weight's one product);
   // dinp_r [N,in/t] = dout · W_r, needing no communication.
   void backward(Backend& be, Tensor& dinp, const Tensor& dout, const Tensor& inp) const {
-    be.gemm(weight->grad, dout, true, inp, false, 1.0, 1.0);
+    be.gemm(weight->grad, dout, true, inp, false);
     be.gemm(dinp, dout, false, weight->value, false);
   }
 };

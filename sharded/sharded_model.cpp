@@ -4,7 +4,21 @@ namespace tpsim {
 
 Observation ShardedModel::observe(const std::string& name, const ShardSpec& spec,
                                   const Tensor& t) {
-  return {name, spec, be_.to_host(t)};
+  if (const double* p = be_.host_view_f64(t))
+    return {name, spec, ObservedValues::view(p, static_cast<std::size_t>(t.numel()))};
+  Observation o{name, spec, {}};
+  if (auto it = spare_.find(name); it != spare_.end()) {
+    o.values.copy() = std::move(it->second);
+    spare_.erase(it);
+  }
+  be_.to_host_into(t, o.values.copy());
+  return o;
+}
+
+void ShardedModel::recycle(std::vector<Observation>&& used) {
+  for (auto& o : used)
+    if (!o.values.copy().empty()) spare_[o.name] = std::move(o.values.copy());
+  used.clear();
 }
 
 std::vector<Observation> ShardedModel::observe_param_grads() {

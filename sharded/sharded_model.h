@@ -1,8 +1,9 @@
 // What every sharded model offers the runner and the verifier: one training step split
-// into forward+backward and the optimizer update, and host copies of what it computed,
-// each tagged with its shard spec so verify knows which slice of the reference to take.
+// into forward+backward and the optimizer update, and host copies (or views of f64 host
+// tensors) of what it computed, each tagged with its shard spec so verify knows which slice of the reference to take.
 #pragma once
 
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
@@ -14,10 +15,43 @@
 
 namespace tpsim {
 
+// An observed block, row-major, as f64: a view of a live f64 host tensor where the backend
+// offers one (valid until the model's next forward_backward, optimizer_step or load), else
+// a copy.
+class ObservedValues {
+ public:
+  ObservedValues() = default;
+  ObservedValues(std::initializer_list<double> v) : copy_(v) {}
+  ObservedValues(std::vector<double> v) : copy_(std::move(v)) {}  // NOLINT: owns a copy
+  static ObservedValues view(const double* p, std::size_t n) {
+    ObservedValues v;
+    v.view_ = p;
+    v.n_ = n;
+    return v;
+  }
+  std::size_t size() const { return view_ ? n_ : copy_.size(); }
+  const double* data() const { return view_ ? view_ : copy_.data(); }
+  double operator[](std::size_t i) const { return data()[i]; }
+  const double* begin() const { return data(); }
+  const double* end() const { return data() + size(); }
+  bool empty() const { return size() == 0; }
+  std::vector<double> to_vector() const { return {data(), data() + size()}; }
+  // The owned copy, to be (re)filled; ends any view.
+  std::vector<double>& copy() {
+    view_ = nullptr;
+    return copy_;
+  }
+
+ private:
+  std::vector<double> copy_;
+  const double* view_ = nullptr;
+  std::size_t n_ = 0;
+};
+
 struct Observation {
   std::string name;  // "logits", "loss", "x.grad", "fc1.weight.grad", "fc1.weight", ...
   ShardSpec spec;    // full shape and this rank's block
-  std::vector<double> values;  // the block, row-major, as f64
+  ObservedValues values;  // the block, row-major, as f64
 };
 
 // The full tensor (unpadded, row-major) from every rank's block `t` of `spec`
@@ -44,6 +78,9 @@ class ShardedModel {
   std::vector<Observation> observe_params();
   // Replaces every shard with its block of the given full tensors (for --resync, --load).
   void load_params(const std::map<std::string, std::vector<double>>& full);
+  // Hands back observations the caller is done with: the next observe_* of the same
+  // tensors copies into their storage instead of allocating (and page-faulting) anew.
+  void recycle(std::vector<Observation>&& used);
   // Full parameter tensors reassembled from every rank's shard (collective: all ranks call).
   std::map<std::string, std::vector<double>> gather_params(Communicator& comm);
   std::map<std::string, std::vector<double>> gather_grads(Communicator& comm);
@@ -53,6 +90,9 @@ class ShardedModel {
   Observation observe(const std::string& name, const ShardSpec& spec, const Tensor& t);
   Backend& be_;
   const Fault fault_;  // Fault::None but in `verify --inject-fault`
+
+ private:
+  std::map<std::string, std::vector<double>> spare_;  // recycled storage, by tensor name
 };
 
 }  // namespace tpsim

@@ -59,7 +59,7 @@ TEST_CASE("a shard is compared with its own slice, and the worst index is in the
       CHECK(compare_to_reference(obs, full, 0.0).rel_err == 0.0);
       // Perturb the shard's last element: the report must point at its place in the full
       // tensor, not at its place in the shard.
-      obs.values.back() += 0.5;
+      obs.values.copy().back() += 0.5;
       const Comparison c = compare_to_reference(obs, full, 1e-10);
       const std::int64_t expect = full_index(s, static_cast<std::int64_t>(obs.values.size()) - 1);
       CHECK(c.worst == expect);
@@ -71,7 +71,7 @@ TEST_CASE("a shard is compared with its own slice, and the worst index is in the
   }
   // Rank 1/2 of rows: its last element is (3,2), flat 11.
   Observation last = shard_of(split(tensor(shape), 0, 1, 2), full);
-  last.values.back() += 1;
+  last.values.copy().back() += 1;
   CHECK(format_index(compare_to_reference(last, full, 0)) == "(3,2)");
 }
 
@@ -95,7 +95,7 @@ TEST_CASE("padding must stay exactly zero, and never counts in the reference's n
   CHECK(obs.values[4] == 0.0);
   CHECK(obs.values[5] == 0.0);
   CHECK(compare_to_reference(obs, full, 0.0).pass);
-  obs.values[5] = 1e-3;  // a padded gradient that is not zero
+  obs.values.copy()[5] = 1e-3;  // a padded gradient that is not zero
   const Comparison c = compare_to_reference(obs, full, 1e-10);
   CHECK_FALSE(c.pass);
   CHECK(c.worst == -1);  // padding has no index in the full tensor
@@ -126,7 +126,7 @@ TEST_CASE("replicas must be bit-identical: one ulp on one rank fails and names i
   for (int r = 1; r < 3; ++r) {
     Observation mine{"w", replicate(tensor(shape), r, 3), full};
     CHECK(compare_replica(mine, rank0).pass);
-    mine.values[4] = std::nextafter(mine.values[4], 1e9);
+    mine.values.copy()[4] = std::nextafter(mine.values[4], 1e9);
     const Comparison c = compare_replica(mine, rank0);
     CHECK_FALSE(c.pass);
     CHECK(c.rank == r);

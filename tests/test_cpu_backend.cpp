@@ -358,6 +358,32 @@ TEST_CASE("cpu backend: fill, copy, host transfers", "[backend]") {
   CHECK(ids.data<i64>()[2] == 5);
 }
 
+TEST_CASE("cpu backend: to_host_into overwrites in place, reusing the storage", "[backend]") {
+  Env env;
+  for (DType dt : kFloatTypes) {
+    INFO(dtype_name(dt));
+    const Vec x = env.randn(12);
+    Tensor t = env.make({3, 4}, dt, x, "x");
+    std::vector<double> dst(12, std::nan(""));  // stale values of the right size
+    const double* storage = dst.data();
+    env.be->to_host_into(t, dst);
+    CHECK(dst == round_to(dt, x));
+    CHECK(dst.data() == storage);  // refilled, not reallocated
+    std::vector<double> longer(20, 7.0);
+    env.be->to_host_into(t, longer);  // a stale longer vector shrinks to the tensor
+    CHECK(longer == round_to(dt, x));
+  }
+}
+
+TEST_CASE("cpu backend: host_view_f64 views f64 tensors and refuses f32", "[backend]") {
+  Env env;
+  const Vec x = env.randn(6);
+  Tensor t64 = env.make({2, 3}, DType::F64, x, "x64");
+  CHECK(env.be->host_view_f64(t64) == t64.data<double>());  // the tensor itself, no copy
+  Tensor t32 = env.make({2, 3}, DType::F32, x, "x32");
+  CHECK(env.be->host_view_f64(t32) == nullptr);  // f32 must be converted: no view
+}
+
 TEST_CASE("cpu backend: copy_columns and set_columns", "[backend]") {
   Env env;
   for (DType dt : kFloatTypes) {

@@ -22,7 +22,15 @@ double distance(double a, double b) {
   return same ? 0.0 : INFINITY;
 }
 
-Comparison header(const Observation& obs) {
+// An observation's name and values under a spec of the caller's choosing: compare_replica
+// reads a shard as a whole tensor without copying its values.
+struct ObservationView {
+  const std::string& name;
+  const ShardSpec& spec;
+  const ObservedValues& values;
+};
+
+Comparison header(const ObservationView& obs) {
   Comparison c;
   c.tensor = obs.name;
   c.shard = obs.spec.shard_str();
@@ -31,14 +39,13 @@ Comparison header(const Observation& obs) {
   c.full_shape = obs.spec.full_shape;
   return c;
 }
-}  // namespace
 
-Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
-                                double tolerance) {
+Comparison compare_view(const ObservationView& obs, const double* reference_full,
+                        std::size_t reference_size, double tolerance) {
   Comparison c = header(obs);
   c.tolerance = tolerance;
-  if (static_cast<std::int64_t>(reference_full.size()) != shape_numel(obs.spec.full_shape))
-    throw Error("compare " + obs.name + ": reference has " + std::to_string(reference_full.size()) +
+  if (static_cast<std::int64_t>(reference_size) != shape_numel(obs.spec.full_shape))
+    throw Error("compare " + obs.name + ": reference has " + std::to_string(reference_size) +
                 " values, the shard map says " + shape_str(obs.spec.full_shape));
   // Plain double sums: the norms need a few correct digits, not the last one.
   double diff2 = 0, ref2 = 0;
@@ -65,13 +72,22 @@ Comparison compare_to_reference(const Observation& obs, const std::vector<double
   return c;
 }
 
+}  // namespace
+
+Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
+                                double tolerance) {
+  return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
+                      reference_full.size(), tolerance);
+}
+
 Comparison compare_replica(const Observation& obs, const Observation& rank0) {
   // The norm-wise error against rank 0 is reported for scale, but replicas pass only
   // when bit-identical: every rank applies the same ops to the same bits.
-  Observation as_ref = obs;
-  as_ref.spec.world = 1;  // compare the whole tensor, index for index
-  as_ref.spec.split_dim = -1;
-  Comparison c = compare_to_reference(as_ref, rank0.values, 0.0);
+  ShardSpec whole = obs.spec;
+  whole.world = 1;  // compare the whole tensor, index for index
+  whole.split_dim = -1;
+  Comparison c =
+      compare_view({obs.name, whole, obs.values}, rank0.values.data(), rank0.values.size(), 0.0);
   c.shard = obs.spec.shard_str();
   c.rank = obs.spec.rank;
   c.tp = obs.spec.world;

@@ -1,4 +1,4 @@
-// The reference run, step by step, kept for comparison with every TP degree.
+// The reference run, step by step, handed to the verifier as each step is done.
 #pragma once
 
 #include <functional>
@@ -13,22 +13,19 @@ namespace tpsim {
 using TensorMap = std::map<std::string, std::vector<double>>;
 
 struct RefStep {
+  int step = 0;  // 1-based
   double loss = 0.0;
   // "output"/"logits", activation gradients ("x.grad"), "<param>.grad", and "<param>"
   // after the optimizer step.
   TensorMap tensors;
 };
 
-struct ReferenceTrace {
-  TensorMap initial;         // parameters before step 1
-  std::vector<RefStep> steps;  // steps[s-1] is step s
-  const TensorMap& params_before(int step) const;  // step >= 1
-};
-
-// Runs the float64 Eigen reference for o.steps steps into `out`; `published(s)` is called
-// once step s is in it. out.steps is reserved up front and never reallocates, so readers
-// on other threads may hold references to published steps while later ones are added.
-void run_reference(const RunOptions& o, const RunInputs& in, ReferenceTrace& out,
-                   const std::function<void(int step)>& published = {});
+// Runs the float64 Eigen reference for o.steps steps. For step s it fills the RefStep that
+// `slot(s)` returns and then calls `published(s)`. The slot may be a recycled one: its
+// vectors are overwritten in place (same names, same sizes every step), so recycling
+// costs no allocation and no page faults. `slot` may block (back-pressure).
+void run_reference(const RunOptions& o, const RunInputs& in,
+                   const std::function<RefStep&(int step)>& slot,
+                   const std::function<void(int step)>& published);
 
 }  // namespace tpsim

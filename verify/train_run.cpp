@@ -49,7 +49,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
           auto out = model->observe_forward()[1];  // the output, replicated
           const auto& g = grads.at("fc1.weight");
           os << "\n        iter: " << step << "\n        output: "
-             << torch_format(out.values, out.spec.full_shape[0], out.spec.full_shape[1])
+             << torch_format(out.values.to_vector(), out.spec.full_shape[0], out.spec.full_shape[1])
              << "\n        loss: " << loss_str(loss, o.dtype) << "\n        fc1_grad = "
              << torch_format(g, o.mlp.hidden, o.mlp.in) << "\n";
         }

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -21,15 +22,28 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The reference trace as it grows: the reference runs on its own thread while the TP
-// groups run, and each rank waits only for the step it is about to check.
+// The reference's steps as they are produced, for the ranks of the TP groups that run at
+// the same time. The reference runs on its own thread, at most one step ahead of the
+// slowest rank, in a ring of recycled slots: two (the step being checked, the one being
+// computed), or three with --resync (whose ranks load step s-1's parameters at step s).
+// Either way the producer may fill step p once every rank has finished step p-2, and
+// memory does not grow with steps.
 class ReferenceFeed {
  public:
-  ReferenceTrace trace;
+  ReferenceFeed(int consumers, bool resync) : slots_(resync ? 3 : 2), consumers_(consumers) {}
 
+  // Producer: the slot for `step`, once the step that used it before has been let go.
+  RefStep& slot(int step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return step <= 2 || consumers_ <= 0 || all_done_ >= step - 2; });
+    waited_s_ += seconds_since(t0);
+    return at(step);
+  }
   void publish(int step) {
     std::lock_guard lock(mu_);
     published_ = step;
+    losses_.push_back(at(step).loss);
     cv_.notify_all();
   }
   void fail(std::exception_ptr e) {
@@ -37,29 +51,80 @@ class ReferenceFeed {
     error_ = e;
     cv_.notify_all();
   }
-  // Blocks until `step` is in the trace; throws if the reference failed first.
+
+  // Consumer: blocks until `step` is published; throws if the reference failed first. The
+  // step stays valid until this rank calls done(step) (done(step + 1) with --resync) or
+  // retire().
   const RefStep& wait(int step) {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return published_ >= step || error_; });
     if (published_ < step) throw RuntimeFailure("verify: the reference run failed before step " +
                                                 std::to_string(step));
-    return trace.steps[static_cast<std::size_t>(step - 1)];
+    return at(step);
   }
+  // This rank has finished `step` (ranks finish their steps in order).
+  void done(int step) {
+    std::lock_guard lock(mu_);
+    ++done_count_[step];
+    advance();
+  }
+  // This rank reads no more (finished or failed): the reference no longer waits for it.
+  void retire(int last_done) {
+    std::lock_guard lock(mu_);
+    for (auto& [step, n] : done_count_)
+      if (step <= last_done) --n;  // count only the ranks still reading
+    --consumers_;
+    advance();
+  }
+
+  // No rank reads any more: the reference need not wait for anyone (ranks of a group
+  // whose launch failed never retire themselves).
+  void close() {
+    std::lock_guard lock(mu_);
+    consumers_ = 0;
+    cv_.notify_all();
+  }
+
   std::exception_ptr error() {
     std::lock_guard lock(mu_);
     return error_;
   }
+  // Seconds the producer spent waiting for slower ranks: not the reference's own time.
+  double producer_waited_s() {
+    std::lock_guard lock(mu_);
+    return waited_s_;
+  }
+  std::vector<double> losses() {
+    std::lock_guard lock(mu_);
+    return losses_;
+  }
 
  private:
+  void advance() {  // with mu_ held
+    for (auto it = done_count_.find(all_done_ + 1);
+         it != done_count_.end() && it->second >= consumers_; it = done_count_.find(all_done_ + 1)) {
+      done_count_.erase(it);
+      ++all_done_;
+    }
+    cv_.notify_all();
+  }
+  RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
   std::mutex mu_;
   std::condition_variable cv_;
+  std::vector<RefStep> slots_;         // step s lives in slots_[(s-1) % size]
+  int consumers_;                      // ranks still reading
   int published_ = 0;
+  int all_done_ = 0;                   // every consumer has finished steps 1..all_done_
+  std::map<int, int> done_count_;      // step -> ranks that finished it, beyond all_done_
+  std::vector<double> losses_;         // per published step
+  double waited_s_ = 0;                // in slot(), producer thread only
   std::exception_ptr error_;
 };
 
-// What one rank found; merged after the ranks join.
+// What one rank found: its comparisons of the step in progress (handed to the TP group's
+// StepFolder at the end of each step), its losses and its step-1 collectives.
 struct RankFindings {
-  std::vector<Comparison> all;
+  std::vector<Comparison> step;
   std::vector<double> losses;
   CollectiveTotals comm_step1;
 };
@@ -89,7 +154,7 @@ class StepChecker {
       if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
       Comparison c = compare_to_reference(o, *full, tol_);
       stamp(c, phase);
-      out_.all.push_back(std::move(c));
+      out_.step.push_back(std::move(c));
     }
   }
   // A full tensor reassembled from every rank's shard (what --save-final writes) against
@@ -105,7 +170,8 @@ class StepChecker {
     c.shard = "reassembled from " + std::to_string(tp) + " rank" + (tp > 1 ? "s" : "");
     c.tp = tp;
     stamp(c, phase);
-    out_.all.push_back(std::move(c));
+    c.order += kAfterShardChecks;  // after every rank's shard and replica checks of the step
+    out_.step.push_back(std::move(c));
   }
   void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
                       const std::vector<Phase>& phases) {
@@ -113,11 +179,12 @@ class StepChecker {
       if (!mine[i].spec.replicated()) continue;
       Comparison c = compare_replica(mine[i], rank0[i]);
       stamp(c, phases[i]);
-      out_.all.push_back(std::move(c));
+      out_.step.push_back(std::move(c));
     }
   }
 
  private:
+  static constexpr int kAfterShardChecks = 1 << 24;
   void stamp(Comparison& c, Phase phase) {
     c.step = step_;
     c.phase = phase;
@@ -131,48 +198,117 @@ class StepChecker {
   RankFindings& out_;
 };
 
+// Folds a TP group's comparisons into its TpResult one step at a time, as the step's last
+// rank hands its comparisons in, so that only what the report needs is kept: the largest
+// error, the failures, and the worst comparison per tensor. Within a step, comparisons
+// are taken in (order, rank) order; steps complete in order (a rank hands in step s+1
+// only after step s), so the result is that of folding every comparison of the run in
+// (step, order, rank) order.
+class StepFolder {
+ public:
+  StepFolder(int tp, TpResult& r) : tp_(tp), r_(r) {}
+
+  void hand_in(int step, std::vector<Comparison>&& cs) {
+    std::lock_guard lock(mu_);
+    Pending& p = pending_[step];
+    for (auto& c : cs) p.comparisons.push_back(std::move(c));
+    if (++p.ranks < tp_) return;
+    std::stable_sort(p.comparisons.begin(), p.comparisons.end(),
+                     [](const Comparison& a, const Comparison& b) {
+                       return std::tie(a.order, a.rank) < std::tie(b.order, b.rank);
+                     });
+    for (const auto& c : p.comparisons) fold(c);
+    pending_.erase(step);
+  }
+
+ private:
+  void fold(const Comparison& c) {
+    r_.comparisons += 1;
+    if (c.what != kReplicaCheck) r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
+    if (!c.pass) {
+      r_.pass = false;
+      r_.failures.push_back(c);
+    }
+    // The worst comparison per (tensor, kind of check), keeping first-seen order.
+    auto same = [&](const Comparison& w) { return w.tensor == c.tensor && w.what == c.what; };
+    auto it = std::find_if(r_.worst.begin(), r_.worst.end(), same);
+    if (it == r_.worst.end())
+      r_.worst.push_back(c);
+    else if ((!c.pass && it->pass) || (c.pass == it->pass && c.rel_err > it->rel_err))
+      *it = c;
+  }
+  struct Pending {
+    std::vector<Comparison> comparisons;
+    int ranks = 0;  // ranks that have handed this step in
+  };
+  std::mutex mu_;
+  int tp_;
+  TpResult& r_;
+  std::map<int, Pending> pending_;  // steps not yet handed in by every rank
+};
+
+// Lets go of the reference feed when a rank stops reading, however it stops.
+class FeedReader {
+ public:
+  explicit FeedReader(ReferenceFeed& feed) : feed_(feed) {}
+  FeedReader(const FeedReader&) = delete;
+  FeedReader& operator=(const FeedReader&) = delete;
+  ~FeedReader() { feed_.retire(last_done_); }
+  void done(int step) {
+    feed_.done(step);
+    last_done_ = step;
+  }
+
+ private:
+  ReferenceFeed& feed_;
+  int last_done_ = 0;
+};
+
 TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
                    double tol) {
   auto t0 = std::chrono::steady_clock::now();
+  TpResult r;
+  r.tp = tp;
+  StepFolder folder(tp, r);
   std::vector<RankFindings> found(static_cast<std::size_t>(tp));
   // Replicated observations of the current step, one slot per rank.
   std::vector<std::vector<Observation>> replica_slots(static_cast<std::size_t>(tp));
 
   launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+    FeedReader reader(ref);
     auto model = make_sharded_model(o, in, be, comm);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     RankFindings& mine = found[static_cast<std::size_t>(rank)];
     for (int step = 1; step <= o.steps; ++step) {
-      if (o.resync && step > 1) {
-        ref.wait(step - 1);
-        model->load_params(ref.trace.params_before(step));
-      }
+      if (o.resync && step > 1) model->load_params(ref.wait(step - 1).tensors);
       comm.clear_records();
       const double loss = model->forward_backward();
       if (step == 1) mine.comm_step1 = totals(comm.records());
       mine.losses.push_back(loss);
 
       StepChecker check(ref.wait(step), tol, step, tp, mine);
+      // Last step's observations go back to the model to be refilled: past the second
+      // barrier below, no rank reads another's slot any more.
+      auto& slot = replica_slots[static_cast<std::size_t>(rank)];
+      model->recycle(std::move(slot));
       auto fwd = model->observe_forward();
       auto grads = model->observe_param_grads();
       auto act = model->observe_activation_grads();
-      const std::size_t checked_before = mine.all.size();
+      const std::size_t checked_before = mine.step.size();
       check.check(fwd, Phase::Forward);
       check.check(grads, Phase::Backward);
       check.check(act, Phase::Backward);
       // A non-finite loss or gradient that the reference shares is a diverged run, not a
       // mismatch; one that it does not share failed a comparison above and is reported
       // as the mismatch it is.
-      if (std::all_of(mine.all.begin() + static_cast<std::ptrdiff_t>(checked_before),
-                      mine.all.end(), [](const Comparison& c) { return c.pass; }))
+      if (std::all_of(mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before),
+                      mine.step.end(), [](const Comparison& c) { return c.pass; }))
         check_finite(loss, grads, rank, step);
       model->optimizer_step();
       auto params = model->observe_params();
       check.check(params, Phase::Update);
 
       // Replicas against rank 0: publish, wait, compare, wait (so slots outlive readers).
-      auto& slot = replica_slots[static_cast<std::size_t>(rank)];
-      slot.clear();
       std::vector<Phase> phases;
       for (auto [group, phase] : {std::pair{&fwd, Phase::Forward}, {&grads, Phase::Backward},
                                   {&act, Phase::Backward}, {&params, Phase::Update}})
@@ -186,45 +322,44 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
 
       // After the last step, the reassembly that --save-final uses: a shard placed at the
       // wrong offset passes every per-shard check and corrupts only the saved tensors.
-      if (step < o.steps) continue;
-      for (const Parameter& p : model->params()) {
-        auto grad = gather_full(be, comm, p.spec, p.grad, o.fault);
-        auto value = gather_full(be, comm, p.spec, p.value, o.fault);
-        if (rank != 0) continue;
-        check.check_reassembled(p.spec.name + ".grad", p.spec.full_shape, std::move(grad),
-                                Phase::Backward);
-        check.check_reassembled(p.spec.name, p.spec.full_shape, std::move(value), Phase::Update);
+      if (step == o.steps) {
+        for (const Parameter& p : model->params()) {
+          auto grad = gather_full(be, comm, p.spec, p.grad, o.fault);
+          auto value = gather_full(be, comm, p.spec, p.value, o.fault);
+          if (rank != 0) continue;
+          check.check_reassembled(p.spec.name + ".grad", p.spec.full_shape, std::move(grad),
+                                  Phase::Backward);
+          check.check_reassembled(p.spec.name, p.spec.full_shape, std::move(value),
+                                  Phase::Update);
+        }
       }
+      folder.hand_in(step, std::move(mine.step));
+      mine.step.clear();
+      reader.done(step);
     }
   });
 
-  TpResult r;
-  r.tp = tp;
   r.losses = found[0].losses;
   r.comm_step1 = found[0].comm_step1;
-  std::vector<Comparison> all;
-  for (auto& f : found)
-    for (auto& c : f.all) all.push_back(std::move(c));
-  std::stable_sort(all.begin(), all.end(), [](const Comparison& a, const Comparison& b) {
-    return std::tie(a.step, a.order, a.rank) < std::tie(b.step, b.order, b.rank);
-  });
-  r.comparisons = static_cast<std::int64_t>(all.size());
-  for (const auto& c : all) {
-    if (c.what != kReplicaCheck) r.max_rel_err = std::max(r.max_rel_err, c.rel_err);
-    if (!c.pass) {
-      r.pass = false;
-      r.failures.push_back(c);
-    }
-    // The worst comparison per (tensor, kind of check), keeping first-seen order.
-    auto same = [&](const Comparison& w) { return w.tensor == c.tensor && w.what == c.what; };
-    auto it = std::find_if(r.worst.begin(), r.worst.end(), same);
-    if (it == r.worst.end())
-      r.worst.push_back(c);
-    else if ((!c.pass && it->pass) || (c.pass == it->pass && c.rel_err > it->rel_err))
-      *it = c;
-  }
   r.seconds = seconds_since(t0);
   return r;
+}
+
+// The TP groups that run at once: every rank holds its own model (a replicated wte is
+// 100 MB in f64), so at most kMaxRanksInFlight ranks run at once; a larger group runs
+// alone, and so does every group when they may not share the devices (NCCL).
+std::vector<std::vector<std::size_t>> waves_of(const std::vector<int>& tps, bool concurrent) {
+  std::vector<std::vector<std::size_t>> waves;
+  int in_flight = 0;
+  for (std::size_t i = 0; i < tps.size(); ++i) {
+    if (waves.empty() || !concurrent || in_flight + tps[i] > kMaxRanksInFlight) {
+      waves.emplace_back();
+      in_flight = 0;
+    }
+    waves.back().push_back(i);
+    in_flight += tps[i];
+  }
+  return waves;
 }
 
 }  // namespace
@@ -238,55 +373,51 @@ VerifyReport run_verify(const RunOptions& o) {
   VerifyReport rep;
   rep.tolerance = norm_tolerance(o);
   const RunInputs in = prepare_inputs(o);
-
-  // The reference and every TP group run at once, on threads of their own: the ranks
-  // of a group wait for a reference step only when they are about to check it.
-  ReferenceFeed ref;
-  std::thread reference([&] {
-    auto t0 = std::chrono::steady_clock::now();
-    try {
-      run_reference(o, in, ref.trace, [&](int step) { ref.publish(step); });
-    } catch (...) {
-      ref.fail(std::current_exception());
-    }
-    rep.reference_seconds = seconds_since(t0);
-  });
   rep.results.resize(o.tp.size());
-  std::vector<std::exception_ptr> errors(o.tp.size());
-  std::vector<std::thread> groups;
-  // Every rank holds its own model (a replicated wte is 100 MB in f64), so at most
-  // kMaxRanksInFlight ranks run at once; a larger group runs alone.
-  std::mutex mu;
-  std::condition_variable cv;
-  int in_flight = 0;
-  for (std::size_t i = 0; i < o.tp.size(); ++i) {
-    const int tp = o.tp[i];
-    {
-      std::unique_lock lock(mu);
-      cv.wait(lock, [&] {
-        return in_flight == 0 || (groups_may_run_concurrently(o.device) &&
-                                  in_flight + tp <= kMaxRanksInFlight);
-      });
-      in_flight += tp;
-    }
-    groups.emplace_back([&, i, tp] {
+
+  // Each wave of TP groups runs at once with a reference run of its own, on threads of
+  // their own: the reference streams its steps to the wave's ranks, which wait for a step
+  // only when they are about to check it. The reference is deterministic, so every wave
+  // sees the same numbers; the report's reference losses and time are the first wave's.
+  const auto waves = waves_of(o.tp, groups_may_run_concurrently(o.device));
+  for (std::size_t w = 0; w < waves.size(); ++w) {
+    int consumers = 0;
+    for (std::size_t i : waves[w]) consumers += o.tp[i];
+    ReferenceFeed ref(consumers, o.resync);
+    double ref_seconds = 0;
+    std::thread reference([&] {
+      auto t0 = std::chrono::steady_clock::now();
       try {
-        rep.results[i] = verify_tp(o, in, ref, tp, rep.tolerance);
+        run_reference(o, in, [&](int step) -> RefStep& { return ref.slot(step); },
+                      [&](int step) { ref.publish(step); });
       } catch (...) {
-        errors[i] = std::current_exception();
+        ref.fail(std::current_exception());
       }
-      std::lock_guard lock(mu);
-      in_flight -= tp;
-      cv.notify_all();
+      ref_seconds = seconds_since(t0) - ref.producer_waited_s();
     });
+    std::vector<std::exception_ptr> errors(waves[w].size());
+    std::vector<std::thread> groups;
+    for (std::size_t j = 0; j < waves[w].size(); ++j)
+      groups.emplace_back([&, j] {
+        const std::size_t i = waves[w][j];
+        try {
+          rep.results[i] = verify_tp(o, in, ref, o.tp[i], rep.tolerance);
+        } catch (...) {
+          errors[j] = std::current_exception();
+        }
+      });
+    for (auto& g : groups) g.join();
+    ref.close();
+    reference.join();
+    // The reference's own failure is the root cause of any "reference failed" in a group.
+    if (auto e = ref.error()) std::rethrow_exception(e);
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    if (w == 0) {
+      rep.reference_losses = ref.losses();
+      rep.reference_seconds = ref_seconds;
+    }
   }
-  for (auto& g : groups) g.join();
-  reference.join();
-  // The reference's own failure is the root cause of any "reference failed" in a group.
-  if (auto e = ref.error()) std::rethrow_exception(e);
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-  for (const auto& s : ref.trace.steps) rep.reference_losses.push_back(s.loss);
 
   for (const TpResult& r : rep.results) {
     if (r.pass) continue;

@@ -34,6 +34,12 @@ class Backend {
   virtual void from_host(Tensor& dst, const double* src) = 0;        // float dst, numel values
   virtual void from_host_i64(Tensor& dst, const std::int64_t* src) = 0;  // i64 dst
   virtual std::vector<double> to_host(const Tensor& src) = 0;       // float src, as f64
+  // The same into `dst`, whose storage is reused when it is large enough (a backend that
+  // does not override it allocates anew).
+  virtual void to_host_into(const Tensor& src, std::vector<double>& dst) { dst = to_host(src); }
+  // src's own values when they already are f64 in host memory (to be read, not copied),
+  // else nullptr.
+  virtual const double* host_view_f64(const Tensor& /*src*/) { return nullptr; }
   // dst[M,n] = src[M,N][:, col0 : col0+n]
   virtual void copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) = 0;
   // dst[M,N][:, col0 : col0+n] = src[M,n]

@@ -1,12 +1,13 @@
 // The CPU backend: argument checks (op_checks.h), a dtype dispatch, and one templated
 // kernel per op on raw row-major buffers. Kernels come in forward/backward pairs, side by
 // side, with the buffers' shapes in comments. Float math stays in T (float or double), as
-// a float32 device would do it; Eigen does the matrix products and the vectorised row
-// math (expression templates, which never allocate; the products allocate only Eigen's
-// packing buffers, once per product, not per element).
+// a float32 device would do it; OpenBLAS does the GEMMs, Eigen the small per-head
+// attention products and the vectorised row math (expression templates, which never
+// allocate).
 #include "backend/cpu_backend.h"
 
 #include <Eigen/Core>
+#include <cblas.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -50,29 +51,37 @@ void on_float(const Tensor& t, F&& f) {
 // ---- GEMM ---------------------------------------------------------------------------
 
 // out[M,N] = alpha · op(a)[M,K] · op(b)[K,N] + beta · out; a is stored [K,M] when trans_a,
-// b is stored [N,K] when trans_b. A transposed row-major map is a column-major one, so
-// Eigen reads all four combinations in place, without copies.
+// b is stored [N,K] when trans_b. OpenBLAS reads all four combinations in place, on the
+// calling thread alone (init_blas_one_thread_per_caller): the same shapes on two ranks
+// take the same kernel and the same summation order, so replicas stay bit-identical.
+void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, float alpha,
+               const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c) {
+  cblas_sgemm(CblasRowMajor, ta, tb, blasint(M), blasint(N), blasint(K), alpha, a, blasint(lda),
+              b, blasint(ldb), beta, c, blasint(N));
+}
+void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, double alpha,
+               const double* a, i64 lda, const double* b, i64 ldb, double beta, double* c) {
+  cblas_dgemm(CblasRowMajor, ta, tb, blasint(M), blasint(N), blasint(K), alpha, a, blasint(lda),
+              b, blasint(ldb), beta, c, blasint(N));
+}
+
 template <class T>
 void gemm_kernel(T* out, const T* a, bool trans_a, const T* b, bool trans_b, i64 M, i64 N, i64 K,
                  T alpha, T beta) {
-  MatMap<T> C(out, M, N);
+  if (M == 0 || N == 0) return;
   // BLAS semantics: beta 0 never reads out (it may hold NaN garbage), alpha 0 or K 0
-  // never reads a and b.
-  if (beta == T(0))
-    C.setZero();
-  else if (beta != T(1))
-    C *= beta;
-  if (K == 0 || alpha == T(0) || M == 0 || N == 0) return;
-  ConstMatMap<T> A(a, trans_a ? K : M, trans_a ? M : K);
-  ConstMatMap<T> Bm(b, trans_b ? N : K, trans_b ? K : N);
-  if (!trans_a && !trans_b)
-    C.noalias() += alpha * A * Bm;
-  else if (!trans_a && trans_b)
-    C.noalias() += alpha * A * Bm.transpose();
-  else if (trans_a && !trans_b)
-    C.noalias() += alpha * A.transpose() * Bm;
-  else
-    C.noalias() += alpha * A.transpose() * Bm.transpose();
+  // never reads a and b. OpenBLAS honours both, but the degenerate cases are spelled out
+  // here so they hold whatever the library's argument checks do with K 0.
+  if (K == 0 || alpha == T(0)) {
+    MatMap<T> C(out, M, N);
+    if (beta == T(0))
+      C.setZero();
+    else if (beta != T(1))
+      C *= beta;
+    return;
+  }
+  blas_gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
+            alpha, a, trans_a ? M : K, b, trans_b ? K : N, beta, out);
 }
 
 // ---- elementwise activations ----------------------------------------------------------
@@ -317,12 +326,24 @@ void adam_kernel(T* param, const T* grad, T* m, T* v, i64 n, double lr, double b
   const T step_size = T(lr / bc1), bc2_sqrt = T(std::sqrt(bc2));
   const T b1 = T(beta1), b2 = T(beta2), one_b1 = T(1.0 - beta1), one_b2 = T(1.0 - beta2);
   const T wd = T(weight_decay), e = T(eps);
-  for (i64 i = 0; i < n; ++i) {
+  // Vectorised by Eigen (its sqrt is the exact IEEE one), in cache-sized chunks so that
+  // the three statements make one pass over memory. Each element's operations and their
+  // order are those of the scalar formula.
+  constexpr i64 kChunk = 2048;
+  for (i64 i0 = 0; i0 < n; i0 += kChunk) {
+    const i64 c = std::min(kChunk, n - i0);
+    Vec<T> p(param + i0, c), mm(m + i0, c), vv(v + i0, c);
+    ConstVec<T> gr(grad + i0, c);
     // torch adds the decay term only when weight_decay != 0 (so 0·inf never makes a NaN)
-    const T g = weight_decay != 0.0 ? grad[i] + wd * param[i] : grad[i];
-    m[i] = b1 * m[i] + one_b1 * g;
-    v[i] = b2 * v[i] + one_b2 * g * g;
-    param[i] -= step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + e);
+    if (weight_decay != 0.0) {
+      const auto g = gr + wd * p;
+      mm = b1 * mm + one_b1 * g;
+      vv = b2 * vv + one_b2 * g * g;
+    } else {
+      mm = b1 * mm + one_b1 * gr;
+      vv = b2 * vv + one_b2 * gr * gr;
+    }
+    p -= step_size * mm / (vv.sqrt() / bc2_sqrt + e);
   }
 }
 
@@ -366,14 +387,18 @@ void CpuBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
 }
 
 std::vector<double> CpuBackend::to_host(const Tensor& src) {
+  std::vector<double> out;
+  to_host_into(src, out);
+  return out;
+}
+
+void CpuBackend::to_host_into(const Tensor& src, std::vector<double>& dst) {
   OpCheck("to_host", device()).float_arg("src", src);
-  std::vector<double> out(static_cast<std::size_t>(src.numel()));
   on_float(src, [&](auto z) {
     using T = decltype(z);
     const T* p = src.data<T>();
-    for (i64 i = 0; i < src.numel(); ++i) out[static_cast<std::size_t>(i)] = double(p[i]);
+    dst.assign(p, p + src.numel());  // no zero-fill before the copy; reuses dst's storage
   });
-  return out;
 }
 
 void CpuBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {

@@ -2,7 +2,7 @@
 // run synchronously on the calling thread (the rank's thread). Float math is done in the
 // tensor's dtype, as a float32 device would (f32 GEMMs accumulate in f32), except sum()
 // and mse_forward(), which accumulate in f64 as backend.h specifies. GEMMs go through
-// Eigen, single-threaded (EIGEN_DONT_PARALLELIZE: the ranks are the threads).
+// OpenBLAS, one thread per call (backend/blas.h: the ranks are the threads).
 //
 // Beyond backend.h, the CPU backend rejects labels that no vocabulary shard could hold:
 // a target below 0 other than kIgnoreIndex, or one that falls in this shard's padded
@@ -28,6 +28,10 @@ class CpuBackend final : public Backend {
   void from_host(Tensor& dst, const double* src) override;
   void from_host_i64(Tensor& dst, const std::int64_t* src) override;
   std::vector<double> to_host(const Tensor& src) override;
+  void to_host_into(const Tensor& src, std::vector<double>& dst) override;
+  const double* host_view_f64(const Tensor& src) override {
+    return src.dtype() == DType::F64 ? src.data<double>() : nullptr;
+  }
   void copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) override;
   void set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) override;
   void add_inplace(Tensor& dst, const Tensor& src) override;

@@ -72,6 +72,10 @@ std::vector<double> TimingBackend::to_host(const Tensor& src) {
   Scope s(*this, "to_host", C::Memory);
   return inner_->to_host(src);
 }
+void TimingBackend::to_host_into(const Tensor& src, std::vector<double>& dst) {
+  Scope s(*this, "to_host", C::Memory);
+  inner_->to_host_into(src, dst);
+}
 void TimingBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   Scope s(*this, "copy_columns", C::Memory);
   inner_->copy_columns(dst, src, col0);
