@@ -137,32 +137,42 @@ TEST_CASE("cuda ops: activations", "[cuda]") {
           });
 }
 
-TEST_CASE("cuda ops: LayerNorm forward and backward (accumulating)", "[cuda]") {
-  TPSIM_REQUIRE_CUDA();
-  const i64 N = 150, C = 96;  // N > 64: dweight sums over several row chunks
-  Input x = f("x", {N, C}, 30);
-  for (auto& v : x.values) v += 2.0;
-  compare("layernorm",
-          {x, f("w", {C}, 31), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
-           f("dy", {N, C}, 32), f("dx", {N, C}, 33), f("dw", {C}, 34)},
+// LayerNorm forward and backward (accumulating into dx, dw) on [N,C], inputs offset by
+// `shift` so the mean matters.
+void compare_layernorm(i64 N, i64 C, unsigned seed, double shift) {
+  Input x = f("x", {N, C}, seed);
+  for (auto& v : x.values) v += shift;
+  compare("layernorm " + std::to_string(N) + "x" + std::to_string(C),
+          {x, f("w", {C}, seed + 1), zeros("out", {N, C}), zeros("mean", {N}), zeros("rstd", {N}),
+           f("dy", {N, C}, seed + 2), f("dx", {N, C}, seed + 3), f("dw", {C}, seed + 4)},
           {2, 3, 4, 6, 7}, [](Backend& be, auto& t) {
             be.layernorm_forward(t[2], t[3], t[4], t[0], t[1], 1e-5);
             be.layernorm_backward(t[6], t[7], t[5], t[0], t[1], t[3], t[4]);
           });
 }
 
-TEST_CASE("cuda ops: causal attention forward and backward", "[cuda]") {
+TEST_CASE("cuda ops: LayerNorm forward and backward (accumulating)", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
-  const i64 B = 3, T = 20, h = 2, d = 8;
+  compare_layernorm(150, 96, 30, 2.0);  // N > 64: dweight sums over several row chunks
+}
+
+// Causal attention forward and backward, q/k/v [B·T, h·d].
+void compare_attention(i64 B, i64 T, i64 h, i64 d, unsigned seed) {
   const Shape s{B * T, h * d};
-  compare("attention",
-          {f("q", s, 40), f("k", s, 41), f("v", s, 42), zeros("out", s), zeros("probs", {B, h, T, T}),
-           f("dout", s, 43), zeros("dq", s), zeros("dk", s), zeros("dv", s)},
+  compare("attention T=" + std::to_string(T),
+          {f("q", s, seed), f("k", s, seed + 1), f("v", s, seed + 2), zeros("out", s),
+           zeros("probs", {B, h, T, T}), f("dout", s, seed + 3), zeros("dq", s), zeros("dk", s),
+           zeros("dv", s)},
           {3, 4, 6, 7, 8}, [=](Backend& be, auto& t) {
             const double scale = 1.0 / std::sqrt(double(d));
             be.attention_forward(t[3], t[4], t[0], t[1], t[2], B, T, h, scale);
             be.attention_backward(t[6], t[7], t[8], t[5], t[0], t[1], t[2], t[4], B, T, h, scale);
           });
+}
+
+TEST_CASE("cuda ops: causal attention forward and backward", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_attention(3, 20, 2, 8, 40);
 }
 
 TEST_CASE("cuda ops: masked embedding and its scatter-add", "[cuda]") {
@@ -180,12 +190,11 @@ TEST_CASE("cuda ops: masked embedding and its scatter-add", "[cuda]") {
           }, true);
 }
 
-TEST_CASE("cuda ops: vocab-parallel cross-entropy pieces", "[cuda]") {
-  TPSIM_REQUIRE_CUDA();
-  const i64 N = 7, Vl = 300, valid = 290, col0 = 600;
-  const std::vector<i64> tg = {600, 889, kIgnoreIndex, 12, 700, 601, 2000};
-  compare("cross_entropy",
-          {f("logits", {N, Vl}, 60, 4.0), ids("targets", tg), zeros("rowmax", {N}),
+// Every cross-entropy piece over a shard [col0, col0 + Vl) of which `valid` columns are real.
+void compare_cross_entropy(const std::vector<i64>& tg, i64 Vl, i64 valid, i64 col0, unsigned seed) {
+  const i64 N = static_cast<i64>(tg.size());
+  compare("cross_entropy Vl=" + std::to_string(Vl),
+          {f("logits", {N, Vl}, seed, 4.0), ids("targets", tg), zeros("rowmax", {N}),
            zeros("target_logit", {N}), zeros("sumexp", {N}), zeros("loss", {N}),
            zeros("dlogits", {N, Vl})},
           {2, 3, 4, 5, 6}, [=](Backend& be, auto& t) {
@@ -193,8 +202,13 @@ TEST_CASE("cuda ops: vocab-parallel cross-entropy pieces", "[cuda]") {
             be.ce_target_logit(t[3], t[0], t[1], col0, valid);
             be.ce_sum_exp(t[4], t[0], t[2], valid);
             be.ce_loss(t[5], t[2], t[4], t[3], t[1]);
-            be.ce_backward(t[6], t[0], t[2], t[4], t[1], col0, valid, 1.0 / 6);
+            be.ce_backward(t[6], t[0], t[2], t[4], t[1], col0, valid, 1.0 / static_cast<double>(N - 1));
           });
+}
+
+TEST_CASE("cuda ops: vocab-parallel cross-entropy pieces", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_cross_entropy({600, 889, kIgnoreIndex, 12, 700, 601, 2000}, 300, 290, 600, 60);
 }
 
 TEST_CASE("cuda ops: a target in the padded columns fails as on the CPU", "[cuda]") {
@@ -221,27 +235,33 @@ TEST_CASE("cuda ops: a target in the padded columns fails as on the CPU", "[cuda
   CHECK(messages[1] == messages[0]);
 }
 
-TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
-  TPSIM_REQUIRE_CUDA();
+// sum and mse_forward of n random values on both backends: both accumulate in f64, so
+// only the order differs.
+void compare_sums(i64 n, unsigned seed) {
   for (DType dt : {DType::F32, DType::F64}) {
     auto cpu = make_cpu_backend();
     CudaBackend gpu(0);
-    const auto y = randn(1000, 70), target = randn(1000, 71);
+    const auto y = randn(n, seed), target = randn(n, seed + 1);
     double s[2], m[2];
     int k = 0;
     for (Backend* be : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(&gpu)}) {
-      Tensor ty = be->empty({1000}, dt, MemCategory::Temporary, "y");
-      Tensor tt = be->empty({1000}, dt, MemCategory::Temporary, "target");
+      Tensor ty = be->empty({n}, dt, MemCategory::Temporary, "y");
+      Tensor tt = be->empty({n}, dt, MemCategory::Temporary, "target");
       be->from_host(ty, y.data());
       be->from_host(tt, target.data());
       s[k] = be->sum(ty);
       m[k] = be->mse_forward(ty, tt);
       ++k;
     }
-    // both accumulate in f64; only the order differs
-    CHECK(std::abs(s[1] - s[0]) <= 1e-12 * 1000);
+    INFO(dtype_name(dt) << ", n " << n);
+    CHECK(std::abs(s[1] - s[0]) <= 1e-12 * static_cast<double>(n));
     CHECK(std::abs(m[1] - m[0]) <= 1e-12 * m[0]);
   }
+}
+
+TEST_CASE("cuda ops: sums, MSE and optimizers", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_sums(1000, 70);
   compare("mse_backward", {f("y", {40}, 72), f("target", {40}, 73), zeros("dy", {40})}, {2},
           [](Backend& be, auto& t) { be.mse_backward(t[2], t[0], t[1]); });
   compare("sgd", {f("p", {40}, 74), f("g", {40}, 75)}, {0},
@@ -270,6 +290,62 @@ TEST_CASE("cuda ops: a host tensor is refused with the CPU backend's message sha
   HostAllocator host;
   Tensor t = Tensor::zeros({4}, DType::F32, host, MemCategory::Temporary, "host_t");
   CHECK_THROWS_AS(gpu.scale_inplace(t, 2.0), Error);
+}
+
+// ---- shapes that reach every loop path ---------------------------------------------------
+// Row kernels run kRowThreads = 256 threads per row: widths above 256 make each thread loop
+// several times, widths that are not multiples of 256 leave a partial last iteration;
+// column-blocked kernels (embedding and LayerNorm dweight) get several column blocks;
+// sums over more than kSumBlocks·256 = 65536 elements go around their grid-stride loop;
+// M = 1, N = 1 and K = 1 GEMMs hit cuBLAS's degenerate leading dimensions.
+
+TEST_CASE("cuda ops at loop-path shapes: LayerNorm over 600 columns and 130 rows", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_layernorm(130, 600, 130, -1.5);  // 3 column blocks of dweight, 3 row chunks (the last of 2 rows)
+}
+
+TEST_CASE("cuda ops at loop-path shapes: attention with T = 300 > 256 threads", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_attention(1, 300, 2, 3, 140);
+}
+
+TEST_CASE("cuda ops at loop-path shapes: embedding 600 wide, cross-entropy over 1000 columns", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 R = 5, C = 600, row0 = 2;
+  const std::vector<i64> tok = {2, 6, 3, 3, 9, 2, 4};
+  const i64 N = static_cast<i64>(tok.size());
+  compare("embedding wide",
+          {ids("ids", tok), f("table", {R, C}, 150), zeros("out", {N, C}), f("dout", {N, C}, 151),
+           f("dtable", {R, C}, 152)},
+          {2, 4}, [=](Backend& be, auto& t) {
+            be.embedding_forward(t[2], t[0], t[1], row0);
+            be.embedding_backward(t[4], t[3], t[0], row0);
+          }, true);
+  compare_cross_entropy({0, 998, kIgnoreIndex}, 1000, 999, 0, 153);
+}
+
+TEST_CASE("cuda ops at loop-path shapes: grid-stride sums and partial last blocks", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_sums(3 * 65536 + 77, 160);  // each sum thread loops 3-4 times; the last block is partial
+  compare("gelu partial block", {f("x", {1001}, 162), zeros("out", {1001})}, {1},
+          [](Backend& be, auto& t) { be.gelu_forward(t[1], t[0]); });
+}
+
+TEST_CASE("cuda ops at loop-path shapes: GEMMs with M, N or K of 1", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  struct Dims {
+    i64 M, N, K;
+  };
+  for (const Dims g : {Dims{1, 7, 5}, Dims{6, 1, 5}, Dims{6, 7, 1}, Dims{1, 1, 9}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        const Shape sa = ta ? Shape{g.K, g.M} : Shape{g.M, g.K};
+        const Shape sb = tb ? Shape{g.N, g.K} : Shape{g.K, g.N};
+        compare("gemm " + std::to_string(g.M) + "x" + std::to_string(g.N) + "x" +
+                    std::to_string(g.K) + (ta ? " ta" : "") + (tb ? " tb" : ""),
+                {f("a", sa, 170), f("b", sb, 171), f("out", {g.M, g.N}, 172)}, {2},
+                [=](Backend& be, auto& t) { be.gemm(t[2], t[0], ta, t[1], tb, 1.0, 0.5); });
+      }
 }
 
 }  // namespace
