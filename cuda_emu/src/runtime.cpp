@@ -230,19 +230,22 @@ bool staged_pageable_copies() {
   return staged;
 }
 
-// Up to TPSIM_EMU_JITTER_US (default 50) microseconds of sleep, pseudo-random: host
-// threads race on a real machine in orders a quiet CPU rarely produces.
+// Now and then (one call in 32) a pause of up to TPSIM_EMU_JITTER_US (default 20000)
+// microseconds: on a loaded machine a host thread is descheduled for milliseconds at any
+// point, and races between rank threads (an event destroyed while a peer is about to wait
+// on it) show only then. 0 turns it off.
 void jitter() {
   static const int us = [] {
     const char* v = std::getenv("TPSIM_EMU_JITTER_US");
-    return v && *v ? std::atoi(v) : 50;
+    return v && *v ? std::atoi(v) : 20000;
   }();
   if (us <= 0) return;
   thread_local std::uint64_t x = std::hash<std::thread::id>{}(std::this_thread::get_id()) | 1;
   x ^= x << 13;
   x ^= x >> 7;
   x ^= x << 17;
-  std::this_thread::sleep_for(std::chrono::microseconds(x % static_cast<std::uint64_t>(us)));
+  if (x % 32 != 0) return;
+  std::this_thread::sleep_for(std::chrono::microseconds((x >> 5) % static_cast<std::uint64_t>(us)));
 }
 
 // Checks the device sides of a copy now; "" or why it is refused.
@@ -656,7 +659,11 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   enqueue(str, "cudaMemcpyAsync", [=](bool) {
     const std::string late = check_copy(dst, src, bytes, kind);
     if (!late.empty())
-      device_fault(dev, cudaErrorIllegalAddress, "cudaMemcpyAsync, when the stream ran it: " + late);
+      device_fault(dev, cudaErrorIllegalAddress,
+                   "cudaMemcpyAsync, when the stream ran it: " + late +
+                       (pageable_source ? " (the pageable host source was freed before the "
+                                          "stream ran the copy, and its address reused)"
+                                        : ""));
     else
       std::memmove(dst, src, bytes);
     return true;
