@@ -7,6 +7,9 @@
 
 #include <boost/context/detail/fcontext.hpp>
 #include <cstdio>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
 #include <vector>
 
 #include "internal.h"
@@ -68,19 +71,43 @@ thread_local Block* tl_block = nullptr;
 thread_local Fiber* tl_fiber = nullptr;
 thread_local const char* tl_kernel = nullptr;
 
+// AddressSanitizer must be told about every stack switch (TPSIM_SANITIZE=address builds).
+#if defined(__SANITIZE_ADDRESS__)
+thread_local void* tl_fake_stack = nullptr;
+thread_local const void* tl_sched_bottom = nullptr;
+thread_local std::size_t tl_sched_size = 0;
+void asan_enter(const char* stack) {  // scheduler -> fiber
+  __sanitizer_start_switch_fiber(&tl_fake_stack, stack + 4096, kStackBytes - 4096);
+}
+void asan_entered() { __sanitizer_finish_switch_fiber(nullptr, &tl_sched_bottom, &tl_sched_size); }
+void asan_leave(bool dying) {  // fiber -> scheduler
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(dying ? nullptr : &fake, tl_sched_bottom, tl_sched_size);
+}
+void asan_left() { __sanitizer_finish_switch_fiber(tl_fake_stack, nullptr, nullptr); }
+#else
+void asan_enter(const char*) {}
+void asan_entered() {}
+void asan_leave(bool) {}
+void asan_left() {}
+#endif
+
 // From a fiber back to the scheduler.
-void yield_to_scheduler() {
+void yield_to_scheduler(bool dying = false) {
   Block* b = tl_block;
+  asan_leave(dying);
   const bc::transfer_t t = bc::jump_fcontext(b->scheduler, nullptr);
+  asan_entered();
   b->scheduler = t.fctx;
 }
 
 void fiber_main(bc::transfer_t t) {
+  asan_entered();
   Block* b = tl_block;
   b->scheduler = t.fctx;
   (*b->body)();
   tl_fiber->state = State::Done;
-  yield_to_scheduler();
+  yield_to_scheduler(true);
   fatal("a finished emulated thread was resumed");
 }
 
@@ -173,7 +200,9 @@ std::string run_block(Block& b) {
       ran = true;
       tl_fiber = &f;
       detail::tl_thread = &f.ctx;
+      asan_enter(tl_stacks.get(static_cast<std::size_t>(&f - b.fibers.data())));
       const bc::transfer_t t = bc::jump_fcontext(f.fc, nullptr);
+      asan_left();
       f.fc = t.fctx;
       detail::tl_thread = nullptr;
       tl_fiber = nullptr;

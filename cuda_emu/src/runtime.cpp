@@ -104,6 +104,10 @@ void on_segv(int sig, siginfo_t* info, void* uctx) {
                        " in kernel '%s', block (%u,%u,%u), thread (%u,%u,%u)", kernel,
                        t->block_idx.x, t->block_idx.y, t->block_idx.z, t->thread_idx.x,
                        t->thread_idx.y, t->thread_idx.z);
+  else if (n > 0 && n < static_cast<int>(sizeof buf))
+    n += std::snprintf(buf + n, sizeof buf - static_cast<std::size_t>(n),
+                       " outside any kernel (host code, or a stream running a copy whose host "
+                       "buffer was freed)");
   if (n > 0 && n < static_cast<int>(sizeof buf)) buf[n++] = '\n';
   if (n > 0) (void)!write(2, buf, static_cast<std::size_t>(n));
   // Hand over to whoever handled SIGSEGV before (a sanitizer), else die of it.

@@ -40,4 +40,18 @@ TEST_CASE("cli: impossible CUDA requests exit 2 with one line", "[cuda]") {
   CHECK_THAT(r.out, Catch::Matchers::Contains("TPSIM_CUDA_DEVICE=99: no such device"));
 }
 
+TEST_CASE("cli: a CUDA report says whether its GPU was emulated", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  // (the emulator copies pageable memory at the call here: this test is about the header)
+  setenv("TPSIM_EMU_PAGEABLE", "staged", 1);
+  const auto r = run_tpsim("verify --backend cuda --comm sim --model mlp --tp 1 --steps 1");
+  unsetenv("TPSIM_EMU_PAGEABLE");
+  INFO(r.out);
+#ifdef CUDA_EMU
+  CHECK_THAT(r.out, Catch::Matchers::Contains(", backend cuda (EMULATED on the CPU)\n"));
+#else
+  CHECK_THAT(r.out, Catch::Matchers::Contains(", backend cuda\n"));
+#endif
+}
+
 }  // namespace
