@@ -4,7 +4,9 @@
 #   1. the emulator's self-tests and the unmodified device tests (tests/cuda/);
 #   2. tpsim verify --backend cuda for the MLP and a small GPT (plain, --loss-parallel,
 #      --sequence-parallel) at TP 1,2,4,8, with --comm sim and the emulated --comm nccl.
-# Called by scripts/test.sh; about 4 minutes on 2 cores.
+# Called by scripts/test.sh; about 5 minutes on 2 cores. EMU_ASAN=1 also builds
+# build-emu-asan/ with ASan/UBSan and runs the self-tests and device tests there (slower:
+# not part of CI), so that a kernel or host access out of bounds names its line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -17,6 +19,14 @@ cmake --build build-emu -j "$jobs" --target tpsim tpsim_cuda_tests cuda_emu_test
 
 echo "== cuda_emu: self-tests and device tests"
 ctest --test-dir build-emu -L 'emu|cuda' --output-on-failure -j "$jobs"
+
+if [ "${EMU_ASAN:-0}" = 1 ]; then
+  echo "== cuda_emu under ASan/UBSan: self-tests and device tests"
+  cmake -S . -B build-emu-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPSIM_WERROR=ON \
+    -DTPSIM_CUDA=OFF -DTPSIM_CUDA_EMU=ON -DTPSIM_SANITIZE=address >/dev/null
+  cmake --build build-emu-asan -j "$jobs" --target tpsim tpsim_cuda_tests cuda_emu_tests cuda_emu_crash
+  ctest --test-dir build-emu-asan -L 'emu|cuda' --output-on-failure -j "$jobs"
+fi
 
 echo "== cuda_emu: tpsim verify --backend cuda (EMULATED on the CPU)"
 gpt=(--model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32

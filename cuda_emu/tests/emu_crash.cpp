@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <chrono>
 #include <thread>
 
 #include "emu_kernel_bugs.h"
@@ -29,6 +30,24 @@ int main(int argc, char** argv) {
     cudaMalloc(&buf, 16);
     ncclCommAbort(c[0]);
     ncclAllReduce(buf, buf, 4, ncclFloat32, ncclSum, c[0], s);  // the handle is gone
+    std::puts("not caught");
+    return 0;
+  }
+  if (std::strcmp(argv[1], "abort-race") == 0) {
+    // NcclComm's pattern: one rank thread polls its communicator while another thread
+    // aborts every communicator without excluding it.
+    ncclComm_t c[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(c, 2, devs);
+    std::thread poller([&] {
+      for (;;) {
+        ncclResult_t state;
+        ncclCommGetAsyncError(c[0], &state);
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ncclCommAbort(c[0]);
+    poller.join();
     std::puts("not caught");
     return 0;
   }
