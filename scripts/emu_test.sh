@@ -5,8 +5,9 @@
 #   2. tpsim verify --backend cuda for the MLP and a small GPT (plain, --loss-parallel,
 #      --sequence-parallel) at TP 1,2,4,8, with --comm sim and the emulated --comm nccl.
 # Called by scripts/test.sh; about 5 minutes of runs on 2 cores, plus the build.
-# EMU_ASAN=1 also builds build-emu-asan/ with ASan/UBSan and runs the self-tests and device tests there (slower:
-# not part of CI), so that a kernel or host access out of bounds names its line.
+# EMU_ASAN=1 also builds build-emu-asan/ with ASan/UBSan and runs the self-tests and
+# device tests there (slower: not part of CI), so that a host access out of bounds or
+# after free (a pageable copy's freed source) names its line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
