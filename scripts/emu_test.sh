@@ -13,6 +13,9 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 # A hang on a device is a hang here too; the emulator reports it after this many seconds.
 export TPSIM_EMU_HANG_S=${TPSIM_EMU_HANG_S:-60}
+# The emulator always has GPUs (TPSIM_EMU_DEVICES, default 8): a device test that skips
+# here is broken, and TPSIM_REQUIRE_GPU makes the skip a failure.
+export TPSIM_REQUIRE_GPU=1
 
 cmake -S . -B build-emu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPSIM_WERROR=ON \
   -DTPSIM_CUDA=OFF -DTPSIM_CUDA_EMU=ON >/dev/null
