@@ -26,7 +26,8 @@ ctest --test-dir build-emu -L 'emu|cuda' --output-on-failure -j "$jobs"
 
 if [ "${EMU_ASAN:-0}" = 1 ]; then
   echo "== cuda_emu under ASan/UBSan: self-tests and device tests"
-  cmake -S . -B build-emu-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPSIM_WERROR=ON \
+  # No -Werror: GCC 12 warns (maybe-uninitialized) inside libstdc++ under ASan at -O2.
+  cmake -S . -B build-emu-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPSIM_WERROR=OFF \
     -DTPSIM_CUDA=OFF -DTPSIM_CUDA_EMU=ON -DTPSIM_SANITIZE=address >/dev/null
   cmake --build build-emu-asan -j "$jobs" --target tpsim tpsim_cuda_tests cuda_emu_tests cuda_emu_crash
   ctest --test-dir build-emu-asan -L 'emu|cuda' --output-on-failure -j "$jobs"
