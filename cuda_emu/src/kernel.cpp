@@ -111,7 +111,9 @@ void fiber_main(bc::transfer_t t) {
   fatal("a finished emulated thread was resumed");
 }
 
-void fault_here(const std::string& msg) {
+// Ends the calling emulated thread for good. Its stack is never unwound, so `msg` must
+// not be (or be built from) a temporary that owns heap memory.
+void fault_here(const char* msg) {
   Block* b = tl_block;
   if (b->fault.empty()) b->fault = msg;
   tl_fiber->state = State::Fault;
@@ -291,8 +293,11 @@ std::uint64_t shuffle(unsigned mask, std::uint64_t bits, int src_lane, const cha
                   what, mask, f->warp, nl, b->threads > 0 ? static_cast<unsigned>(b->threads) : 0u);
     fault_here(buf);
   }
-  if (!(mask >> f->lane & 1u))
-    fault_here(std::string(what) + ": lane " + std::to_string(f->lane) + " is not in its own mask");
+  if (!(mask >> f->lane & 1u)) {
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "%s: lane %d is not in its own mask %#x", what, f->lane, mask);
+    fault_here(buf);
+  }
   f->state = State::Shuffle;
   f->mask = mask;
   f->bits = bits;

@@ -76,7 +76,7 @@ struct Clique {
 
 std::mutex g_mu;  // guards the tables below
 std::unordered_map<std::uint64_t, std::shared_ptr<Comm>> g_comms;
-std::map<std::uint64_t, std::shared_ptr<Clique>> g_cliques;  // by unique id
+std::map<std::uint64_t, std::weak_ptr<Clique>> g_cliques;  // by unique id; comms own them
 std::vector<std::tuple<int, long long, NcclFault>> g_faults;
 std::uint64_t g_next_id = 0x7c000000, g_next_unique = 1;
 std::string g_last_error;
@@ -385,7 +385,7 @@ std::shared_ptr<Clique> clique_for(const ncclUniqueId& id, int n) {
   std::uint64_t key;
   std::memcpy(&key, id.internal, sizeof key);
   std::lock_guard lk(g_mu);
-  auto& cl = g_cliques[key];
+  std::shared_ptr<Clique> cl = g_cliques[key].lock();
   if (!cl) {
     cl = std::make_shared<Clique>();
     cl->n = n;
@@ -394,6 +394,7 @@ std::shared_ptr<Clique> clique_for(const ncclUniqueId& id, int n) {
     cl->faults.assign(static_cast<std::size_t>(n), {-1, NcclFault::Error});
     for (auto& [r, seq, kind] : g_faults)
       if (r >= 0 && r < n) cl->faults[static_cast<std::size_t>(r)] = {seq, kind};
+    g_cliques[key] = cl;
   }
   return cl;
 }
@@ -559,6 +560,8 @@ ncclResult_t release(ncclComm_t h, const char* call, bool abort) {
             std::to_string(c->in_call) + " other thread(s) are inside an NCCL call on it (the "
             "handle is freed under them; NCCL requires the caller to exclude this)");
     c->aborted = c->aborted || abort;
+    // The clique lets go of the rank (no ownership cycle); its pending tasks keep it.
+    c->clique->ranks[static_cast<std::size_t>(c->rank)].reset();
     c->clique->cv.notify_all();
   }
   std::lock_guard lk(g_mu);
