@@ -4,7 +4,7 @@
 set -euo pipefail
 
 need=(cmake ninja-build g++ clang libclang-rt-14-dev libeigen3-dev libcli11-dev catch2
-      nlohmann-json3-dev libopenblas-dev)
+      nlohmann-json3-dev libopenblas-dev libboost-context-dev)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -2,7 +2,8 @@
 # The README's second command: set up, build, and run the whole test suite:
 #   1. every Catch2 test under ctest (Release build);
 #   2. the communicator and rank tests again under ThreadSanitizer;
-#   3. the safetensors reader under libFuzzer with ASan/UBSan, for a bounded time.
+#   3. the safetensors reader under libFuzzer with ASan/UBSan, for a bounded time;
+#   4. the CUDA path on the CPU emulator (scripts/emu_test.sh; no GPU, no nvcc needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -20,3 +21,6 @@ TSAN_OPTIONS="halt_on_error=1" build-tsan/tests/tpsim_tests '[comm],[mappings]'
 
 echo "== libFuzzer: safetensors reader (${FUZZ_SECONDS:-60} s)"
 scripts/fuzz.sh "${FUZZ_SECONDS:-60}"
+
+echo "== CUDA emulator: device tests and verify --backend cuda"
+scripts/emu_test.sh

@@ -96,7 +96,8 @@ std::string format_bytes(double b) {
 void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyReport& r) {
   os << "tpsim verify: model " << model_name(o.model) << ", " << dtype_name(o.dtype)
      << " sharded vs f64 reference, tp " << tp_list(o) << ", " << o.steps << " steps, seed "
-     << o.seed << (o.resync ? ", resync" : "") << "\n";
+     << o.seed << (o.resync ? ", resync" : "") << ", backend "
+     << backend_description(o.device.backend) << "\n";
   os << "tolerance: norm-wise relative error <= " << fmt("%.1e", r.tolerance)
      << "; replicated tensors bit-identical across ranks\n";
   os << "reference losses:";

@@ -1,6 +1,7 @@
 #include "runtime/launch.h"
 
 #include "comm/rank_runner.h"
+#include "runtime/launch_cuda.h"
 
 namespace tpsim {
 
@@ -18,18 +19,9 @@ CommKind parse_comm_kind(const std::string& s) {
   throw UsageError("--comm: expected auto, threads, nccl or sim, got '" + s + "'");
 }
 
-// Defined in launch_cuda.cpp when the CUDA toolkit is built in, else below.
-void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
-void check_cuda_launch(const DeviceOptions& dev, int world);
-
-#ifndef TPSIM_HAVE_CUDA
-void check_cuda_launch(const DeviceOptions&, int) {
-  throw UsageError("--backend cuda: this tpsim was built without the CUDA toolkit");
+std::string backend_description(BackendKind kind) {
+  return kind == BackendKind::Cuda ? cuda_backend_description() : "cpu";
 }
-void launch_cuda_ranks(const DeviceOptions& dev, int world, double, const RankMain&) {
-  check_cuda_launch(dev, world);
-}
-#endif
 
 void check_launch(const DeviceOptions& dev, int world) {
   if (dev.backend == BackendKind::Cuda) return check_cuda_launch(dev, world);

@@ -23,6 +23,9 @@ struct DeviceOptions {
 
 BackendKind parse_backend_kind(const std::string& s);  // "cpu" | "cuda"; UsageError otherwise
 CommKind parse_comm_kind(const std::string& s);        // "auto" | "threads" | "nccl" | "sim"
+// For reports: "cpu", "cuda", or "cuda (EMULATED on the CPU)" in an emulator build, whose
+// results must never pass for a GPU's.
+std::string backend_description(BackendKind kind);
 
 // Throws UsageError now if launch_ranks(dev, world, ...) could not place its ranks (no
 // GPU, too few for --comm nccl, CPU ranks with a device communicator), so that a run

@@ -1,5 +1,5 @@
-// launch_ranks for --backend cuda (compiled only with the CUDA toolkit; launch.cpp has
-// the stub otherwise): plans the ranks (cuda_plan.h), then runs one thread per rank, each
+// launch_ranks for --backend cuda (compiled only with a CUDA backend, real or emulated;
+// launch_no_cuda.cpp refuses otherwise): plans the ranks (cuda_plan.h), then runs one thread per rank, each
 // with its own CudaBackend (own stream) and an NcclComm or SimComm on top of the rank
 // threads' host ThreadComm.
 #include <cstdlib>
@@ -11,7 +11,7 @@
 #include "comm/rank_runner.h"
 #include "comm/sim_comm.h"
 #include "runtime/cuda_plan.h"
-#include "runtime/launch.h"
+#include "runtime/launch_cuda.h"
 
 namespace tpsim {
 
@@ -25,6 +25,14 @@ CudaPlan plan_for(const DeviceOptions& dev, int world) {
 }  // namespace
 
 void check_cuda_launch(const DeviceOptions& dev, int world) { (void)plan_for(dev, world); }
+
+std::string cuda_backend_description() {
+#ifdef CUDA_EMU
+  return "cuda (EMULATED on the CPU)";  // cuda_emu's stand-in cuda_runtime.h says so
+#else
+  return "cuda";
+#endif
+}
 
 void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
   const CudaPlan plan = plan_for(dev, world);

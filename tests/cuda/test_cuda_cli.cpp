@@ -75,4 +75,18 @@ TEST_CASE("device tests: TPSIM_REQUIRE_GPU=1 turns a skip into a failure", "[cud
   }
 }
 
+TEST_CASE("cli: a CUDA report says whether its GPU was emulated", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  // (the emulator copies pageable memory at the call here: this test is about the header)
+  setenv("TPSIM_EMU_PAGEABLE", "staged", 1);
+  const auto r = run_tpsim("verify --backend cuda --comm sim --model mlp --tp 1 --steps 1");
+  unsetenv("TPSIM_EMU_PAGEABLE");
+  INFO(r.out);
+#ifdef CUDA_EMU
+  CHECK_THAT(r.out, Catch::Matchers::Contains(", backend cuda (EMULATED on the CPU)\n"));
+#else
+  CHECK_THAT(r.out, Catch::Matchers::Contains(", backend cuda\n"));
+#endif
+}
+
 }  // namespace

@@ -50,14 +50,14 @@ __global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, i64 T
 template <class T>
 void causal_softmax(T* scores, i64 rows, i64 T_, T scale, cudaStream_t s) {
   if (rows == 0) return;
-  causal_softmax_kernel<<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(scores, T_, scale);
+  TPSIM_LAUNCH(static_cast<unsigned>(rows), kRowThreads, 0, s, causal_softmax_kernel)(scores, T_, scale);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
 
 template <class T>
 void causal_softmax_backward(T* dscores, const T* probs, i64 rows, i64 T_, T scale, cudaStream_t s) {
   if (rows == 0) return;
-  causal_softmax_backward_kernel<<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(dscores, probs,
+  TPSIM_LAUNCH(static_cast<unsigned>(rows), kRowThreads, 0, s, causal_softmax_backward_kernel)(dscores, probs,
                                                                                     T_, scale);
   TPSIM_CUDA_CHECK_LAUNCH();
 }

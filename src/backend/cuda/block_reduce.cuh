@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/launch.cuh"
+
 namespace tpsim::cuda_kernels {
 
 inline constexpr int kRowThreads = 256;  // blockDim of every row kernel (a multiple of 32)

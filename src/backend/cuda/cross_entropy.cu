@@ -42,7 +42,7 @@ __global__ void ce_check_targets_kernel(i64* bad_row, const i64* targets, i64 N,
 template <class T>
 void ce_row_max(T* rowmax, const T* logits, i64 N, i64 Vl, i64 valid, cudaStream_t s) {
   if (N == 0) return;
-  ce_row_max_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, s>>>(rowmax, logits, Vl, valid);
+  TPSIM_LAUNCH(static_cast<unsigned>(N), kRowThreads, 0, s, ce_row_max_kernel)(rowmax, logits, Vl, valid);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -50,7 +50,7 @@ template <class T>
 void ce_target_logit(T* target_logit, const T* logits, const i64* targets, i64 N, i64 Vl, i64 col0,
                      i64 valid, cudaStream_t s) {
   if (N == 0) return;
-  for_each_kernel<<<grid_for(N, kRowThreads), kRowThreads, 0, s>>>(
+  TPSIM_LAUNCH(grid_for(N, kRowThreads), kRowThreads, 0, s, for_each_kernel)(
       N, [=] __device__(long long i) {
         const i64 c = cuda_math::ce_local_target(targets[i], col0, valid, Vl);
         target_logit[i] = c >= 0 ? logits[i * Vl + c] : T(0);
@@ -61,7 +61,7 @@ void ce_target_logit(T* target_logit, const T* logits, const i64* targets, i64 N
 template <class T>
 void ce_sum_exp(T* sumexp, const T* logits, const T* rowmax, i64 N, i64 Vl, i64 valid, cudaStream_t s) {
   if (N == 0) return;
-  ce_sum_exp_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, s>>>(sumexp, logits, rowmax, Vl,
+  TPSIM_LAUNCH(static_cast<unsigned>(N), kRowThreads, 0, s, ce_sum_exp_kernel)(sumexp, logits, rowmax, Vl,
                                                                      valid);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
@@ -70,7 +70,7 @@ template <class T>
 void ce_loss(T* loss, const T* rowmax, const T* sumexp, const T* target_logit, const i64* targets,
              i64 N, cudaStream_t s) {
   if (N == 0) return;
-  for_each_kernel<<<grid_for(N, kRowThreads), kRowThreads, 0, s>>>(
+  TPSIM_LAUNCH(grid_for(N, kRowThreads), kRowThreads, 0, s, for_each_kernel)(
       N, [=] __device__(long long i) {
         loss[i] = cuda_math::ce_loss(rowmax[i], sumexp[i], target_logit[i], targets[i]);
       });
@@ -82,7 +82,7 @@ template <class T>
 void ce_backward(T* dlogits, const T* logits, const T* rowmax, const T* sumexp, const i64* targets,
                  i64 N, i64 Vl, i64 col0, i64 valid, T scale, cudaStream_t s) {
   if (N * Vl == 0) return;
-  for_each_kernel<<<grid_for(N * Vl, kRowThreads), kRowThreads, 0, s>>>(
+  TPSIM_LAUNCH(grid_for(N * Vl, kRowThreads), kRowThreads, 0, s, for_each_kernel)(
       N * Vl, [=] __device__(long long k) {
         const i64 i = k / Vl, c = k % Vl;
         const i64 target = targets[i];
@@ -100,7 +100,7 @@ void ce_check_targets(i64* bad_row, const i64* targets, i64 N, i64 Vl, i64 col0,
                       cudaStream_t s) {
   fill_i64(bad_row, 1, N, s);
   if (N == 0) return;
-  ce_check_targets_kernel<<<grid_for(N, kRowThreads), kRowThreads, 0, s>>>(bad_row, targets, N, Vl,
+  TPSIM_LAUNCH(grid_for(N, kRowThreads), kRowThreads, 0, s, ce_check_targets_kernel)(bad_row, targets, N, Vl,
                                                                           col0, valid);
   TPSIM_CUDA_CHECK_LAUNCH();
 }

@@ -11,6 +11,10 @@ namespace tpsim {
 }
 
 [[noreturn]] void throw_cuda_error(cudaError_t e, const char* call, const char* file, int line) {
+  // A failed call also becomes the thread's "last error", which the next launch check
+  // (cudaGetLastError) would report again, against an innocent kernel: this error is
+  // reported here, so clear it (a sticky error, which cannot be cleared, stays).
+  (void)cudaGetLastError();
   throw_device_error(call, file, line,
                      std::string(cudaGetErrorString(e)) + " (" + cudaGetErrorName(e) + ")");
 }

@@ -12,7 +12,7 @@ constexpr int kThreads = 256;
 template <class F>
 void for_each(i64 n, cudaStream_t s, F f) {
   if (n == 0) return;
-  for_each_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(n, f);
+  TPSIM_LAUNCH(grid_for(n, kThreads), kThreads, 0, s, for_each_kernel)(n, f);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
 

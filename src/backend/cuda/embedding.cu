@@ -40,7 +40,7 @@ template <class T>
 void embedding_forward(T* out, const i64* ids, const T* table, i64 row0, i64 N, i64 R, i64 C,
                        cudaStream_t s) {
   if (N * C == 0) return;
-  embedding_forward_kernel<<<grid_for(N * C, kRowThreads), kRowThreads, 0, s>>>(out, ids, table,
+  TPSIM_LAUNCH(grid_for(N * C, kRowThreads), kRowThreads, 0, s, embedding_forward_kernel)(out, ids, table,
                                                                                row0, N, R, C);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
@@ -53,7 +53,7 @@ void embedding_backward(T* dtable, const T* dout, const i64* plan, i64 n_rows, i
   const i64* rows = plan;
   const i64* offsets = plan + n_rows;
   const i64* tokens = plan + 2 * n_rows + 1;
-  embedding_backward_kernel<<<grid, kRowThreads, 0, s>>>(dtable, dout, rows, offsets, tokens, C);
+  TPSIM_LAUNCH(grid, kRowThreads, 0, s, embedding_backward_kernel)(dtable, dout, rows, offsets, tokens, C);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
 

@@ -90,7 +90,7 @@ template <class T>
 void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* weight, i64 N, i64 C,
                        T eps, cudaStream_t s) {
   if (N == 0) return;
-  layernorm_forward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, s>>>(out, mean, rstd, inp,
+  TPSIM_LAUNCH(static_cast<unsigned>(N), kRowThreads, 0, s, layernorm_forward_kernel)(out, mean, rstd, inp,
                                                                            weight, C, eps);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
@@ -99,16 +99,16 @@ template <class T>
 void layernorm_backward(T* dinp, T* dweight, T* partial, const T* dout, const T* inp,
                         const T* weight, const T* mean, const T* rstd, i64 N, i64 C, cudaStream_t s) {
   if (N == 0 || C == 0) return;
-  layernorm_dinp_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, s>>>(dinp, dout, inp, weight,
+  TPSIM_LAUNCH(static_cast<unsigned>(N), kRowThreads, 0, s, layernorm_dinp_kernel)(dinp, dout, inp, weight,
                                                                          mean, rstd, C);
   TPSIM_CUDA_CHECK_LAUNCH();
   const i64 chunks = layernorm_dweight_chunks(N);
   const dim3 grid(static_cast<unsigned>((C + kRowThreads - 1) / kRowThreads),
                   static_cast<unsigned>(chunks < kMaxGridY ? chunks : kMaxGridY));
-  layernorm_dweight_partial_kernel<<<grid, kRowThreads, 0, s>>>(partial, dout, inp, mean, rstd, N, C,
-                                                              chunks);
+  TPSIM_LAUNCH(grid, kRowThreads, 0, s, layernorm_dweight_partial_kernel)(partial, dout, inp, mean,
+                                                                        rstd, N, C, chunks);
   TPSIM_CUDA_CHECK_LAUNCH();
-  layernorm_dweight_final_kernel<<<grid.x, kRowThreads, 0, s>>>(dweight, partial, chunks, C);
+  TPSIM_LAUNCH(grid.x, kRowThreads, 0, s, layernorm_dweight_final_kernel)(dweight, partial, chunks, C);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
 

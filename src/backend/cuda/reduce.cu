@@ -32,9 +32,9 @@ __global__ void final_sum_kernel(double* result, const double* partial, int k) {
 
 template <class F>
 void sum_terms(double* result, double* partial, i64 n, cudaStream_t s, F term) {
-  partial_sums_kernel<<<kSumBlocks, kRowThreads, 0, s>>>(partial, n, term);
+  TPSIM_LAUNCH(kSumBlocks, kRowThreads, 0, s, partial_sums_kernel)(partial, n, term);
   TPSIM_CUDA_CHECK_LAUNCH();
-  final_sum_kernel<<<1, kRowThreads, 0, s>>>(result, partial, kSumBlocks);
+  TPSIM_LAUNCH(1, kRowThreads, 0, s, final_sum_kernel)(result, partial, kSumBlocks);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
 
@@ -63,9 +63,9 @@ template <class T>
 void reduce_ranks_typed(void* dst, const RankPtrs& src, int k, i64 n, bool op_max, cudaStream_t s) {
   const unsigned grid = grid_for(n, kRowThreads);
   if (op_max)
-    reduce_ranks_kernel<T, true><<<grid, kRowThreads, 0, s>>>(static_cast<T*>(dst), src, k, n);
+    TPSIM_LAUNCH(grid, kRowThreads, 0, s, reduce_ranks_kernel<T, true>)(static_cast<T*>(dst), src, k, n);
   else
-    reduce_ranks_kernel<T, false><<<grid, kRowThreads, 0, s>>>(static_cast<T*>(dst), src, k, n);
+    TPSIM_LAUNCH(grid, kRowThreads, 0, s, reduce_ranks_kernel<T, false>)(static_cast<T*>(dst), src, k, n);
   TPSIM_CUDA_CHECK_LAUNCH();
 }
 

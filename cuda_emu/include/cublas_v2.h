@@ -1,0 +1,55 @@
+// cuda_emu's stand-in for cuBLAS: column-major GEMMs on the host, enqueued on the handle's
+// stream, with cuBLAS's argument checks and every operand range-checked against the
+// device-memory registry (an operand reaching past its allocation is reported as the
+// illegal address a device would fault on).
+#pragma once
+
+#include <cuda_runtime.h>
+
+enum cublasStatus_t {
+  CUBLAS_STATUS_SUCCESS = 0,
+  CUBLAS_STATUS_NOT_INITIALIZED = 1,
+  CUBLAS_STATUS_ALLOC_FAILED = 3,
+  CUBLAS_STATUS_INVALID_VALUE = 7,
+  CUBLAS_STATUS_ARCH_MISMATCH = 8,
+  CUBLAS_STATUS_MAPPING_ERROR = 11,
+  CUBLAS_STATUS_EXECUTION_FAILED = 13,
+  CUBLAS_STATUS_INTERNAL_ERROR = 14,
+  CUBLAS_STATUS_NOT_SUPPORTED = 15,
+};
+enum cublasOperation_t { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1, CUBLAS_OP_C = 2 };
+enum cublasMath_t {
+  CUBLAS_DEFAULT_MATH = 0,
+  CUBLAS_TENSOR_OP_MATH = 1,
+  CUBLAS_PEDANTIC_MATH = 2,
+  CUBLAS_TF32_TENSOR_OP_MATH = 3,
+};
+
+struct cublasContext;
+typedef cublasContext* cublasHandle_t;
+
+cublasStatus_t cublasCreate(cublasHandle_t* h);
+cublasStatus_t cublasDestroy(cublasHandle_t h);
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s);
+cublasStatus_t cublasGetStream(cublasHandle_t h, cudaStream_t* s);
+cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t mode);
+const char* cublasGetStatusString(cublasStatus_t s);
+
+cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                           int n, int k, const float* alpha, const float* A, int lda,
+                           const float* B, int ldb, const float* beta, float* C, int ldc);
+cublasStatus_t cublasDgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                           int n, int k, const double* alpha, const double* A, int lda,
+                           const double* B, int ldb, const double* beta, double* C, int ldc);
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const float* alpha, const float* A, int lda,
+                                         long long sA, const float* B, int ldb, long long sB,
+                                         const float* beta, float* C, int ldc, long long sC,
+                                         int batch);
+cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const double* alpha, const double* A, int lda,
+                                         long long sA, const double* B, int ldb, long long sB,
+                                         const double* beta, double* C, int ldc, long long sC,
+                                         int batch);

@@ -1,0 +1,216 @@
+// cuBLAS on the CPU: the GEMMs tpsim calls, column-major, enqueued on the handle's stream.
+// Arguments are checked as cuBLAS checks them (CUBLAS_STATUS_INVALID_VALUE); operands are
+// range-checked against the device-memory registry, where a device would read or write
+// out of bounds (reported as a device fault, like the illegal address it would be).
+#include <cublas_v2.h>
+
+#include "internal.h"
+
+namespace cuda_emu {
+namespace {
+
+struct Blas {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+};
+
+std::mutex g_mu;
+std::unordered_map<std::uint64_t, Blas> g_handles;
+std::uint64_t g_next = 0x7b000000;
+
+bool lookup(cublasHandle_t h, Blas* out) {
+  std::lock_guard lk(g_mu);
+  auto it = g_handles.find(reinterpret_cast<std::uintptr_t>(h));
+  if (it == g_handles.end()) return false;
+  *out = it->second;
+  return true;
+}
+
+// Elements of a column-major rows x cols operand with leading dimension ld.
+long long span(int rows, int cols, int ld) {
+  return rows == 0 || cols == 0 ? 0 : static_cast<long long>(cols - 1) * ld + rows;
+}
+
+template <class T>
+std::string check_operand(const char* call, const char* name, const T* p, int rows, int cols,
+                          int ld, long long stride, int batch) {
+  const long long n = span(rows, cols, ld);
+  if (n == 0 || batch == 0) return "";
+  for (int b = 0; b < batch; ++b) {
+    const std::string why =
+        check_device_range(p + stride * b, static_cast<std::size_t>(n) * sizeof(T), name);
+    if (!why.empty())
+      return std::string(call) + ": operand " + name + " of batch " + std::to_string(b) + " (" +
+             std::to_string(rows) + "x" + std::to_string(cols) + ", ld " + std::to_string(ld) +
+             "): " + why;
+  }
+  return "";
+}
+
+template <class T>
+cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
+                    int m, int n, int k, const T* alpha, const T* A, int lda, long long sA,
+                    const T* B, int ldb, long long sB, const T* beta, T* C, int ldc, long long sC,
+                    int batch) {
+  Blas blas;
+  if (!lookup(h, &blas)) {
+    say(std::string(call) + " on cuBLAS handle " + handle_name(h) + ", which was destroyed or never created");
+    return CUBLAS_STATUS_NOT_INITIALIZED;
+  }
+  const auto invalid = [&](const std::string& why) {
+    say(std::string(call) + ": " + why + " (CUBLAS_STATUS_INVALID_VALUE)");
+    return CUBLAS_STATUS_INVALID_VALUE;
+  };
+  if (ta > CUBLAS_OP_C || tb > CUBLAS_OP_C) return invalid("unknown transpose");
+  if (m < 0 || n < 0 || k < 0 || batch < 0) return invalid("a negative size");
+  const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
+  const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
+  if (lda < std::max(1, a_rows))
+    return invalid("lda " + std::to_string(lda) + " < max(1, " + std::to_string(a_rows) + ")");
+  if (ldb < std::max(1, b_rows))
+    return invalid("ldb " + std::to_string(ldb) + " < max(1, " + std::to_string(b_rows) + ")");
+  if (ldc < std::max(1, m))
+    return invalid("ldc " + std::to_string(ldc) + " < max(1, " + std::to_string(m) + ")");
+  if (!alpha || !beta) return invalid("null alpha or beta");
+  if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
+  StreamPtr s = stream_of(blas.stream);
+  if (!s) {
+    say(std::string(call) + ": the handle's stream " + handle_name(blas.stream) + " was destroyed");
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
+  const T al = *alpha, be = *beta;  // host pointer mode: read at the call
+  const int dev = s->device;
+  const int kk = al == T(0) ? 0 : k;  // cuBLAS reads neither A nor B when alpha is 0
+  const auto ranges = [=]() {
+    std::string why = check_operand(call, "A", A, a_rows, kk ? a_cols : 0, lda, sA, batch);
+    if (why.empty()) why = check_operand(call, "B", B, b_rows, kk ? b_cols : 0, ldb, sB, batch);
+    if (why.empty()) why = check_operand(call, "C", static_cast<const T*>(C), m, n, ldc, sC, batch);
+    return why;
+  };
+  const std::string now = ranges();
+  if (!now.empty()) {
+    device_fault(dev, cudaErrorIllegalAddress, now);
+    return CUBLAS_STATUS_SUCCESS;  // a device reports the fault at the next sync
+  }
+  enqueue(s, call, [=](bool) {
+    if (sticky_error(dev) != cudaSuccess) return true;
+    const std::string late = ranges();
+    if (!late.empty()) {
+      device_fault(dev, cudaErrorIllegalAddress, late + " (when the stream ran it)");
+      return true;
+    }
+    for (int b = 0; b < batch; ++b) {
+      const T* a = A + sA * b;
+      const T* bb = B + sB * b;
+      T* c = C + sC * b;
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < m; ++i) {
+          T acc = T(0);
+          for (int l = 0; l < kk; ++l) {
+            const T x = ta == CUBLAS_OP_N ? a[i + static_cast<long long>(l) * lda]
+                                          : a[l + static_cast<long long>(i) * lda];
+            const T y = tb == CUBLAS_OP_N ? bb[l + static_cast<long long>(j) * ldb]
+                                          : bb[j + static_cast<long long>(l) * ldb];
+            acc += x * y;
+          }
+          T& out = c[i + static_cast<long long>(j) * ldc];
+          // beta 0: C is not read (it may hold NaN), as cuBLAS documents
+          out = be == T(0) ? al * acc : al * acc + be * out;
+        }
+    }
+    return true;
+  });
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
+}  // namespace cuda_emu
+
+using namespace cuda_emu;
+
+cublasStatus_t cublasCreate(cublasHandle_t* h) {
+  if (!h) return CUBLAS_STATUS_INVALID_VALUE;
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return CUBLAS_STATUS_NOT_INITIALIZED;
+  std::lock_guard lk(g_mu);
+  const std::uint64_t id = g_next++;
+  g_handles[id] = Blas{current_device(), nullptr};
+  *h = reinterpret_cast<cublasHandle_t>(id);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasDestroy(cublasHandle_t h) {
+  std::lock_guard lk(g_mu);
+  if (g_handles.erase(reinterpret_cast<std::uintptr_t>(h)) == 0) {
+    say("cublasDestroy(" + handle_name(h) + "): destroyed or never created");
+    return CUBLAS_STATUS_NOT_INITIALIZED;
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
+  if (s && !stream_of(s)) return CUBLAS_STATUS_INVALID_VALUE;
+  std::lock_guard lk(g_mu);
+  auto it = g_handles.find(reinterpret_cast<std::uintptr_t>(h));
+  if (it == g_handles.end()) return CUBLAS_STATUS_NOT_INITIALIZED;
+  it->second.stream = s;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasGetStream(cublasHandle_t h, cudaStream_t* s) {
+  Blas b;
+  if (!lookup(h, &b)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (s) *s = b.stream;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t mode) {
+  Blas b;
+  if (!lookup(h, &b)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (mode > CUBLAS_TF32_TENSOR_OP_MATH) return CUBLAS_STATUS_INVALID_VALUE;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+const char* cublasGetStatusString(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+  }
+  return "CUBLAS_STATUS_UNKNOWN";
+}
+
+cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                           int n, int k, const float* alpha, const float* A, int lda,
+                           const float* B, int ldb, const float* beta, float* C, int ldc) {
+  return gemm("cublasSgemm", h, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+}
+cublasStatus_t cublasDgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                           int n, int k, const double* alpha, const double* A, int lda,
+                           const double* B, int ldb, const double* beta, double* C, int ldc) {
+  return gemm("cublasDgemm", h, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+}
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const float* alpha, const float* A, int lda,
+                                         long long sA, const float* B, int ldb, long long sB,
+                                         const float* beta, float* C, int ldc, long long sC,
+                                         int batch) {
+  return gemm("cublasSgemmStridedBatched", h, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
+              beta, C, ldc, sC, batch);
+}
+cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const double* alpha, const double* A, int lda,
+                                         long long sA, const double* B, int ldb, long long sB,
+                                         const double* beta, double* C, int ldc, long long sC,
+                                         int batch) {
+  return gemm("cublasDgemmStridedBatched", h, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
+              beta, C, ldc, sC, batch);
+}

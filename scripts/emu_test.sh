@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The CUDA path on the CPU: builds tpsim against cuda_emu/ (the emulator: a test
+# instrument, not a GPU; no nvcc needed) in build-emu/, then runs
+#   1. the emulator's self-tests and the unmodified device tests (tests/cuda/);
+#   2. tpsim verify --backend cuda for the MLP and a small GPT (plain, --loss-parallel,
+#      --sequence-parallel) at TP 1,2,4,8, with --comm sim and the emulated --comm nccl.
+# Called by scripts/test.sh; about 5 minutes of runs on 2 cores, plus the build.
+# EMU_ASAN=1 also builds build-emu-asan/ with ASan/UBSan and runs the self-tests and
+# device tests there (slower: not part of CI), so that a host access out of bounds or
+# after free (a pageable copy's freed source) names its line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc)
+# A hang on a device is a hang here too; the emulator reports it after this many seconds.
+export TPSIM_EMU_HANG_S=${TPSIM_EMU_HANG_S:-60}
+# The emulator always has GPUs (TPSIM_EMU_DEVICES, default 8): a device test that skips
+# here is broken, and TPSIM_REQUIRE_GPU makes the skip a failure.
+export TPSIM_REQUIRE_GPU=1
+
+cmake -S . -B build-emu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPSIM_WERROR=ON \
+  -DTPSIM_CUDA=OFF -DTPSIM_CUDA_EMU=ON >/dev/null
+cmake --build build-emu -j "$jobs" --target tpsim tpsim_cuda_tests cuda_emu_tests cuda_emu_crash
+
+echo "== cuda_emu: self-tests and device tests"
+ctest --test-dir build-emu -L 'emu|cuda' --output-on-failure -j "$jobs"
+
+if [ "${EMU_ASAN:-0}" = 1 ]; then
+  echo "== cuda_emu under ASan/UBSan: self-tests and device tests"
+  # No -Werror: GCC 12 warns (maybe-uninitialized) inside libstdc++ under ASan at -O2.
+  cmake -S . -B build-emu-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPSIM_WERROR=OFF \
+    -DTPSIM_CUDA=OFF -DTPSIM_CUDA_EMU=ON -DTPSIM_SANITIZE=address >/dev/null
+  cmake --build build-emu-asan -j "$jobs" --target tpsim tpsim_cuda_tests cuda_emu_tests cuda_emu_crash
+  ctest --test-dir build-emu-asan -L 'emu|cuda' --output-on-failure -j "$jobs"
+fi
+
+echo "== cuda_emu: tpsim verify --backend cuda (EMULATED on the CPU)"
+gpt=(--model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32
+     --batch-size 2)
+failed=0
+for comm in sim nccl; do
+  # f64 (the GPT's default) checks indexing to 1e-10; one f32 run per communicator checks
+  # the float kernels' arithmetic at f32's tolerance.
+  runs=("--model mlp --dtype f32" "${gpt[*]}" "${gpt[*]} --loss-parallel"
+        "${gpt[*]} --sequence-parallel")
+  if [ "$comm" = sim ]; then
+    runs+=("${gpt[*]} --loss-parallel --sequence-parallel --dtype f32")
+  fi
+  for args in "${runs[@]}"; do
+    # shellcheck disable=SC2086
+    if out=$(build-emu/tpsim verify --backend cuda --comm "$comm" --tp 1,2,4,8 $args 2>&1); then
+      echo "ok   --comm $comm $args: $(grep '^verify:' <<<"$out")"
+    else
+      failed=1
+      echo "FAIL --comm $comm $args:"
+      tail -n 20 <<<"$out"
+    fi
+  done
+done
+exit "$failed"

@@ -1,0 +1,17 @@
+// The launcher's CUDA half in a build without a CUDA backend: every request is refused.
+#include "core/errors.h"
+#include "runtime/launch_cuda.h"
+
+namespace tpsim {
+
+void check_cuda_launch(const DeviceOptions&, int) {
+  throw UsageError("--backend cuda: this tpsim was built without the CUDA toolkit");
+}
+
+void launch_cuda_ranks(const DeviceOptions& dev, int world, double, const RankMain&) {
+  check_cuda_launch(dev, world);
+}
+
+std::string cuda_backend_description() { return "cuda (not built)"; }
+
+}  // namespace tpsim
