@@ -53,7 +53,9 @@ void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
 }
 
 void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {
-  cmd.add_option("-m,--model", raw.model, "mlp (the seed's naive TP MLP) or gpt")
+  cmd.add_option("-m,--model", raw.model,
+                 "mlp (the seed's naive TP MLP) or gpt; verify without --model runs the "
+                 "default sweep of both")
       ->check(CLI::IsMember({"mlp", "gpt"}));
   cmd.add_option("-t,--tp", raw.tp,
                  tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"

@@ -45,8 +45,10 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   std::string why;
   for (auto& c : all) {
     const std::string no = fault_inapplicable(c.options.fault, fault_target(c.options));
+    // Say why in the terms of a case of the fault's own model, if there is one.
+    const bool model_mismatch = no.rfind("breaks the ", 0) == 0;
     if (no.empty()) cases.push_back(std::move(c));
-    else if (why.empty()) why = no;
+    else if (why.empty() || (!model_mismatch && why.rfind("breaks the ", 0) == 0)) why = no;
   }
   if (cases.empty())
     throw UsageError("--inject-fault " + std::string(fault_name(base.fault)) +
