@@ -66,7 +66,9 @@ SweepReport run_sweep(const std::vector<SweepCase>& cases) {
   const std::int64_t t0 = steady_now_ns();
   SweepReport rep;
   for (const auto& c : cases) {
-    rep.cases.push_back({c, run_verify(c.options)});
+    const std::int64_t c0 = steady_now_ns();
+    VerifyReport r = run_verify(c.options);
+    rep.cases.push_back({c, std::move(r), static_cast<double>(steady_now_ns() - c0) * 1e-9});
     rep.pass = rep.pass && rep.cases.back().report.pass;
   }
   rep.seconds = static_cast<double>(steady_now_ns() - t0) * 1e-9;

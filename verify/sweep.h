@@ -29,6 +29,7 @@ std::vector<SweepCase> default_sweep(const RunOptions& base);
 struct SweepResult {
   SweepCase c;
   VerifyReport report;
+  double seconds = 0.0;  // the whole case, wall clock
 };
 
 struct SweepReport {
