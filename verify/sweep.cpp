@@ -42,13 +42,13 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   }
 
   std::vector<SweepCase> cases;
-  std::string why;
+  std::string why;  // from a case of the fault's own model, which the sweep always has
+  const FaultScope& scope = fault_info(base.fault).scope;
   for (auto& c : all) {
     const std::string no = fault_inapplicable(c.options.fault, fault_target(c.options));
-    // Say why in the terms of a case of the fault's own model, if there is one.
-    const bool model_mismatch = no.rfind("breaks the ", 0) == 0;
+    const bool own_model = c.options.model == ModelKind::Gpt ? scope.gpt : scope.mlp;
     if (no.empty()) cases.push_back(std::move(c));
-    else if (why.empty() || (!model_mismatch && why.rfind("breaks the ", 0) == 0)) why = no;
+    else if (own_model && why.empty()) why = no;
   }
   if (cases.empty())
     throw UsageError("--inject-fault " + std::string(fault_name(base.fault)) +
