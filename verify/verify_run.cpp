@@ -12,6 +12,7 @@
 #include "runtime/launch.h"
 #include "verify/divergence.h"
 #include "verify/memory_check.h"
+#include "verify/step_checks.h"
 #include "verify/tolerance.h"
 
 namespace tpsim {
@@ -138,115 +139,6 @@ CollectiveTotals totals(const std::vector<CollectiveRecord>& records) {
   return t;
 }
 
-// Every comparison of one step on one rank. Replicated tensors also go through
-// `replicas`, a slot per rank, to be checked against rank 0 bit for bit.
-class StepChecker {
- public:
-  StepChecker(const RefStep& ref, double tol, int step, int world, RankFindings& out)
-      : ref_(ref), tol_(tol), step_(step), world_(world), out_(out) {}
-
-  void check(const std::vector<Observation>& obs, Phase phase) {
-    for (const auto& o : obs) {
-      auto it = ref_.tensors.find(o.name);
-      const std::vector<double>* full = it == ref_.tensors.end() ? nullptr : &it->second;
-      std::vector<double> loss_value{ref_.loss};
-      if (o.name == "loss") full = &loss_value;
-      if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
-      Comparison c = compare_to_reference(o, *full, tol_);
-      stamp(c, phase);
-      out_.step.push_back(std::move(c));
-    }
-  }
-  // A full tensor reassembled from every rank's shard (what --save-final writes) against
-  // the whole reference tensor, after the step's own checks.
-  void check_reassembled(const std::string& name, const Shape& shape, std::vector<double> values,
-                         Phase phase) {
-    auto it = ref_.tensors.find(name);
-    if (it == ref_.tensors.end()) throw Error("verify: the reference has no tensor '" + name + "'");
-    const int tp = world_;
-    Observation obs{name, replicate(ParamSpec{name, shape, {}}, 0, 1), std::move(values)};
-    Comparison c = compare_to_reference(obs, it->second, tol_);
-    c.what = kReassembledCheck;
-    c.shard = "reassembled from " + std::to_string(tp) + " rank" + (tp > 1 ? "s" : "");
-    c.tp = tp;
-    stamp(c, phase);
-    c.order += kAfterShardChecks;  // after every rank's shard and replica checks of the step
-    out_.step.push_back(std::move(c));
-  }
-  void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
-                      const std::vector<Phase>& phases) {
-    for (std::size_t i = 0; i < mine.size(); ++i) {
-      if (!mine[i].spec.replicated()) continue;
-      Comparison c = compare_replica(mine[i], rank0[i]);
-      stamp(c, phases[i]);
-      out_.step.push_back(std::move(c));
-    }
-  }
-
- private:
-  static constexpr int kAfterShardChecks = 1 << 24;
-  void stamp(Comparison& c, Phase phase) {
-    c.step = step_;
-    c.phase = phase;
-    c.order = order_++;
-  }
-  const RefStep& ref_;
-  double tol_;
-  int step_;
-  int world_;
-  int order_ = 0;
-  RankFindings& out_;
-};
-
-// Folds a TP group's comparisons into its TpResult one step at a time, as the step's last
-// rank hands its comparisons in, so that only what the report needs is kept: the largest
-// error, the failures, and the worst comparison per tensor. Within a step, comparisons
-// are taken in (order, rank) order; steps complete in order (a rank hands in step s+1
-// only after step s), so the result is that of folding every comparison of the run in
-// (step, order, rank) order.
-class StepFolder {
- public:
-  StepFolder(int tp, TpResult& r) : tp_(tp), r_(r) {}
-
-  void hand_in(int step, std::vector<Comparison>&& cs) {
-    std::lock_guard lock(mu_);
-    Pending& p = pending_[step];
-    for (auto& c : cs) p.comparisons.push_back(std::move(c));
-    if (++p.ranks < tp_) return;
-    std::stable_sort(p.comparisons.begin(), p.comparisons.end(),
-                     [](const Comparison& a, const Comparison& b) {
-                       return std::tie(a.order, a.rank) < std::tie(b.order, b.rank);
-                     });
-    for (const auto& c : p.comparisons) fold(c);
-    pending_.erase(step);
-  }
-
- private:
-  void fold(const Comparison& c) {
-    r_.comparisons += 1;
-    if (c.what != kReplicaCheck) r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
-    if (!c.pass) {
-      r_.pass = false;
-      r_.failures.push_back(c);
-    }
-    // The worst comparison per (tensor, kind of check), keeping first-seen order.
-    auto same = [&](const Comparison& w) { return w.tensor == c.tensor && w.what == c.what; };
-    auto it = std::find_if(r_.worst.begin(), r_.worst.end(), same);
-    if (it == r_.worst.end())
-      r_.worst.push_back(c);
-    else if ((!c.pass && it->pass) || (c.pass == it->pass && c.rel_err > it->rel_err))
-      *it = c;
-  }
-  struct Pending {
-    std::vector<Comparison> comparisons;
-    int ranks = 0;  // ranks that have handed this step in
-  };
-  std::mutex mu_;
-  int tp_;
-  TpResult& r_;
-  std::map<int, Pending> pending_;  // steps not yet handed in by every rank
-};
-
 // Lets go of the reference feed when a rank stops reading, however it stops.
 class FeedReader {
  public:
@@ -286,7 +178,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       if (step == 1) mine.comm_step1 = totals(comm.records());
       mine.losses.push_back(loss);
 
-      StepChecker check(ref.wait(step), tol, step, tp, mine);
+      StepChecker check(ref.wait(step), tol, step, tp, mine.step);
       // Last step's observations go back to the model to be refilled: past the second
       // barrier below, no rank reads another's slot any more.
       auto& slot = replica_slots[static_cast<std::size_t>(rank)];

@@ -1,0 +1,82 @@
+#include "verify/step_checks.h"
+
+#include <algorithm>
+#include <tuple>
+
+namespace tpsim {
+
+void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
+  for (const auto& o : obs) {
+    auto it = ref_.tensors.find(o.name);
+    const std::vector<double>* full = it == ref_.tensors.end() ? nullptr : &it->second;
+    std::vector<double> loss_value{ref_.loss};
+    if (o.name == "loss") full = &loss_value;
+    if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
+    Comparison c = compare_to_reference(o, *full, tol_);
+    stamp(c, phase);
+    out_.push_back(std::move(c));
+  }
+}
+
+void StepChecker::check_reassembled(const std::string& name, const Shape& shape,
+                                    std::vector<double> values, Phase phase) {
+  auto it = ref_.tensors.find(name);
+  if (it == ref_.tensors.end()) throw Error("verify: the reference has no tensor '" + name + "'");
+  const int tp = world_;
+  Observation obs{name, replicate(ParamSpec{name, shape, {}}, 0, 1), std::move(values)};
+  Comparison c = compare_to_reference(obs, it->second, tol_);
+  c.what = kReassembledCheck;
+  c.shard = "reassembled from " + std::to_string(tp) + " rank" + (tp > 1 ? "s" : "");
+  c.tp = tp;
+  stamp(c, phase);
+  c.order += kAfterShardChecks;  // after every rank's shard and replica checks of the step
+  out_.push_back(std::move(c));
+}
+
+void StepChecker::check_replicas(const std::vector<Observation>& mine,
+                                 const std::vector<Observation>& rank0,
+                                 const std::vector<Phase>& phases) {
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    if (!mine[i].spec.replicated()) continue;
+    Comparison c = compare_replica(mine[i], rank0[i]);
+    stamp(c, phases[i]);
+    out_.push_back(std::move(c));
+  }
+}
+
+void StepChecker::stamp(Comparison& c, Phase phase) {
+  c.step = step_;
+  c.phase = phase;
+  c.order = order_++;
+}
+
+void StepFolder::hand_in(int step, std::vector<Comparison>&& cs) {
+  std::lock_guard lock(mu_);
+  Pending& p = pending_[step];
+  for (auto& c : cs) p.comparisons.push_back(std::move(c));
+  if (++p.ranks < tp_) return;
+  std::stable_sort(p.comparisons.begin(), p.comparisons.end(),
+                   [](const Comparison& a, const Comparison& b) {
+                     return std::tie(a.order, a.rank) < std::tie(b.order, b.rank);
+                   });
+  for (const auto& c : p.comparisons) fold(c);
+  pending_.erase(step);
+}
+
+void StepFolder::fold(const Comparison& c) {
+  r_.comparisons += 1;
+  if (c.what != kReplicaCheck) r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
+  if (!c.pass) {
+    r_.pass = false;
+    r_.failures.push_back(c);
+  }
+  // The worst comparison per (tensor, kind of check), keeping first-seen order.
+  auto same = [&](const Comparison& w) { return w.tensor == c.tensor && w.what == c.what; };
+  auto it = std::find_if(r_.worst.begin(), r_.worst.end(), same);
+  if (it == r_.worst.end())
+    r_.worst.push_back(c);
+  else if ((!c.pass && it->pass) || (c.pass == it->pass && c.rel_err > it->rel_err))
+    *it = c;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,67 @@
+// One step's comparisons, and how a TP group's comparisons are folded into its result.
+// Shared by every source of observations: tpsim's own ranks (verify) and a dump written
+// by someone else's TP code (check).
+#pragma once
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "verify/compare.h"
+#include "verify/reference_trace.h"
+#include "verify/verify_run.h"
+
+namespace tpsim {
+
+// Every comparison of one step on one rank, appended to `out` in the order the checks are
+// made (that order is the "first failure" order). Replicated tensors also go through
+// check_replicas, against rank 0 bit for bit.
+class StepChecker {
+ public:
+  StepChecker(const RefStep& ref, double tol, int step, int world, std::vector<Comparison>& out)
+      : ref_(ref), tol_(tol), step_(step), world_(world), out_(out) {}
+
+  void check(const std::vector<Observation>& obs, Phase phase);
+  // A full tensor reassembled from every rank's shard (what --save-final writes) against
+  // the whole reference tensor, after the step's own checks.
+  void check_reassembled(const std::string& name, const Shape& shape, std::vector<double> values,
+                         Phase phase);
+  void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
+                      const std::vector<Phase>& phases);
+
+ private:
+  static constexpr int kAfterShardChecks = 1 << 24;
+  void stamp(Comparison& c, Phase phase);
+  const RefStep& ref_;
+  double tol_;
+  int step_;
+  int world_;
+  int order_ = 0;
+  std::vector<Comparison>& out_;
+};
+
+// Folds a TP group's comparisons into its TpResult one step at a time, as the step's last
+// rank hands its comparisons in, so that only what the report needs is kept: the largest
+// error, the failures, and the worst comparison per tensor. Within a step, comparisons
+// are taken in (order, rank) order; steps complete in order (a rank hands in step s+1
+// only after step s), so the result is that of folding every comparison of the run in
+// (step, order, rank) order. Thread-safe: every rank of the group hands in.
+class StepFolder {
+ public:
+  StepFolder(int tp, TpResult& r) : tp_(tp), r_(r) {}
+  void hand_in(int step, std::vector<Comparison>&& cs);
+
+ private:
+  void fold(const Comparison& c);
+  struct Pending {
+    std::vector<Comparison> comparisons;
+    int ranks = 0;  // ranks that have handed this step in
+  };
+  std::mutex mu_;
+  int tp_;
+  TpResult& r_;
+  std::map<int, Pending> pending_;  // steps not yet handed in by every rank
+};
+
+}  // namespace tpsim
