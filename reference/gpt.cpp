@@ -321,14 +321,19 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     G(block(l) + "ln2.weight").setZero();
   }
   blocks_.resize(static_cast<std::size_t>(L));
+  // A copy of an activation point as computed here (storage reused across steps).
+  const auto note = [this](const std::string& name, const Matrix<S>& m) {
+    if (record_) points_[name] = m;
+  };
 
   // ------------------------------------------------------------ forward
   Matrix<S> x;  // [N, H] the residual stream
   encoder_forward(x, batch.input_ids, B, T, P("wte.weight"), P("wpe.weight"));
+  note("act/embedding.out", x);
   Matrix<S> tmp;  // [N, H] a branch's output before it is added to the residual
   for (Index l = 0; l < L; ++l) {
     BlockActs& a = blocks_[static_cast<std::size_t>(l)];
-    const std::string p = block(l);
+    const std::string p = block(l), pt = "act/" + p;
     layernorm_forward(a.ln1_out, a.ln1_xhat, a.ln1_rstd, x, P(p + "ln1.weight"), config_.ln_eps);
     matmul_forward(a.q, a.ln1_out, P(p + "attn.q_proj.weight"));
     matmul_forward(a.k, a.ln1_out, P(p + "attn.k_proj.weight"));
@@ -336,13 +341,26 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     attention_forward(a.att_y, a.att, a.q, a.k, a.v, B, T, A);
     matmul_forward(tmp, a.att_y, P(p + "attn.o_proj.weight"));
     x += tmp;
+    note(pt + "ln1.out", a.ln1_out);
+    note(pt + "attn.q", a.q);
+    note(pt + "attn.k", a.k);
+    note(pt + "attn.v", a.v);
+    note(pt + "attn.out", a.att_y);
+    note(pt + "attn.o.out", tmp);
+    note(pt + "residual.mid", x);
     layernorm_forward(a.ln2_out, a.ln2_xhat, a.ln2_rstd, x, P(p + "ln2.weight"), config_.ln_eps);
     matmul_forward(a.ffn_pre, a.ln2_out, P(p + "mlp.ffn1.weight"));
     gelu_forward(a.ffn_act, a.ffn_pre);
     matmul_forward(tmp, a.ffn_act, P(p + "mlp.ffn2.weight"));
     x += tmp;
+    note(pt + "ln2.out", a.ln2_out);
+    note(pt + "mlp.ffn1.out", a.ffn_pre);
+    note(pt + "mlp.gelu.out", a.ffn_act);
+    note(pt + "mlp.ffn2.out", tmp);
+    note(pt + "residual.out", x);
   }
   layernorm_forward(lnf_out_, lnf_xhat_, lnf_rstd_, x, P("ln_f.weight"), config_.ln_eps);
+  note("act/ln_f.out", lnf_out_);
   // LM head, tied to the embedding: logits = ln_f(x) wte^T at every position.
   matmul_forward(logits_, lnf_out_, P("wte.weight"));  // [N, V]
 
@@ -358,6 +376,12 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   matmul_backward(dlnf_rows, G("wte.weight"), dlogits_, lnf_rows, P("wte.weight"));
   Matrix<S> dlnf_out = Matrix<S>::Zero(N, H);  // [N, H], zero where no loss was taken
   for (Index m = 0; m < M; ++m) dlnf_out.row(rows.row[static_cast<std::size_t>(m)]) = dlnf_rows.row(m);
+  if (record_) {
+    Matrix<S>& dl = points_["act/logits.grad"];  // [N, V], zero where no loss was taken
+    dl.setZero(N, logits_.cols());
+    for (Index m = 0; m < M; ++m) dl.row(rows.row[static_cast<std::size_t>(m)]) = dlogits_.row(m);
+  }
+  note("act/ln_f.out.grad", dlnf_out);
 
   Matrix<S> dx = Matrix<S>::Zero(N, H);  // [N, H] gradient of the residual stream
   layernorm_backward(dx, G("ln_f.weight"), dlnf_out, lnf_xhat_, lnf_rstd_, P("ln_f.weight"));
@@ -366,7 +390,9 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   Matrix<S> dq, dk, dv;    // [N, H]
   for (Index l = L - 1; l >= 0; --l) {
     const BlockActs& a = blocks_[static_cast<std::size_t>(l)];
-    const std::string p = block(l);
+    const std::string p = block(l), pt = "act/" + p;
+    note(pt + "residual.out.grad", dx);
+    note(pt + "mlp.ffn2.out.grad", dx);  // a residual branch gets the residual's gradient
     // x_out = x_mid + ffn2(gelu(ffn1(ln2(x_mid)))): the residual passes dx through as is.
     dbig2 = Matrix<S>::Zero(N, 4 * H);
     matmul_backward(dbig2, G(p + "mlp.ffn2.weight"), dx, a.ffn_act, P(p + "mlp.ffn2.weight"));
@@ -374,6 +400,11 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     dln = Matrix<S>::Zero(N, H);
     matmul_backward(dln, G(p + "mlp.ffn1.weight"), dbig, a.ln2_out, P(p + "mlp.ffn1.weight"));
     layernorm_backward(dx, G(p + "ln2.weight"), dln, a.ln2_xhat, a.ln2_rstd, P(p + "ln2.weight"));
+    note(pt + "mlp.gelu.out.grad", dbig2);
+    note(pt + "mlp.ffn1.out.grad", dbig);
+    note(pt + "ln2.out.grad", dln);
+    note(pt + "residual.mid.grad", dx);
+    note(pt + "attn.o.out.grad", dx);
     // x_mid = x_in + o_proj(attention(q, k, v)), q/k/v all from ln1(x_in).
     dmid = Matrix<S>::Zero(N, H);
     matmul_backward(dmid, G(p + "attn.o_proj.weight"), dx, a.att_y, P(p + "attn.o_proj.weight"));
@@ -383,7 +414,13 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     matmul_backward(dln, G(p + "attn.k_proj.weight"), dk, a.ln1_out, P(p + "attn.k_proj.weight"));
     matmul_backward(dln, G(p + "attn.v_proj.weight"), dv, a.ln1_out, P(p + "attn.v_proj.weight"));
     layernorm_backward(dx, G(p + "ln1.weight"), dln, a.ln1_xhat, a.ln1_rstd, P(p + "ln1.weight"));
+    note(pt + "attn.out.grad", dmid);
+    note(pt + "attn.q.grad", dq);
+    note(pt + "attn.k.grad", dk);
+    note(pt + "attn.v.grad", dv);
+    note(pt + "ln1.out.grad", dln);
   }
+  note("act/embedding.out.grad", dx);
   encoder_backward(G("wte.weight"), G("wpe.weight"), dx, batch.input_ids, B, T);
   return static_cast<S>(loss);
 }

@@ -32,6 +32,11 @@ class Gpt {
   void adam_step(const AdamConfig& adam);
 
   const Matrix<S>& logits() const { return logits_; }
+  // With recording on, forward_backward also keeps the activation points of
+  // docs/dump-format.md, full [N, width], as "act/<point>" and "act/<point>.grad" (the
+  // loss's gradient with respect to it); "act/logits" is logits() and is not repeated.
+  void record_points(bool on) { record_ = on; }
+  const ParamSet<S>& points() const { return points_; }
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
   const GptConfig& config() const { return config_; }
@@ -66,6 +71,8 @@ class Gpt {
   Matrix<S> logits_;               // [N, V]
   Matrix<S> dlogits_;              // [M, V]   loss gradient of the M rows that carry a loss;
                                    //          kept to save re-faulting ~50 MB every step
+  bool record_ = false;
+  ParamSet<S> points_;             // name -> [N, width], when recording
 };
 
 extern template class Gpt<float>;

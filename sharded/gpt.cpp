@@ -58,6 +58,47 @@ struct ShardedGpt::Workspace {
   Tensor fault_buf; // [t·N,H] or [N,H], only for the rank-order and chunk-order faults
 };
 
+// Host copies of this step's transient activation points, in the order they were
+// produced; the storage is reused from step to step.
+struct ShardedGpt::Snapshots {
+  std::vector<Observation> obs;
+  std::size_t used = 0;  // this step's entries: obs[0, used)
+
+  // A view of the named snapshot, valid until the next forward_backward.
+  Observation view(const std::string& name) const {
+    for (std::size_t i = 0; i < used; ++i)
+      if (obs[i].name == name)
+        return {name, obs[i].spec, ObservedValues::view(obs[i].values.data(), obs[i].values.size())};
+    throw Error("ShardedGpt: activation point " + name + " was not recorded this step");
+  }
+};
+
+void ShardedGpt::snapshot(Snapshots& into, const std::string& name, const ShardSpec& spec,
+                          const Tensor& t) {
+  if (!record_) return;
+  if (into.used == into.obs.size()) into.obs.emplace_back();
+  Observation& o = into.obs[into.used++];
+  o.name = name;
+  o.spec = spec;
+  be_.to_host_into(t, o.values.copy());
+}
+
+ShardSpec ShardedGpt::token_point(const std::string& name) const {
+  const ParamSpec p{name, {N_, cfg_.hidden}, {}};
+  return par_.sequence_parallel ? split(p, 0, rank_, world_) : replicate(p, rank_, world_);
+}
+
+ShardSpec ShardedGpt::column_point(const std::string& name, std::int64_t width) const {
+  return split(ParamSpec{name, {N_, width}, {}}, 1, rank_, world_);
+}
+
+ShardSpec ShardedGpt::logits_point(const std::string& name) const {
+  const ParamSpec p{name, {N_, cfg_.vocab_size}, {}};
+  if (par_.loss_parallel) return split(p, 1, rank_, world_, Vp_);
+  if (par_.sequence_parallel) return split(p, 0, rank_, world_);
+  return replicate(p, rank_, world_);
+}
+
 Parameter& ShardedGpt::param(const std::string& name) {
   for (auto& p : params_)
     if (p.spec.name == name) return p;
@@ -203,6 +244,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     be.from_host_i64(ce_->ce.unowned_targets, unowned.data());
   }
 
+  fwd_snaps_ = std::make_unique<Snapshots>();
+  bwd_snaps_ = std::make_unique<Snapshots>();
   ws_ = std::make_unique<Workspace>();
   Workspace& w = *ws_;
   auto tmp = [&](Shape sh, const char* tag) {
@@ -232,6 +275,7 @@ ShardedGpt::~ShardedGpt() = default;
 double ShardedGpt::forward_backward() {
   // Only the gradients that are sums over rows start from zero (see summed_grads_).
   for (Parameter* p : summed_grads_) be_.fill(p->grad, 0.0);
+  fwd_snaps_->used = bwd_snaps_->used = 0;
   forward();
   backward();
   return loss_;
@@ -316,6 +360,7 @@ void ShardedGpt::forward() {
   const Tensor* x = &x0_;
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
     Block& b = *blocks_[l];
+    const std::string pt = "act/h." + std::to_string(l) + ".";
     comm_.set_label("h." + std::to_string(l) + ".attn");
     be_.layernorm_forward(b.h1, b.ln1_mean, b.ln1_rstd, *x, b.ln1->value, cfg_.ln_eps);
     enter_tp(b.h1_full, b.h1);
@@ -325,6 +370,7 @@ void ShardedGpt::forward() {
     be_.attention_forward(b.att, b.probs, b.q_out, b.k_out, b.v_out, B_, T_, Al, scale);
     b.o.forward(be_, partial, b.att);
     Tensor& attn_out = leave_tp();
+    snapshot(*fwd_snaps_, pt + "attn.o.out", token_point(pt + "attn.o.out"), attn_out);
     be_.copy(b.x_mid, *x);
     be_.add_inplace(b.x_mid, attn_out);
 
@@ -336,6 +382,7 @@ void ShardedGpt::forward() {
     b.ffn2.forward(be_, partial, b.a);
     Tensor* mlp_out = &partial;
     if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp();
+    snapshot(*fwd_snaps_, pt + "mlp.ffn2.out", token_point(pt + "mlp.ffn2.out"), *mlp_out);
     be_.copy(b.x_out, b.x_mid);
     be_.add_inplace(b.x_out, *mlp_out);
     x = &b.x_out;
@@ -398,6 +445,8 @@ void ShardedGpt::backward() {
     dhf = s.dh_full.narrow0(0, Nl_);  // this rank's logits rows are its own tokens
     be_.gemm(dhf, dlogits, false, wte.value, false);
   }
+  Snapshots& snaps = *bwd_snaps_;
+  snapshot(snaps, "act/ln_f.out.grad", token_point("act/ln_f.out.grad"), dhf);
   Tensor* dx = &s.dres[0];
   be_.fill(*dx, 0.0);
   Parameter& lnf = param("ln_f.weight");
@@ -410,29 +459,50 @@ void ShardedGpt::backward() {
     Block& b = *blocks_[li];
     const Tensor& x_in = li == 0 ? x0_ : blocks_[li - 1]->x_out;
     Tensor* dx_prev = dx == &s.dres[0] ? &s.dres[1] : &s.dres[0];
+    const std::string pt = "act/h." + std::to_string(li) + ".";
+    const std::int64_t H = cfg_.hidden;
+    auto snap_tokens = [&](const char* point, const Tensor& t) {
+      snapshot(snaps, pt + point, token_point(pt + point), t);
+    };
+    auto snap_columns = [&](const char* point, std::int64_t width, const Tensor& t) {
+      snapshot(snaps, pt + point, column_point(pt + point, width), t);
+    };
+    // A residual's branch output has the residual's gradient: the sum passes it through.
+    snap_tokens("residual.out.grad", *dx);
+    snap_tokens("mlp.ffn2.out.grad", *dx);
 
     // x_out = x_mid + mlp(ln2(x_mid))
     comm_.set_label("h." + std::to_string(li) + ".mlp");
     const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(*dx) : *dx;
     b.ffn2.backward(be_, s.da, dmlp, b.a);
+    snap_columns("mlp.gelu.out.grad", 4 * H, s.da);
     be_.gelu_backward(s.du, s.da, b.u);
+    snap_columns("mlp.ffn1.out.grad", 4 * H, s.du);
     if (sp) gather_tokens(b.h2_full, b.h2);  // not saved: gather again
     b.ffn1.backward(be_, s.dh_full, s.du, b.h2_full, /*accumulate=*/false);
     Tensor& dh2 = f_backward();
+    snap_tokens("ln2.out.grad", dh2);
     be_.layernorm_backward(*dx, b.ln2->grad, dh2, b.x_mid, b.ln2->value, b.ln2_mean, b.ln2_rstd);
+    snap_tokens("residual.mid.grad", *dx);
+    snap_tokens("attn.o.out.grad", *dx);
 
     // x_mid = x_in + attn(ln1(x_in))
     comm_.set_label("h." + std::to_string(li) + ".attn");
     const Tensor& dattn = g_backward(*dx);
     b.o.backward(be_, s.datt, dattn, b.att);
+    snap_columns("attn.out.grad", H, s.datt);
     be_.attention_backward(s.dq, s.dk, s.dv, s.datt, b.q_out, b.k_out, b.v_out, b.probs, B_, T_,
                            Al, scale);
+    snap_columns("attn.q.grad", H, s.dq);
+    snap_columns("attn.k.grad", H, s.dk);
+    snap_columns("attn.v.grad", H, s.dv);
     if (sp) gather_tokens(b.h1_full, b.h1);
     b.q.backward(be_, s.dh_full, s.dq, b.h1_full, /*accumulate=*/false);
     b.k.backward(be_, s.dh_full, s.dk, b.h1_full, /*accumulate=*/true);
     b.v.backward(be_, s.dh_full, s.dv, b.h1_full, /*accumulate=*/true);
     Tensor* dh1 = &s.dh_full;
     if (sp || fault_ != Fault::GptMissingF) dh1 = &f_backward();
+    snap_tokens("ln1.out.grad", *dh1);
     be_.copy(*dx_prev, *dx);
     be_.layernorm_backward(*dx_prev, b.ln1->grad, *dh1, x_in, b.ln1->value, b.ln1_mean,
                            b.ln1_rstd);
@@ -440,6 +510,7 @@ void ShardedGpt::backward() {
   }
 
   // ---- embeddings ----
+  snapshot(snaps, "act/embedding.out.grad", token_point("act/embedding.out.grad"), *dx);
   comm_.set_label("embedding");
   be_.embedding_backward(wpe.grad, *dx, pos_, 0);
   if (par_.loss_parallel) {
@@ -468,14 +539,45 @@ void ShardedGpt::backward() {
 }
 
 std::vector<Observation> ShardedGpt::observe_forward() {
-  const ParamSpec logits{"logits", {N_, cfg_.vocab_size}, {}};
-  ShardSpec spec;
-  if (par_.loss_parallel) spec = split(logits, 1, rank_, world_, Vp_);
-  else if (par_.sequence_parallel) spec = split(logits, 0, rank_, world_);
-  else spec = replicate(logits, rank_, world_);
   std::vector<Observation> obs;
   obs.push_back({"loss", replicate(ParamSpec{"loss", {1}, {}}, rank_, world_), {loss_}});
-  obs.push_back(observe("logits", spec, logits_));
+  obs.push_back(observe("act/logits", logits_point("act/logits"), logits_));
+  if (!record_) return obs;
+  const std::int64_t H = cfg_.hidden;
+  auto tokens = [&](const std::string& n, const Tensor& t) { obs.push_back(observe(n, token_point(n), t)); };
+  auto columns = [&](const std::string& n, std::int64_t width, const Tensor& t) {
+    obs.push_back(observe(n, column_point(n, width), t));
+  };
+  tokens("act/embedding.out", x0_);
+  for (std::size_t l = 0; l < blocks_.size(); ++l) {
+    const Block& b = *blocks_[l];
+    const std::string pt = "act/h." + std::to_string(l) + ".";
+    tokens(pt + "ln1.out", b.h1);
+    columns(pt + "attn.q", H, b.q_out);
+    columns(pt + "attn.k", H, b.k_out);
+    columns(pt + "attn.v", H, b.v_out);
+    columns(pt + "attn.out", H, b.att);
+    obs.push_back(fwd_snaps_->view(pt + "attn.o.out"));
+    tokens(pt + "residual.mid", b.x_mid);
+    tokens(pt + "ln2.out", b.h2);
+    columns(pt + "mlp.ffn1.out", 4 * H, b.u);
+    columns(pt + "mlp.gelu.out", 4 * H, b.a);
+    obs.push_back(fwd_snaps_->view(pt + "mlp.ffn2.out"));
+    tokens(pt + "residual.out", b.x_out);
+  }
+  tokens("act/ln_f.out", hf_);
+  return obs;
+}
+
+std::vector<Observation> ShardedGpt::observe_activation_grads() {
+  if (!record_) return {};
+  std::vector<Observation> obs;
+  obs.push_back(observe("act/logits.grad", logits_point("act/logits.grad"), ws_->dlogits));
+  const Snapshots& s = *bwd_snaps_;
+  for (std::size_t i = 0; i < s.used; ++i) {
+    const Observation& o = s.obs[i];
+    obs.push_back({o.name, o.spec, ObservedValues::view(o.values.data(), o.values.size())});
+  }
   return obs;
 }
 

@@ -42,8 +42,9 @@ class ShardedGpt final : public ShardedModel {
   double forward_backward() override;
   void optimizer_step() override;
   std::vector<Observation> observe_forward() override;
-  std::vector<Observation> observe_activation_grads() override { return {}; }
+  std::vector<Observation> observe_activation_grads() override;
   std::vector<Parameter>& params() override { return params_; }
+  void record_activation_points(bool on) override { record_ = on; }
 
  private:
   struct Block;
@@ -56,6 +57,15 @@ class ShardedGpt final : public ShardedModel {
   void reduce_partials(Tensor& y);
   // Index of a parameter by name in params_.
   Parameter& param(const std::string& name);
+  // Layouts of the activation points (docs/dump-format.md): [N,H] residual-stream tokens,
+  // replicated or split over tokens under SP; a TP region's [N,width] columns, split.
+  ShardSpec token_point(const std::string& name) const;
+  ShardSpec column_point(const std::string& name, std::int64_t width) const;
+  ShardSpec logits_point(const std::string& name) const;
+  // Host copy of a point whose buffer is reused before observe_* runs (a workspace
+  // tensor), taken where it is produced; a no-op unless recording.
+  struct Snapshots;
+  void snapshot(Snapshots& into, const std::string& name, const ShardSpec& spec, const Tensor& t);
 
   GptConfig cfg_;
   AdamConfig adam_;
@@ -95,6 +105,8 @@ class ShardedGpt final : public ShardedModel {
   std::unique_ptr<CrossEntropyState> ce_;
   struct Workspace;  // temporaries, allocated once: big ones would page-fault every step
   std::unique_ptr<Workspace> ws_;
+  bool record_ = false;  // activation points: snapshot the transient ones each step
+  std::unique_ptr<Snapshots> fwd_snaps_, bwd_snaps_;
 };
 
 }  // namespace tpsim

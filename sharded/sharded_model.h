@@ -49,7 +49,7 @@ class ObservedValues {
 };
 
 struct Observation {
-  std::string name;  // "logits", "loss", "x.grad", "fc1.weight.grad", "fc1.weight", ...
+  std::string name;  // "loss", "act/logits", "act/h.0.ln1.out.grad", "x.grad", "fc1.weight.grad", "fc1.weight", ...
   ShardSpec spec;    // full shape and this rank's block
   ObservedValues values;  // the block, row-major, as f64
 };
@@ -71,6 +71,10 @@ class ShardedModel {
   virtual std::vector<Observation> observe_forward() = 0;
   virtual std::vector<Observation> observe_activation_grads() = 0;
   virtual std::vector<Parameter>& params() = 0;
+  // Whether observe_* includes the named activation points and their gradients
+  // (docs/dump-format.md) where the model has them. Off by default: the transient ones
+  // cost a host copy each step, which training without verification does not need.
+  virtual void record_activation_points(bool /*on*/) {}
 
   // Parameter gradients in backward order (reverse of forward order).
   std::vector<Observation> observe_param_grads();

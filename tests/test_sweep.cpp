@@ -78,24 +78,29 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
   const std::map<std::string, Caught> expect = {
       {"mlp-drop-f-backward", {"reference", "x.grad", "rank 0/2", 2}},  // the input grad stays partial
       {"mlp-fc2-split-rows", {"reference", "loss", "", 2}},
-      {"gpt-missing-f", {"reference", "h.1.ln1.weight.grad", "", 2}},  // first use of dh1
-      {"gpt-missing-g", {"reference", "loss", "", 2}},
-      {"gpt-qk-head-mismatch", {"reference", "loss", "", 2}},
-      {"gpt-local-softmax-scale", {"reference", "loss", "full", 1}},  // wrong even at tp 1
+      // ln1's input gradient, left partial by the missing all-reduce: the first activation
+      // gradient backward produces after f.
+      {"gpt-missing-f", {"reference", "act/h.1.ln1.out.grad", "", 2}},
+      {"gpt-missing-g", {"reference", "act/h.0.mlp.ffn2.out", "", 2}},  // the unreduced partial
+      {"gpt-qk-head-mismatch", {"reference", "act/h.0.attn.k", "rank 0/2 cols", 2}},
+      {"gpt-local-softmax-scale", {"reference", "act/h.0.attn.out", "rank 0/1", 1}},  // even at tp 1
       {"gpt-untied-embedding-grad", {"reference", "wte.weight.grad", "full", 1}},
       // 1/sqrt(6) rounded to float: a 1e-8 change that float64's 1e-10 sees.
-      {"float-constant-in-f64", {"reference", "logits", "full", 1}},
+      {"float-constant-in-f64", {"reference", "act/h.0.attn.out", "rank 0/1", 1}},
       // (p1+p2)+p0 on rank 1 vs (p0+p1)+p2 on rank 0: equal to 1e-16, different bits;
       // only the replica check can see it, and only from tp 3 (a+b == b+a).
-      {"rank-dependent-sum-order", {"replica of rank 0", "loss|logits", "rank ", 3}},
-      {"vocab-range-off-by-one", {"reference", "loss", "", 2}},
+      // The first sum over ranks is attention's g.
+      {"rank-dependent-sum-order", {"replica of rank 0", "act/h.0.attn.o.out", "rank ", 3}},
+      {"vocab-range-off-by-one", {"reference", "act/embedding.out", "", 2}},  // the lookup
       {"padded-logits-in-softmax", {"reference", "loss", "", 2}},
       {"drop-target-logit-all-reduce", {"reference", "loss", "", 2}},
       // Needs a label on a shard's first id; the boundary batch has id 0 at tp 1.
       {"ce-shard-first-id-unowned", {"reference", "loss", "full", 1}},
       {"sp-ln-grad-not-summed", {"reference", "ln_f.weight.grad", "", 2}},
-      {"sp-swap-backward-collectives", {"reference", "h.1.ln2.weight.grad", "", 2}},
-      {"sp-all-gather-chunk-order", {"reference", "loss", "", 2}},
+      // f's backward under SP takes this rank's tokens unsummed: ln2's output gradient.
+      {"sp-swap-backward-collectives", {"reference", "act/h.1.ln2.out.grad", "rank 0/2 rows", 2}},
+      // Tokens gathered in the wrong order first reach the column-parallel q projection.
+      {"sp-all-gather-chunk-order", {"reference", "act/h.0.attn.q", "", 2}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.
       {"reassembly-shard-order", {"reassembled", "fc1.weight.grad", "reassembled from 2", 2}},
   };

@@ -50,21 +50,25 @@ TEST_CASE("verify catches the MLP faults", "[cli][faults]") {
 }
 
 TEST_CASE("verify catches the GPT tensor-parallel faults", "[cli][faults]") {
-  // f's missing all-reduce leaves ln1's input gradient partial: the last block's ln1
-  // weight is the first tensor in backward order to see it.
-  expect_caught({"gpt-missing-f", "", "h.1.ln1.weight.grad", "h.0.ln1.weight.grad", ""}, kSmallGpt);
-  expect_caught({"gpt-missing-g", "", "loss", "logits", ""}, kSmallGpt);
-  expect_caught({"gpt-qk-head-mismatch", "", "loss", "h.0.attn.k_proj.weight.grad",
+  // f's missing all-reduce leaves ln1's output gradient partial: the last block's is the
+  // first tensor in backward order to see it, an activation gradient (then ln1's weight).
+  expect_caught({"gpt-missing-f", "", "act/h.1.ln1.out.grad", "h.1.ln1.weight.grad", ""},
+                kSmallGpt);
+  // g's missing all-reduce leaves the MLP's output a partial sum, which spreads to the logits.
+  expect_caught({"gpt-missing-g", "", "act/h.0.mlp.ffn2.out", "act/logits", ""}, kSmallGpt);
+  // k from the next rank's heads: wrong on every rank from k itself.
+  expect_caught({"gpt-qk-head-mismatch", "", "act/h.0.attn.k", "h.0.attn.k_proj.weight.grad",
                  "rank 1/2 rows [16,32)"},
                 kSmallGpt);
-  expect_caught({"gpt-local-softmax-scale", "", "loss", "h.0.attn.q_proj.weight.grad", ""},
+  expect_caught({"gpt-local-softmax-scale", "", "act/h.0.attn.out", "h.0.attn.q_proj.weight.grad",
+                 ""},
                 kSmallGpt);
   expect_caught({"gpt-untied-embedding-grad", "", "wte.weight.grad", "", ""}, kSmallGpt);
 }
 
 TEST_CASE("verify catches the vocab-parallel and sequence-parallel faults", "[cli][faults]") {
   // V = 101 pads to 102 at tp 2: rank 1 holds rows [51,102), the last one padding.
-  expect_caught({"vocab-range-off-by-one", "--loss-parallel", "loss", "wte.weight.grad",
+  expect_caught({"vocab-range-off-by-one", "--loss-parallel", "act/embedding.out", "wte.weight.grad",
                  "rank 1/2 rows [51,102)"},
                 kSmallGpt);
   expect_caught({"padded-logits-in-softmax", "--loss-parallel", "loss", "wte.weight.grad",
@@ -76,8 +80,8 @@ TEST_CASE("verify catches the vocab-parallel and sequence-parallel faults", "[cl
   expect_caught({"sp-ln-grad-not-summed", "--sequence-parallel", "ln_f.weight.grad",
                  "h.0.ln1.weight.grad", ""},
                 kSmallGpt);
-  expect_caught({"sp-swap-backward-collectives", "--sequence-parallel", "h.1.ln2.weight.grad",
-                 "", ""},
+  expect_caught({"sp-swap-backward-collectives", "--sequence-parallel", "act/h.1.ln2.out.grad",
+                 "h.1.ln2.weight.grad", "rank 1/2 replica"},
                 kSmallGpt);
 }
 
@@ -88,11 +92,12 @@ TEST_CASE("verify catches the new fault classes, each by the check meant for it"
   // Rank 1 adds (p1+p2)+p0 where rank 0 adds (p0+p1)+p2: the reference cannot tell them
   // apart, the bit-for-bit replica check of rank 1 (or 2) against rank 0 can. Whether the
   // loss's last bit differs too depends on rounding, so the first may be either.
-  expect_caught({"rank-dependent-sum-order", "", "loss|logits", "logits", "rank 1/3 replica",
-                 "replica of rank 0", 3},
+  expect_caught({"rank-dependent-sum-order", "", "act/h.0.attn.o.out", "act/logits",
+                 "rank 1/3 replica", "replica of rank 0", 3},
                 small);
-  expect_caught({"float-constant-in-f64", "", "logits", "", "", "reference", 1}, small);
-  expect_caught({"sp-all-gather-chunk-order", "--sequence-parallel", "loss", "", "",
+  expect_caught({"float-constant-in-f64", "", "act/h.0.attn.out", "act/logits", "", "reference", 1},
+                small);
+  expect_caught({"sp-all-gather-chunk-order", "--sequence-parallel", "act/h.0.attn.q", "loss", "",
                  "reference", 2},
                 small);
   // rank 1's rows [51,102) start at id 51, which the boundary batch has as a label.

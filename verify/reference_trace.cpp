@@ -41,6 +41,7 @@ void trace(Model& model, const Batch& batch, int steps, const char* output_name,
     else
       put(st.tensors[output_name], model.logits());
     if constexpr (requires { model.input_grad(); }) put(st.tensors["x.grad"], model.input_grad());
+    if constexpr (requires { model.points(); }) put_params(st.tensors, model.points(), "");
     put_params(st.tensors, model.grads(), ".grad");
     update(model);
     put_params(st.tensors, model.params(), "");
@@ -61,7 +62,8 @@ void run_reference(const RunOptions& o, const RunInputs& in,
           published);
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params));
-    trace(g, in.gpt_batch, o.steps, "logits", [&](auto& gg) { gg.adam_step(o.adam); }, slot,
+    g.record_points(true);
+    trace(g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); }, slot,
           published);
   }
 }

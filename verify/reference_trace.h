@@ -15,8 +15,9 @@ using TensorMap = std::map<std::string, std::vector<double>>;
 struct RefStep {
   int step = 0;  // 1-based
   double loss = 0.0;
-  // "output"/"logits", activation gradients ("x.grad"), "<param>.grad", and "<param>"
-  // after the optimizer step.
+  // "output" (MLP) or the activation points "act/<point>" and "act/<point>.grad" (GPT,
+  // docs/dump-format.md), the MLP's "x.grad", "<param>.grad", and "<param>" after the
+  // optimizer step.
   TensorMap tensors;
 };
 
