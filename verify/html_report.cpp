@@ -266,7 +266,7 @@ std::string heatmaps(const VerifyReport& r, const Scale& sc) {
 // One check of the first failing tensor: its numbers and its error profile, bars in
 // units of tolerance x the shard's reference RMS on the heatmap's log scale.
 std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
-  const double W = 300, H = 150, L = 38, T = 8, B = 20;
+  const double W = 250, H = 130, L = 34, T = 8, B = 20;
   const double pw = W - L - 6, ph = H - T - B;
   const double unit = tolerance * (c.reference_rms > 0 ? c.reference_rms : 1.0);
   auto Y = [&](double lv) { return T + ph * (1 - (lv - sc.lo) / (sc.hi - sc.lo)); };
@@ -295,7 +295,7 @@ std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
   o << "<line x1=\"" << L << "\" x2=\"" << L + pw << "\" y1=\"" << Y(0) << "\" y2=\"" << Y(0)
     << "\" stroke=\"#000\" stroke-dasharray=\"4 2\"/>";
   o << "<text x=\"" << L + pw / 2 << "\" y=\"" << H - 5
-    << "\" text-anchor=\"middle\">shard's values in order, 32 bins</text></svg>";
+    << "\" text-anchor=\"middle\">the shard's values, 32 bins</text></svg>";
   o << "<div class=\"cv\">rel err " << fmt("%.3e", c.rel_err) << "<br>max |err| "
     << fmt("%.3e", c.max_abs) << " at " << esc(format_index(c)) << "<br>"
     << fmt("%.9g", c.sharded_at_worst) << " vs " << fmt("%.9g", c.reference_at_worst)
@@ -330,7 +330,7 @@ pre{background:#f4f4f4;padding:6px 8px;margin:4px 0;white-space:pre-wrap;font-si
 svg text{font-size:11px;fill:#333}.ct{font-weight:bold}.rl{font:9px monospace}
 .ht{font-weight:bold;font-size:12px}.sl{font-size:9px}
 .card{border:2px solid #9c9;border-radius:4px;padding:4px}.card.bad{border-color:#d33}
-.ff{max-width:650px}.cn{font:12px monospace;font-weight:bold}.cv{font:11px monospace}
+.ff{max-width:560px}.cn{font:12px monospace;font-weight:bold}.cv{font:11px monospace}
 )";
 
 }  // namespace
@@ -346,8 +346,9 @@ std::string html_report(const HtmlReportHeader& h, const VerifyReport& r) {
     << esc(h.tolerance_rule) << "</pre><pre><b>" << esc(h.verdict) << "</b></pre>\n";
   o << "<h2>Losses</h2>" << loss_charts(r) << "\n";
   const Scale sc = scale_of(r);
-  o << "<div class=\"row\"><div><h2>Error per tensor and step (rel err / tolerance, worst "
-    << "shard; the first failure outlined)</h2>" << legend(sc) << "<div>" << heatmaps(r, sc)
+  o << "<div class=\"row\"><div><h2>Error / tolerance per tensor and step</h2><p>Rows: "
+    << "tensors in the order checked; each cell the worst shard's rel err / tolerance; the "
+    << "first failure outlined.</p>" << legend(sc) << "<div>" << heatmaps(r, sc)
     << "</div></div>\n<div class=\"ff\"><h2>First failure</h2>" << first_failure_section(r, sc)
     << "</div></div>\n";
   o << "</body></html>\n";
