@@ -223,7 +223,7 @@ std::string heatmaps(const VerifyReport& r, const Scale& sc) {
     }
   std::size_t label_chars = 8;
   for (const auto& n : rows) label_chars = std::max(label_chars, n.size());
-  const double lw = 6.2 * static_cast<double>(label_chars) + 10, ch = 11, top = 40;
+  const double lw = 6.2 * static_cast<double>(label_chars) + 10, ch = 10, top = 40;
   const double cw = std::clamp(360.0 / std::max<std::size_t>(steps, 1), 12.0, 36.0);
   const double block = cw * static_cast<double>(steps), gap = 28;
   const double W = lw + (block + gap) * static_cast<double>(r.results.size());
@@ -278,7 +278,8 @@ std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
     << "\"><rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << pw << "\" height=\"" << ph
     << "\" fill=\"#fafafa\" stroke=\"#999\"/>";
   const int step = decade_step(sc.hi - sc.lo) * 2;
-  for (int d = static_cast<int>(sc.lo); d <= sc.hi; d += step)
+  // Decades at multiples of `step`, so that 1 (the tolerance) is among them.
+  for (int d = static_cast<int>(std::ceil(sc.lo / step)) * step; d <= sc.hi; d += step)
     o << "<text x=\"" << L - 3 << "\" y=\"" << Y(d) + 3 << "\" text-anchor=\"end\">"
       << (d == 0 ? std::string("1") : "1e" + std::to_string(d)) << "</text>";
   const double bw = pw / Comparison::kProfileBins;
@@ -330,7 +331,7 @@ pre{background:#f4f4f4;padding:6px 8px;margin:4px 0;white-space:pre-wrap;font-si
 svg text{font-size:11px;fill:#333}.ct{font-weight:bold}.rl{font:9px monospace}
 .ht{font-weight:bold;font-size:12px}.sl{font-size:9px}
 .card{border:2px solid #9c9;border-radius:4px;padding:4px}.card.bad{border-color:#d33}
-.ff{max-width:560px}.cn{font:12px monospace;font-weight:bold}.cv{font:11px monospace}
+.ff{flex:0 0 600px}.cn{font:12px monospace;font-weight:bold}.cv{font:10px monospace}
 )";
 
 }  // namespace
@@ -347,8 +348,8 @@ std::string html_report(const HtmlReportHeader& h, const VerifyReport& r) {
   o << "<h2>Losses</h2>" << loss_charts(r) << "\n";
   const Scale sc = scale_of(r);
   o << "<div class=\"row\"><div><h2>Error / tolerance per tensor and step</h2><p>Rows: "
-    << "tensors in the order checked; each cell the worst shard's rel err / tolerance; the "
-    << "first failure outlined.</p>" << legend(sc) << "<div>" << heatmaps(r, sc)
+    << "tensors in the order checked. A cell: the worst shard's<br>rel err / tolerance at "
+    << "that step. The first failure is outlined.</p>" << legend(sc) << "<div>" << heatmaps(r, sc)
     << "</div></div>\n<div class=\"ff\"><h2>First failure</h2>" << first_failure_section(r, sc)
     << "</div></div>\n";
   o << "</body></html>\n";
