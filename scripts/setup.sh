@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Installs what tpsim needs from Debian's packages, only when something is missing.
 # Run as root (or with sudo) on a fresh Debian machine.
+#   --test-deps: also what only scripts/test.sh needs (chromium renders the --html page).
 set -euo pipefail
 
 need=(cmake ninja-build g++ clang libclang-rt-14-dev libeigen3-dev libcli11-dev catch2
       nlohmann-json3-dev libopenblas-dev libboost-context-dev)
+for arg in "$@"; do
+  case "$arg" in
+    --test-deps) need+=(chromium) ;;
+    *) echo "setup: unknown option $arg (known: --test-deps)" >&2; exit 2 ;;
+  esac
+done
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

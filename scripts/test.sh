@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The README's second command: set up, build, and run the whole test suite:
-#   1. every Catch2 test under ctest (Release build);
+#   1. every Catch2 test under ctest (Release build), and the --html page rendered by Chromium;
 #   2. the communicator and rank tests again under ThreadSanitizer;
 #   3. the safetensors reader under libFuzzer with ASan/UBSan, for a bounded time;
 #   4. the CUDA path on the CPU emulator (scripts/emu_test.sh; no GPU, no nvcc needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --test-deps
 scripts/build.sh
 jobs=$(nproc)
 

@@ -4,6 +4,7 @@
 #include <iostream>
 #include <limits>
 
+#include "verify/html_report.h"
 #include "verify/profile_run.h"
 #include "verify/report.h"
 #include "verify/sweep.h"
@@ -36,7 +37,7 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--layers", "--batch-size", "--seq-len", "--load", "--data",
                                  "--loss-parallel", "--sequence-parallel",
                                  "--make-vocab-divisible-by", "--resync", "--batch", "--preset",
-                                 "--lr", "--weight-decay"};
+                                 "--lr", "--weight-decay", "--html"};
 
 // --preset small: the sweep's small GPT, for the fields the user did not set.
 void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
@@ -124,6 +125,16 @@ void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, boo
   validate_run_options(o);
 }
 
+// The command as typed, for the HTML page's header (arguments with spaces quoted).
+std::string command_line(int argc, char** argv) {
+  std::string s = "tpsim";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    s += " " + (a.find_first_of(" \t'\"") == std::string::npos ? a : "'" + a + "'");
+  }
+  return s;
+}
+
 const char* kFooter = R"(
 Exit codes: 0 pass, 1 verify found a mismatch, 2 bad input or usage, 3 runtime failure
 (e.g. a collective timed out).)";
@@ -166,6 +177,9 @@ Examples:
   verify->add_option("--inject-fault", raw.fault,
                      "break the sharded model on purpose to see verify catch it "
                      "(--list-faults names them)");
+  verify->add_option("--html", o.html_path,
+                     "write a self-contained HTML page: losses, a heatmap of every tensor's "
+                     "error per step and TP degree, the first failure's shards");
   verify->add_flag("--list-faults", list_faults, "list the faults --inject-fault knows and exit");
   verify->footer(std::string(R"(
 Examples:
@@ -174,6 +188,7 @@ Examples:
   tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
   tpsim verify --model gpt --preset seed --loss-parallel --tp 1,2
   tpsim verify --model mlp --tp 2,4 --dtype f32 --steps 5 --json report.json
+  tpsim verify --model gpt --preset small --steps 4 --inject-fault gpt-missing-g --html r.html
 
 Without --model, verify runs the default sweep: the MLP at tp 1,2,4,8 and a small GPT (an
 odd vocabulary, 12 heads) at tp 1,2,3,4, plain, loss parallel, sequence parallel and both,
@@ -245,6 +260,11 @@ Examples:
     const VerifyReport r = run_verify(o);
     print_verify_report(std::cout, o, r);
     if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);
+    if (!o.html_path.empty())
+      write_html_report(o.html_path,
+                        {"tpsim verify", command_line(argc, argv), verify_config_line(o),
+                         tolerance_rule(r.tolerance), verify_verdict(o, r)},
+                        r);
     return r.pass ? kExitOk : kExitMismatch;
   } catch (const UsageError& e) {
     std::cerr << "tpsim: error: " << e.what() << "\n";

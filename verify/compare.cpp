@@ -1,5 +1,6 @@
 #include "verify/compare.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -50,13 +51,16 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
   // Plain double sums: the norms need a few correct digits, not the last one.
   double diff2 = 0, ref2 = 0;
   std::int64_t worst_local = -1;
-  for (std::int64_t k = 0; k < static_cast<std::int64_t>(obs.values.size()); ++k) {
+  const auto n = static_cast<std::int64_t>(obs.values.size());
+  for (std::int64_t k = 0; k < n; ++k) {
     const std::int64_t f = full_index(obs.spec, k);
     const double b = f < 0 ? 0.0 : reference_full[static_cast<std::size_t>(f)];
     const double a = obs.values[static_cast<std::size_t>(k)];
     const double d = distance(a, b);
     diff2 += d * d;
     if (std::isfinite(b)) ref2 += b * b;
+    float& bin = c.profile[static_cast<std::size_t>(k * Comparison::kProfileBins / n)];
+    bin = std::max(bin, static_cast<float>(d));
     if (worst_local < 0 || d > c.max_abs) {
       c.max_abs = d;
       worst_local = k;
@@ -68,6 +72,7 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
   const double dn = std::sqrt(diff2);
   const double rn = std::sqrt(ref2);
   c.rel_err = rn > 0 ? dn / rn : dn;
+  c.reference_rms = n > 0 ? rn / std::sqrt(static_cast<double>(n)) : 0.0;
   c.pass = c.rel_err <= tolerance;  // false for NaN
   return c;
 }

@@ -2,6 +2,7 @@
 // reference, and replicas against rank 0, bit for bit.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -34,6 +35,13 @@ struct Comparison {
   double tolerance = 0.0;
   bool pass = true;
   std::string what = kReferenceCheck;
+  // A coarse picture of where in the shard the error lies, for the HTML report's first
+  // failure: the shard's values in flat (row-major) order cut into kProfileBins equal runs,
+  // max |a−b| in each; and the RMS of the values compared against (the reference's, or rank
+  // 0's), which scales it. 32 floats per comparison: cheaper to always fill than to redo.
+  static constexpr int kProfileBins = 32;
+  std::array<float, kProfileBins> profile{};  // [bins]; bins past the shard's size stay 0
+  double reference_rms = 0.0;
 };
 
 // Compares obs.values with the block of `reference_full` that obs.spec names. Padded

@@ -93,13 +93,33 @@ std::string format_bytes(double b) {
   return fmt(u == 0 ? "%.0f " : "%.2f ", b) + unit[u];
 }
 
+std::string describe_failure(const Comparison& c) { return describe(c); }
+
+std::string verify_config_line(const RunOptions& o) {
+  return std::string("tpsim verify: model ") + model_name(o.model) + ", " + dtype_name(o.dtype) +
+         " sharded vs f64 reference, tp " + tp_list(o) + ", " + std::to_string(o.steps) +
+         " steps, seed " + std::to_string(o.seed) + (o.resync ? ", resync" : "") + ", backend " +
+         backend_description(o.device.backend);
+}
+
+std::string tolerance_rule(double tolerance) {
+  return "tolerance: norm-wise relative error <= " + fmt("%.1e", tolerance) +
+         "; replicated tensors bit-identical across ranks";
+}
+
+std::string verify_verdict(const RunOptions& o, const VerifyReport& r) {
+  if (!r.pass)
+    return "verify: FAIL: first mismatch at tp " + std::to_string(r.first_failure->tp) + ": " +
+           describe(*r.first_failure);
+  double worst = 0;
+  for (const auto& t : r.results) worst = std::max(worst, t.max_rel_err);
+  return "verify: PASS: every tensor of every step within " + fmt("%.1e", r.tolerance) +
+         " for tp " + tp_list(o) + " (largest rel err " + fmt("%.2e", worst) + ")";
+}
+
 void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyReport& r) {
-  os << "tpsim verify: model " << model_name(o.model) << ", " << dtype_name(o.dtype)
-     << " sharded vs f64 reference, tp " << tp_list(o) << ", " << o.steps << " steps, seed "
-     << o.seed << (o.resync ? ", resync" : "") << ", backend "
-     << backend_description(o.device.backend) << "\n";
-  os << "tolerance: norm-wise relative error <= " << fmt("%.1e", r.tolerance)
-     << "; replicated tensors bit-identical across ranks\n";
+  os << verify_config_line(o) << "\n";
+  os << tolerance_rule(r.tolerance) << "\n";
   os << "reference losses:";
   for (double l : r.reference_losses) os << " " << fmt("%.10g", l);
   os << "  (" << fmt("%.2f", r.reference_seconds) << " s)\n";
@@ -136,16 +156,7 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
       }
     }
   }
-  os << "\n";
-  if (r.pass) {
-    double worst = 0;
-    for (const auto& t : r.results) worst = std::max(worst, t.max_rel_err);
-    os << "verify: PASS: every tensor of every step within " << fmt("%.1e", r.tolerance)
-       << " for tp " << tp_list(o) << " (largest rel err " << fmt("%.2e", worst) << ")\n";
-  } else {
-    os << "verify: FAIL: first mismatch at tp " << r.first_failure->tp << ": "
-       << describe(*r.first_failure) << "\n";
-  }
+  os << "\n" << verify_verdict(o, r) << "\n";
 }
 
 nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {

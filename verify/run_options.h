@@ -37,6 +37,7 @@ struct RunOptions {
   std::string data_path;   // --data D.safetensors
   std::string save_final;  // --save-final F.safetensors
   std::string json_path;   // --json FILE
+  std::string html_path;   // verify --html FILE
   bool resync = false;
   Fault fault = Fault::None;
   double timeout_s = 60.0;  // per collective

@@ -1,6 +1,7 @@
 #include "verify/step_checks.h"
 
 #include <algorithm>
+#include <cmath>
 #include <tuple>
 
 namespace tpsim {
@@ -59,12 +60,50 @@ void StepFolder::hand_in(int step, std::vector<Comparison>&& cs) {
                    [](const Comparison& a, const Comparison& b) {
                      return std::tie(a.order, a.rank) < std::tie(b.order, b.rank);
                    });
+  const bool failed_before = !r_.failures.empty();
   for (const auto& c : p.comparisons) fold(c);
+  finish_replicas(step);
+  if (!failed_before && !r_.failures.empty()) {
+    const std::string& first = r_.failures.front().tensor;
+    for (const auto& c : p.comparisons)
+      if (c.tensor == first) r_.first_failure_shards.push_back(c);
+  }
   pending_.erase(step);
+}
+
+void StepFolder::fold_per_step(const Comparison& c) {
+  auto [it, added] = row_.try_emplace(c.tensor, r_.per_step.size());
+  if (added) r_.per_step.push_back({c.tensor, {}});
+  std::vector<float>& row = r_.per_step[it->second].err_over_tol;
+  const auto s = static_cast<std::size_t>(c.step - 1);
+  if (row.size() <= s) row.resize(s + 1, NAN);
+  // A replica check has no tolerance to measure by: it marks the cell off the scale only
+  // where the reference checks pass (see finish_replicas), so that a shard far from the
+  // reference shows how far, though its replicas differ too.
+  if (c.what == kReplicaCheck) {
+    if (!c.pass) replica_failed_.push_back(it->second);
+    if (std::isnan(row[s])) row[s] = 0;
+    return;
+  }
+  const double ratio = c.tolerance > 0 && !std::isnan(c.rel_err) ? c.rel_err / c.tolerance
+                       : c.pass                                  ? 0.0
+                                                                 : INFINITY;
+  const float v = static_cast<float>(ratio);
+  if (std::isnan(row[s]) || v > row[s]) row[s] = v;
+}
+
+void StepFolder::finish_replicas(int step) {
+  const auto s = static_cast<std::size_t>(step - 1);
+  for (std::size_t i : replica_failed_) {
+    float& v = r_.per_step[i].err_over_tol[s];
+    if (!(v > 1)) v = INFINITY;
+  }
+  replica_failed_.clear();
 }
 
 void StepFolder::fold(const Comparison& c) {
   r_.comparisons += 1;
+  fold_per_step(c);
   if (c.what != kReplicaCheck) r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
   if (!c.pass) {
     r_.pass = false;

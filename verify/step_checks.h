@@ -43,7 +43,8 @@ class StepChecker {
 
 // Folds a TP group's comparisons into its TpResult one step at a time, as the step's last
 // rank hands its comparisons in, so that only what the report needs is kept: the largest
-// error, the failures, and the worst comparison per tensor. Within a step, comparisons
+// error, the failures, the worst comparison per tensor, each tensor's worst error per step
+// (a float per tensor and step), and every check of the first failing tensor at its step. Within a step, comparisons
 // are taken in (order, rank) order; steps complete in order (a rank hands in step s+1
 // only after step s), so the result is that of folding every comparison of the run in
 // (step, order, rank) order. Thread-safe: every rank of the group hands in.
@@ -54,6 +55,8 @@ class StepFolder {
 
  private:
   void fold(const Comparison& c);
+  void fold_per_step(const Comparison& c);
+  void finish_replicas(int step);
   struct Pending {
     std::vector<Comparison> comparisons;
     int ranks = 0;  // ranks that have handed this step in
@@ -62,6 +65,8 @@ class StepFolder {
   int tp_;
   TpResult& r_;
   std::map<int, Pending> pending_;  // steps not yet handed in by every rank
+  std::map<std::string, std::size_t> row_;  // tensor -> its row in r_.per_step
+  std::vector<std::size_t> replica_failed_;  // rows whose replicas differ, in the step folding
 };
 
 }  // namespace tpsim

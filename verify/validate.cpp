@@ -142,6 +142,7 @@ void validate_run_options(const RunOptions& o) {
 
 
   if (!o.json_path.empty()) check_writable(o.json_path, "--json");
+  if (!o.html_path.empty()) check_writable(o.html_path, "--html");
   if (!o.save_final.empty()) check_writable(o.save_final, "--save-final");
 }
 

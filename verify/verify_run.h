@@ -15,6 +15,15 @@ struct CollectiveTotals {
   std::int64_t bytes[kNumCollectiveKinds] = {};
 };
 
+// One heatmap row of a TP group: a tensor's worst error per step, in units of the
+// tolerance (rel_err / tolerance, the largest over its shards and reassembly). +inf: not
+// finite, or within tolerance of the reference but a replica differs from rank 0's. NaN:
+// not compared at that step.
+struct TensorSteps {
+  std::string tensor;
+  std::vector<float> err_over_tol;  // [steps], step s at s-1
+};
+
 struct TpResult {
   int tp = 1;
   bool pass = true;
@@ -22,6 +31,10 @@ struct TpResult {
   std::int64_t comparisons = 0;     // tensors x shards x steps compared, every check
   std::vector<Comparison> failures; // every failing comparison, in (step, order, rank) order
   std::vector<Comparison> worst;    // per tensor, the worst comparison over steps and shards
+  std::vector<TensorSteps> per_step;  // per tensor in the order first checked (step 1's order)
+  // Every check of the first failing tensor at the step it first fails, each rank's shard
+  // and its other checks, in (order, rank) order: the HTML report draws them side by side.
+  std::vector<Comparison> first_failure_shards;
   std::vector<double> losses;       // per step, rank 0's
   CollectiveTotals comm_step1;      // rank 0's collectives during step 1
   double seconds = 0.0;
