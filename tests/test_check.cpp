@@ -300,3 +300,49 @@ TEST_CASE("check reads dumps in nanoGPT's and Megatron's names, fused q/k/v spli
     CHECK((t.find("q_proj") != std::string::npos || t.find("k_proj") != std::string::npos));
   }
 }
+
+TEST_CASE("check: explicit layouts, replicas bit for bit, train --dump is for the GPT",
+          "[check][cli]") {
+  SECTION("layouts that the manifest spells out, equal to the defaults, pass") {
+    const std::string dir = make_dump("layouts", "--tp 2 --loss-parallel");
+    auto m = read_manifest_json(dir);
+    m["layouts"] = {{"wte.weight", {{"split_dim", 0}, {"padded", 102}}},
+                    {"h.0.ln1.weight", "replicated"},
+                    {"h.1.mlp.ffn2.weight", {{"split_dim", 1}}},
+                    {"act/h.0.attn.q", {{"split_dim", 1}}}};
+    write_manifest_json(dir, m);
+    const auto r = check(dir);
+    INFO(r.out);
+    REQUIRE(r.exit_code == 0);
+  }
+  SECTION("a replica that differs from rank 0's, even within tolerance, fails") {
+    const std::string dir = make_dump("replica", "--tp 2 --dtype f64");
+    auto f = st::read_safetensors(rank_path(dir, 1));
+    auto& t = f.tensors.at("step2/ln_f.weight");
+    auto v = t.to_f64();
+    v[3] *= 1 + 1e-13;
+    t = st::st_from_f64(t.shape, v, t.dtype);
+    st::write_safetensors(rank_path(dir, 1), f);
+    const auto r = check(dir, "--json " + dir + "/report.json");
+    INFO(r.out);
+    REQUIRE(r.exit_code == 1);
+    const auto j = read_json(dir + "/report.json");
+    CHECK(j["first_failure"]["tensor"] == "ln_f.weight");
+    CHECK(j["first_failure"]["check"] == "replica of rank 0");
+    CHECK(j["first_failure"]["rank"] == 1);
+  }
+  SECTION("a fused tensor's layout may not be given") {
+    const std::string dir = make_dump("fused-layout", "--tp 2");
+    convert_dump(dir, "nanogpt", 2);
+    auto m = read_manifest_json(dir);
+    m["layouts"] = {{"transformer.h.0.attn.c_attn.weight", {{"split_dim", 0}}}};
+    write_manifest_json(dir, m);
+    expect_bad_dump(dir, "c_attn", "fixed by the nanogpt convention");
+  }
+  SECTION("train --dump refuses the MLP") {
+    const auto r = run_tpsim("train --model mlp --dump " + temp_path("mlp-dump"));
+    INFO(r.out);
+    REQUIRE(r.exit_code == 2);
+    CHECK(r.out.find("--dump") != std::string::npos);
+  }
+}
