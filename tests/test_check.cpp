@@ -339,6 +339,16 @@ TEST_CASE("check: explicit layouts, replicas bit for bit, train --dump is for th
     write_manifest_json(dir, m);
     expect_bad_dump(dir, "c_attn", "fixed by the nanogpt convention");
   }
+  SECTION("a loss stored as a scalar, shape [], and F64 tensors in an f32 run pass") {
+    const std::string dir = make_dump("scalar-loss", "--tp 2");
+    auto f = st::read_safetensors(rank_path(dir, 0));
+    for (auto& [name, t] : f.tensors) t = st::st_from_f64(t.shape, t.to_f64(), DType::F64);
+    f.tensors.at("step1/loss").shape = {};
+    st::write_safetensors(rank_path(dir, 0), f);
+    const auto r = check(dir);
+    INFO(r.out);
+    REQUIRE(r.exit_code == 0);
+  }
   SECTION("train --dump refuses the MLP") {
     const auto r = run_tpsim("train --model mlp --dump " + temp_path("mlp-dump"));
     INFO(r.out);
