@@ -142,6 +142,7 @@ Examples:
   tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
   tpsim train  --model mlp --tp 2 --steps 2
   tpsim verify --model mlp --tp 2 --inject-fault mlp-drop-f-backward   # must fail
+  tpsim check --dumps DIR --load W.safetensors --data D.safetensors    # your own TP run
 )") + kFooter);
   app.require_subcommand(1);
   app.option_defaults()->always_capture_default();  // --help shows every default

@@ -13,12 +13,6 @@ namespace tpsim {
 
 namespace {
 
-std::string shape_str(const Shape& s) {
-  std::string r = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) r += (i ? "," : "") + std::to_string(s[i]);
-  return r + "]";
-}
-
 // Every rank file of the dump, and nothing else named like one.
 void check_rank_files(const std::string& dir, int world) {
   std::error_code ec;

@@ -55,12 +55,6 @@ NameTable table_of(const DumpManifest& m) {
   return t;
 }
 
-std::string shape_str(const Shape& s) {
-  std::string r = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) r += (i ? "," : "") + std::to_string(s[i]);
-  return r + "]";
-}
-
 // Splits a fused q/k/v block of `heads` heads (rows 3*heads*d, each of H values) into its
 // q, k and v blocks of heads*d rows: nanoGPT stacks [q; k; v], Megatron interleaves
 // [q_j; k_j; v_j] per head j.
