@@ -263,6 +263,24 @@ TEST_CASE("check refuses a bad dump with one line naming the tensor and rank", "
     st::write_safetensors(rank_path(dir, 0), f);
     expect_bad_dump(dir, "step1/h.0.mlp.bias", "unknown tensor name");
   }
+  SECTION("a step past the manifest's steps, an unknown point, an integer tensor") {
+    for (const auto& [name, says] :
+         {std::pair<std::string, std::string>{"step3/loss", "past the manifest's steps 2"},
+          {"step01/loss", "unknown tensor name"},
+          {"step1/act/h.2.ln1.out", "unknown activation point"},
+          {"step1/act/h.0.attn.z", "unknown activation point"}}) {
+      fresh();
+      auto f = st::read_safetensors(rank_path(dir, 1));
+      f.tensors[name] = f.tensors.at("step1/loss");
+      st::write_safetensors(rank_path(dir, 1), f);
+      expect_bad_dump(dir, name, says);
+    }
+    fresh();
+    auto f = st::read_safetensors(rank_path(dir, 0));
+    f.tensors.at("step1/loss") = st::st_from_i64({1}, {3});
+    st::write_safetensors(rank_path(dir, 0), f);
+    expect_bad_dump(dir, "step1/loss", "expected F32 or F64");
+  }
   SECTION("an unknown version") {
     fresh();
     auto m = read_manifest_json(dir);
