@@ -144,7 +144,7 @@ def worker(rank, args, port, W, ids, labels):
                 out[pre + n] = x.detach().clone()
                 out[pre + n + ".grad"] = x.grad.detach().clone()
         out.update({pre + k: v for k, v in
-                    conv({n: p.grad.detach().clone() for n, p in net.shards.items()},
+                    conv({n + ".grad": p.grad.detach().clone() for n, p in net.shards.items()},
                          ".grad").items()})
         opt.step()
         out.update({pre + k: v for k, v in
