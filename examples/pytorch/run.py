@@ -61,6 +61,9 @@ def parse_args(argv=None):
         a.error(f"--sequence-parallel: --tp {c.tp} must divide B*T = {c.batch_size * c.seq_len}")
     if c.bug == "padded-vocab-in-softmax" and not c.loss_parallel:
         a.error("--bug padded-vocab-in-softmax needs --loss-parallel")
+    if c.bug == "g-missing-attn-out" and c.sequence_parallel:
+        a.error("--bug g-missing-attn-out is a plain-TP bug (under SP o_proj's output must be "
+                "reduce-scattered to have the residual's shape at all)")
     if c.bug == "sp-ln-grad-not-reduced" and not c.sequence_parallel:
         a.error("--bug sp-ln-grad-not-reduced needs --sequence-parallel")
     return args
