@@ -16,6 +16,57 @@ std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t) {
   return (c.vocab_size + m - 1) / m * m;
 }
 
+ShardSpec gpt_param_shard(const ParamSpec& p, const GptConfig& c, const GptParallelism& par,
+                          int r, int t) {
+  const std::string& n = p.name;
+  if (n == "wte.weight")
+    return par.loss_parallel ? split(p, 0, r, t, padded_vocab(c, par, t)) : replicate(p, r, t);
+  for (const char* col : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "ffn1.weight"})
+    if (n.ends_with(col)) return split(p, 0, r, t);  // column-parallel: output rows
+  for (const char* row : {"o_proj.weight", "ffn2.weight"})
+    if (n.ends_with(row)) return split(p, 1, r, t);  // row-parallel: input columns
+  return replicate(p, r, t);  // wpe, LayerNorm weights
+}
+
+std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfig& c,
+                                         const GptParallelism& par, std::int64_t tokens, int r,
+                                         int t) {
+  std::string point = name;
+  if (!point.starts_with("act/")) return std::nullopt;
+  point.erase(0, 4);
+  if (point.ends_with(".grad")) point.erase(point.size() - 5);
+  const std::int64_t H = c.hidden;
+  auto tokens_split = [&] {  // the residual stream's regions
+    const ParamSpec p{name, {tokens, H}, {}};
+    return par.sequence_parallel ? split(p, 0, r, t) : replicate(p, r, t);
+  };
+  auto columns = [&](std::int64_t width) {  // this rank's heads or MLP columns
+    return split(ParamSpec{name, {tokens, width}, {}}, 1, r, t);
+  };
+  if (point == "embedding.out" || point == "ln_f.out") return tokens_split();
+  if (point == "logits") {
+    const ParamSpec p{name, {tokens, c.vocab_size}, {}};
+    if (par.loss_parallel) return split(p, 1, r, t, padded_vocab(c, par, t));
+    return par.sequence_parallel ? split(p, 0, r, t) : replicate(p, r, t);
+  }
+  if (!point.starts_with("h.")) return std::nullopt;
+  const auto dot = point.find('.', 2);
+  const std::string layer = point.substr(2, dot == std::string::npos ? dot : dot - 2);
+  if (dot == std::string::npos || layer.empty() || layer.size() > 9 ||
+      layer.find_first_not_of("0123456789") != std::string::npos ||
+      (layer.size() > 1 && layer[0] == '0') || std::stoll(layer) >= c.layers)
+    return std::nullopt;
+  const std::string rest = point.substr(dot + 1);
+  for (const char* p : {"attn.q", "attn.k", "attn.v", "attn.out"})
+    if (rest == p) return columns(H);
+  for (const char* p : {"mlp.ffn1.out", "mlp.gelu.out"})
+    if (rest == p) return columns(4 * H);
+  for (const char* p : {"ln1.out", "attn.o.out", "residual.mid", "ln2.out", "mlp.ffn2.out",
+                        "residual.out"})
+    if (rest == p) return tokens_split();
+  return std::nullopt;
+}
+
 struct ShardedGpt::CrossEntropyState {
   VocabParallelCrossEntropy ce;
 };
@@ -128,16 +179,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   for (const auto& p : gpt_param_specs(cfg)) {
     const std::string& n = p.name;
     auto ends = [&](const char* s) { return n.size() >= std::strlen(s) && n.ends_with(s); };
-    ShardSpec s;
-    if (n == "wte.weight")
-      s = par.loss_parallel ? split(p, 0, r, t, Vp_) : replicate(p, r, t);
-    else if (ends("q_proj.weight") || ends("k_proj.weight") || ends("v_proj.weight") ||
-             ends("ffn1.weight"))
-      s = split(p, 0, r, t);  // column-parallel: output rows
-    else if (ends("o_proj.weight") || ends("ffn2.weight"))
-      s = split(p, 1, r, t);  // row-parallel: input columns
-    else
-      s = replicate(p, r, t);  // wpe, LayerNorm weights
+    const ShardSpec s = gpt_param_shard(p, cfg, par, r, t);
     params_.push_back(make_parameter(be, s, dtype, seed));
     if (fault == Fault::GptQkHeadMismatch && ends("k_proj.weight") && t > 1) {
       // The bug: k's heads come from the next rank's slice while q's are this rank's.

@@ -15,6 +15,8 @@
 #pragma once
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -31,6 +33,16 @@ struct GptParallelism {
 
 // The padded vocabulary: V rounded up to a multiple of t·M when loss parallel, else V.
 std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t);
+
+// The Megatron layout of parameter `p` on rank r of t (docs/dump-format.md, "default
+// layouts"): the one rule the model shards by and a dump's reader reads shards by.
+ShardSpec gpt_param_shard(const ParamSpec& p, const GptConfig& c, const GptParallelism& par,
+                          int r, int t);
+// The layout of activation point `name` ("act/h.0.attn.q", with or without ".grad") over
+// N = B*T tokens, or nullopt for a name that is no point of this config.
+std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfig& c,
+                                         const GptParallelism& par, std::int64_t tokens, int r,
+                                         int t);
 
 class ShardedGpt final : public ShardedModel {
  public:

@@ -4,6 +4,8 @@
 #include <iostream>
 #include <limits>
 
+#include "io/atomic_file.h"
+#include "verify/check_run.h"
 #include "verify/profile_run.h"
 #include "verify/report.h"
 #include "verify/sweep.h"
@@ -152,6 +154,10 @@ Examples:
                                             "what the seed prints per iteration");
   add_model_flags(*train, o, raw, false);
   train->add_option("--save-final", o.save_final, "write the final full weights (safetensors)");
+  train->add_option("--dump", o.dump_dir,
+                    "gpt: write a dump of every rank's shards, every step, to this directory "
+                    "(docs/dump-format.md), with the initial weights and the batch, for "
+                    "`tpsim check`");
   train->footer(std::string(R"(
 Examples:
   tpsim train --model mlp --tp 1
@@ -196,6 +202,25 @@ Examples:
   tpsim profile --model gpt --tp 1,2 --steps 2
   tpsim profile --model gpt --tp 2 --loss-parallel --sequence-parallel --trace t.json)") + kFooter);
 
+  CheckOptions chk;
+  auto* check = app.add_subcommand(
+      "check", "check a dump of someone else's TP training run (docs/dump-format.md) against "
+               "the float64 reference, every tensor of every rank and step");
+  check->add_option("--dumps", chk.dumps, "the dump directory: manifest.json, rank{r}.safetensors")
+      ->required();
+  check->add_option("--load", chk.load, "the full initial weights (safetensors, the dump's names)")
+      ->required();
+  check->add_option("--data", chk.data, "the batch: input_ids I64 [B,T], labels I64 [B,T-1]")
+      ->required();
+  check->add_option("--json", chk.json, "write a machine-readable report here");
+  check->footer(R"(
+Examples:
+  tpsim train --model gpt --preset small --tp 2 --steps 2 --dump d
+  tpsim check --dumps d --load d/weights.safetensors --data d/batch.safetensors
+
+Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump or input
+(one line naming the file, the tensor and the rank) or usage, 3 runtime failure.)");
+
   try {
     try {
       app.parse(argc, argv);
@@ -210,6 +235,13 @@ Examples:
       for (const auto& f : all_faults())
         if (f.fault != Fault::None) std::cout << f.name << "\t" << f.what << "\n";
       return kExitOk;
+    }
+    if (*check) {
+      if (!chk.json.empty()) check_writable(chk.json, "--json");
+      const CheckResult r = run_check(chk);
+      print_check_report(std::cout, chk.dumps, r.run, r.report);
+      if (!chk.json.empty()) write_json(chk.json, check_json(chk.dumps, r.run, r.report));
+      return r.report.pass ? kExitOk : kExitMismatch;
     }
     if (*train) {
       apply_preset(*train, o, raw);

@@ -93,17 +93,33 @@ std::string format_bytes(double b) {
   return fmt(u == 0 ? "%.0f " : "%.2f ", b) + unit[u];
 }
 
-void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyReport& r) {
-  os << "tpsim verify: model " << model_name(o.model) << ", " << dtype_name(o.dtype)
-     << " sharded vs f64 reference, tp " << tp_list(o) << ", " << o.steps << " steps, seed "
-     << o.seed << (o.resync ? ", resync" : "") << ", backend "
-     << backend_description(o.device.backend) << "\n";
+namespace {
+
+void print_collectives(std::ostream& os, const TpResult& t) {
+  os << "  collectives per rank in step 1:";
+  bool any = false;
+  for (int k = 0; k < kNumCollectiveKinds; ++k) {
+    if (t.comm_step1.count[k] == 0) continue;
+    any = true;
+    os << " " << collective_name(static_cast<CollectiveKind>(k)) << " x"
+       << t.comm_step1.count[k] << " (" << format_bytes(static_cast<double>(t.comm_step1.bytes[k]))
+       << ")";
+  }
+  os << (any ? "" : " none");
+  if (any) os << "; bus volume " << format_bytes(bus_bytes(t.comm_step1, t.tp));
+  os << "\n";
+}
+
+void print_tolerance_and_reference(std::ostream& os, const VerifyReport& r) {
   os << "tolerance: norm-wise relative error <= " << fmt("%.1e", r.tolerance)
      << "; replicated tensors bit-identical across ranks\n";
   os << "reference losses:";
   for (double l : r.reference_losses) os << " " << fmt("%.10g", l);
   os << "  (" << fmt("%.2f", r.reference_seconds) << " s)\n";
+}
 
+// Per TP group: its table of the worst comparison per tensor, its collectives, its failures.
+void print_tp_results(std::ostream& os, const VerifyReport& r, bool collectives) {
   for (const auto& t : r.results) {
     os << "\nTP " << t.tp << ": " << (t.pass ? "PASS" : "FAIL") << ", largest rel err "
        << fmt("%.2e", t.max_rel_err) << " (" << fmt("%.2f", t.seconds) << " s)\n";
@@ -112,18 +128,7 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
                   "worst shard", "step", "rel err", "max abs", "worst index", "result");
     os << head;
     for (const auto& c : t.worst) print_row(os, c);
-    os << "  collectives per rank in step 1:";
-    bool any = false;
-    for (int k = 0; k < kNumCollectiveKinds; ++k) {
-      if (t.comm_step1.count[k] == 0) continue;
-      any = true;
-      os << " " << collective_name(static_cast<CollectiveKind>(k)) << " x"
-         << t.comm_step1.count[k] << " (" << format_bytes(static_cast<double>(t.comm_step1.bytes[k]))
-         << ")";
-    }
-    os << (any ? "" : " none");
-    if (any) os << "; bus volume " << format_bytes(bus_bytes(t.comm_step1, t.tp));
-    os << "\n";
+    if (collectives) print_collectives(os, t);
     if (!t.pass) {
       os << "  failures (" << t.failures.size() << "):\n";
       std::size_t shown = 0;
@@ -136,6 +141,18 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
       }
     }
   }
+}
+
+}  // namespace
+
+void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyReport& r) {
+  os << "tpsim verify: model " << model_name(o.model) << ", " << dtype_name(o.dtype)
+     << " sharded vs f64 reference, tp " << tp_list(o) << ", " << o.steps << " steps, seed "
+     << o.seed << (o.resync ? ", resync" : "") << ", backend "
+     << backend_description(o.device.backend) << "\n";
+  print_tolerance_and_reference(os, r);
+
+  print_tp_results(os, r, true);
   os << "\n";
   if (r.pass) {
     double worst = 0;
@@ -146,6 +163,39 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
     os << "verify: FAIL: first mismatch at tp " << r.first_failure->tp << ": "
        << describe(*r.first_failure) << "\n";
   }
+}
+
+void print_check_report(std::ostream& os, const std::string& dumps, const RunOptions& o,
+                        const VerifyReport& r) {
+  os << "tpsim check: " << dumps << ": model " << model_name(o.model) << ", " << dtype_name(o.dtype)
+     << " dump vs f64 reference, world size " << tp_list(o) << ", " << o.steps << " steps"
+     << (o.loss_parallel ? ", loss parallel" : "")
+     << (o.sequence_parallel ? ", sequence parallel" : "") << "\n";
+  print_tolerance_and_reference(os, r);
+  print_tp_results(os, r, false);
+  os << "\n";
+  if (r.pass) {
+    os << "check: PASS: every dumped tensor of every step and rank within "
+       << fmt("%.1e", r.tolerance) << " (largest rel err "
+       << fmt("%.2e", r.results.front().max_rel_err) << ", "
+       << r.results.front().comparisons << " comparisons)\n";
+  } else {
+    os << "check: FAIL: first mismatch: " << describe(*r.first_failure) << "\n";
+  }
+}
+
+nlohmann::json check_json(const std::string& dumps, const RunOptions& o, const VerifyReport& r) {
+  nlohmann::json j = verify_json(o, r);
+  j["command"] = "check";
+  j["dumps"] = dumps;
+  j.erase("seed");
+  j.erase("resync");
+  j.erase("fault");
+  for (auto& t : j["tp"]) {
+    t.erase("collectives_step1");
+    t.erase("bus_bytes_step1");
+  }
+  return j;
 }
 
 nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {

@@ -14,6 +14,11 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
 nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r);
 void write_verify_json(const std::string& path, const RunOptions& o, const VerifyReport& r);
 
+// check: the same table and JSON for a dump (no collectives: the dump does not record them).
+void print_check_report(std::ostream& os, const std::string& dumps, const RunOptions& o,
+                        const VerifyReport& r);
+nlohmann::json check_json(const std::string& dumps, const RunOptions& o, const VerifyReport& r);
+
 // The default sweep: one row per case, the first failing case's full report, one verdict.
 void print_sweep_report(std::ostream& os, const RunOptions& base, const SweepReport& r);
 nlohmann::json sweep_json(const RunOptions& base, const SweepReport& r);

@@ -36,6 +36,7 @@ struct RunOptions {
   std::string load_path;   // --load W.safetensors
   std::string data_path;   // --data D.safetensors
   std::string save_final;  // --save-final F.safetensors
+  std::string dump_dir;    // train --dump DIR (docs/dump-format.md)
   std::string json_path;   // --json FILE
   bool resync = false;
   Fault fault = Fault::None;

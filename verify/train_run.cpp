@@ -2,12 +2,14 @@
 
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "runtime/launch.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "verify/divergence.h"
+#include "verify/dump_writer.h"
 #include "verify/inputs.h"
 #include "verify/memory_check.h"
 #include "verify/torch_print.h"
@@ -29,6 +31,10 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   check_tp_degree(o, tp);
   check_launch(o.device, tp);
   check_memory(o, "train");
+  const bool dump = !o.dump_dir.empty();
+  if (dump && o.model != ModelKind::Gpt)
+    throw UsageError("--dump: the dump format holds a GPT run; use --model gpt");
+  if (dump) prepare_dump_dir(o.dump_dir, tp);
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
 
@@ -39,8 +45,23 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
     auto model = make_sharded_model(o, in, be, comm);
     if (!in.loaded.empty()) model->load_params(in.loaded);
+    RankDump rank_dump(o.dtype);
+    if (dump) {
+      // What `check --load/--data` start from: the full initial weights and the batch.
+      model->record_activation_points(true);
+      auto initial = model->gather_params(comm);
+      if (rank == 0) {
+        save_weights(dump_weights_file(o.dump_dir), param_specs(o), initial, o.dtype);
+        save_gpt_batch(dump_batch_file(o.dump_dir), in.gpt_batch);
+      }
+    }
     for (int step = 1; step <= o.steps; ++step) {
       const double loss = model->forward_backward();
+      if (dump) {  // before the optimizer step overwrites the gradients' views
+        rank_dump.add(step, model->observe_forward());
+        rank_dump.add(step, model->observe_activation_grads());
+        rank_dump.add(step, model->observe_param_grads());
+      }
       check_finite(loss, model->observe_param_grads(), rank, step);
       if (o.model == ModelKind::Mlp) {
         // fc1's gradient, reassembled from the shards (every rank joins the gather).
@@ -60,13 +81,20 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
       }
       if (rank == 0) result.losses.push_back(loss);
       model->optimizer_step();
+      if (dump) rank_dump.add(step, model->observe_params());
     }
+    if (dump) rank_dump.write(rank_file(o.dump_dir, rank));
     if (!o.save_final.empty()) {
       auto full = model->gather_params(comm);
       if (rank == 0) save_weights(o.save_final, param_specs(o), full, o.dtype);
     }
   });
 
+  if (dump) {
+    write_manifest(o.dump_dir, manifest_of(o, tp));
+    os << "\ndump: " << o.dump_dir << " (" << tp << " rank files, manifest.json, "
+       << "weights.safetensors, batch.safetensors)\n";
+  }
   if (!o.json_path.empty()) {
     nlohmann::json j = {{"tool", "tpsim"}, {"command", "train"},   {"model", model_name(o.model)},
                         {"tp", tp},         {"dtype", dtype_name(o.dtype)}, {"seed", o.seed},

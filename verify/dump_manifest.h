@@ -1,0 +1,45 @@
+// A dump's manifest.json (docs/dump-format.md): what the TP run that wrote the dump was.
+// Parsing is strict: a field of the wrong type or value, an unknown key, or an unknown
+// version is a one-line UsageError naming the field.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "core/dtype.h"
+#include "model/config.h"
+#include "sharded/gpt.h"
+
+namespace tpsim {
+
+inline constexpr int kDumpFormatVersion = 1;
+
+// The parameter names of a dump and of its weights file.
+enum class NameConvention { Tpsim, Nanogpt, Megatron };
+const char* convention_name(NameConvention c);
+
+// How a tensor is cut over the ranks, as the manifest says it.
+struct DumpLayout {
+  int split_dim = -1;        // -1: replicated
+  std::int64_t padded = 0;   // the split dimension's length after padding; 0: unpadded
+};
+
+struct DumpManifest {
+  int world_size = 1;
+  std::int64_t steps = 1;
+  GptConfig config;
+  DType dtype = DType::F64;
+  AdamConfig adam{1e-3, 0.9, 0.999, 1e-8, 0.0};  // torch.optim.Adam's defaults
+  GptParallelism parallel;
+  NameConvention names = NameConvention::Tpsim;
+  std::map<std::string, DumpLayout> layouts;  // by name in the dump's convention
+};
+
+// `source` names the file in messages.
+DumpManifest parse_manifest(const std::string& text, const std::string& source);
+DumpManifest read_manifest(const std::string& path);
+nlohmann::json manifest_json(const DumpManifest& m);
+
+}  // namespace tpsim
