@@ -196,10 +196,16 @@ TEST_CASE("check fails on one corrupted element, naming its tensor and rank", "[
   v[17] += 0.5;
   t = st::st_from_f64(t.shape, v, t.dtype);
   st::write_safetensors(rank_path(dir, 1), f);
-  const auto r = check(dir, "--json " + dir + "/report.json");
+  const auto r = check(dir, "--json " + dir + "/report.json --html " + dir + "/report.html");
   INFO(r.out);
   REQUIRE(r.exit_code == 1);
   CHECK(r.out.find("check: FAIL: first mismatch: h.0.mlp.ffn1.weight.grad (rank 1/2") !=
+        std::string::npos);
+  // The page says the same, and names the tensor where its first-failure cards are.
+  std::ifstream page(dir + "/report.html");
+  const std::string html((std::istreambuf_iterator<char>(page)), std::istreambuf_iterator<char>());
+  CHECK(html.find("tpsim check") != std::string::npos);
+  CHECK(html.find("check: FAIL: first mismatch: h.0.mlp.ffn1.weight.grad (rank 1/2") !=
         std::string::npos);
   const auto j = read_json(dir + "/report.json");
   CHECK(j["pass"] == false);

@@ -16,6 +16,7 @@ struct CheckOptions {
   std::string load;   // --load W.safetensors: the full initial weights
   std::string data;   // --data D.safetensors: the batch
   std::string json;   // --json FILE
+  std::string html;   // --html FILE
 };
 
 struct CheckResult {

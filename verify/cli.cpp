@@ -229,6 +229,9 @@ Examples:
   check->add_option("--data", chk.data, "the batch: input_ids I64 [B,T], labels I64 [B,T-1]")
       ->required();
   check->add_option("--json", chk.json, "write a machine-readable report here");
+  check->add_option("--html", chk.html,
+                    "write a self-contained HTML page: losses, a tensor-by-step error heatmap, the "
+                    "first failure's shards side by side");
   check->footer(R"(
 Examples:
   tpsim train --model gpt --preset small --tp 2 --steps 2 --dump d
@@ -254,9 +257,15 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     }
     if (*check) {
       if (!chk.json.empty()) check_writable(chk.json, "--json");
+      if (!chk.html.empty()) check_writable(chk.html, "--html");
       const CheckResult r = run_check(chk);
       print_check_report(std::cout, chk.dumps, r.run, r.report);
       if (!chk.json.empty()) write_json(chk.json, check_json(chk.dumps, r.run, r.report));
+      if (!chk.html.empty())
+        write_html_report(chk.html,
+                          {"tpsim check", command_line(argc, argv), check_config_line(chk.dumps, r.run),
+                           tolerance_rule(r.report.tolerance), check_verdict(r.report)},
+                          r.report);
       return r.report.pass ? kExitOk : kExitMismatch;
     }
     if (*train) {

@@ -175,23 +175,27 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
   os << "\n" << verify_verdict(o, r) << "\n";
 }
 
+std::string check_config_line(const std::string& dumps, const RunOptions& o) {
+  return "tpsim check: " + dumps + ": model " + model_name(o.model) + ", " + dtype_name(o.dtype) +
+         " dump vs f64 reference, world size " + tp_list(o) + ", " + std::to_string(o.steps) +
+         " steps" + (o.loss_parallel ? ", loss parallel" : "") +
+         (o.sequence_parallel ? ", sequence parallel" : "");
+}
+
+std::string check_verdict(const VerifyReport& r) {
+  if (!r.pass) return "check: FAIL: first mismatch: " + describe(*r.first_failure);
+  return "check: PASS: every dumped tensor of every step and rank within " +
+         fmt("%.1e", r.tolerance) + " (largest rel err " +
+         fmt("%.2e", r.results.front().max_rel_err) + ", " +
+         std::to_string(r.results.front().comparisons) + " comparisons)";
+}
+
 void print_check_report(std::ostream& os, const std::string& dumps, const RunOptions& o,
                         const VerifyReport& r) {
-  os << "tpsim check: " << dumps << ": model " << model_name(o.model) << ", " << dtype_name(o.dtype)
-     << " dump vs f64 reference, world size " << tp_list(o) << ", " << o.steps << " steps"
-     << (o.loss_parallel ? ", loss parallel" : "")
-     << (o.sequence_parallel ? ", sequence parallel" : "") << "\n";
+  os << check_config_line(dumps, o) << "\n";
   print_tolerance_and_reference(os, r);
   print_tp_results(os, r, false);
-  os << "\n";
-  if (r.pass) {
-    os << "check: PASS: every dumped tensor of every step and rank within "
-       << fmt("%.1e", r.tolerance) << " (largest rel err "
-       << fmt("%.2e", r.results.front().max_rel_err) << ", "
-       << r.results.front().comparisons << " comparisons)\n";
-  } else {
-    os << "check: FAIL: first mismatch: " << describe(*r.first_failure) << "\n";
-  }
+  os << "\n" << check_verdict(r) << "\n";
 }
 
 nlohmann::json check_json(const std::string& dumps, const RunOptions& o, const VerifyReport& r) {

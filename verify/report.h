@@ -17,6 +17,9 @@ void write_verify_json(const std::string& path, const RunOptions& o, const Verif
 // check: the same table and JSON for a dump (no collectives: the dump does not record them).
 void print_check_report(std::ostream& os, const std::string& dumps, const RunOptions& o,
                         const VerifyReport& r);
+// check's first and last lines (also the --html page's header).
+std::string check_config_line(const std::string& dumps, const RunOptions& o);
+std::string check_verdict(const VerifyReport& r);
 nlohmann::json check_json(const std::string& dumps, const RunOptions& o, const VerifyReport& r);
 
 // The default sweep: one row per case, the first failing case's full report, one verdict.
