@@ -134,20 +134,10 @@ void ShardedGpt::snapshot(Snapshots& into, const std::string& name, const ShardS
   be_.to_host_into(t, o.values.copy());
 }
 
-ShardSpec ShardedGpt::token_point(const std::string& name) const {
-  const ParamSpec p{name, {N_, cfg_.hidden}, {}};
-  return par_.sequence_parallel ? split(p, 0, rank_, world_) : replicate(p, rank_, world_);
-}
-
-ShardSpec ShardedGpt::column_point(const std::string& name, std::int64_t width) const {
-  return split(ParamSpec{name, {N_, width}, {}}, 1, rank_, world_);
-}
-
-ShardSpec ShardedGpt::logits_point(const std::string& name) const {
-  const ParamSpec p{name, {N_, cfg_.vocab_size}, {}};
-  if (par_.loss_parallel) return split(p, 1, rank_, world_, Vp_);
-  if (par_.sequence_parallel) return split(p, 0, rank_, world_);
-  return replicate(p, rank_, world_);
+ShardSpec ShardedGpt::point(const std::string& name) const {
+  auto spec = gpt_point_shard(name, cfg_, par_, N_, rank_, world_);
+  if (!spec) throw Error("ShardedGpt: " + name + " is not an activation point of this model");
+  return *spec;
 }
 
 Parameter& ShardedGpt::param(const std::string& name) {
@@ -412,7 +402,7 @@ void ShardedGpt::forward() {
     be_.attention_forward(b.att, b.probs, b.q_out, b.k_out, b.v_out, B_, T_, Al, scale);
     b.o.forward(be_, partial, b.att);
     Tensor& attn_out = leave_tp();
-    snapshot(*fwd_snaps_, pt + "attn.o.out", token_point(pt + "attn.o.out"), attn_out);
+    snapshot(*fwd_snaps_, pt + "attn.o.out", point(pt + "attn.o.out"), attn_out);
     be_.copy(b.x_mid, *x);
     be_.add_inplace(b.x_mid, attn_out);
 
@@ -424,7 +414,7 @@ void ShardedGpt::forward() {
     b.ffn2.forward(be_, partial, b.a);
     Tensor* mlp_out = &partial;
     if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp();
-    snapshot(*fwd_snaps_, pt + "mlp.ffn2.out", token_point(pt + "mlp.ffn2.out"), *mlp_out);
+    snapshot(*fwd_snaps_, pt + "mlp.ffn2.out", point(pt + "mlp.ffn2.out"), *mlp_out);
     be_.copy(b.x_out, b.x_mid);
     be_.add_inplace(b.x_out, *mlp_out);
     x = &b.x_out;
@@ -488,7 +478,7 @@ void ShardedGpt::backward() {
     be_.gemm(dhf, dlogits, false, wte.value, false);
   }
   Snapshots& snaps = *bwd_snaps_;
-  snapshot(snaps, "act/ln_f.out.grad", token_point("act/ln_f.out.grad"), dhf);
+  snapshot(snaps, "act/ln_f.out.grad", point("act/ln_f.out.grad"), dhf);
   Tensor* dx = &s.dres[0];
   be_.fill(*dx, 0.0);
   Parameter& lnf = param("ln_f.weight");
@@ -502,49 +492,45 @@ void ShardedGpt::backward() {
     const Tensor& x_in = li == 0 ? x0_ : blocks_[li - 1]->x_out;
     Tensor* dx_prev = dx == &s.dres[0] ? &s.dres[1] : &s.dres[0];
     const std::string pt = "act/h." + std::to_string(li) + ".";
-    const std::int64_t H = cfg_.hidden;
-    auto snap_tokens = [&](const char* point, const Tensor& t) {
-      snapshot(snaps, pt + point, token_point(pt + point), t);
-    };
-    auto snap_columns = [&](const char* point, std::int64_t width, const Tensor& t) {
-      snapshot(snaps, pt + point, column_point(pt + point, width), t);
+    auto snap = [&](const char* name, const Tensor& t) {
+      snapshot(snaps, pt + name, point(pt + name), t);
     };
     // A residual's branch output has the residual's gradient: the sum passes it through.
-    snap_tokens("residual.out.grad", *dx);
-    snap_tokens("mlp.ffn2.out.grad", *dx);
+    snap("residual.out.grad", *dx);
+    snap("mlp.ffn2.out.grad", *dx);
 
     // x_out = x_mid + mlp(ln2(x_mid))
     comm_.set_label("h." + std::to_string(li) + ".mlp");
     const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(*dx) : *dx;
     b.ffn2.backward(be_, s.da, dmlp, b.a);
-    snap_columns("mlp.gelu.out.grad", 4 * H, s.da);
+    snap("mlp.gelu.out.grad", s.da);
     be_.gelu_backward(s.du, s.da, b.u);
-    snap_columns("mlp.ffn1.out.grad", 4 * H, s.du);
+    snap("mlp.ffn1.out.grad", s.du);
     if (sp) gather_tokens(b.h2_full, b.h2);  // not saved: gather again
     b.ffn1.backward(be_, s.dh_full, s.du, b.h2_full, /*accumulate=*/false);
     Tensor& dh2 = f_backward();
-    snap_tokens("ln2.out.grad", dh2);
+    snap("ln2.out.grad", dh2);
     be_.layernorm_backward(*dx, b.ln2->grad, dh2, b.x_mid, b.ln2->value, b.ln2_mean, b.ln2_rstd);
-    snap_tokens("residual.mid.grad", *dx);
-    snap_tokens("attn.o.out.grad", *dx);
+    snap("residual.mid.grad", *dx);
+    snap("attn.o.out.grad", *dx);
 
     // x_mid = x_in + attn(ln1(x_in))
     comm_.set_label("h." + std::to_string(li) + ".attn");
     const Tensor& dattn = g_backward(*dx);
     b.o.backward(be_, s.datt, dattn, b.att);
-    snap_columns("attn.out.grad", H, s.datt);
+    snap("attn.out.grad", s.datt);
     be_.attention_backward(s.dq, s.dk, s.dv, s.datt, b.q_out, b.k_out, b.v_out, b.probs, B_, T_,
                            Al, scale);
-    snap_columns("attn.q.grad", H, s.dq);
-    snap_columns("attn.k.grad", H, s.dk);
-    snap_columns("attn.v.grad", H, s.dv);
+    snap("attn.q.grad", s.dq);
+    snap("attn.k.grad", s.dk);
+    snap("attn.v.grad", s.dv);
     if (sp) gather_tokens(b.h1_full, b.h1);
     b.q.backward(be_, s.dh_full, s.dq, b.h1_full, /*accumulate=*/false);
     b.k.backward(be_, s.dh_full, s.dk, b.h1_full, /*accumulate=*/true);
     b.v.backward(be_, s.dh_full, s.dv, b.h1_full, /*accumulate=*/true);
     Tensor* dh1 = &s.dh_full;
     if (sp || fault_ != Fault::GptMissingF) dh1 = &f_backward();
-    snap_tokens("ln1.out.grad", *dh1);
+    snap("ln1.out.grad", *dh1);
     be_.copy(*dx_prev, *dx);
     be_.layernorm_backward(*dx_prev, b.ln1->grad, *dh1, x_in, b.ln1->value, b.ln1_mean,
                            b.ln1_rstd);
@@ -552,7 +538,7 @@ void ShardedGpt::backward() {
   }
 
   // ---- embeddings ----
-  snapshot(snaps, "act/embedding.out.grad", token_point("act/embedding.out.grad"), *dx);
+  snapshot(snaps, "act/embedding.out.grad", point("act/embedding.out.grad"), *dx);
   comm_.set_label("embedding");
   be_.embedding_backward(wpe.grad, *dx, pos_, 0);
   if (par_.loss_parallel) {
@@ -583,38 +569,34 @@ void ShardedGpt::backward() {
 std::vector<Observation> ShardedGpt::observe_forward() {
   std::vector<Observation> obs;
   obs.push_back({"loss", replicate(ParamSpec{"loss", {1}, {}}, rank_, world_), {loss_}});
-  obs.push_back(observe("act/logits", logits_point("act/logits"), logits_));
+  obs.push_back(observe("act/logits", point("act/logits"), logits_));
   if (!record_) return obs;
-  const std::int64_t H = cfg_.hidden;
-  auto tokens = [&](const std::string& n, const Tensor& t) { obs.push_back(observe(n, token_point(n), t)); };
-  auto columns = [&](const std::string& n, std::int64_t width, const Tensor& t) {
-    obs.push_back(observe(n, column_point(n, width), t));
-  };
-  tokens("act/embedding.out", x0_);
+  auto add = [&](const std::string& n, const Tensor& t) { obs.push_back(observe(n, point(n), t)); };
+  add("act/embedding.out", x0_);
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
     const Block& b = *blocks_[l];
     const std::string pt = "act/h." + std::to_string(l) + ".";
-    tokens(pt + "ln1.out", b.h1);
-    columns(pt + "attn.q", H, b.q_out);
-    columns(pt + "attn.k", H, b.k_out);
-    columns(pt + "attn.v", H, b.v_out);
-    columns(pt + "attn.out", H, b.att);
+    add(pt + "ln1.out", b.h1);
+    add(pt + "attn.q", b.q_out);
+    add(pt + "attn.k", b.k_out);
+    add(pt + "attn.v", b.v_out);
+    add(pt + "attn.out", b.att);
     obs.push_back(fwd_snaps_->view(pt + "attn.o.out"));
-    tokens(pt + "residual.mid", b.x_mid);
-    tokens(pt + "ln2.out", b.h2);
-    columns(pt + "mlp.ffn1.out", 4 * H, b.u);
-    columns(pt + "mlp.gelu.out", 4 * H, b.a);
+    add(pt + "residual.mid", b.x_mid);
+    add(pt + "ln2.out", b.h2);
+    add(pt + "mlp.ffn1.out", b.u);
+    add(pt + "mlp.gelu.out", b.a);
     obs.push_back(fwd_snaps_->view(pt + "mlp.ffn2.out"));
-    tokens(pt + "residual.out", b.x_out);
+    add(pt + "residual.out", b.x_out);
   }
-  tokens("act/ln_f.out", hf_);
+  add("act/ln_f.out", hf_);
   return obs;
 }
 
 std::vector<Observation> ShardedGpt::observe_activation_grads() {
   if (!record_) return {};
   std::vector<Observation> obs;
-  obs.push_back(observe("act/logits.grad", logits_point("act/logits.grad"), ws_->dlogits));
+  obs.push_back(observe("act/logits.grad", point("act/logits.grad"), ws_->dlogits));
   const Snapshots& s = *bwd_snaps_;
   for (std::size_t i = 0; i < s.used; ++i) {
     const Observation& o = s.obs[i];

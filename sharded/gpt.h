@@ -69,11 +69,9 @@ class ShardedGpt final : public ShardedModel {
   void reduce_partials(Tensor& y);
   // Index of a parameter by name in params_.
   Parameter& param(const std::string& name);
-  // Layouts of the activation points (docs/dump-format.md): [N,H] residual-stream tokens,
-  // replicated or split over tokens under SP; a TP region's [N,width] columns, split.
-  ShardSpec token_point(const std::string& name) const;
-  ShardSpec column_point(const std::string& name, std::int64_t width) const;
-  ShardSpec logits_point(const std::string& name) const;
+  // This rank's layout of an activation point, by gpt_point_shard: the rule a dump's
+  // reader applies too.
+  ShardSpec point(const std::string& name) const;
   // Host copy of a point whose buffer is reused before observe_* runs (a workspace
   // tensor), taken where it is produced; a no-op unless recording.
   struct Snapshots;

@@ -6,29 +6,12 @@
 #include <map>
 #include <sstream>
 
+#include "core/text.h"
 #include "io/atomic_file.h"
 
 namespace tpsim {
 
 namespace {
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
-
-std::string esc(const std::string& s) {
-  std::string out;
-  for (char ch : s) switch (ch) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += ch;
-    }
-  return out;
-}
 
 // One colour per TP degree's line; the reference is black.
 const char* kLineColours[] = {"#1f77b4", "#e6550d", "#756bb1", "#31a354", "#d62728", "#17becf"};
@@ -116,7 +99,7 @@ std::string line_chart(const std::string& title, const std::vector<Series>& seri
   std::ostringstream o;
   o << "<svg class=\"chart\" width=\"" << W << "\" height=\"" << H << "\" viewBox=\"0 0 " << W
     << " " << H << "\">";
-  o << "<text x=\"" << L << "\" y=\"16\" class=\"ct\">" << esc(title) << "</text>";
+  o << "<text x=\"" << L << "\" y=\"16\" class=\"ct\">" << html_escape(title) << "</text>";
   if (!(lo <= hi) || steps == 0) {
     o << "<text x=\"" << L << "\" y=\"" << H / 2 << "\">nothing to plot</text></svg>";
     return o.str();
@@ -153,13 +136,13 @@ std::string line_chart(const std::string& title, const std::vector<Series>& seri
     for (std::size_t i = 0; i < s.y.size(); ++i)
       if (usable(s.y[i]))
         o << "<circle cx=\"" << X(i) << "\" cy=\"" << Y(s.y[i]) << "\" r=\"3\" fill=\""
-          << s.colour << "\"><title>" << esc(s.name) << " step " << i + 1 << ": "
+          << s.colour << "\"><title>" << html_escape(s.name) << " step " << i + 1 << ": "
           << fmt("%.10g", s.y[i]) << "</title></circle>";
     const double ly = T + 12 + 16.0 * static_cast<double>(k);
     o << "<line x1=\"" << L + pw + 10 << "\" x2=\"" << L + pw + 34 << "\" y1=\"" << ly
       << "\" y2=\"" << ly << "\" stroke=\"" << s.colour << "\" stroke-width=\"" << s.width << "\""
       << (s.dashed ? " stroke-dasharray=\"6 3\"" : "") << "/><text x=\"" << L + pw + 38
-      << "\" y=\"" << ly + 4 << "\">" << esc(s.name) << "</text>";
+      << "\" y=\"" << ly + 4 << "\">" << html_escape(s.name) << "</text>";
   }
   o << "</svg>";
   return o.str();
@@ -233,7 +216,7 @@ std::string heatmaps(const VerifyReport& r, const Scale& sc) {
     << " " << H << "\">";
   for (std::size_t i = 0; i < rows.size(); ++i)
     o << "<text class=\"rl\" x=\"" << lw - 6 << "\" y=\"" << top + ch * i + ch - 2.5
-      << "\" text-anchor=\"end\">" << esc(rows[i]) << "</text>";
+      << "\" text-anchor=\"end\">" << html_escape(rows[i]) << "</text>";
   const Comparison* ff = r.first_failure ? &*r.first_failure : nullptr;
   for (std::size_t b = 0; b < r.results.size(); ++b) {
     const TpResult& t = r.results[b];
@@ -250,7 +233,7 @@ std::string heatmaps(const VerifyReport& r, const Scale& sc) {
         const double v = mine[i] && s < mine[i]->size() ? (*mine[i])[s] : NAN;
         o << "<rect class=\"cell\" x=\"" << x0 + cw * s << "\" y=\"" << top + ch * i
           << "\" width=\"" << cw - 1 << "\" height=\"" << ch - 1 << "\" fill=\"" << cell_colour(v, sc)
-          << "\"><title>TP " << t.tp << " " << esc(rows[i]) << " step " << s + 1 << ": "
+          << "\"><title>TP " << t.tp << " " << html_escape(rows[i]) << " step " << s + 1 << ": "
           << ratio_str(v) << "</title></rect>";
       }
     if (ff && ff->tp == t.tp && row_of.count(ff->tensor))
@@ -271,8 +254,8 @@ std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
   const double unit = tolerance * (c.reference_rms > 0 ? c.reference_rms : 1.0);
   auto Y = [&](double lv) { return T + ph * (1 - (lv - sc.lo) / (sc.hi - sc.lo)); };
   std::ostringstream o;
-  o << "<div class=\"card " << (c.pass ? "ok" : "bad") << "\"><div class=\"cn\">" << esc(c.shard)
-    << (c.what == std::string(kReferenceCheck) ? "" : " &middot; " + esc(c.what)) << " &middot; "
+  o << "<div class=\"card " << (c.pass ? "ok" : "bad") << "\"><div class=\"cn\">" << html_escape(c.shard)
+    << (c.what == std::string(kReferenceCheck) ? "" : " &middot; " + html_escape(c.what)) << " &middot; "
     << (c.pass ? "ok" : "FAIL") << "</div>";
   o << "<svg width=\"" << W << "\" height=\"" << H << "\" viewBox=\"0 0 " << W << " " << H
     << "\"><rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << pw << "\" height=\"" << ph
@@ -298,7 +281,7 @@ std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
   o << "<text x=\"" << L + pw / 2 << "\" y=\"" << H - 5
     << "\" text-anchor=\"middle\">the shard's values, 32 bins</text></svg>";
   o << "<div class=\"cv\">rel err " << fmt("%.3e", c.rel_err) << "<br>max |err| "
-    << fmt("%.3e", c.max_abs) << " at " << esc(format_index(c)) << "<br>"
+    << fmt("%.3e", c.max_abs) << " at " << html_escape(format_index(c)) << "<br>"
     << fmt("%.9g", c.sharded_at_worst) << " vs " << fmt("%.9g", c.reference_at_worst)
     << (c.what == std::string(kReplicaCheck) ? " (rank 0)" : " (reference)") << "</div></div>";
   return o.str();
@@ -308,7 +291,7 @@ std::string first_failure_section(const VerifyReport& r, const Scale& sc) {
   if (!r.first_failure) return "<p>No failure: every check of every step passed.</p>";
   const Comparison& f = *r.first_failure;
   std::ostringstream o;
-  o << "<p>The first failure: <b>" << esc(f.tensor) << "</b> at TP " << f.tp << ", step "
+  o << "<p>The first failure: <b>" << html_escape(f.tensor) << "</b> at TP " << f.tp << ", step "
     << f.step << " (" << phase_name(f.phase) << "). Every check of it at that step, side by "
     << "side. Bars: max |sharded - reference| in each of 32 equal runs of the shard's values "
     << "(row-major), in units of tolerance x the RMS of the shard's reference values, so an "
@@ -339,12 +322,12 @@ svg text{font-size:11px;fill:#333}.ct{font-weight:bold}.rl{font:9px monospace}
 std::string html_report(const HtmlReportHeader& h, const VerifyReport& r) {
   const char* verdict = r.pass ? "PASS" : "FAIL";
   std::ostringstream o;
-  o << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" << esc(h.title) << " "
+  o << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" << html_escape(h.title) << " "
     << verdict << "</title><style>" << kStyle << "</style></head><body>\n";
-  o << "<h1>" << esc(h.title) << " <span class=\"badge " << verdict << "\">" << verdict
+  o << "<h1>" << html_escape(h.title) << " <span class=\"badge " << verdict << "\">" << verdict
     << "</span></h1>\n";
-  o << "<pre>$ " << esc(h.command_line) << "</pre><pre>" << esc(h.config) << "\n"
-    << esc(h.tolerance_rule) << "</pre><pre><b>" << esc(h.verdict) << "</b></pre>\n";
+  o << "<pre>$ " << html_escape(h.command_line) << "</pre><pre>" << html_escape(h.config) << "\n"
+    << html_escape(h.tolerance_rule) << "</pre><pre><b>" << html_escape(h.verdict) << "</b></pre>\n";
   o << "<h2>Losses</h2>" << loss_charts(r) << "\n";
   const Scale sc = scale_of(r);
   o << "<div class=\"row\"><div><h2>Error / tolerance per tensor and step</h2><p>Rows: "

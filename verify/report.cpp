@@ -5,17 +5,12 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "core/text.h"
 #include "io/atomic_file.h"
 
 namespace tpsim {
 
 namespace {
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
 
 std::string tp_list(const RunOptions& o) {
   std::string s;

@@ -5,6 +5,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "core/text.h"
+
 namespace tpsim {
 
 namespace {
@@ -101,25 +103,6 @@ namespace {
 const char* kCategoryColors[kNumMemCategories] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2",
                                                   "#59a14f", "#edc948", "#b07aa1"};
 
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
-
-// Escapes the few characters that matter inside HTML text and attributes.
-std::string esc(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '&') o += "&amp;";
-    else if (c == '"') o += "&quot;";
-    else o += c;
-  }
-  return o;
-}
-
 }  // namespace
 
 void write_memory_html(std::ostream& os, const std::vector<RankProfile>& ranks,
@@ -141,10 +124,10 @@ void write_memory_html(std::ostream& os, const std::vector<RankProfile>& ranks,
   auto Y = [&](double mib) { return T + ph * (1.0 - mib / ymax); };
   const double span_ms = static_cast<double>(t_end - t0) / 1e6;
 
-  os << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" << esc(title)
+  os << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" << html_escape(title)
      << "</title>\n<style>body{font-family:sans-serif;margin:16px}"
         "svg text{font-size:11px;font-family:sans-serif}h2{font-size:15px;margin:12px 0 2px}"
-        "</style></head><body>\n<h1 style=\"font-size:18px\">" << esc(title) << "</h1>\n"
+        "</style></head><body>\n<h1 style=\"font-size:18px\">" << html_escape(title) << "</h1>\n"
      << "<p>Bytes held per category over wall time, stacked; grey bands are the training "
         "steps. All ranks share one time axis and one scale.</p>\n";
   // Legend.
