@@ -62,7 +62,11 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
         rank_dump.add(step, model->observe_activation_grads());
         rank_dump.add(step, model->observe_param_grads());
       }
-      check_finite(loss, model->observe_param_grads(), rank, step);
+      {  // host copies of the gradients only to test them: reuse their storage every step
+        auto grads = model->observe_param_grads();
+        check_finite(loss, grads, rank, step);
+        model->recycle(std::move(grads));
+      }
       if (o.model == ModelKind::Mlp) {
         // fc1's gradient, reassembled from the shards (every rank joins the gather).
         auto grads = model->gather_grads(comm);
