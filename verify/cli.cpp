@@ -64,7 +64,9 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                  tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
                          : "TP degree (number of ranks)")
       ->check([](const std::string& s) { return s.empty() ? "'': empty list" : ""; });
-  cmd.add_option("-d,--dtype", raw.dtype, "f32 or f64: the sharded model's precision");
+  cmd.add_option("-d,--dtype", raw.dtype, "f32, f64 or bf16 (mixed precision: bf16 weights and activations, f32 "
+                 "statistics, main gradients, master weights and Adam state): the sharded "
+                 "model's precision");
   cmd.add_option("-s,--steps", raw.steps, "training steps (default: mlp 2, gpt 5)");
   cmd.add_option("--lr", o.lr, "learning rate (mlp: SGD, gpt: Adam)");
   cmd.add_option("--weight-decay", o.adam.weight_decay, "Adam's L2 weight decay (gpt)");

@@ -34,6 +34,9 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   const bool dump = !o.dump_dir.empty();
   if (dump && o.model != ModelKind::Gpt)
     throw UsageError("--dump: the dump format holds a GPT run; use --model gpt");
+  if (dump && o.dtype == DType::BF16)
+    throw UsageError("--dump: the dump format holds f32 or f64 tensors; a bf16 run is not "
+                     "written as a dump yet");
   if (dump) prepare_dump_dir(o.dump_dir, tp);
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
@@ -86,7 +89,9 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     if (dump) rank_dump.write(rank_file(o.dump_dir, rank));
     if (!o.save_final.empty()) {
       auto full = model->gather_params(comm);
-      if (rank == 0) save_weights(o.save_final, param_specs(o), full, o.dtype);
+      // bf16 values are exact in f32, which safetensors readers all take
+      const DType as = o.dtype == DType::BF16 ? DType::F32 : o.dtype;
+      if (rank == 0) save_weights(o.save_final, param_specs(o), full, as);
     }
   });
 
