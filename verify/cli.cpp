@@ -307,7 +307,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     if (!o.html_path.empty())
       write_html_report(o.html_path,
                         {"tpsim verify", command_line(argc, argv), verify_config_line(o),
-                         tolerance_rule(r.tolerance), verify_verdict(o, r)},
+                         tolerance_rule(r.tolerance, r.per_tensor_bounds), verify_verdict(o, r)},
                         r);
     return r.pass ? kExitOk : kExitMismatch;
   } catch (const UsageError& e) {
