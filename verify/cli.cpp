@@ -266,7 +266,8 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       if (!chk.html.empty())
         write_html_report(chk.html,
                           {"tpsim check", command_line(argc, argv), check_config_line(chk.dumps, r.run),
-                           tolerance_rule(r.report.tolerance), check_verdict(r.report)},
+                           tolerance_rule(r.report.tolerance, r.report.per_tensor_bounds),
+                           check_verdict(r.report)},
                           r.report);
       return r.report.pass ? kExitOk : kExitMismatch;
     }

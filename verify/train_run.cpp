@@ -17,10 +17,11 @@
 namespace tpsim {
 
 namespace {
-// As many significant digits as the dtype carries, so equal models print equal losses.
+// As many significant digits as the dtype carries, so equal models print equal losses (a
+// bf16 model's loss comes from f32 statistics: f32's digits).
 std::string loss_str(double l, DType dt) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, dt == DType::F32 ? "%.6g" : "%.15g", l);
+  std::snprintf(buf, sizeof buf, dt != DType::F64 ? "%.6g" : "%.15g", l);
   return buf;
 }
 }  // namespace
