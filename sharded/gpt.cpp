@@ -176,7 +176,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
       ShardSpec wrong = split(p, 0, (r + 1) % t, t);
       std::vector<double> v(static_cast<std::size_t>(shape_numel(wrong.local_shape())));
       init_block<double>(v.data(), seed, n, p.init, p.shape, 0, wrong.offset, wrong.length);
-      be.from_host(params_.back().value, v.data());
+      set_values(be, params_.back(), v.data());
     }
   }
 
@@ -216,6 +216,10 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   auto act = [&](Shape s, const std::string& tag) {
     return be.empty(s, dtype, MemCategory::Activation, tag);
   };
+  // LayerNorm's saved statistics stay in the compute dtype (f32 for a bf16 model)
+  auto stat = [&](Shape s, const std::string& tag) {
+    return be.empty(s, compute_dtype(dtype), MemCategory::Activation, tag);
+  };
   x0_ = act({Nl_, H}, "embedding.out");
   if (par.sequence_parallel)
     h_gathered_ = be.empty({N_, H}, dtype, MemCategory::Temporary, "ln.out.gathered");
@@ -232,8 +236,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     blk->ffn1.weight = &param(p + "mlp.ffn1.weight");
     blk->ffn2.weight = &param(p + "mlp.ffn2.weight");
     blk->h1 = act({Nl_, H}, p + "ln1.out");
-    blk->ln1_mean = act({Nl_}, p + "ln1.mean");
-    blk->ln1_rstd = act({Nl_}, p + "ln1.rstd");
+    blk->ln1_mean = stat({Nl_}, p + "ln1.mean");
+    blk->ln1_rstd = stat({Nl_}, p + "ln1.rstd");
     blk->h1_full = par.sequence_parallel ? h_gathered_ : blk->h1;
     blk->q_out = act({N_, Hl}, p + "attn.q");
     blk->k_out = act({N_, Hl}, p + "attn.k");
@@ -242,8 +246,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     blk->att = act({N_, Hl}, p + "attn.out");
     blk->x_mid = act({Nl_, H}, p + "residual.mid");
     blk->h2 = act({Nl_, H}, p + "ln2.out");
-    blk->ln2_mean = act({Nl_}, p + "ln2.mean");
-    blk->ln2_rstd = act({Nl_}, p + "ln2.rstd");
+    blk->ln2_mean = stat({Nl_}, p + "ln2.mean");
+    blk->ln2_rstd = stat({Nl_}, p + "ln2.rstd");
     blk->h2_full = par.sequence_parallel ? h_gathered_ : blk->h2;
     blk->u = act({N_, Fl}, p + "mlp.ffn1.out");
     blk->a = act({N_, Fl}, p + "mlp.gelu.out");
@@ -251,8 +255,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     blocks_.push_back(std::move(blk));
   }
   hf_ = act({Nl_, H}, "ln_f.out");
-  lnf_mean_ = act({Nl_}, "ln_f.mean");
-  lnf_rstd_ = act({Nl_}, "ln_f.rstd");
+  lnf_mean_ = stat({Nl_}, "ln_f.mean");
+  lnf_rstd_ = stat({Nl_}, "ln_f.rstd");
   if (par.loss_parallel && par.sequence_parallel) hf_full_ = act({N_, H}, "ln_f.out.gathered");
   else hf_full_ = hf_;
   const Parameter& wte = param("wte.weight");

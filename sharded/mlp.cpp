@@ -18,7 +18,7 @@ ShardedMlp::ShardedMlp(const MlpConfig& cfg, const MlpBatch& batch, Backend& be,
     std::vector<double> wrong(static_cast<std::size_t>(shape_numel(rows.local_shape())));
     init_block<double>(wrong.data(), seed, rows.name, rows.init, rows.full_shape, 0,
                        rows.offset, rows.length);
-    be.from_host(params_[1].value, wrong.data());
+    set_values(be, params_[1], wrong.data());
   }
   fc1_.weight = &params_[0];
   fc2_.weight = &params_[1];

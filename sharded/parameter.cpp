@@ -9,11 +9,20 @@ Parameter make_parameter(Backend& be, ShardSpec spec, DType dtype, std::uint64_t
   init_block<double>(host.data(), seed, spec.name, spec.init, spec.full_shape, spec.split_dim,
                      spec.offset, spec.length);
   p.value = be.empty(shape, dtype, MemCategory::Parameter, spec.name);
-  be.from_host(p.value, host.data());
-  p.grad = be.empty(shape, dtype, MemCategory::Gradient, spec.name + ".grad");
+  // Megatron counts the fp32 master copy among the optimizer's state.
+  if (dtype == DType::BF16)
+    p.master = be.empty(shape, DType::F32, MemCategory::OptimizerState, spec.name + ".master");
+  set_values(be, p, host.data());
+  p.grad = be.empty(shape, compute_dtype(dtype), MemCategory::Gradient, spec.name + ".grad");
   be.fill(p.grad, 0.0);
   p.spec = std::move(spec);
   return p;
+}
+
+void set_values(Backend& be, Parameter& p, const double* values) {
+  if (!p.master.defined()) return be.from_host(p.value, values);
+  be.from_host(p.master, values);
+  be.copy(p.value, p.master);  // rounded to nearest even
 }
 
 void load_full(Backend& be, Parameter& p, const std::vector<double>& full) {
@@ -21,26 +30,34 @@ void load_full(Backend& be, Parameter& p, const std::vector<double>& full) {
     throw Error("load_full(" + p.spec.name + "): got " + std::to_string(full.size()) +
                 " values for " + shape_str(p.spec.full_shape));
   auto block = slice_full(full, p.spec);
-  be.from_host(p.value, block.data());
+  set_values(be, p, block.data());
 }
 
+// The tensor the optimizer updates: the f32 master when there is one.
+static Tensor& updated(Parameter& p) { return p.master.defined() ? p.master : p.value; }
+
 void sgd_step(Backend& be, std::vector<Parameter>& params, double lr) {
-  for (auto& p : params) be.sgd_update(p.value, p.grad, lr);
+  for (auto& p : params) {
+    be.sgd_update(updated(p), p.grad, lr);
+    if (p.master.defined()) be.copy(p.value, p.master);
+  }
 }
 
 void adam_step(Backend& be, std::vector<Parameter>& params, const AdamConfig& c,
                std::int64_t step) {
   for (auto& p : params) {
+    Tensor& w = updated(p);
     if (!p.adam_m.defined()) {
-      p.adam_m = be.empty(p.value.shape(), p.value.dtype(), MemCategory::OptimizerState,
+      p.adam_m = be.empty(w.shape(), w.dtype(), MemCategory::OptimizerState,
                           p.spec.name + ".adam_m");
-      p.adam_v = be.empty(p.value.shape(), p.value.dtype(), MemCategory::OptimizerState,
+      p.adam_v = be.empty(w.shape(), w.dtype(), MemCategory::OptimizerState,
                           p.spec.name + ".adam_v");
       be.fill(p.adam_m, 0.0);
       be.fill(p.adam_v, 0.0);
     }
-    be.adam_update(p.value, p.grad, p.adam_m, p.adam_v, c.lr, c.beta1, c.beta2, c.eps,
+    be.adam_update(w, p.grad, p.adam_m, p.adam_v, c.lr, c.beta1, c.beta2, c.eps,
                    c.weight_decay, step);
+    if (p.master.defined()) be.copy(p.value, p.master);  // the bf16 cast of the update
   }
 }
 

@@ -6,7 +6,7 @@ double VocabParallelCrossEntropy::forward(Backend& be, Communicator& comm, const
                                           const Tensor& targets, std::int64_t n_valid,
                                           bool rows_split) {
   const std::int64_t N = logits.dim(0);
-  const DType dt = logits.dtype();
+  const DType dt = compute_dtype(logits.dtype());  // statistics in f32 for bf16 logits
   if (!rowmax.defined() || rowmax.dim(0) != N) {  // once: the rows do not change per step
     auto vec = [&](const char* tag) { return be.empty({N}, dt, MemCategory::Activation, tag); };
     rowmax = vec("ce.rowmax");

@@ -79,6 +79,7 @@ TEST_CASE("ledger: per-tag current and peak, prefix sums, op labels", "[profile]
 }
 
 TEST_CASE("the analytical layer formula equals the model's tensor list", "[profile]") {
+  for (DType dt : {DType::F64, DType::BF16})
   for (int t : {1, 2, 4, 8})
     for (bool sp : {false, true}) {
       GptMemoryQuery q;
@@ -89,17 +90,20 @@ TEST_CASE("the analytical layer formula equals the model's tensor list", "[profi
       q.T = 24;
       q.t = t;
       q.sequence_parallel = sp;
-      q.dtype = DType::F64;
+      q.dtype = dt;
       const auto p = predict_gpt_memory(q);
-      INFO("t " << t << " sp " << sp);
+      INFO("t " << t << " sp " << sp << " " << dtype_name(dt));
       for (int l = 0; l < 3; ++l) CHECK(p.layer_activation_bytes(l) == layer_activation_bytes_formula(q));
     }
 }
 
 TEST_CASE("measured bytes equal the model for tp 1,2,4 with and without SP and LP", "[profile]") {
+  // bf16: 2-byte weights and activations; f32 statistics, gradients, master and Adam state
+  for (DType dt : {DType::F32, DType::BF16})
   for (bool sp : {false, true})
     for (bool lp : {false, true}) {
-      const RunOptions o = small_gpt(sp, lp);
+      RunOptions o = small_gpt(sp, lp);
+      o.dtype = dt;
       const ProfileResult res = profile(o);
       REQUIRE(res.runs.size() == 3);
       for (const auto& run : res.runs) {
@@ -107,7 +111,8 @@ TEST_CASE("measured bytes equal the model for tp 1,2,4 with and without SP and L
         const auto& p = *run.predicted;
         REQUIRE(static_cast<int>(run.ranks.size()) == run.tp);
         for (const auto& r : run.ranks) {
-          INFO("sp " << sp << " lp " << lp << " tp " << run.tp << " rank " << r.rank);
+          INFO("sp " << sp << " lp " << lp << " tp " << run.tp << " rank " << r.rank << " "
+                     << dtype_name(dt));
           // Tensor by tensor ...
           for (const auto& t : p.tensors) {
             INFO(t.tag);

@@ -53,6 +53,7 @@ double get(const Tensor& t, std::int64_t i) {
     case DType::F32: return t.data<float>()[i];
     case DType::F64: return t.data<double>()[i];
     case DType::I64: return static_cast<double>(t.data<std::int64_t>()[i]);
+    case DType::BF16: return bf16_to_f32(t.data<bf16>()[i]);
   }
   return 0;
 }
@@ -62,6 +63,7 @@ void set(const Tensor& t, std::int64_t i, double v) {
     case DType::F32: t.data<float>()[i] = static_cast<float>(v); break;
     case DType::F64: t.data<double>()[i] = v; break;
     case DType::I64: t.data<std::int64_t>()[i] = static_cast<std::int64_t>(v); break;
+    case DType::BF16: t.data<bf16>()[i] = bf16_from_f32(static_cast<float>(v)); break;
   }
 }
 

@@ -85,6 +85,8 @@ CheckResult run_check(const CheckOptions& c) {
 
   VerifyReport& rep = res.report;
   rep.tolerance = norm_tolerance(o);
+  const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 dump
+  rep.per_tensor_bounds = bounds.per_tensor();
   const int world = m.world_size;
   TpResult tpr;
   tpr.tp = world;
@@ -103,6 +105,7 @@ CheckResult run_check(const CheckOptions& c) {
           RankStep& rs = ranks[static_cast<std::size_t>(r)];
           std::vector<Comparison> found;
           StepChecker check(ref, rep.tolerance, step, world, found);
+          check.use_bounds(bounds);
           sort_in_tensor_order(rs.forward, order);
           sort_in_tensor_order(rs.backward, order);
           sort_in_tensor_order(rs.update, order);

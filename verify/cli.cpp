@@ -64,7 +64,9 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                  tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
                          : "TP degree (number of ranks)")
       ->check([](const std::string& s) { return s.empty() ? "'': empty list" : ""; });
-  cmd.add_option("-d,--dtype", raw.dtype, "f32 or f64: the sharded model's precision");
+  cmd.add_option("-d,--dtype", raw.dtype, "f32, f64 or bf16 (mixed precision: bf16 weights and activations, f32 "
+                 "statistics, main gradients, master weights and Adam state): the sharded "
+                 "model's precision");
   cmd.add_option("-s,--steps", raw.steps, "training steps (default: mlp 2, gpt 5)");
   cmd.add_option("--lr", o.lr, "learning rate (mlp: SGD, gpt: Adam)");
   cmd.add_option("--weight-decay", o.adam.weight_decay, "Adam's L2 weight decay (gpt)");
@@ -264,7 +266,8 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       if (!chk.html.empty())
         write_html_report(chk.html,
                           {"tpsim check", command_line(argc, argv), check_config_line(chk.dumps, r.run),
-                           tolerance_rule(r.report.tolerance), check_verdict(r.report)},
+                           tolerance_rule(r.report.tolerance, r.report.per_tensor_bounds),
+                           check_verdict(r.report)},
                           r.report);
       return r.report.pass ? kExitOk : kExitMismatch;
     }
@@ -305,7 +308,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     if (!o.html_path.empty())
       write_html_report(o.html_path,
                         {"tpsim verify", command_line(argc, argv), verify_config_line(o),
-                         tolerance_rule(r.tolerance), verify_verdict(o, r)},
+                         tolerance_rule(r.tolerance, r.per_tensor_bounds), verify_verdict(o, r)},
                         r);
     return r.pass ? kExitOk : kExitMismatch;
   } catch (const UsageError& e) {

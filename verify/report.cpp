@@ -23,7 +23,8 @@ std::string describe(const Comparison& c) {
                   phase_name(c.phase) + ")";
   const bool replica = c.what == kReplicaCheck;
   if (!replica)
-    s += ": rel err " + fmt("%.2e", c.rel_err) + " > " + fmt("%.0e", c.tolerance);
+    s += ": rel err " + fmt("%.2e", c.rel_err) + " > " + fmt(c.tolerance < 1e-3 ? "%.0e" : "%.2e", c.tolerance) +
+         (c.tolerance > 0 ? " (" + fmt("%.3g", c.rel_err / c.tolerance) + " x its bound)" : "");
   else
     s += ": differs from rank 0's replica";
   s += ", worst at " + format_index(c) + ": " + fmt("%.9g", c.sharded_at_worst) + " vs " +
@@ -40,10 +41,13 @@ const char* check_mark(const Comparison& c) {
 
 void print_row(std::ostream& os, const Comparison& c) {
   char line[512];
-  std::snprintf(line, sizeof line, "  %-30s %-28s %4d  %-9s %-9s %-14s %s\n",
+  // err/tol: the measured error as a multiple of its tolerance (its derived bound in bf16)
+  const std::string ratio =
+      c.what == kReplicaCheck || !(c.tolerance > 0) ? "-" : fmt("%.3f", c.rel_err / c.tolerance);
+  std::snprintf(line, sizeof line, "  %-30s %-28s %4d  %-9s %-8s %-9s %-14s %s\n",
                 (c.tensor + check_mark(c)).c_str(), c.shard.c_str(),
-                c.step, fmt("%.2e", c.rel_err).c_str(), fmt("%.2e", c.max_abs).c_str(),
-                format_index(c).c_str(), c.pass ? "ok" : "FAIL");
+                c.step, fmt("%.2e", c.rel_err).c_str(), ratio.c_str(),
+                fmt("%.2e", c.max_abs).c_str(), format_index(c).c_str(), c.pass ? "ok" : "FAIL");
   os << line;
 }
 
@@ -63,7 +67,10 @@ nlohmann::json to_json(const Comparison& c) {
           {"rank", c.rank},           {"step", c.step},           {"phase", phase_name(c.phase)},
           {"rel_err", num(c.rel_err)}, {"max_abs", num(c.max_abs)}, {"worst_index", idx},
           {"sharded", num(c.sharded_at_worst)}, {"reference", num(c.reference_at_worst)},
-          {"tolerance", c.tolerance}, {"pass", c.pass}};
+          {"tolerance", c.tolerance},
+          {"err_over_tolerance", c.tolerance > 0 && c.what != kReplicaCheck
+                                     ? num(c.rel_err / c.tolerance) : nlohmann::json(nullptr)},
+          {"pass", c.pass}};
 }
 
 // Bytes each rank moves on the wire, with nccl-tests' bus-bandwidth factors: all-reduce
@@ -97,7 +104,11 @@ std::string verify_config_line(const RunOptions& o) {
          backend_description(o.device.backend);
 }
 
-std::string tolerance_rule(double tolerance) {
+std::string tolerance_rule(double tolerance, bool per_tensor) {
+  if (per_tensor)
+    return "tolerance: norm-wise relative error <= each tensor's bound from the bf16 error "
+           "model (verify/tolerance.cpp; err/tol = measured / bound; largest bound " +
+           fmt("%.2e", tolerance) + "); replicated tensors bit-identical across ranks";
   return "tolerance: norm-wise relative error <= " + fmt("%.1e", tolerance) +
          "; replicated tensors bit-identical across ranks";
 }
@@ -106,8 +117,15 @@ std::string verify_verdict(const RunOptions& o, const VerifyReport& r) {
   if (!r.pass)
     return "verify: FAIL: first mismatch at tp " + std::to_string(r.first_failure->tp) + ": " +
            describe(*r.first_failure);
-  double worst = 0;
-  for (const auto& t : r.results) worst = std::max(worst, t.max_rel_err);
+  double worst = 0, ratio = 0;
+  for (const auto& t : r.results) {
+    worst = std::max(worst, t.max_rel_err);
+    ratio = std::max(ratio, t.max_err_over_tol);
+  }
+  if (r.per_tensor_bounds)
+    return "verify: PASS: every tensor of every step within its bound for tp " + tp_list(o) +
+           " (largest rel err " + fmt("%.2e", worst) + ", largest measured/bound " +
+           fmt("%.3f", ratio) + ")";
   return "verify: PASS: every tensor of every step within " + fmt("%.1e", r.tolerance) +
          " for tp " + tp_list(o) + " (largest rel err " + fmt("%.2e", worst) + ")";
 }
@@ -130,7 +148,7 @@ void print_collectives(std::ostream& os, const TpResult& t) {
 }
 
 void print_tolerance_and_reference(std::ostream& os, const VerifyReport& r) {
-  os << tolerance_rule(r.tolerance) << "\n";
+  os << tolerance_rule(r.tolerance, r.per_tensor_bounds) << "\n";
   os << "reference losses:";
   for (double l : r.reference_losses) os << " " << fmt("%.10g", l);
   os << "  (" << fmt("%.2f", r.reference_seconds) << " s)\n";
@@ -140,10 +158,12 @@ void print_tolerance_and_reference(std::ostream& os, const VerifyReport& r) {
 void print_tp_results(std::ostream& os, const VerifyReport& r, bool collectives) {
   for (const auto& t : r.results) {
     os << "\nTP " << t.tp << ": " << (t.pass ? "PASS" : "FAIL") << ", largest rel err "
-       << fmt("%.2e", t.max_rel_err) << " (" << fmt("%.2f", t.seconds) << " s)\n";
+       << fmt("%.2e", t.max_rel_err) << ", largest err/tol " << fmt("%.3f", t.max_err_over_tol)
+       << " (" << fmt("%.2f", t.seconds) << " s)\n";
     char head[256];
-    std::snprintf(head, sizeof head, "  %-30s %-28s %4s  %-9s %-9s %-14s %s\n", "tensor",
-                  "worst shard", "step", "rel err", "max abs", "worst index", "result");
+    std::snprintf(head, sizeof head, "  %-30s %-28s %4s  %-9s %-8s %-9s %-14s %s\n", "tensor",
+                  "worst shard", "step", "rel err", "err/tol", "max abs", "worst index",
+                  "result");
     os << head;
     for (const auto& c : t.worst) print_row(os, c);
     if (collectives) print_collectives(os, t);
@@ -180,7 +200,8 @@ std::string check_config_line(const std::string& dumps, const RunOptions& o) {
 std::string check_verdict(const VerifyReport& r) {
   if (!r.pass) return "check: FAIL: first mismatch: " + describe(*r.first_failure);
   return "check: PASS: every dumped tensor of every step and rank within " +
-         fmt("%.1e", r.tolerance) + " (largest rel err " +
+         (r.per_tensor_bounds ? std::string("its bound")
+                              : fmt("%.1e", r.tolerance)) + " (largest rel err " +
          fmt("%.2e", r.results.front().max_rel_err) + ", " +
          std::to_string(r.results.front().comparisons) + " comparisons)";
 }
@@ -226,6 +247,7 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
     jt["tp"] = t.tp;
     jt["pass"] = t.pass;
     jt["max_rel_err"] = t.max_rel_err;
+    jt["max_err_over_tolerance"] = t.max_err_over_tol;
     jt["comparisons"] = t.comparisons;
     jt["seconds"] = t.seconds;
     jt["losses"] = t.losses;

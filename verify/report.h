@@ -31,7 +31,7 @@ std::string format_bytes(double bytes);  // "1.50 MiB"
 
 // Pieces of the text report that the HTML page repeats word for word.
 std::string verify_config_line(const RunOptions& o);  // "tpsim verify: model gpt, f64 sharded ..."
-std::string tolerance_rule(double tolerance);         // "tolerance: norm-wise relative error <= ..."
+std::string tolerance_rule(double tolerance, bool per_tensor = false);         // "tolerance: norm-wise relative error <= ..."
 std::string describe_failure(const Comparison& c);    // "act/logits (rank 1/2 ..., step 1, forward): ..."
 // "verify: PASS: ..." or "verify: FAIL: first mismatch at tp 2: <describe_failure>"
 std::string verify_verdict(const RunOptions& o, const VerifyReport& r);

@@ -13,7 +13,7 @@ void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
     std::vector<double> loss_value{ref_.loss};
     if (o.name == "loss") full = &loss_value;
     if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
-    Comparison c = compare_to_reference(o, *full, tol_);
+    Comparison c = compare_to_reference(o, *full, tolerance_of(o.name));
     stamp(c, phase);
     out_.push_back(std::move(c));
   }
@@ -25,7 +25,7 @@ void StepChecker::check_reassembled(const std::string& name, const Shape& shape,
   if (it == ref_.tensors.end()) throw Error("verify: the reference has no tensor '" + name + "'");
   const int tp = world_;
   Observation obs{name, replicate(ParamSpec{name, shape, {}}, 0, 1), std::move(values)};
-  Comparison c = compare_to_reference(obs, it->second, tol_);
+  Comparison c = compare_to_reference(obs, it->second, tolerance_of(name));
   c.what = kReassembledCheck;
   c.shard = "reassembled from " + std::to_string(tp) + " rank" + (tp > 1 ? "s" : "");
   c.tp = tp;
@@ -43,6 +43,10 @@ void StepChecker::check_replicas(const std::vector<Observation>& mine,
     stamp(c, phases[i]);
     out_.push_back(std::move(c));
   }
+}
+
+double StepChecker::tolerance_of(const std::string& tensor) const {
+  return bounds_ ? bounds_->bound(tensor, step_, world_) : tol_;
 }
 
 void StepChecker::stamp(Comparison& c, Phase phase) {
@@ -101,10 +105,21 @@ void StepFolder::finish_replicas(int step) {
   replica_failed_.clear();
 }
 
+namespace {
+// How bad a comparison is: its error as a multiple of its tolerance, so that with
+// per-tensor, per-step bounds (bf16) the worst row is the one nearest its bound.
+double severity(const Comparison& c) {
+  return c.tolerance > 0 && c.what != kReplicaCheck ? c.rel_err / c.tolerance : c.rel_err;
+}
+}  // namespace
+
 void StepFolder::fold(const Comparison& c) {
   r_.comparisons += 1;
   fold_per_step(c);
-  if (c.what != kReplicaCheck) r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
+  if (c.what != kReplicaCheck) {
+    r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
+    if (c.tolerance > 0) r_.max_err_over_tol = std::max(r_.max_err_over_tol, c.rel_err / c.tolerance);
+  }
   if (!c.pass) {
     r_.pass = false;
     r_.failures.push_back(c);
@@ -114,7 +129,7 @@ void StepFolder::fold(const Comparison& c) {
   auto it = std::find_if(r_.worst.begin(), r_.worst.end(), same);
   if (it == r_.worst.end())
     r_.worst.push_back(c);
-  else if ((!c.pass && it->pass) || (c.pass == it->pass && c.rel_err > it->rel_err))
+  else if ((!c.pass && it->pass) || (c.pass == it->pass && severity(c) > severity(*it)))
     *it = c;
 }
 

@@ -10,6 +10,7 @@
 
 #include "verify/compare.h"
 #include "verify/reference_trace.h"
+#include "verify/tolerance.h"
 #include "verify/verify_run.h"
 
 namespace tpsim {
@@ -21,6 +22,10 @@ class StepChecker {
  public:
   StepChecker(const RefStep& ref, double tol, int step, int world, std::vector<Comparison>& out)
       : ref_(ref), tol_(tol), step_(step), world_(world), out_(out) {}
+  // Per-tensor bounds (a bf16 run) instead of the one tolerance; `m` outlives the checker.
+  void use_bounds(const ToleranceModel& m) {
+    if (m.per_tensor()) bounds_ = &m;
+  }
 
   void check(const std::vector<Observation>& obs, Phase phase);
   // A full tensor reassembled from every rank's shard (what --save-final writes) against
@@ -33,8 +38,10 @@ class StepChecker {
  private:
   static constexpr int kAfterShardChecks = 1 << 24;
   void stamp(Comparison& c, Phase phase);
+  double tolerance_of(const std::string& tensor) const;
   const RefStep& ref_;
   double tol_;
+  const ToleranceModel* bounds_ = nullptr;
   int step_;
   int world_;
   int order_ = 0;

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
+
+#include "verify/tensor_order.h"
 
 namespace tpsim {
 
@@ -17,9 +20,11 @@ namespace tpsim {
 //    preserves relative error.
 // So: tol = kCondition · D · sqrt(K_max) · u32, with K_max the longest reduction and D
 // the longest chain, both read off the model below.
-double norm_tolerance(const RunOptions& o) {
-  if (o.dtype == DType::F64) return kF64Tolerance;
-  constexpr double u32 = 0x1.0p-24;
+namespace {
+
+constexpr double u32 = 0x1.0p-24;
+
+double f32_tolerance(const RunOptions& o, double* k_max_out) {
   constexpr double kCondition = 4.0;
   double k_max = 0, depth = 0;
   if (o.model == ModelKind::Mlp) {
@@ -34,7 +39,220 @@ double norm_tolerance(const RunOptions& o) {
     // logits, softmax (3); backward doubles it.
     depth = 2 * (8 * static_cast<double>(g.layers) + 3);
   }
+  if (k_max_out) *k_max_out = k_max;
   return kCondition * depth * std::sqrt(k_max) * u32;
+}
+
+}  // namespace
+
+// ---- bf16: per-tensor bounds --------------------------------------------------------
+//
+// bf16 sharded (Megatron's mixed precision, backend.h) vs float64 reference, norm-wise
+// relative error rho = ‖a−b‖/‖b‖ of each tensor. The sources of error:
+//
+//  (1) Storage. Every op rounds what it stores in bf16 to nearest even: relative error at
+//      most u_s = 2^-8 per element, hence at most u_s norm-wise. The bf16 weights are
+//      bf16(f32(w)): u_s + u_a. Statistics, main gradients, master weights and Adam
+//      state are f32 and round at u_a = 2^-24.
+//  (2) Accumulation. Every reduction (GEMM, LayerNorm, softmax and cross-entropy sums)
+//      accumulates in f32: for K terms sqrt(K)·u_a, not K·u_a. The roundings of an
+//      accumulator are of either sign and add like a random walk; K·u_a needs all of them
+//      to go one way, which data of mixed sign never does. The difference matters only in
+//      f32 (K = 50257 gives 3.0e-3 worst against 1.3e-5 typical); in bf16 sqrt(K)·u_a is
+//      under 1% of u_s for any K below 2^20, so the choice does not move the bound.
+//      K is the longest reduction of the model (vocabulary, 4H or the tokens).
+//  (3) The TP collectives. A bf16 all-reduce or reduce-scatter of t partials rounds after
+//      each of its t-1 additions, as NCCL's ring does: (t-1)·u_s more for every tensor that
+//      a forward g (attention and MLP outputs; the embedding under loss parallel) or a
+//      backward f (the LayerNorm output gradients; ln_f's under loss parallel) produced,
+//      and for everything after it. c(i) counts those sums up to tensor i.
+//  (4) Depth. A tensor's error is the sum of the errors its chain of ops made, each
+//      propagated to it. We take the chain to be the tensors produced before it in the
+//      step, forward then backward (verify/tensor_order.h): i of them, counting itself,
+//      an upper count of the ops on its longest path (q, k and v run side by side but
+//      count one after another). Each op adds its storage rounding and at most one newly
+//      rounded operand (its weight). These are independent roundings of random sign, so
+//      they add in quadrature: sqrt(i)·u_s, not i·u_s (the residual stream carries them
+//      forward with gain ~1: LayerNorm renormalises, a random linear map preserves a
+//      random error's relative size). The allowance for the chain's condition (softmax and
+//      GELU derivatives, LayerNorm's 1/sigma where a row is nearly constant) is kappa = 2,
+//      a constant, not kappa^i: with gain ~1 per op a geometric growth (Megatron's
+//      1.03^layers test bound) would only loosen it. So at step s, with w(s) the relative
+//      error of the weights the step computes with:
+//
+//        rho(i, s) = kappa · sqrt( i·(u_s² + w(s)²) + (t−1)·c(i)·u_s² + i·K·u_a² )
+//
+//  (5) Steps. Adam updates the f32 master weights: w' = w − lr·m̂/(sqrt(v̂)+eps). At step 1
+//      the update is lr·g/|g| = ±lr per element, and it is only as wrong as the sign of g:
+//      where the gradient's error (relative rho_g, of random sign) exceeds |g|, the update
+//      flips, an error of 2·lr. For a gradient of Gaussian-like distribution a fraction
+//      arctan(rho_g)/pi ≈ rho_g/pi of the elements flip, so
+//        ‖δw'‖/‖w‖ ≤ 2·sqrt(rho_g/pi) · lr/rms(w)            (capped at 2·lr/rms(w))
+//      where rms(w) is the RMS of the parameter's initial values (a weight-decayed, ±lr
+//      per step walk does not shrink it below that in a few steps). Note sqrt(rho_g): Adam
+//      normalises the gradient away, so a small gradient error becomes a much larger
+//      update error. Weight decay (g + wd·w, dominated by wd·w where g is small) only
+//      removes flips, so the bound holds with it; later steps average m and v over steps
+//      and flip less than step 1. The errors of successive steps add in the f32 master;
+//      the bf16 cast of the updated master adds u_s once, not once per step (the master
+//      keeps the update the cast drops). SGD: the update's error is lr·‖δg‖ ≤ rho_g·‖w‖
+//      for any step smaller than the weight itself, so rho_g per step.
+//      With --resync every step starts from the reference's weights: w(s) = u_s + u_a.
+//
+// The bound is an upper estimate under the stated assumptions (independent roundings,
+// gain ~1 per op, Gaussian-like gradients), not a worst case: a worst case (linear in K
+// and depth, every Adam update flipped) would be 10 to 100 times looser and would hide
+// most faults. Weakest where the steps compound: w(s) grows with sqrt of the gradient's
+// bound, and from step 2 on the bounds are far above what runs measure (verify --resync
+// checks each step on its own).
+namespace {
+constexpr double kKappa = 2.0;
+const double kFlip = 2.0 / std::sqrt(std::numbers::pi);  // 2·sqrt(rho_g/pi) = kFlip·sqrt(rho_g)
+
+// The RMS of a parameter's initial values, from its init spec.
+double init_rms(const InitSpec& s) {
+  switch (s.kind) {
+    case InitSpec::Kind::Normal: return s.a;
+    case InitSpec::Kind::Uniform: return std::sqrt((s.a * s.a + s.a * s.b + s.b * s.b) / 3.0);
+    case InitSpec::Kind::Constant: return std::abs(s.a);
+  }
+  return 0.0;
+}
+
+bool ends_with_any(const std::string& n, std::initializer_list<const char*> tails) {
+  for (const char* t : tails)
+    if (n.ends_with(t)) return true;
+  return false;
+}
+}  // namespace
+
+double norm_tolerance(const RunOptions& o) {
+  if (o.dtype == DType::F64) return kF64Tolerance;
+  if (o.dtype == DType::BF16) return ToleranceModel(o).largest();
+  return f32_tolerance(o, nullptr);
+}
+
+ToleranceModel::ToleranceModel(const RunOptions& o)
+    : per_tensor_(o.dtype == DType::BF16), resync_(o.resync), tp_(o.tp) {
+  if (o.dtype == DType::F64) {
+    uniform_ = largest_ = kF64Tolerance;
+    return;
+  }
+  uniform_ = f32_tolerance(o, &k_max_);
+  largest_ = uniform_;
+  if (!per_tensor_) return;
+  u_store_ = kBf16UnitRoundoff;
+  u_acc_ = u32;
+  steps_ = static_cast<int>(std::max<std::int64_t>(1, o.steps));
+  adam_ = o.model == ModelKind::Gpt;
+
+  // Depths, the bf16 sums up to each tensor, and the parameters.
+  std::vector<std::string> order;
+  std::vector<ParamSpec> specs;
+  if (o.model == ModelKind::Gpt) {
+    order = gpt_tensor_order(o.gpt);
+    specs = gpt_param_specs(o.gpt);
+  } else {
+    // fc1, relu, fc2 and g make the output; mse the loss; its backward, fc2's weight
+    // gradient, relu's and fc1's, f's sum, in production order.
+    order = {"output", "loss", "fc2.weight.grad", "fc1.weight.grad", "x.grad"};
+    specs = mlp_param_specs(o.mlp);
+  }
+  const double lr = adam_ ? o.adam.lr : o.lr;
+  int sums = 0;
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    const std::string& n = order[k];
+    const bool summed =
+        ends_with_any(n, {"attn.o.out", "mlp.ffn2.out", "ln1.out.grad", "ln2.out.grad"}) ||
+        (o.loss_parallel && (n == "act/embedding.out" || n == "act/ln_f.out.grad")) ||
+        (o.model == ModelKind::Mlp && (n == "output" || n == "x.grad"));
+    sums += summed ? 1 : 0;
+    depth_[n] = static_cast<int>(k) + 1;
+    bf16_sums_[n] = sums;
+  }
+  max_sums_ = sums;
+  if (o.model == ModelKind::Mlp) {  // the MLP's chains are short: depth by op count
+    depth_ = {{"output", 4}, {"loss", 5}, {"fc2.weight.grad", 7}, {"fc1.weight.grad", 9},
+              {"x.grad", 9}};
+  }
+  max_depth_ = 1;
+  for (const auto& [n, d] : depth_) max_depth_ = std::max(max_depth_, d);
+  for (const auto& s : specs) {
+    Param p;
+    p.name = s.name;
+    const auto it = depth_.find(s.name + ".grad");
+    p.grad_depth = it == depth_.end() ? max_depth_ : it->second;
+    const double rms = init_rms(s.init);
+    p.lr_over_rms = rms > 0 ? lr / rms : lr;  // a zero init: relative to a weight of 1
+    param_[s.name] = params_.size();
+    params_.push_back(p);
+  }
+  weight_err_.resize(tp_.size());
+  weight_max_.resize(tp_.size());
+  largest_ = 0.0;
+  for (std::size_t ti = 0; ti < tp_.size(); ++ti) {
+    build_weights(static_cast<int>(ti));
+    for (int s = 1; s <= steps_; ++s) {
+      largest_ = std::max(largest_, chain(max_depth_, sums, s, static_cast<int>(ti)));
+      largest_ = std::max(largest_, weight_max_[ti][static_cast<std::size_t>(s)]);
+    }
+  }
+}
+
+int ToleranceModel::depth(const std::string& tensor) const {
+  const auto it = depth_.find(tensor);
+  return it == depth_.end() ? max_depth_ : it->second;  // unknown: the deepest
+}
+
+int ToleranceModel::sums_before(const std::string& tensor) const {
+  const auto it = bf16_sums_.find(tensor);
+  return it == bf16_sums_.end() ? max_sums_ : it->second;
+}
+
+double ToleranceModel::chain(int i, int bf16_sums, int step, int ti) const {
+  const double w = weight_max_[static_cast<std::size_t>(ti)][static_cast<std::size_t>(
+      resync_ ? 0 : step - 1)];
+  const double t = tp_[static_cast<std::size_t>(ti)];
+  const double us = u_store_, ua = u_acc_, n = i;
+  return kKappa * std::sqrt(n * (us * us + w * w) + (t - 1) * bf16_sums * us * us +
+                            n * k_max_ * ua * ua);
+}
+
+void ToleranceModel::build_weights(int ti) {
+  auto& err = weight_err_[static_cast<std::size_t>(ti)];
+  auto& mx = weight_max_[static_cast<std::size_t>(ti)];
+  err.assign(static_cast<std::size_t>(steps_) + 1, std::vector<double>(params_.size()));
+  mx.assign(static_cast<std::size_t>(steps_) + 1, 0.0);
+  std::vector<double> master(params_.size(), u_acc_);  // f32(w)
+  for (std::size_t p = 0; p < params_.size(); ++p) err[0][p] = master[p] + u_store_;
+  mx[0] = u_acc_ + u_store_;
+  for (int s = 1; s <= steps_; ++s) {
+    const auto su = static_cast<std::size_t>(s);
+    mx[su] = 0.0;  // filled below, after every parameter's step s
+    std::vector<double> next(params_.size());
+    for (std::size_t p = 0; p < params_.size(); ++p) {
+      const Param& q = params_[p];
+      const std::string g = q.name + ".grad";
+      const double rho_g = chain(q.grad_depth, sums_before(g), s, ti);
+      const double update = adam_ ? std::min(kFlip * std::sqrt(rho_g), 2.0) * q.lr_over_rms
+                                  : rho_g;
+      next[p] = (resync_ ? u_acc_ : master[p]) + update;
+      err[su][p] = next[p] + u_store_;  // the bf16 cast of the updated master, once
+      mx[su] = std::max(mx[su], err[su][p]);
+    }
+    master = next;
+  }
+}
+
+double ToleranceModel::bound(const std::string& tensor, int step, int tp) const {
+  if (!per_tensor_) return uniform_;
+  const auto ti = static_cast<std::size_t>(
+      std::find(tp_.begin(), tp_.end(), tp) - tp_.begin());
+  if (ti >= tp_.size()) throw Error("ToleranceModel: tp " + std::to_string(tp) + " is not of this run");
+  const int s = std::clamp(step, 1, steps_);
+  const auto p = param_.find(tensor);
+  if (p != param_.end()) return weight_err_[ti][static_cast<std::size_t>(s)][p->second];
+  return chain(depth(tensor), sums_before(tensor), s, static_cast<int>(ti));
 }
 
 }  // namespace tpsim

@@ -1,6 +1,10 @@
 // How far a sharded tensor may be from the float64 reference, norm-wise, and why.
 #pragma once
 
+#include <string>
+#include <unordered_map>
+#include <vector>
+
 #include "verify/run_options.h"
 
 namespace tpsim {
@@ -12,7 +16,57 @@ namespace tpsim {
 // under 1e-10, while a real bug shows as 1e-3 to 1. So: 1e-10, whatever the model.
 inline constexpr double kF64Tolerance = 1e-10;
 
-// The norm-wise tolerance for this run (see tolerance.cpp for the float32 error model).
+// The norm-wise tolerance for this run: f64 and f32 one for every tensor (see
+// tolerance.cpp for the float32 error model); bf16 the largest of its per-tensor bounds.
 double norm_tolerance(const RunOptions& o);
+
+// Per-tensor bounds for a bf16 run, from the error model written out in tolerance.cpp:
+// each tensor's bound grows with its depth in the step (forward, then backward), with the
+// bf16 sums of the TP collectives before it, and with the steps before it (the weights'
+// error, which Adam's update adds to the f32 master weights and the bf16 cast adds to
+// once). Thread-safe once built (every method is const).
+class ToleranceModel {
+ public:
+  explicit ToleranceModel(const RunOptions& o);
+
+  bool per_tensor() const { return per_tensor_; }
+  // The norm-wise bound of `tensor` at `step` (from 1) in a TP group of degree `tp`; for
+  // a run without per-tensor bounds, norm_tolerance(o) for every tensor.
+  double bound(const std::string& tensor, int step, int tp) const;
+  // The largest bound of the run (every tensor, step and TP degree).
+  double largest() const { return largest_; }
+
+  // The model's inputs, for tests and the report.
+  double storage_roundoff() const { return u_store_; }        // u_s: 2^-8 bf16, 2^-24 f32
+  double accumulation_roundoff() const { return u_acc_; }     // u_a: 2^-24 (f32 sums)
+  double reduction_length() const { return k_max_; }          // K
+  int depth(const std::string& tensor) const;                 // i: 1 for the first tensor
+  int sums_before(const std::string& tensor) const;           // c(i)
+
+ private:
+  struct Param {
+    std::string name;
+    int grad_depth = 0;        // depth of its gradient
+    double lr_over_rms = 0.0;  // lr / RMS of its initial values
+  };
+  double chain(int i, int bf16_sums, int step, int tp_index) const;
+  void build_weights(int tp_index);
+
+  bool per_tensor_ = false;
+  double uniform_ = 0.0;  // the bound of a run without per-tensor bounds
+  double u_store_ = 0.0, u_acc_ = 0.0, k_max_ = 0.0;
+  bool adam_ = true, resync_ = false;
+  int steps_ = 1, max_depth_ = 1, max_sums_ = 0;
+  std::vector<int> tp_;  // the run's TP degrees
+  std::unordered_map<std::string, int> depth_;      // tensor -> i
+  std::unordered_map<std::string, int> bf16_sums_;  // tensor -> collective sums up to it
+  std::unordered_map<std::string, std::size_t> param_;  // parameter -> index in params_
+  std::vector<Param> params_;
+  // weight_err_[tp_index][s][p]: the relative error of parameter p's bf16 value after
+  // step s (s = 0: the initial cast), and its largest over p in weight_max_[tp_index][s].
+  std::vector<std::vector<std::vector<double>>> weight_err_;
+  std::vector<std::vector<double>> weight_max_;
+  double largest_ = 0.0;
+};
 
 }  // namespace tpsim

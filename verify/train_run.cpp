@@ -17,10 +17,11 @@
 namespace tpsim {
 
 namespace {
-// As many significant digits as the dtype carries, so equal models print equal losses.
+// As many significant digits as the dtype carries, so equal models print equal losses (a
+// bf16 model's loss comes from f32 statistics: f32's digits).
 std::string loss_str(double l, DType dt) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, dt == DType::F32 ? "%.6g" : "%.15g", l);
+  std::snprintf(buf, sizeof buf, dt != DType::F64 ? "%.6g" : "%.15g", l);
   return buf;
 }
 }  // namespace
@@ -34,6 +35,9 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   const bool dump = !o.dump_dir.empty();
   if (dump && o.model != ModelKind::Gpt)
     throw UsageError("--dump: the dump format holds a GPT run; use --model gpt");
+  if (dump && o.dtype == DType::BF16)
+    throw UsageError("--dump: the dump format holds f32 or f64 tensors; a bf16 run is not "
+                     "written as a dump yet");
   if (dump) prepare_dump_dir(o.dump_dir, tp);
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
@@ -90,7 +94,9 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     if (dump) rank_dump.write(rank_file(o.dump_dir, rank));
     if (!o.save_final.empty()) {
       auto full = model->gather_params(comm);
-      if (rank == 0) save_weights(o.save_final, param_specs(o), full, o.dtype);
+      // bf16 values are exact in f32, which safetensors readers all take
+      const DType as = o.dtype == DType::BF16 ? DType::F32 : o.dtype;
+      if (rank == 0) save_weights(o.save_final, param_specs(o), full, as);
     }
   });
 

@@ -177,6 +177,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
     model->record_activation_points(true);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     RankFindings& mine = found[static_cast<std::size_t>(rank)];
+    const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 run
     for (int step = 1; step <= o.steps; ++step) {
       if (o.resync && step > 1) model->load_params(ref.wait(step - 1).tensors);
       comm.clear_records();
@@ -185,6 +186,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       mine.losses.push_back(loss);
 
       StepChecker check(ref.wait(step), tol, step, tp, mine.step);
+      check.use_bounds(bounds);
       // Last step's observations go back to the model to be refilled: past the second
       // barrier below, no rank reads another's slot any more.
       auto& slot = replica_slots[static_cast<std::size_t>(rank)];
@@ -271,6 +273,7 @@ VerifyReport run_verify(const RunOptions& o) {
   check_memory(o, "verify");
   VerifyReport rep;
   rep.tolerance = norm_tolerance(o);
+  rep.per_tensor_bounds = ToleranceModel(o).per_tensor();
   const RunInputs in = prepare_inputs(o);
   rep.results.resize(o.tp.size());
 

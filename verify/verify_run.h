@@ -28,6 +28,7 @@ struct TpResult {
   int tp = 1;
   bool pass = true;
   double max_rel_err = 0.0;         // over every reference and reassembled comparison
+  double max_err_over_tol = 0.0;    // the same, as a multiple of each one's tolerance
   std::int64_t comparisons = 0;     // tensors x shards x steps compared, every check
   std::vector<Comparison> failures; // every failing comparison, in (step, order, rank) order
   std::vector<Comparison> worst;    // per tensor, the worst comparison over steps and shards
@@ -41,7 +42,8 @@ struct TpResult {
 };
 
 struct VerifyReport {
-  double tolerance = 0.0;
+  double tolerance = 0.0;  // the one tolerance, or with per-tensor bounds the largest
+  bool per_tensor_bounds = false;  // bf16: each comparison's tolerance is its own bound
   std::vector<double> reference_losses;
   double reference_seconds = 0.0;
   std::vector<TpResult> results;

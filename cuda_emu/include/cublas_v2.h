@@ -25,6 +25,12 @@ enum cublasMath_t {
   CUBLAS_TF32_TENSOR_OP_MATH = 3,
 };
 
+// cublasGemmEx's types: the storage types tpsim uses and the one compute type (f32).
+enum cudaDataType_t { CUDA_R_32F = 0, CUDA_R_64F = 1, CUDA_R_16BF = 14 };
+typedef cudaDataType_t cudaDataType;
+enum cublasComputeType_t { CUBLAS_COMPUTE_32F = 68 };
+enum cublasGemmAlgo_t { CUBLAS_GEMM_DEFAULT = -1 };
+
 struct cublasContext;
 typedef cublasContext* cublasHandle_t;
 
@@ -53,3 +59,12 @@ cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          long long sA, const double* B, int ldb, long long sB,
                                          const double* beta, double* C, int ldc, long long sC,
                                          int batch);
+// A bf16 GEMM with f32 compute: A and B CUDA_R_16BF, C CUDA_R_16BF or CUDA_R_32F, alpha
+// and beta float. The products of bf16 values are exact in f32, sums are f32 (here in
+// k order; a tensor core adds in another tree), and a bf16 C is rounded once, to nearest
+// even. Any other combination is CUBLAS_STATUS_NOT_SUPPORTED.
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                            int n, int k, const void* alpha, const void* A, cudaDataType_t Atype,
+                            int lda, const void* B, cudaDataType_t Btype, int ldb,
+                            const void* beta, void* C, cudaDataType_t Ctype, int ldc,
+                            cublasComputeType_t compute, cublasGemmAlgo_t algo);

@@ -4,6 +4,8 @@
 // out of bounds (reported as a device fault, like the illegal address it would be).
 #include <cublas_v2.h>
 
+#include <cstring>
+
 #include "internal.h"
 
 namespace cuda_emu {
@@ -24,6 +26,31 @@ bool lookup(cublasHandle_t h, Blas* out) {
   if (it == g_handles.end()) return false;
   *out = it->second;
   return true;
+}
+
+// CUDA_R_16BF storage, and how a device reads and writes it: exact widening to f32, and
+// rounding to nearest even (NaN to the canonical 0x7FFF), as cvt.rn.bf16.f32 does.
+struct Bf16 {
+  std::uint16_t bits;
+};
+float widen(Bf16 h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+float widen(float x) { return x; }
+double widen(double x) { return x; }
+void store(float& out, float x) { out = x; }
+void store(double& out, double x) { out = x; }
+void store(Bf16& out, float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+    out.bits = 0x7FFF;
+    return;
+  }
+  out.bits = static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 // Elements of a column-major rows x cols operand with leading dimension ld.
@@ -47,10 +74,11 @@ std::string check_operand(const char* call, const char* name, const T* p, int ro
   return "";
 }
 
-template <class T>
+// AB: the operands' storage type, TC: C's, T: the compute type (alpha, beta, the sums).
+template <class T, class AB = T, class TC = T>
 cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
-                    int m, int n, int k, const T* alpha, const T* A, int lda, long long sA,
-                    const T* B, int ldb, long long sB, const T* beta, T* C, int ldc, long long sC,
+                    int m, int n, int k, const T* alpha, const AB* A, int lda, long long sA,
+                    const AB* B, int ldb, long long sB, const T* beta, TC* C, int ldc, long long sC,
                     int batch) {
   Blas blas;
   if (!lookup(h, &blas)) {
@@ -84,7 +112,7 @@ cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cu
   const auto ranges = [=]() {
     std::string why = check_operand(call, "A", A, a_rows, kk ? a_cols : 0, lda, sA, batch);
     if (why.empty()) why = check_operand(call, "B", B, b_rows, kk ? b_cols : 0, ldb, sB, batch);
-    if (why.empty()) why = check_operand(call, "C", static_cast<const T*>(C), m, n, ldc, sC, batch);
+    if (why.empty()) why = check_operand(call, "C", static_cast<const TC*>(C), m, n, ldc, sC, batch);
     return why;
   };
   const std::string now = ranges();
@@ -100,22 +128,22 @@ cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cu
       return true;
     }
     for (int b = 0; b < batch; ++b) {
-      const T* a = A + sA * b;
-      const T* bb = B + sB * b;
-      T* c = C + sC * b;
+      const AB* a = A + sA * b;
+      const AB* bb = B + sB * b;
+      TC* c = C + sC * b;
       for (int j = 0; j < n; ++j)
         for (int i = 0; i < m; ++i) {
           T acc = T(0);
           for (int l = 0; l < kk; ++l) {
-            const T x = ta == CUBLAS_OP_N ? a[i + static_cast<long long>(l) * lda]
-                                          : a[l + static_cast<long long>(i) * lda];
-            const T y = tb == CUBLAS_OP_N ? bb[l + static_cast<long long>(j) * ldb]
-                                          : bb[j + static_cast<long long>(l) * ldb];
+            const T x = widen(ta == CUBLAS_OP_N ? a[i + static_cast<long long>(l) * lda]
+                                                : a[l + static_cast<long long>(i) * lda]);
+            const T y = widen(tb == CUBLAS_OP_N ? bb[l + static_cast<long long>(j) * ldb]
+                                                : bb[j + static_cast<long long>(l) * ldb]);
             acc += x * y;
           }
-          T& out = c[i + static_cast<long long>(j) * ldc];
+          TC& out = c[i + static_cast<long long>(j) * ldc];
           // beta 0: C is not read (it may hold NaN), as cuBLAS documents
-          out = be == T(0) ? al * acc : al * acc + be * out;
+          store(out, be == T(0) ? al * acc : al * acc + be * T(widen(out)));
         }
     }
     return true;
@@ -213,4 +241,29 @@ cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          int batch) {
   return gemm("cublasDgemmStridedBatched", h, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
               beta, C, ldc, sC, batch);
+}
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                            int n, int k, const void* alpha, const void* A, cudaDataType_t Atype,
+                            int lda, const void* B, cudaDataType_t Btype, int ldb,
+                            const void* beta, void* C, cudaDataType_t Ctype, int ldc,
+                            cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+  const char* call = "cublasGemmEx";
+  if (compute != CUBLAS_COMPUTE_32F || algo != CUBLAS_GEMM_DEFAULT ||
+      Atype != Btype || (Atype != CUDA_R_16BF && Atype != CUDA_R_32F) ||
+      (Ctype != CUDA_R_16BF && Ctype != CUDA_R_32F) || (Atype == CUDA_R_32F && Ctype != CUDA_R_32F)) {
+    say(std::string(call) + ": a type combination cuda_emu does not emulate (CUBLAS_STATUS_NOT_SUPPORTED)");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  const auto* al = static_cast<const float*>(alpha);
+  const auto* be = static_cast<const float*>(beta);
+  if (Atype == CUDA_R_32F)
+    return gemm(call, h, ta, tb, m, n, k, al, static_cast<const float*>(A), lda, 0,
+                static_cast<const float*>(B), ldb, 0, be, static_cast<float*>(C), ldc, 0, 1);
+  const auto* a = static_cast<const Bf16*>(A);
+  const auto* b = static_cast<const Bf16*>(B);
+  if (Ctype == CUDA_R_16BF)
+    return gemm(call, h, ta, tb, m, n, k, al, a, lda, 0, b, ldb, 0, be, static_cast<Bf16*>(C),
+                ldc, 0, 1);
+  return gemm(call, h, ta, tb, m, n, k, al, a, lda, 0, b, ldb, 0, be, static_cast<float*>(C), ldc,
+              0, 1);
 }

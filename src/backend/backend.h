@@ -4,7 +4,15 @@
 //
 // Conventions: tensors are row-major and contiguous; "[M,K]" lists the shape an op
 // expects (it throws Error naming the tensor's tag when shapes or dtypes disagree).
-// Float tensors of one call share one dtype (f32 or f64); ids and labels are i64.
+// Float tensors of one call share one dtype (f32, f64 or bf16), with one exception: bf16
+// and f32 tensors may be mixed in a call. bf16 is a storage type: a call that touches it
+// reads every float tensor as f32, computes in f32 as one fused kernel would, and rounds
+// each output, to nearest even, only where it stores it in bf16. The mixed precision model
+// uses the exception for its f32 tensors among bf16 data: statistics (LayerNorm mean and
+// rstd; the cross-entropy's row max, exp-sum, target logit and row loss), parameter
+// gradients (a weight-gradient GEMM of bf16 operands writes the f32 main gradient) and
+// the optimizer's master weights (copy converts them to the bf16 parameter). Ids and
+// labels are i64.
 // Linear weights are [out,in] as in PyTorch. "+=" means the op accumulates into its
 // output; every other output is overwritten.
 #pragma once
@@ -30,7 +38,8 @@ class Backend {
 
   // ---- data movement -------------------------------------------------------------
   virtual void fill(Tensor& t, double value) = 0;
-  virtual void copy(Tensor& dst, const Tensor& src) = 0;             // same numel and dtype
+  // Same numel and dtype, or f32 <-> bf16, converted (to nearest even when narrowing).
+  virtual void copy(Tensor& dst, const Tensor& src) = 0;
   virtual void from_host(Tensor& dst, const double* src) = 0;        // float dst, numel values
   virtual void from_host_i64(Tensor& dst, const std::int64_t* src) = 0;  // i64 dst
   virtual std::vector<double> to_host(const Tensor& src) = 0;       // float src, as f64

@@ -1,7 +1,8 @@
 // The CPU backend: argument checks (op_checks.h), a dtype dispatch, and one templated
 // kernel per op on raw row-major buffers. Kernels come in forward/backward pairs, side by
 // side, with the buffers' shapes in comments. Float math stays in T (float or double), as
-// a float32 device would do it; OpenBLAS does the GEMMs, Eigen the small per-head
+// a float32 device would do it; a call touching bf16 runs the f32 kernel on widened
+// shadows and rounds its bf16 outputs once (backend/bf16_widen.h); OpenBLAS does the GEMMs, Eigen the small per-head
 // attention products and the vectorised row math (expression templates, which never
 // allocate).
 #include "backend/cpu_backend.h"
@@ -16,6 +17,7 @@
 #include <string>
 #include <utility>
 
+#include "backend/bf16_widen.h"
 #include "backend/op_checks.h"
 #include "model/config.h"  // kIgnoreIndex
 
@@ -361,6 +363,10 @@ void CpuBackend::fill(Tensor& t, double value) {
     std::fill_n(t.data<i64>(), t.numel(), static_cast<i64>(value));
     return;
   }
+  if (t.dtype() == DType::BF16) {
+    std::fill_n(t.data<bf16>(), t.numel(), bf16_from_f32(static_cast<float>(value)));
+    return;
+  }
   on_float(t, [&](auto z) {
     using T = decltype(z);
     std::fill_n(t.data<T>(), t.numel(), T(value));
@@ -369,11 +375,22 @@ void CpuBackend::fill(Tensor& t, double value) {
 
 void CpuBackend::copy(Tensor& dst, const Tensor& src) {
   check_copy(device(), dst, src);
+  if (dst.dtype() == DType::BF16 && src.dtype() == DType::F32)
+    return round_to_bf16(dst.data<bf16>(), src.data<float>(), dst.numel());
+  if (dst.dtype() == DType::F32 && src.dtype() == DType::BF16)
+    return widen_bf16(dst.data<float>(), src.data<bf16>(), dst.numel());
   if (dst.nbytes() > 0) std::memmove(dst.raw(), src.raw(), dst.nbytes());
 }
 
 void CpuBackend::from_host(Tensor& dst, const double* src) {
   OpCheck("from_host", device()).float_arg("dst", dst);
+  if (dst.dtype() == DType::BF16) {
+    // through f32, as a bf16 model's weights are made from its f32 master weights: a
+    // direct f64 -> bf16 rounding could differ from bf16(f32(x)) where f32 rounds to a tie
+    bf16* p = dst.data<bf16>();
+    for (i64 i = 0; i < dst.numel(); ++i) p[i] = bf16_from_f32(static_cast<float>(src[i]));
+    return;
+  }
   on_float(dst, [&](auto z) {
     using T = decltype(z);
     T* p = dst.data<T>();
@@ -394,6 +411,12 @@ std::vector<double> CpuBackend::to_host(const Tensor& src) {
 
 void CpuBackend::to_host_into(const Tensor& src, std::vector<double>& dst) {
   OpCheck("to_host", device()).float_arg("src", src);
+  if (src.dtype() == DType::BF16) {
+    const bf16* p = src.data<bf16>();
+    dst.resize(static_cast<std::size_t>(src.numel()));
+    for (i64 i = 0; i < src.numel(); ++i) dst[static_cast<std::size_t>(i)] = bf16_to_f32(p[i]);
+    return;
+  }
   on_float(src, [&](auto z) {
     using T = decltype(z);
     const T* p = src.data<T>();
@@ -427,6 +450,12 @@ void CpuBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) 
 
 void CpuBackend::add_inplace(Tensor& dst, const Tensor& src) {
   check_same_float("add_inplace", device(), "dst", dst, "src", src);
+  if (any_bf16({&dst, &src})) {
+    Bf16Widened w(scratch_);
+    Tensor d = w.inout(dst);
+    add_inplace(d, w.in(src));
+    return w.store();
+  }
   on_float(dst, [&](auto z) {
     using T = decltype(z);
     Vec<T>(dst.data<T>(), dst.numel()) += ConstVec<T>(src.data<T>(), src.numel());
@@ -435,6 +464,12 @@ void CpuBackend::add_inplace(Tensor& dst, const Tensor& src) {
 
 void CpuBackend::scale_inplace(Tensor& t, double s) {
   OpCheck("scale_inplace", device()).float_arg("t", t);
+  if (any_bf16({&t})) {
+    Bf16Widened w(scratch_);
+    Tensor x = w.inout(t);
+    scale_inplace(x, s);
+    return w.store();
+  }
   on_float(t, [&](auto z) {
     using T = decltype(z);
     Vec<T>(t.data<T>(), t.numel()) *= T(s);
@@ -446,6 +481,19 @@ void CpuBackend::scale_inplace(Tensor& t, double s) {
 void CpuBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
                       double alpha, double beta) {
   const GemmDims g = check_gemm(device(), out, a, trans_a, b, trans_b);
+  if (any_bf16({&out, &a, &b})) {
+    // cuBLAS's bf16 GEMM with CUBLAS_COMPUTE_32F, up to the order of its additions: a
+    // bf16 operand widens to f32 exactly, and a product of two bf16 values (8 significant
+    // bits each) is exact in f32's 24, so the only roundings are those of the f32
+    // accumulation, which sgemm does too (in its own order: a tensor core sums in another
+    // tree), and the one rounding of each output to bf16 (when out is bf16; an f32 out,
+    // the main gradient, keeps the f32 sum). beta != 0 reads out widened and rounds
+    // alpha·op(a)·op(b) + beta·out once, as cublasGemmEx does.
+    Bf16Widened w(scratch_);
+    Tensor o = beta != 0.0 ? w.inout(out) : w.out(out);
+    gemm(o, w.in(a), trans_a, w.in(b), trans_b, alpha, beta);
+    return w.store();
+  }
   on_float(a, [&](auto z) {
     using T = decltype(z);
     gemm_kernel<T>(out.data<T>(), a.data<T>(), trans_a, b.data<T>(), trans_b, g.M, g.N, g.K,
@@ -457,6 +505,12 @@ void CpuBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& 
 
 void CpuBackend::relu_forward(Tensor& out, const Tensor& inp) {
   check_same_float("relu_forward", device(), "out", out, "inp", inp);
+  if (any_bf16({&out, &inp})) {
+    Bf16Widened w(scratch_);
+    Tensor o = w.out(out);
+    relu_forward(o, w.in(inp));
+    return w.store();
+  }
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     relu_forward_kernel<T>(out.data<T>(), inp.data<T>(), inp.numel());
@@ -465,6 +519,12 @@ void CpuBackend::relu_forward(Tensor& out, const Tensor& inp) {
 
 void CpuBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   check_act_backward("relu_backward", device(), dinp, dout, inp);
+  if (any_bf16({&dinp, &dout, &inp})) {
+    Bf16Widened w(scratch_);
+    Tensor d = w.out(dinp);
+    relu_backward(d, w.in(dout), w.in(inp));
+    return w.store();
+  }
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     relu_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
@@ -473,6 +533,12 @@ void CpuBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& i
 
 void CpuBackend::gelu_forward(Tensor& out, const Tensor& inp) {
   check_same_float("gelu_forward", device(), "out", out, "inp", inp);
+  if (any_bf16({&out, &inp})) {
+    Bf16Widened w(scratch_);
+    Tensor o = w.out(out);
+    gelu_forward(o, w.in(inp));
+    return w.store();
+  }
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     gelu_forward_kernel<T>(out.data<T>(), inp.data<T>(), inp.numel());
@@ -481,6 +547,12 @@ void CpuBackend::gelu_forward(Tensor& out, const Tensor& inp) {
 
 void CpuBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   check_act_backward("gelu_backward", device(), dinp, dout, inp);
+  if (any_bf16({&dinp, &dout, &inp})) {
+    Bf16Widened w(scratch_);
+    Tensor d = w.out(dinp);
+    gelu_backward(d, w.in(dout), w.in(inp));
+    return w.store();
+  }
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     gelu_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
@@ -492,6 +564,12 @@ void CpuBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& i
 void CpuBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
                                    const Tensor& weight, double eps) {
   const RowsCols s = check_layernorm_forward(device(), out, mean, rstd, inp, weight);
+  if (any_bf16({&out, &mean, &rstd, &inp, &weight})) {
+    Bf16Widened w(scratch_);
+    Tensor o = w.out(out), m = w.out(mean), r = w.out(rstd);
+    layernorm_forward(o, m, r, w.in(inp), w.in(weight), eps);
+    return w.store();
+  }
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     layernorm_forward_kernel<T>(out.data<T>(), mean.data<T>(), rstd.data<T>(), inp.data<T>(),
@@ -504,6 +582,12 @@ void CpuBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor&
                                     const Tensor& rstd) {
   const RowsCols s =
       check_layernorm_backward(device(), dinp, dweight, dout, inp, weight, mean, rstd);
+  if (any_bf16({&dinp, &dweight, &dout, &inp, &weight, &mean, &rstd})) {
+    Bf16Widened w(scratch_);
+    Tensor di = w.inout(dinp), dw = w.inout(dweight);
+    layernorm_backward(di, dw, w.in(dout), w.in(inp), w.in(weight), w.in(mean), w.in(rstd));
+    return w.store();
+  }
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     layernorm_backward_kernel<T>(dinp.data<T>(), dweight.data<T>(), dout.data<T>(), inp.data<T>(),
@@ -517,6 +601,14 @@ void CpuBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q, 
                                    const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
                                    double scale) {
   const i64 d = check_attention_forward(device(), out, probs, q, k, v, B, T, h);
+  if (any_bf16({&out, &probs, &q, &k, &v})) {
+    // One fused kernel: the scores and probabilities stay f32 inside it (probs·v reads the
+    // f32 probabilities); probs is rounded to bf16 only where it is saved for backward.
+    Bf16Widened w(scratch_);
+    Tensor o = w.out(out), p = w.out(probs);
+    attention_forward(o, p, w.in(q), w.in(k), w.in(v), B, T, h, scale);
+    return w.store();
+  }
   on_float(q, [&](auto z) {
     using F = decltype(z);
     attention_forward_kernel<F>(out.data<F>(), probs.data<F>(), q.data<F>(), k.data<F>(),
@@ -529,6 +621,13 @@ void CpuBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Te
                                     const Tensor& probs, std::int64_t B, std::int64_t T,
                                     std::int64_t h, double scale) {
   const i64 d = check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, B, T, h);
+  if (any_bf16({&dq, &dk, &dv, &dout, &q, &k, &v, &probs})) {
+    Bf16Widened w(scratch_);
+    Tensor gq = w.out(dq), gk = w.out(dk), gv = w.out(dv);
+    attention_backward(gq, gk, gv, w.in(dout), w.in(q), w.in(k), w.in(v), w.in(probs), B, T, h,
+                       scale);
+    return w.store();
+  }
   // A device kernel would need this scratch too, so it goes through the ledger.
   Tensor dscores = empty({T, T}, q.dtype(), MemCategory::Temporary, "attention.dscores");
   on_float(q, [&](auto z) {
@@ -544,6 +643,12 @@ void CpuBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Te
 void CpuBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
                                    std::int64_t row0) {
   const EmbeddingDims s = check_embedding_forward(device(), out, ids, table, row0);
+  if (any_bf16({&out, &table})) {
+    Bf16Widened w(scratch_);
+    Tensor o = w.out(out);
+    embedding_forward(o, ids, w.in(table), row0);
+    return w.store();
+  }
   on_float(table, [&](auto z) {
     using T = decltype(z);
     embedding_forward_kernel<T>(out.data<T>(), ids.data<i64>(), table.data<T>(), row0, s.N, s.R,
@@ -554,6 +659,12 @@ void CpuBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor&
 void CpuBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
                                     std::int64_t row0) {
   const EmbeddingDims s = check_embedding_backward(device(), dtable, dout, ids, row0);
+  if (any_bf16({&dtable, &dout})) {
+    Bf16Widened w(scratch_);
+    Tensor dt = w.inout(dtable);
+    embedding_backward(dt, w.in(dout), ids, row0);
+    return w.store();
+  }
   on_float(dtable, [&](auto z) {
     using T = decltype(z);
     embedding_backward_kernel<T>(dtable.data<T>(), dout.data<T>(), ids.data<i64>(), row0, s.N, s.R,
@@ -565,6 +676,12 @@ void CpuBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Te
 
 void CpuBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
   const CeDims s = check_ce_row_max(device(), rowmax, logits, valid);
+  if (any_bf16({&rowmax, &logits})) {
+    Bf16Widened w(scratch_);
+    Tensor m = w.out(rowmax);
+    ce_row_max(m, w.in(logits), valid);
+    return w.store();
+  }
   on_float(logits, [&](auto z) {
     using T = decltype(z);
     ce_row_max_kernel<T>(rowmax.data<T>(), logits.data<T>(), s.N, s.Vl, valid);
@@ -574,6 +691,12 @@ void CpuBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t v
 void CpuBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits, const Tensor& targets,
                                  std::int64_t col0, std::int64_t valid) {
   const CeDims s = check_ce_target_logit(device(), target_logit, logits, targets, col0, valid);
+  if (any_bf16({&target_logit, &logits})) {
+    Bf16Widened w(scratch_);
+    Tensor tl = w.out(target_logit);
+    ce_target_logit(tl, w.in(logits), targets, col0, valid);
+    return w.store();
+  }
   const i64* tg = targets.data<i64>();
   on_float(logits, [&](auto z) {
     using T = decltype(z);
@@ -589,6 +712,12 @@ void CpuBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits, con
 void CpuBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
                             std::int64_t valid) {
   const CeDims s = check_ce_sum_exp(device(), sumexp, logits, rowmax, valid);
+  if (any_bf16({&sumexp, &logits, &rowmax})) {
+    Bf16Widened w(scratch_);
+    Tensor se = w.out(sumexp);
+    ce_sum_exp(se, w.in(logits), w.in(rowmax), valid);
+    return w.store();
+  }
   on_float(logits, [&](auto z) {
     using T = decltype(z);
     ce_sum_exp_kernel<T>(sumexp.data<T>(), logits.data<T>(), rowmax.data<T>(), s.N, s.Vl, valid);
@@ -598,6 +727,12 @@ void CpuBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& 
 void CpuBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
                          const Tensor& target_logit, const Tensor& targets) {
   const i64 N = check_ce_loss(device(), loss, rowmax, sumexp, target_logit, targets);
+  if (any_bf16({&loss, &rowmax, &sumexp, &target_logit})) {
+    Bf16Widened w(scratch_);
+    Tensor l = w.out(loss);
+    ce_loss(l, w.in(rowmax), w.in(sumexp), w.in(target_logit), targets);
+    return w.store();
+  }
   on_float(loss, [&](auto z) {
     using T = decltype(z);
     ce_loss_kernel<T>(loss.data<T>(), rowmax.data<T>(), sumexp.data<T>(), target_logit.data<T>(),
@@ -610,6 +745,12 @@ void CpuBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor
                              std::int64_t valid, double scale) {
   const CeDims s =
       check_ce_backward(device(), dlogits, logits, rowmax, sumexp, targets, col0, valid);
+  if (any_bf16({&dlogits, &logits, &rowmax, &sumexp})) {
+    Bf16Widened w(scratch_);
+    Tensor d = w.out(dlogits);
+    ce_backward(d, w.in(logits), w.in(rowmax), w.in(sumexp), targets, col0, valid, scale);
+    return w.store();
+  }
   // Validate every target before writing anything; N i64s of host scratch.
   const i64* tg = targets.data<i64>();
   std::vector<i64> local(static_cast<std::size_t>(s.N));
@@ -625,6 +766,10 @@ void CpuBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor
 
 double CpuBackend::sum(const Tensor& t) {
   OpCheck("sum", device()).float_arg("t", t);
+  if (any_bf16({&t})) {
+    Bf16Widened w(scratch_);
+    return sum(w.in(t));
+  }
   double acc = 0.0;
   on_float(t, [&](auto z) {
     using T = decltype(z);
@@ -639,6 +784,10 @@ double CpuBackend::mse_forward(const Tensor& y, const Tensor& target) {
   check_same_float("mse_forward", device(), "target", target, "y", y);
   if (y.numel() == 0)
     OpCheck("mse_forward", device()).fail("y '" + y.tag() + "' is empty; its mean is 0/0");
+  if (any_bf16({&y, &target})) {
+    Bf16Widened w(scratch_);
+    return mse_forward(w.in(y), w.in(target));
+  }
   double acc = 0.0;
   on_float(y, [&](auto z) {
     using T = decltype(z);
@@ -655,6 +804,12 @@ double CpuBackend::mse_forward(const Tensor& y, const Tensor& target) {
 
 void CpuBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
   check_mse_backward(device(), dy, y, target);
+  if (any_bf16({&dy, &y, &target})) {
+    Bf16Widened w(scratch_);
+    Tensor d = w.out(dy);
+    mse_backward(d, w.in(y), w.in(target));
+    return w.store();
+  }
   on_float(y, [&](auto z) {
     using T = decltype(z);
     const T c = T(2.0 / static_cast<double>(y.numel()));
@@ -667,6 +822,12 @@ void CpuBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target)
 
 void CpuBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
   check_same_float("sgd_update", device(), "grad", grad, "param", param);
+  if (any_bf16({&param, &grad})) {
+    Bf16Widened w(scratch_);
+    Tensor p = w.inout(param);
+    sgd_update(p, w.in(grad), lr);
+    return w.store();
+  }
   on_float(param, [&](auto z) {
     using T = decltype(z);
     Vec<T>(param.data<T>(), param.numel()) -= T(lr) * ConstVec<T>(grad.data<T>(), grad.numel());
@@ -677,6 +838,12 @@ void CpuBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tenso
                              double beta1, double beta2, double eps, double weight_decay,
                              std::int64_t step) {
   check_adam(device(), param, grad, m, v, step);
+  if (any_bf16({&param, &grad, &m, &v})) {
+    Bf16Widened w(scratch_);
+    Tensor p = w.inout(param), mm = w.inout(m), vv = w.inout(v);
+    adam_update(p, w.in(grad), mm, vv, lr, beta1, beta2, eps, weight_decay, step);
+    return w.store();
+  }
   on_float(param, [&](auto z) {
     using T = decltype(z);
     adam_kernel<T>(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(), lr,

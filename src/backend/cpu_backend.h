@@ -1,7 +1,8 @@
 // The CPU "virtual device": host memory from a HostAllocator (so one rank's ledger), ops
 // run synchronously on the calling thread (the rank's thread). Float math is done in the
 // tensor's dtype, as a float32 device would (f32 GEMMs accumulate in f32), except sum()
-// and mse_forward(), which accumulate in f64 as backend.h specifies. GEMMs go through
+// and mse_forward(), which accumulate in f64 as backend.h specifies. bf16 is storage only:
+// its calls run the f32 kernels on widened copies and round their bf16 outputs once. GEMMs go through
 // OpenBLAS, one thread per call (backend/blas.h: the ranks are the threads).
 //
 // Beyond backend.h, the CPU backend rejects labels that no vocabulary shard could hold:
@@ -85,6 +86,8 @@ class CpuBackend final : public Backend {
  private:
   Device device() const { return alloc_.device(); }
   HostAllocator alloc_;
+  // bf16 calls' f32 shadows (bf16_widen.h): not the device's memory, so not alloc_'s ledger
+  HostAllocator scratch_;
 };
 
 }  // namespace tpsim

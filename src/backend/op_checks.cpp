@@ -31,9 +31,9 @@ void OpCheck::arg(const char* role, const Tensor& t) const {
 
 DType OpCheck::float_arg(const char* role, const Tensor& t) const {
   arg(role, t);
-  if (t.dtype() != DType::F32 && t.dtype() != DType::F64)
+  if (t.dtype() != DType::F32 && t.dtype() != DType::F64 && t.dtype() != DType::BF16)
     fail(std::string(role) + " '" + t.tag() + "' is " + dtype_name(t.dtype()) +
-         ", expected f32 or f64");
+         ", expected f32, f64 or bf16");
   return t.dtype();
 }
 
@@ -44,8 +44,15 @@ void OpCheck::dtype(const char* role, const Tensor& t, DType dt, const std::stri
          dtype_name(dt) + (why.empty() ? "" : " (" + why + ")"));
 }
 
+bool mixable_dtypes(DType a, DType b) {
+  const auto storage_or_compute = [](DType d) { return d == DType::BF16 || d == DType::F32; };
+  return a == b || (storage_or_compute(a) && storage_or_compute(b));
+}
+
 void OpCheck::same_dtype(const char* role, const Tensor& t, const char* ref_role,
                          const Tensor& ref) const {
+  arg(role, t);
+  if (mixable_dtypes(t.dtype(), ref.dtype())) return;
   dtype(role, t, ref.dtype(), std::string("the dtype of ") + ref_role + " '" + ref.tag() + "'");
 }
 
@@ -82,7 +89,9 @@ void OpCheck::range(const char* name, std::int64_t value, std::int64_t lo, std::
 void check_copy(Device dev, const Tensor& dst, const Tensor& src) {
   OpCheck c("copy", dev);
   c.arg("src", src);
-  c.dtype("dst", dst, src.dtype(), "the dtype of src '" + src.tag() + "'");
+  // bf16 <-> f32 is a conversion (rounded to nearest even when narrowing); else the bytes
+  if (src.dtype() == DType::I64 || !mixable_dtypes(dst.dtype(), src.dtype()))
+    c.dtype("dst", dst, src.dtype(), "the dtype of src '" + src.tag() + "'");
   if (dst.numel() != src.numel())
     c.fail("dst '" + dst.tag() + "' " + shape_str(dst.shape()) + " and src '" + src.tag() + "' " +
            shape_str(src.shape()) + " differ in element count");
@@ -92,7 +101,9 @@ void check_columns(const char* op, Device dev, const Tensor& wide, const char* w
                    const Tensor& narrow, const char* narrow_role, std::int64_t col0) {
   OpCheck c(op, dev);
   c.float_arg(wide_role, wide);
-  c.same_dtype(narrow_role, narrow, wide_role, wide);
+  // byte copies: the dtypes must be equal, not merely mixable
+  c.dtype(narrow_role, narrow, wide.dtype(), std::string("the dtype of ") + wide_role + " '" +
+                                                 wide.tag() + "'");
   c.ndim(wide_role, wide, 2);
   c.ndim(narrow_role, narrow, 2);
   if (narrow.dim(0) != wide.dim(0) || col0 < 0 || col0 + narrow.dim(1) > wide.dim(1))

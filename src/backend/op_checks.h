@@ -12,6 +12,10 @@
 
 namespace tpsim {
 
+// backend.h's rule for the float tensors of one call: one dtype, except that bf16 and f32
+// mix (bf16 is storage only; a call touching it computes in f32).
+bool mixable_dtypes(DType a, DType b);
+
 // The building blocks: one op's checks, on one device.
 class OpCheck {
  public:
@@ -23,11 +27,12 @@ class OpCheck {
 
   // Defined and on this backend's device.
   void arg(const char* role, const Tensor& t) const;
-  // arg(), and the dtype is F32 or F64; returns it.
+  // arg(), and the dtype is F32, F64 or BF16; returns it.
   DType float_arg(const char* role, const Tensor& t) const;
   // arg(), and the dtype is exactly `dt`; `why` (may be empty) says where `dt` came from.
   void dtype(const char* role, const Tensor& t, DType dt, const std::string& why = {}) const;
-  // arg(), and the dtype equals that of the float tensor `ref`.
+  // arg(), and the dtype equals that of the float tensor `ref`, or both are bf16 or f32
+  // (mixable_dtypes).
   void same_dtype(const char* role, const Tensor& t, const char* ref_role, const Tensor& ref) const;
   void shape(const char* role, const Tensor& t, const Shape& want,
              const std::string& why = {}) const;

@@ -259,6 +259,19 @@ T combine_max(T acc, T x) {
   }
 }
 
+// bf16 as NCCL reduces it: each addition in f32, rounded back to bf16 before the next
+// (a ring adds one rank's partial per hop, and every hop stores bf16), so a sum over t
+// ranks is rounded t-1 times. Here the order is the rank order, the same for every rank.
+template <>
+inline bf16 combine_sum<bf16>(bf16 acc, bf16 x) {
+  return bf16_from_f32(bf16_to_f32(acc) + bf16_to_f32(x));
+}
+template <>
+inline bf16 combine_max<bf16>(bf16 acc, bf16 x) {
+  const float a = bf16_to_f32(acc), b = bf16_to_f32(x);
+  return (b > a || b != b) ? x : acc;  // NaN wins, as above
+}
+
 // dst[i] = src[0][i] (op) src[1][i] (op) ... in rank order. Each element is finished
 // before it is stored, so dst may be src[k] itself (in-place reduce_scatter).
 template <class T, class Combine>
@@ -291,6 +304,7 @@ void reduce(DType dtype, std::byte* dst, const std::vector<const std::byte*>& sr
     case DType::F32: return reduce_typed<float>(dst, src, count, op);
     case DType::F64: return reduce_typed<double>(dst, src, count, op);
     case DType::I64: return reduce_typed<std::int64_t>(dst, src, count, op);
+    case DType::BF16: return reduce_typed<bf16>(dst, src, count, op);
   }
   throw Error(std::string("ThreadComm: no reduction for dtype ") + dtype_name(dtype));
 }

@@ -439,6 +439,7 @@ const char* st_dtype_name(DType d) {
     case DType::F32: return "F32";
     case DType::F64: return "F64";
     case DType::I64: return "I64";
+    case DType::BF16: return "BF16";  // named only: tpsim reads and writes F32, F64, I64
   }
   return "?";
 }

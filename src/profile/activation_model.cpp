@@ -45,6 +45,8 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   const std::int64_t Hl = H / t, Fl = 4 * H / t, Al = c.heads / t;
   const bool sp = q.sequence_parallel, lp = q.loss_parallel;
   const std::int64_t b = static_cast<std::int64_t>(dtype_size(q.dtype));
+  // statistics, gradients and optimizer state: f32 for a bf16 model (sharded/parameter.h)
+  const std::int64_t bc = static_cast<std::int64_t>(dtype_size(compute_dtype(q.dtype)));
   GptMemoryPrediction out;
   const std::int64_t m = std::max<std::int64_t>(1, q.make_vocab_divisible_by) * t;
   out.vocab_padded = lp ? (c.vocab_size + m - 1) / m * m : c.vocab_size;
@@ -68,10 +70,11 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     else if (n.ends_with("o_proj.weight") || n.ends_with("ffn2.weight"))
       s[1] /= t;
     add(MemCategory::Parameter, n, s, -1);
-    add(MemCategory::Gradient, n + ".grad", s, -1);
+    add(MemCategory::Gradient, n + ".grad", s, -1, bc);
+    if (q.dtype == DType::BF16) add(MemCategory::OptimizerState, n + ".master", s, -1, 4);
     if (q.adam) {
-      add(MemCategory::OptimizerState, n + ".adam_m", s, -1);
-      add(MemCategory::OptimizerState, n + ".adam_v", s, -1);
+      add(MemCategory::OptimizerState, n + ".adam_m", s, -1, bc);
+      add(MemCategory::OptimizerState, n + ".adam_v", s, -1, bc);
     }
   }
 
@@ -88,8 +91,8 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   for (int l = 0; l < static_cast<int>(c.layers); ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
     add(A, p + "ln1.out", {Nl, H}, l);
-    add(A, p + "ln1.mean", {Nl}, l);
-    add(A, p + "ln1.rstd", {Nl}, l);
+    add(A, p + "ln1.mean", {Nl}, l, bc);
+    add(A, p + "ln1.rstd", {Nl}, l, bc);
     add(A, p + "attn.q", {N, Hl}, l);
     add(A, p + "attn.k", {N, Hl}, l);
     add(A, p + "attn.v", {N, Hl}, l);
@@ -97,20 +100,20 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     add(A, p + "attn.out", {N, Hl}, l);
     add(A, p + "residual.mid", {Nl, H}, l);
     add(A, p + "ln2.out", {Nl, H}, l);
-    add(A, p + "ln2.mean", {Nl}, l);
-    add(A, p + "ln2.rstd", {Nl}, l);
+    add(A, p + "ln2.mean", {Nl}, l, bc);
+    add(A, p + "ln2.rstd", {Nl}, l, bc);
     add(A, p + "mlp.ffn1.out", {N, Fl}, l);
     add(A, p + "mlp.gelu.out", {N, Fl}, l);
     add(A, p + "residual.out", {Nl, H}, l);
   }
   add(A, "ln_f.out", {Nl, H}, -1);
-  add(A, "ln_f.mean", {Nl}, -1);
-  add(A, "ln_f.rstd", {Nl}, -1);
+  add(A, "ln_f.mean", {Nl}, -1, bc);
+  add(A, "ln_f.rstd", {Nl}, -1, bc);
   if (lp && sp) add(A, "ln_f.out.gathered", {N, H}, -1);
   add(A, "logits", {Nce, Vl}, -1);
-  add(A, "ce.rowmax", {Nce}, -1);
-  add(A, "ce.sumexp", {Nce}, -1);
-  add(A, "ce.target_logit", {Nce}, -1);
+  add(A, "ce.rowmax", {Nce}, -1, bc);
+  add(A, "ce.sumexp", {Nce}, -1, bc);
+  add(A, "ce.target_logit", {Nce}, -1, bc);
 
   // ---- temporaries: the model's workspace, allocated once, shared by the blocks ----
   if (lp) add(Tm, "embedding.partial", {N, H}, -1);
@@ -129,7 +132,7 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   add(Tm, "mlp.ffn1.out.grad", {N, Fl}, -1);
   add(Tm, "residual.grad.0", {Nl, H}, -1);
   add(Tm, "residual.grad.1", {Nl, H}, -1);
-  add(Tm, "ce.row_loss", {Nce}, -1);
+  add(Tm, "ce.row_loss", {Nce}, -1, bc);
   return out;
 }
 
@@ -137,21 +140,31 @@ std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q) {
   check_query(q);
   const std::int64_t s = q.T, bb = q.B, h = q.cfg.hidden, a = q.cfg.heads, t = q.t;
   const std::int64_t sbh = s * bb * h, sb = s * bb, attn = a * s * s * bb / t;
-  const std::int64_t elems = q.sequence_parallel
-                                 ? 16 * sbh / t + attn + 4 * sb / t
-                                 : 4 * sbh + 12 * sbh / t + attn + 4 * sb;
-  return elems * static_cast<std::int64_t>(dtype_size(q.dtype));
+  // data in the model's dtype, LayerNorm's mean and rstd in the compute dtype
+  const std::int64_t data = q.sequence_parallel ? 16 * sbh / t + attn : 4 * sbh + 12 * sbh / t + attn;
+  const std::int64_t stats = q.sequence_parallel ? 4 * sb / t : 4 * sb;
+  return data * static_cast<std::int64_t>(dtype_size(q.dtype)) +
+         stats * static_cast<std::int64_t>(dtype_size(compute_dtype(q.dtype)));
 }
 
 std::string layer_activation_formula_text(const GptMemoryQuery& q) {
   std::ostringstream os;
-  const auto b = dtype_size(q.dtype);
-  if (q.sequence_parallel)
-    os << "(16sbh/t + as^2b/t + 4sb/t) x " << b << " B";
-  else if (q.t > 1)
-    os << "(4sbh + 12sbh/t + as^2b/t + 4sb) x " << b << " B";
-  else
-    os << "(16sbh + as^2b + 4sb) x " << b << " B";
+  const auto b = dtype_size(q.dtype), bc = dtype_size(compute_dtype(q.dtype));
+  if (b == bc) {
+    if (q.sequence_parallel)
+      os << "(16sbh/t + as^2b/t + 4sb/t) x " << b << " B";
+    else if (q.t > 1)
+      os << "(4sbh + 12sbh/t + as^2b/t + 4sb) x " << b << " B";
+    else
+      os << "(16sbh + as^2b + 4sb) x " << b << " B";
+  } else {  // bf16 data, f32 LayerNorm statistics
+    if (q.sequence_parallel)
+      os << "(16sbh/t + as^2b/t) x " << b << " B + 4sb/t x " << bc << " B";
+    else if (q.t > 1)
+      os << "(4sbh + 12sbh/t + as^2b/t) x " << b << " B + 4sb x " << bc << " B";
+    else
+      os << "(16sbh + as^2b) x " << b << " B + 4sb x " << bc << " B";
+  }
   return os.str();
 }
 

@@ -10,8 +10,9 @@
 //   no TP:  sbh(34 + 5as/h)          TP: sbh(10 + 24/t + 5as/(ht))
 //   TP+SP:  sbh(34/t + 5as/(ht))
 //
-// Ours is counted in elements and multiplied by the dtype's bytes (4 for f32, 8 for f64),
-// and differs from theirs in four ways:
+// Ours is counted in elements and multiplied by the dtype's bytes (4 for f32, 8 for f64,
+// 2 for bf16, whose LayerNorm and cross-entropy statistics, gradients, master weights and
+// Adam state are f32: 4), and differs from theirs in four ways:
 //  1. No dropout: the paper's masks (2sbh + as²b bytes) and the dropout output over the
 //     attention (2as²b) do not exist. What remains of their 34sbh + 5as²b at 2 bytes per
 //     element is 16sbh + as²b elements: LN inputs 2, QKV input 1, Q,K,V 3, softmax probs

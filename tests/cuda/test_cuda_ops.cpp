@@ -126,6 +126,69 @@ TEST_CASE("cuda ops: gemm in all four transposes, with alpha and beta", "[cuda]"
           [](Backend& be, auto& t) { be.gemm(t[2], t[0], false, t[1], false, 1.0, 0.0); });
 }
 
+// bf16 data reaches the device as raw bits (from_host refuses bf16 on this backend).
+Tensor bf16_on(CudaBackend& gpu, const Shape& s, const std::vector<double>& v, const char* tag) {
+  Tensor t = gpu.empty(s, DType::BF16, MemCategory::Temporary, tag);
+  std::vector<bf16> bits(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) bits[i] = bf16_from_f32(static_cast<float>(v[i]));
+  TPSIM_CUDA_CHECK(cudaMemcpy(t.raw(), bits.data(), t.nbytes(), cudaMemcpyHostToDevice));
+  return t;
+}
+std::vector<double> from_device(const Tensor& t) {
+  TPSIM_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<double> out(static_cast<std::size_t>(t.numel()));
+  if (t.dtype() == DType::BF16) {
+    std::vector<bf16> bits(out.size());
+    TPSIM_CUDA_CHECK(cudaMemcpy(bits.data(), t.raw(), t.nbytes(), cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = bf16_to_f32(bits[i]);
+  } else {
+    std::vector<float> f(out.size());
+    TPSIM_CUDA_CHECK(cudaMemcpy(f.data(), t.raw(), t.nbytes(), cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = f[i];
+  }
+  return out;
+}
+
+TEST_CASE("cuda ops: bf16 gemm (cublasGemmEx, f32 compute) agrees with the CPU backend's",
+          "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 M = 13, N = 17, K = 64;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (DType out_dt : {DType::BF16, DType::F32}) {
+        INFO("ta " << ta << " tb " << tb << " out " << dtype_name(out_dt));
+        const Shape sa = ta ? Shape{K, M} : Shape{M, K}, sb = tb ? Shape{N, K} : Shape{K, N};
+        const auto av = randn(M * K, 20), bv = randn(K * N, 21), cv = randn(M * N, 22);
+        auto cpu = make_cpu_backend();
+        auto on_cpu = [&](const Shape& s, DType dt, const std::vector<double>& v, const char* tag) {
+          Tensor t = cpu->empty(s, dt, MemCategory::Temporary, tag);
+          cpu->from_host(t, v.data());
+          return t;
+        };
+        Tensor a = on_cpu(sa, DType::BF16, av, "a"), b = on_cpu(sb, DType::BF16, bv, "b");
+        Tensor c = on_cpu({M, N}, out_dt, cv, "out");
+        cpu->gemm(c, a, ta, b, tb, 0.5, 0.25);
+        CudaBackend gpu(0);
+        Tensor ga = bf16_on(gpu, sa, av, "a"), gb = bf16_on(gpu, sb, bv, "b");
+        Tensor gc = out_dt == DType::BF16 ? bf16_on(gpu, {M, N}, cv, "out")
+                                          : gpu.empty({M, N}, DType::F32, MemCategory::Temporary, "out");
+        if (out_dt == DType::F32) {
+          std::vector<float> f(cv.begin(), cv.end());
+          TPSIM_CUDA_CHECK(cudaMemcpy(gc.raw(), f.data(), gc.nbytes(), cudaMemcpyHostToDevice));
+        }
+        gpu.gemm(gc, ga, ta, gb, tb, 0.5, 0.25);
+        // the two sum in different orders (f32), then round once: within a bf16 rounding
+        // for a bf16 out, within f32 reassociation for an f32 out
+        const double err = test::rel_err(from_device(gc), cpu->to_host(c));
+        CHECK(err <= (out_dt == DType::BF16 ? 0x1p-8 : 2e-5));
+      }
+  // every other op refuses bf16 by name instead of moving bytes of the wrong size
+  CudaBackend gpu(0);
+  Tensor t = gpu.empty({4}, DType::BF16, MemCategory::Temporary, "w");
+  const double v[4] = {1, 2, 3, 4};
+  CHECK_THROWS_WITH(gpu.from_host(t, v), Catch::Contains("from_host: 'w' is bf16"));
+}
+
 TEST_CASE("cuda ops: activations", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
   const Shape s{9, 31};

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <thread>
 
@@ -27,6 +28,16 @@ namespace K = cuda_kernels;
 template <class F>
 void on_float(const Tensor& t, F&& f) {
   dispatch_float(t.dtype(), std::forward<F>(f));
+}
+
+// bf16 on this backend: only gemm has a path (cuBLAS, f32 compute). Every other op would
+// reach a kernel of the wrong element size, so it is refused by name before any byte moves.
+// (dispatch_float refuses bf16 too, but without saying which op and tensor.)
+void refuse_bf16(const char* op, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->defined() && t->dtype() == DType::BF16)
+      throw Error(std::string(op) + ": '" + t->tag() + "' is bf16; the CUDA backend has bf16 " +
+                  "only in gemm (run bf16 models with --backend cpu)");
 }
 
 cublasStatus_t gemm_sb(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
@@ -156,6 +167,7 @@ void CudaBackend::copy_from_host(void* dst, const void* src, std::size_t bytes, 
 void CudaBackend::fill(Tensor& t, double value) {
   OpCheck c("fill", device());
   c.arg("t", t);
+  refuse_bf16("fill", {&t});
   CudaDeviceGuard guard(device_);
   if (t.dtype() == DType::I64) {
     if (!(std::trunc(value) == value && std::abs(value) < 0x1p63))
@@ -171,6 +183,7 @@ void CudaBackend::fill(Tensor& t, double value) {
 
 void CudaBackend::copy(Tensor& dst, const Tensor& src) {
   check_copy(device(), dst, src);
+  refuse_bf16("copy", {&dst, &src});  // bf16 <-> f32 would be a conversion, not a memcpy
   CudaDeviceGuard guard(device_);
   if (dst.nbytes() > 0 && dst.raw() != src.raw())
     TPSIM_CUDA_CHECK(
@@ -179,6 +192,7 @@ void CudaBackend::copy(Tensor& dst, const Tensor& src) {
 
 void CudaBackend::from_host(Tensor& dst, const double* src) {
   OpCheck("from_host", device()).float_arg("dst", dst);
+  refuse_bf16("from_host", {&dst});
   if (dst.numel() == 0) return;
   CudaDeviceGuard guard(device_);
   if (dst.dtype() == DType::F64) {
@@ -200,6 +214,7 @@ void CudaBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
 
 std::vector<double> CudaBackend::to_host(const Tensor& src) {
   OpCheck("to_host", device()).float_arg("src", src);
+  refuse_bf16("to_host", {&src});
   std::vector<double> out(static_cast<std::size_t>(src.numel()));
   if (src.numel() == 0) return out;
   CudaDeviceGuard guard(device_);
@@ -216,6 +231,7 @@ std::vector<double> CudaBackend::to_host(const Tensor& src) {
 
 void CudaBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   check_columns("copy_columns", device(), src, "src", dst, "dst", col0);
+  refuse_bf16("copy_columns", {&src});
   const i64 M = dst.dim(0), n = dst.dim(1), N = src.dim(1);
   if (M == 0 || n == 0) return;
   const std::size_t esz = dtype_size(src.dtype());
@@ -229,6 +245,7 @@ void CudaBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0
 
 void CudaBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   check_columns("set_columns", device(), dst, "dst", src, "src", col0);
+  refuse_bf16("set_columns", {&dst});
   const i64 M = src.dim(0), n = src.dim(1), N = dst.dim(1);
   if (M == 0 || n == 0) return;
   const std::size_t esz = dtype_size(dst.dtype());
@@ -264,6 +281,27 @@ void CudaBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor&
                        double alpha, double beta) {
   const GemmDims g = check_gemm(device(), out, a, trans_a, b, trans_b);
   CudaDeviceGuard guard(device_);
+  if (a.dtype() == DType::BF16 || b.dtype() == DType::BF16 || out.dtype() == DType::BF16) {
+    // bf16 operands, f32 compute (Megatron's recipe): out bf16, or f32 for a main gradient.
+    // Written to compile against cuBLAS 11+ and run under cuda_emu; it has never run on a
+    // device. cuBLAS may pick a split-K kernel by shape, so its sums are f32 in an order of
+    // its own (the CPU's sgemm has another): the same numbers up to f32 reassociation.
+    if (a.dtype() != DType::BF16 || b.dtype() != DType::BF16)
+      throw Error("gemm: a '" + a.tag() + "' and b '" + b.tag() + "' must both be bf16 when " +
+                  "any operand is (the CUDA backend has no mixed bf16/f32 operands)");
+    if (g.M == 0 || g.N == 0) return;
+    const char* op = "gemm";
+    const float al = static_cast<float>(alpha), be = static_cast<float>(beta);
+    // row-major as in gemm_rm: C^T = op(B)^T · op(A)^T, operands swapped
+    TPSIM_CUBLAS_CHECK(cublasGemmEx(
+        cublas_, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+        blas_int(op, "N", g.N, 0), blas_int(op, "M", g.M, 0), blas_int(op, "K", g.K, 0), &al,
+        b.raw(), CUDA_R_16BF, blas_int(op, "ldb", trans_b ? g.K : g.N, 1), a.raw(), CUDA_R_16BF,
+        blas_int(op, "lda", trans_a ? g.M : g.K, 1), &be, out.raw(),
+        out.dtype() == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F, blas_int(op, "ldc", g.N, 1),
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return;
+  }
   on_float(a, [&](auto z) {
     using T = decltype(z);
     gemm_rm<T>(cublas_, trans_a, trans_b, g.M, g.N, g.K, T(alpha), a.data<T>(),
