@@ -310,7 +310,7 @@ TEST_CASE("verify --dtype bf16: a fault above the bound fails, naming tensor and
   CHECK(jr["first_failure"]["tensor"] == "act/h.0.attn.o.out");
 }
 
-TEST_CASE("--dtype bf16 runs train and profile; refused where it cannot run", "[bf16][cli]") {
+TEST_CASE("bf16 dtype runs train and profile, and is refused where it cannot run", "[bf16][cli]") {
   const auto t = run_tpsim("train --model gpt --preset small --dtype bf16 --tp 2 --steps 2");
   INFO(t.out);
   CHECK(t.exit_code == 0);

@@ -407,7 +407,7 @@ TEST_CASE("device comm: a rank that never posts times out on the others", "[cuda
 // Every size handed to cuBLAS is range-checked. K used to be cast to int unchecked, so a
 // reduction length past INT_MAX became a different, valid-looking one (2^31 + 5 -> a
 // negative int, 2^32 + 5 -> 5: a silently wrong product).
-TEST_CASE("cuBLAS sizes: past INT_MAX is a usage error; k = 0 stays 0", "[cuda-host]") {
+TEST_CASE("cuBLAS sizes: past INT_MAX is a usage error, and k = 0 stays 0", "[cuda-host]") {
   const std::int64_t big = std::int64_t{1} << 32;
   for (const char* what : {"M", "N", "K", "lda", "batch"}) {
     INFO(what);

@@ -254,7 +254,7 @@ TEST_CASE("profile --trace writes well-formed Chrome trace events", "[profile]")
   CHECK(page.find("rank 1") != std::string::npos);
 }
 
-TEST_CASE("profile --json reports no unexplained bytes; --predict and bad input", "[profile]") {
+TEST_CASE("profile --json reports no unexplained bytes, and --predict and bad input", "[profile]") {
   const std::string js = testing::temp_path("profile.json");
   std::filesystem::remove(js);
   const std::string small =

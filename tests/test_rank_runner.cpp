@@ -54,7 +54,7 @@ TEST_CASE("run_ranks rejects an empty world and an empty function", "[comm]") {
   REQUIRE_THROWS_AS(run_ranks(2, 1.0, RankFn{}), UsageError);
 }
 
-TEST_CASE("a rank's exception is rethrown with its type; the others stop at once", "[comm]") {
+TEST_CASE("a rank's exception is rethrown with its type, and the others stop at once", "[comm]") {
   const int n = 4;
   ThreadCommGroup group(n, 30.0);
   std::vector<std::string> peer_msgs(n);

@@ -10,7 +10,7 @@
 using namespace tpsim;
 using namespace tpsim::testing;
 
-TEST_CASE("gpt_tensor_order: forward points, loss, backward, update; each name once",
+TEST_CASE("gpt_tensor_order: forward points, loss, backward, update, each name once",
           "[order]") {
   GptConfig c;
   c.layers = 2;
