@@ -28,13 +28,17 @@ double rank_bytes(const RunOptions& o, int t, DType dtype, bool parallel_flags) 
     if (!parallel_flags) q.loss_parallel = q.sequence_parallel = false;
     return static_cast<double>(predict_gpt_memory(q).total());
   }
-  // The MLP: fc1/fc2 shards with their gradients, x and target (replicated), and the
-  // activations fc1 out, relu out, y and its gradient.
+  // The MLP (sharded/mlp.cpp): the fc1/fc2 shards, P weights; the inputs x and target
+  // (replicated); the activations fc1 out, relu out and y; the gradients of y, relu out,
+  // fc1 out and x. In bf16 a weight is its bf16 value, its f32 main gradient and its f32
+  // master (sharded/parameter.h): 2 + 4 + 4 bytes; otherwise value and gradient.
   const auto& m = o.mlp;
   const double in = static_cast<double>(m.in), h = static_cast<double>(m.hidden) / t;
   const double out = static_cast<double>(m.out), b = static_cast<double>(m.batch);
-  return static_cast<double>(dtype_size(dtype)) *
-         (2 * (in * h + h * out) + b * (in + 3 * out + 3 * h));
+  const double size = static_cast<double>(dtype_size(dtype));
+  const double weights = in * h + h * out;
+  const double per_weight = dtype == DType::BF16 ? size + 2 * dtype_size(DType::F32) : 2 * size;
+  return per_weight * weights + size * b * (2 * in + 3 * out + 4 * h);
 }
 
 // The largest sum over sets of groups that may be in flight together.
