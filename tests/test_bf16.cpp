@@ -215,11 +215,15 @@ TEST_CASE("the bf16 error model: depth, collectives, steps, resync", "[bf16][tol
   const ToleranceModel m(o);
   REQUIRE(m.per_tensor());
   CHECK(m.storage_roundoff() == 0x1p-8);
-  // deeper tensors get larger bounds; the first tensor's is kappa·sqrt(u_s² + w²) with
-  // w = u_s + u_a, the initial weights' cast
+  // deeper tensors get larger bounds; the first tensor's is kappa·sqrt(u_s² + 2·w²) with
+  // w = u_s + u_a, the initial cast of the two weights it reads (wte and wpe)
   const double us = 0x1p-8, ua = 0x1p-24, w0 = us + ua, K = m.reduction_length();
   CHECK(m.bound("act/embedding.out", 1, 1) ==
-        Approx(2.0 * std::sqrt(us * us + w0 * w0 + K * ua * ua)).epsilon(1e-12));
+        Approx(2.0 * std::sqrt(us * us + 2 * w0 * w0 + K * ua * ua)).epsilon(1e-12));
+  // ln1's output has read one more weight than the embedding; q its own projection too
+  const double i2 = m.depth("act/h.0.ln1.out");
+  CHECK(m.bound("act/h.0.ln1.out", 1, 1) ==
+        Approx(2.0 * std::sqrt(i2 * us * us + 3 * w0 * w0 + i2 * K * ua * ua)).epsilon(1e-12));
   CHECK(m.bound("act/logits", 1, 1) > m.bound("act/h.0.ln1.out", 1, 1));
   CHECK(m.bound("wte.weight.grad", 1, 1) > m.bound("act/logits", 1, 1));
   // tp 8's bf16 collective sums: 7 more roundings for each sum before a tensor

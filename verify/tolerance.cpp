@@ -70,17 +70,26 @@ double f32_tolerance(const RunOptions& o, double* k_max_out) {
 //      propagated to it. We take the chain to be the tensors produced before it in the
 //      step, forward then backward (verify/tensor_order.h): i of them, counting itself,
 //      an upper count of the ops on its longest path (q, k and v run side by side but
-//      count one after another). Each op adds its storage rounding and at most one newly
-//      rounded operand (its weight). These are independent roundings of random sign, so
-//      they add in quadrature: sqrt(i)·u_s, not i·u_s (the residual stream carries them
-//      forward with gain ~1: LayerNorm renormalises, a random linear map preserves a
-//      random error's relative size). The allowance for the chain's condition (softmax and
-//      GELU derivatives, LayerNorm's 1/sigma where a row is nearly constant) is kappa = 2,
-//      a constant, not kappa^i: with gain ~1 per op a geometric growth (Megatron's
-//      1.03^layers test bound) would only loosen it. So at step s, with w(s) the relative
-//      error of the weights the step computes with:
+//      count one after another). Each op adds its storage rounding, and each op that reads
+//      a weight p adds that weight's relative error w_p(s) (at step 1 its bf16 cast; later
+//      also what the updates got wrong, (5)). A forward tensor has read the weights whose
+//      forward op comes before it in the order (wte twice by the logits: the lookup and
+//      the tied head); the loss all of them; a backward tensor all of them and again those
+//      whose input gradient's op (a GEMM or LayerNorm backward, which reads the weight) has
+//      run, counted from the weight's own gradient on. These are independent errors of random sign, so they add in quadrature:
+//      sqrt(i)·u_s, not i·u_s (the residual stream carries them forward with gain ~1:
+//      LayerNorm renormalises, a random linear map preserves a random error's relative
+//      size). The allowance for the chain's condition (softmax and GELU derivatives,
+//      LayerNorm's 1/sigma where a row is nearly constant) is kappa = 2, a constant, not
+//      kappa^i: with gain ~1 per op a geometric growth (Megatron's 1.03^layers test bound)
+//      would only loosen it. So at step s, with R(i) the weight reads before tensor i:
 //
-//        rho(i, s) = kappa · sqrt( i·(u_s² + w(s)²) + (t−1)·c(i)·u_s² + i·K·u_a² )
+//        rho(i, s) = kappa · sqrt( i·u_s² + Σ_{p in R(i)} w_p(s)² + (t−1)·c(i)·u_s²
+//                                  + i·K·u_a² )
+//
+//      Each read counts its own weight's error, not the worst weight's: the LayerNorm gains
+//      (lr/rms = lr) move far less per step than the projections, and counting the worst
+//      weight at every op made the bounds from step 2 on exceed 1, a check that cannot fail.
 //
 //  (5) Steps. Adam updates the f32 master weights: w' = w − lr·m̂/(sqrt(v̂)+eps). At step 1
 //      the update is lr·g/|g| = ±lr per element, and it is only as wrong as the sign of g:
@@ -103,7 +112,7 @@ double f32_tolerance(const RunOptions& o, double* k_max_out) {
 // gain ~1 per op, Gaussian-like gradients), not a worst case: a worst case (linear in K
 // and depth, every Adam update flipped) would be 10 to 100 times looser and would hide
 // most faults. Weakest where the steps compound: w(s) grows with sqrt of the gradient's
-// bound, and from step 2 on the bounds are far above what runs measure (verify --resync
+// bound, so from step 2 on the bounds stay well above what runs measure (verify --resync
 // checks each step on its own).
 namespace {
 constexpr double kKappa = 2.0;
@@ -187,15 +196,54 @@ ToleranceModel::ToleranceModel(const RunOptions& o)
     param_[s.name] = params_.size();
     params_.push_back(p);
   }
+  build_reads(o.model, order);
   weight_err_.resize(tp_.size());
   weight_max_.resize(tp_.size());
   largest_ = 0.0;
   for (std::size_t ti = 0; ti < tp_.size(); ++ti) {
     build_weights(static_cast<int>(ti));
     for (int s = 1; s <= steps_; ++s) {
-      largest_ = std::max(largest_, chain(max_depth_, sums, s, static_cast<int>(ti)));
+      largest_ = std::max(largest_, chain(max_depth_, sums, all_reads_, s, static_cast<int>(ti)));
       largest_ = std::max(largest_, weight_max_[ti][static_cast<std::size_t>(s)]);
     }
+  }
+}
+
+void ToleranceModel::build_reads(ModelKind model, const std::vector<std::string>& order) {
+  std::vector<std::size_t> every;
+  for (std::size_t p = 0; p < params_.size(); ++p) every.push_back(p);
+  all_reads_ = every;
+  all_reads_.insert(all_reads_.end(), every.begin(), every.end());
+  if (model == ModelKind::Mlp) return;  // its five tensors: both weights twice, an upper count
+  // The weights a GPT forward point's op reads: its layer's module of the same name
+  // ("act/h.0.attn.q" -> "h.0.attn.q_proj.weight"), the embeddings for the lookup, wte
+  // again for the tied head.
+  auto forward_reads = [&](const std::string& n) -> std::vector<std::string> {
+    if (n == "act/embedding.out") return {"wte.weight", "wpe.weight"};
+    if (n == "act/logits") return {"wte.weight"};
+    if (n == "act/ln_f.out") return {"ln_f.weight"};
+    const std::string stem = n.substr(4);  // after "act/"
+    for (const char* m : {"ln1", "ln2", "mlp.ffn1", "mlp.ffn2"})
+      if (stem.ends_with(std::string(m) + ".out"))
+        return {stem.substr(0, stem.size() - 4) + ".weight"};
+    for (const char* m : {"attn.q", "attn.k", "attn.v"})
+      if (stem.ends_with(m)) return {stem + "_proj.weight"};
+    if (stem.ends_with("attn.o.out")) return {stem.substr(0, stem.size() - 6) + ".o_proj.weight"};
+    return {};
+  };
+  // Backward, a weight is read again by the op that makes its input's gradient, which
+  // runs next to the one that makes its own gradient: so it counts from its gradient's
+  // place in the order on (wte's from the logits' gradient, where the tied head reads it).
+  std::vector<std::size_t> seen;
+  bool forward = true;
+  for (const std::string& n : order) {
+    if (n == "loss") forward = false;
+    if (forward && n.starts_with("act/"))
+      for (const std::string& w : forward_reads(n)) seen.push_back(param_.at(w));
+    if (!forward && n == "act/ln_f.out.grad") seen.push_back(param_.at("wte.weight"));
+    if (!forward && n.ends_with(".weight.grad") && n != "wte.weight.grad")
+      seen.push_back(param_.at(n.substr(0, n.size() - 5)));
+    reads_[n] = seen;
   }
 }
 
@@ -209,12 +257,20 @@ int ToleranceModel::sums_before(const std::string& tensor) const {
   return it == bf16_sums_.end() ? max_sums_ : it->second;
 }
 
-double ToleranceModel::chain(int i, int bf16_sums, int step, int ti) const {
-  const double w = weight_max_[static_cast<std::size_t>(ti)][static_cast<std::size_t>(
+const std::vector<std::size_t>& ToleranceModel::reads(const std::string& tensor) const {
+  const auto it = reads_.find(tensor);
+  return it == reads_.end() ? all_reads_ : it->second;  // unknown: all of them
+}
+
+double ToleranceModel::chain(int i, int bf16_sums, const std::vector<std::size_t>& reads,
+                             int step, int ti) const {
+  const auto& w = weight_err_[static_cast<std::size_t>(ti)][static_cast<std::size_t>(
       resync_ ? 0 : step - 1)];
+  double w2 = 0.0;
+  for (std::size_t p : reads) w2 += w[p] * w[p];
   const double t = tp_[static_cast<std::size_t>(ti)];
   const double us = u_store_, ua = u_acc_, n = i;
-  return kKappa * std::sqrt(n * (us * us + w * w) + (t - 1) * bf16_sums * us * us +
+  return kKappa * std::sqrt(n * us * us + w2 + (t - 1) * bf16_sums * us * us +
                             n * k_max_ * ua * ua);
 }
 
@@ -233,7 +289,7 @@ void ToleranceModel::build_weights(int ti) {
     for (std::size_t p = 0; p < params_.size(); ++p) {
       const Param& q = params_[p];
       const std::string g = q.name + ".grad";
-      const double rho_g = chain(q.grad_depth, sums_before(g), s, ti);
+      const double rho_g = chain(q.grad_depth, sums_before(g), reads(g), s, ti);
       const double update = adam_ ? std::min(kFlip * std::sqrt(rho_g), 2.0) * q.lr_over_rms
                                   : rho_g;
       next[p] = (resync_ ? u_acc_ : master[p]) + update;
@@ -252,7 +308,7 @@ double ToleranceModel::bound(const std::string& tensor, int step, int tp) const 
   const int s = std::clamp(step, 1, steps_);
   const auto p = param_.find(tensor);
   if (p != param_.end()) return weight_err_[ti][static_cast<std::size_t>(s)][p->second];
-  return chain(depth(tensor), sums_before(tensor), s, static_cast<int>(ti));
+  return chain(depth(tensor), sums_before(tensor), reads(tensor), s, static_cast<int>(ti));
 }
 
 }  // namespace tpsim

@@ -49,8 +49,13 @@ class ToleranceModel {
     int grad_depth = 0;        // depth of its gradient
     double lr_over_rms = 0.0;  // lr / RMS of its initial values
   };
-  double chain(int i, int bf16_sums, int step, int tp_index) const;
+  // rho(i, s) of (4) for a tensor at depth i after `bf16_sums` collective sums that has
+  // read the weights `reads` (indices into params_, once per read).
+  double chain(int i, int bf16_sums, const std::vector<std::size_t>& reads, int step,
+               int tp_index) const;
+  const std::vector<std::size_t>& reads(const std::string& tensor) const;
   void build_weights(int tp_index);
+  void build_reads(ModelKind model, const std::vector<std::string>& order);
 
   bool per_tensor_ = false;
   double uniform_ = 0.0;  // the bound of a run without per-tensor bounds
@@ -60,6 +65,10 @@ class ToleranceModel {
   std::vector<int> tp_;  // the run's TP degrees
   std::unordered_map<std::string, int> depth_;      // tensor -> i
   std::unordered_map<std::string, int> bf16_sums_;  // tensor -> collective sums up to it
+  // tensor -> the weights read before it (params_ indices, once per read); a tensor not
+  // in the map, and the deepest, has read all_reads_: every weight in forward and backward
+  std::unordered_map<std::string, std::vector<std::size_t>> reads_;
+  std::vector<std::size_t> all_reads_;
   std::unordered_map<std::string, std::size_t> param_;  // parameter -> index in params_
   std::vector<Param> params_;
   // weight_err_[tp_index][s][p]: the relative error of parameter p's bf16 value after
