@@ -247,4 +247,8 @@ TEST_CASE("--tp-invariant refuses what it cannot make invariant, in one line", "
   CHECK(no1.out.find("--tp must include 1") != std::string::npos);
   const auto mlp = run_tpsim("train --model mlp --tp-invariant");
   CHECK(mlp.exit_code == 2);
+  const auto dump = run_tpsim("train " + kTinyGpt + "--tp-invariant --dump " + temp_path("inv-dump"));
+  INFO(dump.out);
+  CHECK(dump.exit_code == 2);
+  CHECK(dump.out.find("--tp-invariant: --dump is not supported") != std::string::npos);
 }

@@ -130,6 +130,9 @@ void check_tp_invariant(const RunOptions& o) {
   if (o.gpt.hidden % C != 0)
     throw UsageError("--tp-invariant: --hidden " + std::to_string(o.gpt.hidden) +
                      " is not a multiple of " + std::to_string(C) + " (the canonical chunks)");
+  if (!o.dump_dir.empty())  // its vocabulary padding (8·M at every t) is no layout the format names
+    throw UsageError("--tp-invariant: --dump is not supported (docs/dump-format.md has no "
+                     "layout for the mode's canonical vocabulary padding)");
   const std::int64_t tokens = o.batch_size * o.seq_len;
   if (o.sequence_parallel && tokens % C != 0)
     throw UsageError("--tp-invariant --sequence-parallel: batch x sequence = " +
