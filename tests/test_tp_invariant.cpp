@@ -231,7 +231,7 @@ TEST_CASE("verify --tp-invariant catches every built-in fault in f32 and bf16, n
   CHECK(f.out.find("first mismatch at tp 1: act/h.0.attn.out") != std::string::npos);
 }
 
-TEST_CASE("--tp-invariant refuses what it cannot make invariant, in one line", "[tp-invariant][cli]") {
+TEST_CASE("the TP-invariant mode refuses what it cannot make invariant, in one line", "[tp-invariant][cli]") {
   const std::string gpt = "--model gpt --vocab-size 61 --block-size 16 --layers 1 --seq-len 16 ";
   const auto tp3 = run_tpsim("verify " + gpt + "--hidden 48 --heads 6 --tp 1,3 --tp-invariant");
   INFO(tp3.out);
