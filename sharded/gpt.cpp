@@ -3,16 +3,19 @@
 #include <cmath>
 #include <cstring>
 
+#include "backend/canonical_gemm.h"
 #include "sharded/column_parallel_linear.h"
 #include "sharded/mappings.h"
 #include "sharded/row_parallel_linear.h"
+#include "sharded/tp_invariant.h"
 #include "sharded/vocab_parallel_cross_entropy.h"
 
 namespace tpsim {
 
 std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t) {
   if (!p.loss_parallel) return c.vocab_size;
-  const std::int64_t m = std::max<std::int64_t>(1, p.make_vocab_divisible_by) * t;
+  const std::int64_t m =
+      std::max<std::int64_t>(1, p.make_vocab_divisible_by) * (p.tp_invariant ? kCanonicalChunks : t);
   return (c.vocab_size + m - 1) / m * m;
 }
 
@@ -107,6 +110,25 @@ struct ShardedGpt::Workspace {
   Tensor da, du;    // [N,4H/t]
   Tensor dres[2];   // [Nl,H]   residual-stream gradients, ping-pong between blocks
   Tensor fault_buf; // [t·N,H] or [N,H], only for the rank-order and chunk-order faults
+};
+
+// The TP-invariant mode's state. Canonical sizes, the same at every TP degree: Hc = H/C
+// (a tile of q, k, v and o's inputs), Fc = 4H/C (ffn1's outputs, ffn2's inputs), Vc = Vp/C
+// (loss parallel), Nc = N/C (sequence parallel's token chunks).
+struct ShardedGpt::Invariant {
+  Invariant(Backend& be, int r, int t) : cg(be) {
+    k.rank = r;
+    k.world = t;
+  }
+  CanonicalChunks k;
+  CanonicalGemm cg;
+  std::int64_t Hc = 0, Fc = 0, Vc = 0, Nc = 0;
+  Tensor local;     // [C/t·N,H]  this rank's partials of a split reduction (compute dtype)
+  Tensor gathered;  // [C·N,H]    every rank's (tp > 1)
+  Tensor acc;       // [N,H]      the f32 sum of a bf16 output, rounded once
+  Tensor grad_local, grad_gathered;  // [C/t·G], [C·G]  replicated gradient partials under
+                                     // SP, G = max(H, wpe's numel)
+  Tensor wte_local, wte_gathered;    // [C/t·V,H], [C·V,H]  wte's, under SP without loss parallel
 };
 
 // Host copies of this step's transient activation points, in the order they were
@@ -304,6 +326,69 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   w.dres[1] = tmp({Nl_, H}, "residual.grad.1");
   if (fault == Fault::RankOrderSum) w.fault_buf = tmp({t * N_, H}, "fault.partials");
   if (fault == Fault::SpAllGatherChunkOrder) w.fault_buf = tmp({N_, H}, "fault.gathered");
+
+  if (par.tp_invariant) {
+    const int C = kCanonicalChunks;
+    if (C % t != 0 || H % C != 0 || (par.sequence_parallel && N_ % C != 0))
+      throw UsageError("--tp-invariant: tp " + std::to_string(t) + " must divide " +
+                       std::to_string(C) + ", and hidden " + std::to_string(H) +
+                       (par.sequence_parallel ? " and batch x sequence " + std::to_string(N_) : "") +
+                       " be a multiple of " + std::to_string(C) + " (the canonical chunks)");
+    inv_ = std::make_unique<Invariant>(be, r, t);
+    Invariant& v = *inv_;
+    v.Hc = H / C;
+    v.Fc = 4 * H / C;
+    v.Vc = Vp_ / C;
+    v.Nc = N_ / C;
+    const DType cd = compute_dtype(dtype);
+    const int Cl = v.k.local();
+    v.local = be.empty({Cl * N_, H}, cd, MemCategory::Temporary, "invariant.partials");
+    if (t > 1) v.gathered = be.empty({C * N_, H}, cd, MemCategory::CommBuffer, "invariant.gathered");
+    if (cd != dtype) v.acc = be.empty({N_, H}, cd, MemCategory::Temporary, "invariant.sum");
+    if (par.sequence_parallel) {
+      const std::int64_t G = std::max(H, param("wpe.weight").value.numel());
+      v.grad_local = be.empty({Cl * G}, cd, MemCategory::Temporary, "invariant.grad.partials");
+      v.grad_gathered = be.empty({C * G}, cd, MemCategory::CommBuffer, "invariant.grad.gathered");
+      if (!par.loss_parallel) {
+        const std::int64_t V = wte.value.dim(0);
+        v.wte_local = be.empty({Cl * V, H}, cd, MemCategory::Temporary, "invariant.wte.partials");
+        v.wte_gathered = be.empty({C * V, H}, cd, MemCategory::CommBuffer, "invariant.wte.gathered");
+      }
+    }
+    ce_->ce.canon = &v.k;
+    ce_->ce.tiles = &v.cg;
+  }
+}
+
+void ShardedGpt::combine(Tensor& out, std::int64_t row0, bool own_only, bool from_own_rank) {
+  Invariant& v = *inv_;
+  Tensor acc = v.acc.defined() ? v.acc.narrow0(0, out.dim(0)) : Tensor{};
+  const CombineOrder order = own_only        ? CombineOrder::OwnOnly
+                             : from_own_rank ? CombineOrder::FromOwnRank
+                                             : CombineOrder::Canonical;
+  combine_partials(be_, comm_, v.k, out, v.local, v.gathered, acc, row0, order);
+}
+
+void ShardedGpt::ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
+                             const Tensor& mean, const Tensor& rstd) {
+  if (!inv_ || !par_.sequence_parallel)
+    return be_.layernorm_backward(dinp, p.grad, dout, inp, p.value, mean, rstd);
+  Invariant& v = *inv_;
+  const int Cl = v.k.local();
+  const std::int64_t H = p.grad.numel(), n = v.Nc;
+  Tensor local = v.grad_local.narrow0(0, Cl * H).reshape({Cl, H});          // [C/t,H]
+  Tensor all = v.grad_gathered.narrow0(0, v.k.C * H).reshape({v.k.C, H});  // [C,H]
+  for (int j = 0; j < Cl; ++j) {
+    Tensor pj = local.narrow0(j, 1).reshape({H});
+    be_.fill(pj, 0.0);
+    Tensor dx = dinp.narrow0(j * n, n);
+    be_.layernorm_backward(dx, pj, dout.narrow0(j * n, n), inp.narrow0(j * n, n), p.value,
+                           mean.narrow0(j * n, n), rstd.narrow0(j * n, n));
+  }
+  Tensor out = p.grad.reshape({1, H}), none;
+  combine_partials(be_, comm_, v.k, out, local, all, none, 0,
+                   fault_ == Fault::SpLnGradNotSummed ? CombineOrder::OwnOnly
+                                                      : CombineOrder::Canonical);
 }
 
 ShardedGpt::~ShardedGpt() = default;
@@ -364,12 +449,30 @@ void ShardedGpt::forward() {
     if (sp) gather_tokens(full, local);
     else (void)copy_to_tp_region_forward(local);  // identity: `full` aliases `local`
   };
-  // g (reduce_from_tp_region, or reduce_scatter_to_sp_region under SP).
-  auto leave_tp = [&]() -> Tensor& {
-    if (sp) reduce_scatter_to_sp_region_forward(comm_, reduced, partial);
+  // g (reduce_from_tp_region, or reduce_scatter_to_sp_region under SP); in the invariant
+  // mode, the canonical sum of the row-parallel layer's chunk partials.
+  auto leave_tp = [&](bool own_only = false) -> Tensor& {
+    if (inv_) combine(reduced, sp ? tok0_ : 0, own_only, !sp && fault_ == Fault::RankOrderSum);
+    else if (sp) reduce_scatter_to_sp_region_forward(comm_, reduced, partial);
     else reduce_partials(partial);
     return reduced;
   };
+  // Column-parallel forward; invariant: in output tiles of `tile` columns.
+  auto col_forward = [&](const ColumnParallelLinear& lin, Tensor& out, const Tensor& in,
+                         std::int64_t tile) {
+    if (inv_) inv_->cg.gemm(out, in, false, lin.weight->value, true, {0, tile});
+    else lin.forward(be_, out, in);
+  };
+  // Row-parallel forward into `partial`; invariant: one partial per canonical chunk of
+  // `kc` inputs, into the invariant workspace.
+  auto row_forward = [&](const RowParallelLinear& lin, const Tensor& in, std::int64_t kc) {
+    if (!inv_) return lin.forward(be_, partial, in);
+    for (int j = 0; j < inv_->k.local(); ++j) {
+      Tensor pj = inv_->local.narrow0(j * N_, N_);  // [N,H]
+      inv_->cg.gemm_k_chunk(pj, in, false, lin.weight->value, true, j * kc, kc);
+    }
+  };
+  const std::int64_t Hc = inv_ ? inv_->Hc : 0, Fc = inv_ ? inv_->Fc : 0;
 
   // ---- embeddings: x0 [Nl,H] = wte[ids] + wpe[pos] ----
   comm_.set_label("embedding");
@@ -400,11 +503,11 @@ void ShardedGpt::forward() {
     comm_.set_label("h." + std::to_string(l) + ".attn");
     be_.layernorm_forward(b.h1, b.ln1_mean, b.ln1_rstd, *x, b.ln1->value, cfg_.ln_eps);
     enter_tp(b.h1_full, b.h1);
-    b.q.forward(be_, b.q_out, b.h1_full);
-    b.k.forward(be_, b.k_out, b.h1_full);
-    b.v.forward(be_, b.v_out, b.h1_full);
+    col_forward(b.q, b.q_out, b.h1_full, Hc);
+    col_forward(b.k, b.k_out, b.h1_full, Hc);
+    col_forward(b.v, b.v_out, b.h1_full, Hc);
     be_.attention_forward(b.att, b.probs, b.q_out, b.k_out, b.v_out, B_, T_, Al, scale);
-    b.o.forward(be_, partial, b.att);
+    row_forward(b.o, b.att, Hc);
     Tensor& attn_out = leave_tp();
     snapshot(*fwd_snaps_, pt + "attn.o.out", point(pt + "attn.o.out"), attn_out);
     be_.copy(b.x_mid, *x);
@@ -413,11 +516,12 @@ void ShardedGpt::forward() {
     comm_.set_label("h." + std::to_string(l) + ".mlp");
     be_.layernorm_forward(b.h2, b.ln2_mean, b.ln2_rstd, b.x_mid, b.ln2->value, cfg_.ln_eps);
     enter_tp(b.h2_full, b.h2);
-    b.ffn1.forward(be_, b.u, b.h2_full);
+    col_forward(b.ffn1, b.u, b.h2_full, Fc);
     be_.gelu_forward(b.a, b.u);
-    b.ffn2.forward(be_, partial, b.a);
+    row_forward(b.ffn2, b.a, Fc);
     Tensor* mlp_out = &partial;
     if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp();
+    else if (inv_) mlp_out = &leave_tp(/*own_only=*/true);  // the missing g: own chunks only
     snapshot(*fwd_snaps_, pt + "mlp.ffn2.out", point(pt + "mlp.ffn2.out"), *mlp_out);
     be_.copy(b.x_out, b.x_mid);
     be_.add_inplace(b.x_out, *mlp_out);
@@ -428,7 +532,11 @@ void ShardedGpt::forward() {
   comm_.set_label("head");
   be_.layernorm_forward(hf_, lnf_mean_, lnf_rstd_, *x, param("ln_f.weight").value, cfg_.ln_eps);
   if (par_.loss_parallel) enter_tp(hf_full_, hf_);
-  be_.gemm(logits_, hf_full_, false, wte.value, true);
+  if (inv_)  // tiles: vocabulary columns (loss parallel), or this rank's tokens (SP alone)
+    inv_->cg.gemm(logits_, hf_full_, false, wte.value, true,
+                  {sp && !par_.loss_parallel ? inv_->Nc : 0, par_.loss_parallel ? inv_->Vc : 0});
+  else
+    be_.gemm(logits_, hf_full_, false, wte.value, true);
   comm_.set_label("cross_entropy");
   loss_ = ce_->ce.forward(be_, comm_, logits_, targets_, n_valid_,
                           /*rows_split=*/sp && !par_.loss_parallel);
@@ -448,8 +556,13 @@ void ShardedGpt::backward() {
     }
     return reduce_from_tp_region_backward(d_local);
   };
-  // f's backward: sum the ranks' shares of dh_full into dh [Nl,H].
-  auto f_backward = [&]() -> Tensor& {
+  // f's backward: sum the ranks' shares of dh_full into dh [Nl,H]; invariant: the
+  // canonical sum of the chunk partials in the invariant workspace.
+  auto f_backward = [&](bool own_only = false) -> Tensor& {
+    if (inv_) {
+      combine(s.dh, sp ? tok0_ : 0, own_only || (sp && fault_ == Fault::SpSwapBackwardCollectives));
+      return s.dh;
+    }
     if (sp) {
       if (fault_ == Fault::SpSwapBackwardCollectives) {
         // The bug: take this rank's tokens without summing the other ranks' shares.
@@ -463,6 +576,31 @@ void ShardedGpt::backward() {
     return s.dh;
   };
 
+  // Column-parallel backward: dW written; the input gradient's share into dh_full (+= when
+  // accumulate). Invariant: dW in tiles of `tile` output rows, the input gradient as one
+  // partial per canonical chunk of `tile` outputs, into the invariant workspace.
+  auto col_backward = [&](const ColumnParallelLinear& lin, const Tensor& dout, const Tensor& in,
+                          std::int64_t tile, bool accumulate) {
+    if (!inv_) return lin.backward(be_, s.dh_full, dout, in, accumulate);
+    inv_->cg.gemm(lin.weight->grad, dout, true, in, false, {tile, 0});
+    for (int j = 0; j < inv_->k.local(); ++j) {
+      Tensor pj = inv_->local.narrow0(j * N_, N_);  // [N,H]
+      inv_->cg.gemm_k_chunk(pj, dout, false, lin.weight->value, false, j * tile, tile,
+                            accumulate ? 1.0 : 0.0);
+    }
+  };
+  // Row-parallel backward; invariant: both products in tiles of `tile` input columns.
+  auto row_backward = [&](const RowParallelLinear& lin, Tensor& dinp, const Tensor& dout,
+                          const Tensor& in, std::int64_t tile) {
+    if (!inv_) return lin.backward(be_, dinp, dout, in);
+    inv_->cg.gemm(lin.weight->grad, dout, true, in, false, {0, tile});
+    inv_->cg.gemm(dinp, dout, false, lin.weight->value, false, {0, tile});
+  };
+  const std::int64_t Hc = inv_ ? inv_->Hc : 0, Fc = inv_ ? inv_->Fc : 0;
+  // SP without loss parallel, invariant: wte's gradient sums over this rank's tokens, so
+  // it is kept as token-chunk partials until the embedding has added its share.
+  const bool wte_chunked = inv_ && sp && !par_.loss_parallel;
+
   // ---- head ----
   comm_.set_label("head");
   Tensor& dlogits = s.dlogits;
@@ -471,23 +609,43 @@ void ShardedGpt::backward() {
   if (fault_ == Fault::GptUntiedEmbeddingGrad) {
     dwte_head = &s.untied;  // the bug: the LM head's share never reaches wte.grad
   }
-  be_.gemm(*dwte_head, dlogits, true, hf_full_, false);  // wte.grad's first writer
+  if (wte_chunked) {
+    const std::int64_t V = wte.value.dim(0), n = inv_->Nc;
+    for (int j = 0; j < inv_->k.local(); ++j) {
+      Tensor pj = inv_->wte_local.narrow0(j * V, V);  // [V,H]
+      if (fault_ == Fault::GptUntiedEmbeddingGrad) be_.fill(pj, 0.0);
+      else be_.gemm(pj, dlogits.narrow0(j * n, n), true, hf_full_.narrow0(j * n, n), false);
+    }
+  } else if (inv_) {
+    inv_->cg.gemm(*dwte_head, dlogits, true, hf_full_, false,
+                  {par_.loss_parallel ? inv_->Vc : 0, 0});
+  } else {
+    be_.gemm(*dwte_head, dlogits, true, hf_full_, false);  // wte.grad's first writer
+  }
   Tensor dhf;  // [Nl,H] gradient of ln_f's output
   if (par_.loss_parallel) {
     // The logits are split by vocabulary: each rank's dhf is a share; f's backward sums.
-    be_.gemm(s.dh_full, dlogits, false, wte.value, false);
+    if (inv_) {
+      for (int j = 0; j < inv_->k.local(); ++j) {
+        Tensor pj = inv_->local.narrow0(j * N_, N_);  // [N,H]
+        inv_->cg.gemm_k_chunk(pj, dlogits, false, wte.value, false, j * inv_->Vc, inv_->Vc);
+      }
+    } else {
+      be_.gemm(s.dh_full, dlogits, false, wte.value, false);
+    }
     dhf = f_backward();
   } else {
     dhf = s.dh_full.narrow0(0, Nl_);  // this rank's logits rows are its own tokens
-    be_.gemm(dhf, dlogits, false, wte.value, false);
+    if (inv_) inv_->cg.gemm(dhf, dlogits, false, wte.value, false, {sp ? inv_->Nc : 0, 0});
+    else be_.gemm(dhf, dlogits, false, wte.value, false);
   }
   Snapshots& snaps = *bwd_snaps_;
   snapshot(snaps, "act/ln_f.out.grad", point("act/ln_f.out.grad"), dhf);
   Tensor* dx = &s.dres[0];
   be_.fill(*dx, 0.0);
   Parameter& lnf = param("ln_f.weight");
-  be_.layernorm_backward(*dx, lnf.grad, dhf, blocks_.empty() ? x0_ : blocks_.back()->x_out,
-                         lnf.value, lnf_mean_, lnf_rstd_);
+  ln_backward(*dx, lnf, dhf, blocks_.empty() ? x0_ : blocks_.back()->x_out, lnf_mean_,
+              lnf_rstd_);
 
   // ---- blocks, last to first ----
   const double scale = softmax_scale();
@@ -506,22 +664,22 @@ void ShardedGpt::backward() {
     // x_out = x_mid + mlp(ln2(x_mid))
     comm_.set_label("h." + std::to_string(li) + ".mlp");
     const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(*dx) : *dx;
-    b.ffn2.backward(be_, s.da, dmlp, b.a);
+    row_backward(b.ffn2, s.da, dmlp, b.a, Fc);
     snap("mlp.gelu.out.grad", s.da);
     be_.gelu_backward(s.du, s.da, b.u);
     snap("mlp.ffn1.out.grad", s.du);
     if (sp) gather_tokens(b.h2_full, b.h2);  // not saved: gather again
-    b.ffn1.backward(be_, s.dh_full, s.du, b.h2_full, /*accumulate=*/false);
+    col_backward(b.ffn1, s.du, b.h2_full, Fc, /*accumulate=*/false);
     Tensor& dh2 = f_backward();
     snap("ln2.out.grad", dh2);
-    be_.layernorm_backward(*dx, b.ln2->grad, dh2, b.x_mid, b.ln2->value, b.ln2_mean, b.ln2_rstd);
+    ln_backward(*dx, *b.ln2, dh2, b.x_mid, b.ln2_mean, b.ln2_rstd);
     snap("residual.mid.grad", *dx);
     snap("attn.o.out.grad", *dx);
 
     // x_mid = x_in + attn(ln1(x_in))
     comm_.set_label("h." + std::to_string(li) + ".attn");
     const Tensor& dattn = g_backward(*dx);
-    b.o.backward(be_, s.datt, dattn, b.att);
+    row_backward(b.o, s.datt, dattn, b.att, Hc);
     snap("attn.out.grad", s.datt);
     be_.attention_backward(s.dq, s.dk, s.dv, s.datt, b.q_out, b.k_out, b.v_out, b.probs, B_, T_,
                            Al, scale);
@@ -529,22 +687,46 @@ void ShardedGpt::backward() {
     snap("attn.k.grad", s.dk);
     snap("attn.v.grad", s.dv);
     if (sp) gather_tokens(b.h1_full, b.h1);
-    b.q.backward(be_, s.dh_full, s.dq, b.h1_full, /*accumulate=*/false);
-    b.k.backward(be_, s.dh_full, s.dk, b.h1_full, /*accumulate=*/true);
-    b.v.backward(be_, s.dh_full, s.dv, b.h1_full, /*accumulate=*/true);
+    col_backward(b.q, s.dq, b.h1_full, Hc, /*accumulate=*/false);
+    col_backward(b.k, s.dk, b.h1_full, Hc, /*accumulate=*/true);
+    col_backward(b.v, s.dv, b.h1_full, Hc, /*accumulate=*/true);
     Tensor* dh1 = &s.dh_full;
     if (sp || fault_ != Fault::GptMissingF) dh1 = &f_backward();
+    else if (inv_) dh1 = &f_backward(/*own_only=*/true);  // the missing f: own chunks only
     snap("ln1.out.grad", *dh1);
     be_.copy(*dx_prev, *dx);
-    be_.layernorm_backward(*dx_prev, b.ln1->grad, *dh1, x_in, b.ln1->value, b.ln1_mean,
-                           b.ln1_rstd);
+    ln_backward(*dx_prev, *b.ln1, *dh1, x_in, b.ln1_mean, b.ln1_rstd);
     dx = dx_prev;
   }
 
   // ---- embeddings ----
   snapshot(snaps, "act/embedding.out.grad", point("act/embedding.out.grad"), *dx);
   comm_.set_label("embedding");
-  be_.embedding_backward(wpe.grad, *dx, pos_, 0);
+  if (inv_ && sp) {
+    // wpe's and (without loss parallel) wte's gradients sum over this rank's tokens: one
+    // partial per token chunk, combined in chunk order.
+    const int Cl = inv_->k.local();
+    const std::int64_t n = inv_->Nc, P = wpe.value.dim(0), H = wpe.value.dim(1);
+    Tensor local = inv_->grad_local.narrow0(0, Cl * P * H).reshape({Cl * P, H});
+    Tensor all = inv_->grad_gathered.narrow0(0, inv_->k.C * P * H).reshape({inv_->k.C * P, H});
+    for (int j = 0; j < Cl; ++j) {
+      Tensor pj = local.narrow0(j * P, P);
+      be_.fill(pj, 0.0);
+      be_.embedding_backward(pj, dx->narrow0(j * n, n), pos_.narrow0(j * n, n), 0);
+    }
+    Tensor none;
+    combine_partials(be_, comm_, inv_->k, wpe.grad, local, all, none, 0);
+    if (wte_chunked) {
+      const std::int64_t V = wte.value.dim(0);
+      for (int j = 0; j < Cl; ++j) {
+        Tensor pj = inv_->wte_local.narrow0(j * V, V);
+        be_.embedding_backward(pj, dx->narrow0(j * n, n), ids_.narrow0(j * n, n), 0);
+      }
+      combine_partials(be_, comm_, inv_->k, wte.grad, inv_->wte_local, inv_->wte_gathered, none, 0);
+    }
+  } else {
+    be_.embedding_backward(wpe.grad, *dx, pos_, 0);
+  }
   if (par_.loss_parallel) {
     std::int64_t row0 = wte.spec.offset;
     if (fault_ == Fault::VocabRangeOffByOne && rank_ == 1) row0 += 1;
@@ -554,12 +736,12 @@ void ShardedGpt::backward() {
       demb = &s.partial;
     }
     be_.embedding_backward(wte.grad, *demb, ids_all_, row0);
-  } else {
+  } else if (!wte_chunked) {  // (chunked: added above)
     be_.embedding_backward(wte.grad, *dx, ids_, 0);
   }
 
   // ---- sequence parallel: replicated parameters saw only this rank's tokens ----
-  if (sp) {
+  if (sp && !inv_) {  // the invariant mode has combined them, chunk by chunk, above
     comm_.set_label("sp.grad_sync");
     for (auto& p : params_) {
       if (!p.spec.replicated()) continue;

@@ -29,9 +29,13 @@ struct GptParallelism {
   bool loss_parallel = false;
   bool sequence_parallel = false;
   std::int64_t make_vocab_divisible_by = 1;
+  // TP-invariant mode (sharded/tp_invariant.h): split reductions in canonical chunks,
+  // GEMMs in canonical tiles, so that every TP degree computes the same bits.
+  bool tp_invariant = false;
 };
 
-// The padded vocabulary: V rounded up to a multiple of t·M when loss parallel, else V.
+// The padded vocabulary: V rounded up to a multiple of t·M when loss parallel (of C·M,
+// C = kCanonicalChunks, in the TP-invariant mode: the same padding at every degree), else V.
 std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t);
 
 // The Megatron layout of parameter `p` on rank r of t (docs/dump-format.md, "default
@@ -67,6 +71,13 @@ class ShardedGpt final : public ShardedModel {
   void gather_tokens(Tensor& full, const Tensor& local);
   // g without sequence parallel, with its rank-dependent-sum-order fault.
   void reduce_partials(Tensor& y);
+  // TP-invariant mode: out = the canonical sum of the partials in the invariant workspace
+  // (rows [row0, row0 + out rows) of each), as f's backward or g would sum the ranks' shares.
+  void combine(Tensor& out, std::int64_t row0, bool own_only = false, bool from_own_rank = false);
+  // LayerNorm backward; under the TP-invariant mode with sequence parallel, its weight
+  // gradient (a sum over this rank's tokens) as canonical token-chunk partials, combined.
+  void ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
+                   const Tensor& mean, const Tensor& rstd);
   // Index of a parameter by name in params_.
   Parameter& param(const std::string& name);
   // This rank's layout of an activation point, by gpt_point_shard: the rule a dump's
@@ -113,6 +124,8 @@ class ShardedGpt final : public ShardedModel {
   std::int64_t logits_col0_ = 0, logits_valid_ = 0;
   struct CrossEntropyState;
   std::unique_ptr<CrossEntropyState> ce_;
+  struct Invariant;  // the TP-invariant mode's chunking, tiles and partials; null when off
+  std::unique_ptr<Invariant> inv_;
   struct Workspace;  // temporaries, allocated once: big ones would page-fault every step
   std::unique_ptr<Workspace> ws_;
   bool record_ = false;  // activation points: snapshot the transient ones each step

@@ -14,8 +14,10 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/canonical_gemm.h"
 #include "comm/communicator.h"
 #include "sharded/faults.h"
+#include "sharded/tp_invariant.h"
 
 namespace tpsim {
 
@@ -30,6 +32,14 @@ struct VocabParallelCrossEntropy {
   // the rows where that happened.
   Tensor unowned_targets;  // [N] i64
   std::vector<std::int64_t> unowned_rows;
+  // TP-invariant mode, when set: the exp-sum over split vocabulary columns is C partials
+  // over column chunks of Vl/(C/t), the loss sum over split rows C partials over row
+  // chunks, each combined in chunk order; the backward runs per column chunk, so that each
+  // element is computed by a call of the same shape at every TP degree.
+  const CanonicalChunks* canon = nullptr;
+  CanonicalGemm* tiles = nullptr;  // its column copies
+  Tensor chunk_sums, chunk_gathered;  // [C/t,N], [C,N]
+  mutable Tensor chunk_grad;  // [N,Vl/(C/t)] backward scratch, allocated on first use
 
   // Returns the mean loss over rows whose target is not -100; `n_valid` is that count
   // over the whole batch (rows held by other ranks included). With `sum_rows_over` set,

@@ -167,6 +167,9 @@ Examples:
   auto* train = app.add_subcommand("train", "train the sharded model at one TP degree, printing "
                                             "what the seed prints per iteration");
   add_model_flags(*train, o, raw, false);
+  train->add_flag("--tp-invariant", o.tp_invariant,
+                   "gpt, cpu: split reductions in 8 canonical chunks summed in one order and "
+                   "GEMMs in canonical tiles, so that tp 1, 2, 4 and 8 compute the same bits");
   train->add_option("--save-final", o.save_final, "write the final full weights (safetensors)");
   train->add_option("--dump", o.dump_dir,
                     "gpt: write a dump of every rank's shards, every step, to this directory "
@@ -180,6 +183,9 @@ Examples:
   auto* verify = app.add_subcommand("verify", "run the reference and the sharded model for each "
                                               "TP degree and compare every tensor, every step");
   add_model_flags(*verify, o, raw, true);
+  verify->add_flag("--tp-invariant", o.tp_invariant,
+                   "gpt, cpu: split reductions in 8 canonical chunks summed in one order and "
+                   "GEMMs in canonical tiles, so that tp 1, 2, 4 and 8 compute the same bits; each degree is then also compared with tp 1 bit for bit");
   verify->add_flag("--resync", o.resync,
                    "copy the reference weights into the shards before each step, so one "
                    "step's error is told from drift");

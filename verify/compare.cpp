@@ -102,6 +102,27 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0) {
   return c;
 }
 
+Comparison compare_bitwise(const Observation& obs, const std::vector<double>& tp1_full) {
+  Comparison c = compare_view({obs.name, obs.spec, obs.values}, tp1_full.data(), tp1_full.size(), 0.0);
+  c.what = kInvariantCheck;
+  c.pass = true;
+  const auto n = static_cast<std::int64_t>(obs.values.size());
+  for (std::int64_t k = 0; k < n && c.pass; ++k) {
+    const std::int64_t f = full_index(obs.spec, k);
+    const double a = obs.values[static_cast<std::size_t>(k)];
+    // f64 holds every f32 and bf16 value exactly, sign of zero and NaN payload included,
+    // so equal f64 bits are equal bits of the tensor's own dtype.
+    const bool same = f < 0 ? a == 0.0
+                            : std::memcmp(&a, &tp1_full[static_cast<std::size_t>(f)], sizeof a) == 0;
+    if (same) continue;
+    c.pass = false;
+    c.worst = f;
+    c.sharded_at_worst = a;
+    c.reference_at_worst = f < 0 ? 0.0 : tp1_full[static_cast<std::size_t>(f)];
+  }
+  return c;
+}
+
 std::string format_index(const Comparison& c) { return index_str(c.full_shape, c.worst); }
 
 }  // namespace tpsim

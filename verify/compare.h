@@ -17,6 +17,7 @@ enum class Phase { Forward, Backward, Update };
 inline constexpr const char* kReferenceCheck = "reference";        // a shard vs its slice
 inline constexpr const char* kReplicaCheck = "replica of rank 0";  // bit for bit
 inline constexpr const char* kReassembledCheck = "reassembled";    // the gathered full tensor
+inline constexpr const char* kInvariantCheck = "tp 1 bit for bit";  // --tp-invariant
 const char* phase_name(Phase p);
 
 struct Comparison {
@@ -56,6 +57,10 @@ struct Comparison {
 Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
                                 double tolerance);
 
+// --tp-invariant: a shard against the same block of tp 1's full tensor, bit for bit
+// (tolerance 0). `worst` is the first element whose bits differ (in the shard's order), not
+// the largest difference; padded positions must be zero. rel_err and max_abs are for scale.
+Comparison compare_bitwise(const Observation& obs, const std::vector<double>& tp1_full);
 // A replicated tensor on `obs.spec.rank` against rank 0's copy: bit-identical or a fail.
 Comparison compare_replica(const Observation& obs, const Observation& rank0);
 

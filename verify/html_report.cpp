@@ -272,7 +272,10 @@ std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
     const double lv = std::isinf(v) ? sc.hi : std::clamp(std::log10(v), sc.lo, sc.hi);
     o << "<rect class=\"bar\" x=\"" << L + bw * k + 0.5 << "\" y=\"" << Y(lv) << "\" width=\""
       << bw - 1 << "\" height=\"" << Y(sc.lo) - Y(lv) << "\" fill=\""
-      << (c.what == std::string(kReplicaCheck) ? kOffScale : cell_colour(v, sc)) << "\"><title>bin "
+      << (c.what == std::string(kReplicaCheck) || c.what == std::string(kInvariantCheck)
+              ? kOffScale
+              : cell_colour(v, sc))
+      << "\"><title>bin "
       << k << ": max |err| " << fmt("%.3g", c.profile[static_cast<std::size_t>(k)]) << " = "
       << fmt("%.3g", v) << " x tol x rms</title></rect>";
   }
@@ -283,7 +286,10 @@ std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
   o << "<div class=\"cv\">rel err " << fmt("%.3e", c.rel_err) << "<br>max |err| "
     << fmt("%.3e", c.max_abs) << " at " << html_escape(format_index(c)) << "<br>"
     << fmt("%.9g", c.sharded_at_worst) << " vs " << fmt("%.9g", c.reference_at_worst)
-    << (c.what == std::string(kReplicaCheck) ? " (rank 0)" : " (reference)") << "</div></div>";
+    << (c.what == std::string(kReplicaCheck)     ? " (rank 0)"
+        : c.what == std::string(kInvariantCheck) ? " (tp 1; max |err| is the largest, the index the first to differ)"
+                                                 : " (reference)")
+    << "</div></div>";
   return o.str();
 }
 

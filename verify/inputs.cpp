@@ -19,6 +19,7 @@ std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o) {
   GptParallelism split;
   split.loss_parallel = true;
   split.make_vocab_divisible_by = o.make_vocab_divisible_by;
+  split.tp_invariant = o.tp_invariant;
   for (int t : o.tp) {
     const std::int64_t per = padded_vocab(o.gpt, split, t) / t;
     for (std::int64_t first = 0; first < V; first += per) {
@@ -57,6 +58,7 @@ std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunI
   par.loss_parallel = o.loss_parallel;
   par.sequence_parallel = o.sequence_parallel;
   par.make_vocab_divisible_by = o.make_vocab_divisible_by;
+  par.tp_invariant = o.tp_invariant;
   return std::make_unique<ShardedGpt>(o.gpt, in.gpt_batch, o.adam, par, be, comm, o.dtype,
                                       o.seed, o.fault);
 }

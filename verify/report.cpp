@@ -22,6 +22,10 @@ std::string describe(const Comparison& c) {
   std::string s = c.tensor + " (" + c.shard + ", step " + std::to_string(c.step) + ", " +
                   phase_name(c.phase) + ")";
   const bool replica = c.what == kReplicaCheck;
+  if (c.what == kInvariantCheck)  // the first differing element, its bits in hex
+    return s + ": differs from tp 1 in its bits, first at " + format_index(c) + ": " +
+           fmt("%.9g", c.sharded_at_worst) + " (" + fmt("%a", c.sharded_at_worst) + ") vs " +
+           fmt("%.9g", c.reference_at_worst) + " (" + fmt("%a", c.reference_at_worst) + ", tp 1)";
   if (!replica)
     s += ": rel err " + fmt("%.2e", c.rel_err) + " > " + fmt(c.tolerance < 1e-3 ? "%.0e" : "%.2e", c.tolerance) +
          (c.tolerance > 0 ? " (" + fmt("%.3g", c.rel_err / c.tolerance) + " x its bound)" : "");
@@ -36,6 +40,7 @@ std::string describe(const Comparison& c) {
 const char* check_mark(const Comparison& c) {
   if (c.what == kReplicaCheck) return " =r0";
   if (c.what == kReassembledCheck) return " =full";
+  if (c.what == kInvariantCheck) return " =tp1";
   return "";
 }
 
@@ -114,9 +119,16 @@ std::string tolerance_rule(double tolerance, bool per_tensor) {
 }
 
 std::string verify_verdict(const RunOptions& o, const VerifyReport& r) {
-  if (!r.pass)
-    return "verify: FAIL: first mismatch at tp " + std::to_string(r.first_failure->tp) + ": " +
-           describe(*r.first_failure);
+  if (!r.pass) {
+    std::string s = "verify: FAIL: first mismatch at tp " + std::to_string(r.first_failure->tp) +
+                    ": " + describe(*r.first_failure);
+    if (r.first_bit_difference && r.first_bit_difference->what != r.first_failure->what)
+      s += "\nverify: FAIL: first bit difference from tp 1 at tp " +
+           std::to_string(r.first_bit_difference->tp) + ": " + describe(*r.first_bit_difference);
+    return s;
+  }
+  const std::string same_bits =
+      r.tp_invariant ? "; every tensor of every step bit-identical to tp 1" : "";
   double worst = 0, ratio = 0;
   for (const auto& t : r.results) {
     worst = std::max(worst, t.max_rel_err);
@@ -125,9 +137,9 @@ std::string verify_verdict(const RunOptions& o, const VerifyReport& r) {
   if (r.per_tensor_bounds)
     return "verify: PASS: every tensor of every step within its bound for tp " + tp_list(o) +
            " (largest rel err " + fmt("%.2e", worst) + ", largest measured/bound " +
-           fmt("%.3f", ratio) + ")";
+           fmt("%.3f", ratio) + ")" + same_bits;
   return "verify: PASS: every tensor of every step within " + fmt("%.1e", r.tolerance) +
-         " for tp " + tp_list(o) + " (largest rel err " + fmt("%.2e", worst) + ")";
+         " for tp " + tp_list(o) + " (largest rel err " + fmt("%.2e", worst) + ")" + same_bits;
 }
 
 namespace {
@@ -149,6 +161,9 @@ void print_collectives(std::ostream& os, const TpResult& t) {
 
 void print_tolerance_and_reference(std::ostream& os, const VerifyReport& r) {
   os << tolerance_rule(r.tolerance, r.per_tensor_bounds) << "\n";
+  if (r.tp_invariant)
+    os << "tp-invariant: every tp is also compared with tp 1 at tolerance 0, bit for bit "
+          "(rows marked =tp1)\n";
   os << "reference losses:";
   for (double l : r.reference_losses) os << " " << fmt("%.10g", l);
   os << "  (" << fmt("%.2f", r.reference_seconds) << " s)\n";
@@ -264,6 +279,9 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
     j["tp"].push_back(jt);
   }
   j["first_failure"] = r.first_failure ? to_json(*r.first_failure) : nlohmann::json(nullptr);
+  if (r.tp_invariant)
+    j["first_bit_difference"] =
+        r.first_bit_difference ? to_json(*r.first_bit_difference) : nlohmann::json(nullptr);
   return j;
 }
 

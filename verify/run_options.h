@@ -31,6 +31,7 @@ struct RunOptions {
   std::int64_t seq_len = 64;
   bool loss_parallel = false;
   bool sequence_parallel = false;
+  bool tp_invariant = false;  // --tp-invariant: every TP degree computes the same bits
   std::int64_t make_vocab_divisible_by = 1;
   BatchKind batch = BatchKind::Random;  // without --data
   std::string load_path;   // --load W.safetensors

@@ -45,6 +45,17 @@ void StepChecker::check_replicas(const std::vector<Observation>& mine,
   }
 }
 
+void StepChecker::check_bitwise(const std::vector<Observation>& obs, const TensorMap& tp1,
+                                Phase phase) {
+  for (const auto& o : obs) {
+    auto it = tp1.find(o.name);
+    if (it == tp1.end()) throw Error("verify --tp-invariant: tp 1 has no tensor '" + o.name + "'");
+    Comparison c = compare_bitwise(o, it->second);
+    stamp(c, phase);
+    out_.push_back(std::move(c));
+  }
+}
+
 double StepChecker::tolerance_of(const std::string& tensor) const {
   return bounds_ ? bounds_->bound(tensor, step_, world_) : tol_;
 }
@@ -116,7 +127,7 @@ double severity(const Comparison& c) {
 void StepFolder::fold(const Comparison& c) {
   r_.comparisons += 1;
   fold_per_step(c);
-  if (c.what != kReplicaCheck) {
+  if (c.what != kReplicaCheck && c.what != kInvariantCheck) {
     r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
     if (c.tolerance > 0) r_.max_err_over_tol = std::max(r_.max_err_over_tol, c.rel_err / c.tolerance);
   }

@@ -34,6 +34,8 @@ class StepChecker {
                          Phase phase);
   void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
                       const std::vector<Phase>& phases);
+  // --tp-invariant: every observation against tp 1's same tensor of this step, bit for bit.
+  void check_bitwise(const std::vector<Observation>& obs, const TensorMap& tp1, Phase phase);
 
  private:
   static constexpr int kAfterShardChecks = 1 << 24;

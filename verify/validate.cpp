@@ -7,6 +7,7 @@
 
 #include "io/atomic_file.h"
 #include "sharded/gpt.h"
+#include "sharded/tp_invariant.h"
 
 namespace tpsim {
 
@@ -104,12 +105,42 @@ FaultTarget fault_target(const RunOptions& o) {
   GptParallelism par;
   par.loss_parallel = o.loss_parallel;
   par.make_vocab_divisible_by = o.make_vocab_divisible_by;
+  par.tp_invariant = o.tp_invariant;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || (run.gpt && padded_vocab(o.gpt, par, t) > o.gpt.vocab_size);
   }
   return run;
 }
+
+namespace {
+
+// The TP-invariant mode's rules (sharded/tp_invariant.h): kCanonicalChunks chunks of every
+// split extent, the same at every degree.
+void check_tp_invariant(const RunOptions& o) {
+  const int C = kCanonicalChunks;
+  if (o.model != ModelKind::Gpt) throw UsageError("--tp-invariant: applies to --model gpt");
+  if (o.device.backend != BackendKind::Cpu)
+    throw UsageError("--tp-invariant: only the cpu backend runs it (cuBLAS picks its split-K "
+                     "and NCCL its summation order by shape and topology; see README)");
+  for (int t : o.tp)
+    if (C % t != 0)
+      throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
+                       std::to_string(C) + ", the number of canonical chunks");
+  if (o.gpt.hidden % C != 0)
+    throw UsageError("--tp-invariant: --hidden " + std::to_string(o.gpt.hidden) +
+                     " is not a multiple of " + std::to_string(C) + " (the canonical chunks)");
+  if (!o.dump_dir.empty())  // its vocabulary padding (8·M at every t) is no layout the format names
+    throw UsageError("--tp-invariant: --dump is not supported (docs/dump-format.md has no "
+                     "layout for the mode's canonical vocabulary padding)");
+  const std::int64_t tokens = o.batch_size * o.seq_len;
+  if (o.sequence_parallel && tokens % C != 0)
+    throw UsageError("--tp-invariant --sequence-parallel: batch x sequence = " +
+                     std::to_string(tokens) + " tokens is not a multiple of " +
+                     std::to_string(C) + " (the canonical token chunks)");
+}
+
+}  // namespace
 
 void validate_run_options(const RunOptions& o) {
   for (int t : o.tp) check_int("--tp", t, 1, kMaxRanks);
@@ -143,6 +174,7 @@ void validate_run_options(const RunOptions& o) {
                      std::to_string(o.seq_len) + ": the model would hold about " +
                      num(gpt_values(o)) + " values (allowed at most " + num(kMaxValues) + ")");
 
+  if (o.tp_invariant) check_tp_invariant(o);
 
   if (!o.json_path.empty()) check_writable(o.json_path, "--json");
   if (!o.html_path.empty()) check_writable(o.html_path, "--html");

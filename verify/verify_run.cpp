@@ -157,8 +157,34 @@ class FeedReader {
   int last_done_ = 0;
 };
 
+// --tp-invariant: tp 1's observations, every step, as full tensors; written by tp 1's one
+// rank (which runs alone, first), then only read.
+class Tp1Trace {
+ public:
+  void record(int step, const std::vector<Observation>& obs) {
+    if (steps_.size() < static_cast<std::size_t>(step)) steps_.resize(static_cast<std::size_t>(step));
+    TensorMap& m = steps_[static_cast<std::size_t>(step - 1)];
+    for (const auto& ob : obs) {
+      std::vector<double>& full = m[ob.name];
+      full.assign(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)), 0.0);
+      for (std::size_t k = 0; k < ob.values.size(); ++k) {
+        const std::int64_t f = full_index(ob.spec, static_cast<std::int64_t>(k));
+        if (f >= 0) full[static_cast<std::size_t>(f)] = ob.values[k];
+      }
+    }
+  }
+  const TensorMap& at(int step) const {
+    if (steps_.size() < static_cast<std::size_t>(step))
+      throw RuntimeFailure("verify --tp-invariant: tp 1 did not reach step " + std::to_string(step));
+    return steps_[static_cast<std::size_t>(step - 1)];
+  }
+
+ private:
+  std::vector<TensorMap> steps_;  // [steps]
+};
+
 TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
-                   double tol) {
+                   double tol, Tp1Trace* tp1) {
   auto t0 = std::chrono::steady_clock::now();
   TpResult r;
   r.tp = tp;
@@ -199,6 +225,14 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       const std::size_t checked_before = mine.step.size();
       check.check(fwd, Phase::Forward);
       check.check(grads, Phase::Backward);
+      const bool record_tp1 = tp1 && tp == 1, against_tp1 = tp1 && tp != 1;
+      if (record_tp1) {
+        tp1->record(step, fwd);
+        tp1->record(step, grads);
+      } else if (against_tp1) {
+        check.check_bitwise(fwd, tp1->at(step), Phase::Forward);
+        check.check_bitwise(grads, tp1->at(step), Phase::Backward);
+      }
       // A non-finite loss or gradient that the reference shares is a diverged run, not a
       // mismatch; one that it does not share failed a comparison above and is reported
       // as the mismatch it is.
@@ -208,6 +242,8 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       model->optimizer_step();
       auto params = model->observe_params();
       check.check(params, Phase::Update);
+      if (record_tp1) tp1->record(step, params);
+      else if (against_tp1) check.check_bitwise(params, tp1->at(step), Phase::Update);
 
       // Replicas against rank 0: publish, wait, compare, wait (so slots outlive readers).
       std::vector<Phase> phases;
@@ -276,12 +312,36 @@ VerifyReport run_verify(const RunOptions& o) {
   rep.per_tensor_bounds = ToleranceModel(o).per_tensor();
   const RunInputs in = prepare_inputs(o);
   rep.results.resize(o.tp.size());
+  rep.tp_invariant = o.tp_invariant;
+  Tp1Trace tp1;
 
   // Each wave of TP groups runs at once with a reference run of its own, on threads of
   // their own: the reference streams its steps to the wave's ranks, which wait for a step
   // only when they are about to check it. The reference is deterministic, so every wave
   // sees the same numbers; the report's reference losses and time are the first wave's.
-  const auto waves = waves_of(o.tp, groups_may_run_concurrently(o.device));
+  const bool concurrent = groups_may_run_concurrently(o.device);
+  std::vector<std::vector<std::size_t>> waves;
+  if (o.tp_invariant) {
+    // tp 1 first and alone: every other degree is compared with its trace.
+    const auto one = static_cast<std::size_t>(std::find(o.tp.begin(), o.tp.end(), 1) - o.tp.begin());
+    if (one == o.tp.size())
+      throw UsageError("verify --tp-invariant: --tp must include 1, the degree every other is "
+                       "compared with bit for bit");
+    std::vector<int> rest;
+    std::vector<std::size_t> index;
+    for (std::size_t i = 0; i < o.tp.size(); ++i)
+      if (i != one) {
+        rest.push_back(o.tp[i]);
+        index.push_back(i);
+      }
+    waves.push_back({one});
+    for (auto& w : waves_of(rest, concurrent)) {
+      for (auto& i : w) i = index[i];
+      waves.push_back(std::move(w));
+    }
+  } else {
+    waves = waves_of(o.tp, concurrent);
+  }
   for (std::size_t w = 0; w < waves.size(); ++w) {
     int consumers = 0;
     for (std::size_t i : waves[w]) consumers += o.tp[i];
@@ -303,7 +363,8 @@ VerifyReport run_verify(const RunOptions& o) {
       groups.emplace_back([&, j] {
         const std::size_t i = waves[w][j];
         try {
-          rep.results[i] = verify_tp(o, in, ref, o.tp[i], rep.tolerance);
+          rep.results[i] = verify_tp(o, in, ref, o.tp[i], rep.tolerance,
+                                     o.tp_invariant ? &tp1 : nullptr);
         } catch (...) {
           errors[j] = std::current_exception();
         }
@@ -328,6 +389,13 @@ VerifyReport run_verify(const RunOptions& o) {
     if (!rep.first_failure || std::tie(f.step, f.order) <
                                   std::tie(rep.first_failure->step, rep.first_failure->order))
       rep.first_failure = f;
+    for (const Comparison& c : r.failures) {
+      if (c.what != kInvariantCheck) continue;
+      const auto& b = rep.first_bit_difference;
+      if (!b || std::tie(c.step, c.order, c.tp) < std::tie(b->step, b->order, b->tp))
+        rep.first_bit_difference = c;
+      break;  // failures are in (step, order, rank) order
+    }
   }
   return rep;
 }

@@ -49,6 +49,10 @@ struct VerifyReport {
   std::vector<TpResult> results;
   bool pass = true;
   std::optional<Comparison> first_failure;  // earliest step, then earliest in backward order
+  // --tp-invariant: every degree is also compared with tp 1 bit for bit; the earliest
+  // element whose bits differ (step, then production order).
+  bool tp_invariant = false;
+  std::optional<Comparison> first_bit_difference;
 };
 
 // verify runs the reference and its TP groups at once; every rank holds a model of its
