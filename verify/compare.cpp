@@ -87,7 +87,13 @@ class Scan {
     for (std::int64_t i = 0; i < len; ++i) {
       const double b = kHasRef ? ref[i] : 0.0;
       const double x = a[i];
-      const double d = distance(x, b);
+      double d;
+      if (std::isfinite(x) && std::isfinite(b)) [[likely]] {
+        d = std::fabs(x - b);
+      } else {
+        d = distance(x, b);
+        if (!std::isfinite(x)) c_.sharded_finite = false;
+      }
       diff2 += d * d;
       if (std::isfinite(b)) ref2 += b * b;
       bin_max = std::max(bin_max, static_cast<float>(d));
@@ -167,14 +173,10 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0) {
                          std::memcmp(obs.values.data(), rank0.values.data(), n * sizeof(double)) == 0;
   Comparison c;
   if (identical && static_cast<std::int64_t>(n) == shape_numel(whole.full_shape)) {
-    // What the scan below finds for identical bits, without its per-element work: no
-    // distance anywhere, so the worst is the first element; only rank 0's norm is summed.
+    // What the scan below finds for identical bits, without reading them again: no
+    // distance anywhere, so the worst is the first element, and no RMS (it only scales
+    // errors, and there are none).
     c = header({obs.name, whole, obs.values});
-    double ref2 = 0;
-    for (const double b : rank0.values)
-      if (std::isfinite(b)) ref2 += b * b;
-    const double rn = std::sqrt(ref2);
-    c.reference_rms = n > 0 ? rn / std::sqrt(static_cast<double>(n)) : 0.0;
     if (n > 0) {
       c.worst = 0;
       c.sharded_at_worst = obs.values[0];

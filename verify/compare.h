@@ -41,7 +41,10 @@ struct Comparison {
   // 0's), which scales it. 32 floats per comparison: cheaper to always fill than to redo.
   static constexpr int kProfileBins = 32;
   std::array<float, kProfileBins> profile{};  // [bins]; bins past the shard's size stay 0
-  double reference_rms = 0.0;
+  double reference_rms = 0.0;  // 0 for a replica that passes: no error to scale
+  // Whether every value of the shard was finite (reference and reassembled checks), so a
+  // caller that must find non-finite gradients need not read them all again.
+  bool sharded_finite = true;
 };
 
 // Compares obs.values with the block of `reference_full` that obs.spec names. Padded

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -202,8 +203,15 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       // A non-finite loss or gradient that the reference shares is a diverged run, not a
       // mismatch; one that it does not share failed a comparison above and is reported
       // as the mismatch it is.
+      // The comparisons saw every gradient value: only when one was not finite (or the
+      // loss is not) must check_finite read them again to name the first.
+      const auto first_grad =
+          mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before + fwd.size());
       if (std::all_of(mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before),
-                      mine.step.end(), [](const Comparison& c) { return c.pass; }))
+                      mine.step.end(), [](const Comparison& c) { return c.pass; }) &&
+          (!std::isfinite(loss) ||
+           !std::all_of(first_grad, mine.step.end(),
+                        [](const Comparison& c) { return c.sharded_finite; })))
         check_finite(loss, grads, rank, step);
       model->optimizer_step();
       auto params = model->observe_params();
