@@ -156,7 +156,7 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
 
 }  // namespace
 
-Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
+Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
                                 double tolerance) {
   return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
                       reference_full.size(), tolerance);

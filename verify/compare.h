@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -56,8 +57,12 @@ struct Comparison {
 // other pairing differs with distance infinity and fails: a finite value against a
 // non-finite one, NaN against an infinity, +inf against -inf. Only finite reference values
 // count in the norm of the reference.
-Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
+Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
                                 double tolerance);
+inline Comparison compare_to_reference(const Observation& obs,
+                                       const std::vector<double>& reference_full, double tolerance) {
+  return compare_to_reference(obs, std::span<const double>(reference_full), tolerance);
+}
 
 // A replicated tensor on `obs.spec.rank` against rank 0's copy: bit-identical or a fail.
 Comparison compare_replica(const Observation& obs, const Observation& rank0);
