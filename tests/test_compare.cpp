@@ -211,9 +211,9 @@ TEST_CASE("the run-wise scan gives the plain loop's numbers bit for bit", "[veri
         require_same_numbers(compare_to_reference(obs, full, 1e-10), plain_compare(obs, full));
         ++cases;
       }
-  // A whole tensor shorter than the bins.
-  const Observation small{"w", replicate(tensor({5}), 0, 1), {1.0, 2.5, -3.0, 4.0, 0.0}};
-  const std::vector<double> small_ref{1.0, 2.0, -3.5, 4.0, 1e-3};
+  // A whole tensor shorter than the bins, with a difference of finite values that overflows.
+  const Observation small{"w", replicate(tensor({6}), 0, 1), {1.0, 2.5, -3.0, 4.0, 0.0, 1e308}};
+  const std::vector<double> small_ref{1.0, 2.0, -3.5, 4.0, 1e-3, -1e308};
   require_same_numbers(compare_to_reference(small, small_ref, 1e-10), plain_compare(small, small_ref));
   CHECK(cases == 30);
 }

@@ -87,15 +87,19 @@ class Scan {
     for (std::int64_t i = 0; i < len; ++i) {
       const double b = kHasRef ? ref[i] : 0.0;
       const double x = a[i];
+      // x - b is finite only when both are (an overflowing difference of finite values
+      // takes the slow path and gets the same infinity there): one test, not three.
+      const double diff = x - b;
       double d;
-      if (std::isfinite(x) && std::isfinite(b)) [[likely]] {
-        d = std::fabs(x - b);
+      if (std::isfinite(diff)) [[likely]] {
+        d = std::fabs(diff);
+        ref2 += b * b;
       } else {
         d = distance(x, b);
+        if (std::isfinite(b)) ref2 += b * b;
         if (!std::isfinite(x)) c_.sharded_finite = false;
       }
       diff2 += d * d;
-      if (std::isfinite(b)) ref2 += b * b;
       bin_max = std::max(bin_max, static_cast<float>(d));
       if (d > best) {  // best starts below any distance: the first element is the worst so far
         best = d;
