@@ -55,12 +55,24 @@ class Adam {
         m = Matrix<S>::Zero(p.rows(), p.cols());
         v = Matrix<S>::Zero(p.rows(), p.cols());
       }
-      // g' as an expression, evaluated inside each of the two loops below (before p moves):
-      // a temporary the size of wte would cost a page-faulted allocation every step.
-      const auto g = git->second.array() + wd * p.array();  // [same as p]
-      m.array() = b1 * m.array() + one_minus_b1 * g;
-      v.array() = b2 * v.array() + one_minus_b2 * g.square();
-      p.array() -= step_size * m.array() / (v.array().sqrt() / bc2_sqrt + eps);
+      // One pass per element, in the order of the formulas above: the moments and the
+      // parameter are each read and written once (three passes over wte-sized arrays
+      // cost more in memory traffic than the arithmetic), and g' needs no temporary.
+      const S* gp = git->second.data();
+      S* pp = p.data();
+      S* mp = m.data();
+      S* vp = v.data();
+      const Eigen::Index n = p.size();
+      if (git->second.size() != n)
+        throw UsageError("reference adam: the gradient of " + name + " has " +
+                         std::to_string(git->second.size()) + " values, the parameter " +
+                         std::to_string(n));
+      for (Eigen::Index i = 0; i < n; ++i) {
+        const S g = gp[i] + wd * pp[i];
+        mp[i] = b1 * mp[i] + one_minus_b1 * g;
+        vp[i] = b2 * vp[i] + one_minus_b2 * (g * g);
+        pp[i] -= step_size * mp[i] / (std::sqrt(vp[i]) / bc2_sqrt + eps);
+      }
     }
   }
   std::int64_t steps() const { return t_; }

@@ -3,6 +3,7 @@
 // If one of these checks were loosened or pointed at the wrong data, a test here fails.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "verify/compare.h"
@@ -112,6 +113,11 @@ TEST_CASE("a NaN or an infinity against a finite reference fails", "[verify][com
     CHECK_FALSE(c.pass);
     CHECK(c.worst == 1);
   }
+  // A shard's own non-finite values are flagged, whether or not the reference shares them.
+  CHECK(compare_to_reference({"w", whole, {1.0, 2.0, 3.0}}, ref, 1e300).sharded_finite);
+  const double inf = std::numeric_limits<double>::infinity();
+  CHECK_FALSE(compare_to_reference({"w", whole, {1.0, inf, 3.0}}, {1.0, inf, 3.0}, 0).sharded_finite);
+  CHECK(compare_to_reference({"w", whole, {1.0, 2.0, 3.0}}, {1.0, inf, 3.0}, 1e300).sharded_finite);
   // ... and a NaN in the reference does not make a finite shard pass.
   const Comparison r = compare_to_reference(
       {"w", whole, {1.0, 2.0, 3.0}}, {1.0, std::numeric_limits<double>::quiet_NaN(), 3.0}, 1e300);
@@ -138,6 +144,94 @@ TEST_CASE("replicas must be bit-identical: one ulp on one rank fails and names i
   // in its bits, because the ranks are meant to run the same ops on the same bits.
   Observation neg{"w", replicate(tensor({1}), 1, 2), {-0.0}};
   CHECK_FALSE(compare_replica(neg, {"w", replicate(tensor({1}), 0, 2), {0.0}}).pass);
+}
+
+namespace {
+// The comparison as a plain loop over the shard's flat index (full_index per element): the
+// definition that compare_to_reference's run-wise scan must reproduce bit for bit.
+Comparison plain_compare(const Observation& obs, const std::vector<double>& full) {
+  Comparison c;
+  double diff2 = 0, ref2 = 0;
+  std::int64_t worst_local = -1;
+  const auto n = static_cast<std::int64_t>(obs.values.size());
+  for (std::int64_t k = 0; k < n; ++k) {
+    const std::int64_t f = full_index(obs.spec, k);
+    const double b = f < 0 ? 0.0 : full[static_cast<std::size_t>(f)];
+    const double a = obs.values[static_cast<std::size_t>(k)];
+    const bool finite = std::isfinite(a) && std::isfinite(b);
+    const double d = finite ? std::fabs(a - b)
+                            : ((std::isnan(a) && std::isnan(b)) || a == b ? 0.0 : INFINITY);
+    diff2 += d * d;
+    if (std::isfinite(b)) ref2 += b * b;
+    float& bin = c.profile[static_cast<std::size_t>(k * Comparison::kProfileBins / n)];
+    bin = std::max(bin, static_cast<float>(d));
+    if (worst_local < 0 || d > c.max_abs) {
+      c.max_abs = d;
+      worst_local = k;
+      c.sharded_at_worst = a;
+      c.reference_at_worst = b;
+    }
+  }
+  c.worst = worst_local < 0 ? -1 : full_index(obs.spec, worst_local);
+  c.rel_err = std::sqrt(ref2) > 0 ? std::sqrt(diff2) / std::sqrt(ref2) : std::sqrt(diff2);
+  c.reference_rms = n > 0 ? std::sqrt(ref2) / std::sqrt(static_cast<double>(n)) : 0.0;
+  return c;
+}
+
+void require_same_numbers(const Comparison& got, const Comparison& want) {
+  CHECK(std::memcmp(&got.rel_err, &want.rel_err, sizeof(double)) == 0);
+  CHECK(got.max_abs == want.max_abs);
+  CHECK(got.worst == want.worst);
+  CHECK(std::memcmp(&got.sharded_at_worst, &want.sharded_at_worst, sizeof(double)) == 0);
+  CHECK(std::memcmp(&got.reference_at_worst, &want.reference_at_worst, sizeof(double)) == 0);
+  CHECK(got.profile == want.profile);
+  CHECK(std::memcmp(&got.reference_rms, &want.reference_rms, sizeof(double)) == 0);
+}
+}  // namespace
+
+TEST_CASE("the run-wise scan gives the plain loop's numbers bit for bit", "[verify][compare]") {
+  // Noisy shards of [5,7,3] cut along every dim, padded and not, and sizes below and above
+  // the profile's 32 bins: every rounding, bin and worst index must be the plain loop's.
+  const Shape shape{5, 7, 3};
+  std::vector<double> full(static_cast<std::size_t>(shape_numel(shape)));
+  for (std::size_t i = 0; i < full.size(); ++i) full[i] = std::sin(0.7 * static_cast<double>(i)) * 3;
+  int cases = 0;
+  for (int dim = 0; dim < 3; ++dim)
+    for (int world : {1, 2, 3, 4})
+      for (int r = 0; r < world; ++r) {
+        const std::int64_t D = shape[static_cast<std::size_t>(dim)];
+        const std::int64_t padded = (D + world - 1) / world * world;
+        const ShardSpec s = split(tensor(shape), dim, r, world, padded);
+        Observation obs = shard_of(s, full);
+        auto& v = obs.values.copy();
+        for (std::size_t k = 0; k < v.size(); ++k)
+          v[k] += 1e-9 * std::cos(1.3 * static_cast<double>(k) + r);  // padding too
+        if (v.size() > 3) v[3] = std::numeric_limits<double>::quiet_NaN();
+        INFO("dim " << dim << " rank " << r << "/" << world);
+        require_same_numbers(compare_to_reference(obs, full, 1e-10), plain_compare(obs, full));
+        ++cases;
+      }
+  // A whole tensor shorter than the bins, with a difference of finite values that overflows.
+  const Observation small{"w", replicate(tensor({6}), 0, 1), {1.0, 2.5, -3.0, 4.0, 0.0, 1e308}};
+  const std::vector<double> small_ref{1.0, 2.0, -3.5, 4.0, 1e-3, -1e308};
+  require_same_numbers(compare_to_reference(small, small_ref, 1e-10), plain_compare(small, small_ref));
+  CHECK(cases == 30);
+}
+
+TEST_CASE("identical replicas report what the element-wise comparison would", "[verify][compare][replica]") {
+  // The bit-identical shortcut must fill the same numbers as comparing element by element
+  // (the first element as the worst), but for the RMS, which only scales errors.
+  const Shape shape{3, 4};
+  std::vector<double> vals = iota(shape);
+  vals[2] = std::numeric_limits<double>::quiet_NaN();
+  vals[5] = -std::numeric_limits<double>::infinity();
+  const Observation rank0{"w", replicate(tensor(shape), 0, 2), vals};
+  const Observation mine{"w", replicate(tensor(shape), 1, 2), vals};
+  const Comparison c = compare_replica(mine, rank0);
+  CHECK(c.pass);
+  Comparison want = plain_compare({"w", replicate(tensor(shape), 0, 1), vals}, vals);
+  want.reference_rms = 0;
+  require_same_numbers(c, want);
 }
 
 TEST_CASE("the tolerance model's values", "[verify][tolerance]") {

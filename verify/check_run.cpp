@@ -96,7 +96,7 @@ CheckResult run_check(const CheckOptions& c) {
   double ref_seconds = 0;
   auto ref_t0 = std::chrono::steady_clock::now();
   run_reference(
-      o, in, [&](int) -> RefStep& { return ref; },
+      o, in, RefStorage::InPlace, [&](int) -> RefStep& { return ref; },
       [&](int step) {
         ref_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - ref_t0).count();
         rep.reference_losses.push_back(ref.loss);

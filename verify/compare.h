@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -42,7 +43,10 @@ struct Comparison {
   // 0's), which scales it. 32 floats per comparison: cheaper to always fill than to redo.
   static constexpr int kProfileBins = 32;
   std::array<float, kProfileBins> profile{};  // [bins]; bins past the shard's size stay 0
-  double reference_rms = 0.0;
+  double reference_rms = 0.0;  // 0 for a replica that passes: no error to scale
+  // Whether every value of the shard was finite (reference and reassembled checks), so a
+  // caller that must find non-finite gradients need not read them all again.
+  bool sharded_finite = true;
 };
 
 // Compares obs.values with the block of `reference_full` that obs.spec names. Padded
@@ -54,8 +58,12 @@ struct Comparison {
 // other pairing differs with distance infinity and fails: a finite value against a
 // non-finite one, NaN against an infinity, +inf against -inf. Only finite reference values
 // count in the norm of the reference.
-Comparison compare_to_reference(const Observation& obs, const std::vector<double>& reference_full,
+Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
                                 double tolerance);
+inline Comparison compare_to_reference(const Observation& obs,
+                                       const std::vector<double>& reference_full, double tolerance) {
+  return compare_to_reference(obs, std::span<const double>(reference_full), tolerance);
+}
 
 // --tp-invariant: a shard against the same block of tp 1's full tensor, bit for bit
 // (tolerance 0). `worst` is the first element whose bits differ (in the shard's order), not

@@ -7,15 +7,33 @@ namespace tpsim {
 
 namespace {
 
-// Copies m into out, reusing out's storage when it is already the right size.
-template <class M>
-void put(std::vector<double>& out, const M& m) {
-  out.assign(m.data(), m.data() + m.size());
-}
+// Where one step's tensors go: views of the model's matrices, or copies into the slot's
+// own vectors (reusing their storage when already the right size).
+class StepWriter {
+ public:
+  StepWriter(RefStep& st, RefStorage storage) : st_(st), in_place_(storage == RefStorage::InPlace) {}
+  template <class M>
+  void put(const std::string& name, const M& m) {
+    if (in_place_) {
+      st_.tensors[name] = TensorView(m.data(), static_cast<std::size_t>(m.size()));
+      return;
+    }
+    std::vector<double>& out = st_.copies[name];
+    out.assign(m.data(), m.data() + m.size());
+  }
+  void put_params(const ref::ParamSet<double>& ps, const std::string& suffix) {
+    for (const auto& [name, m] : ps) put(name + suffix, m);
+  }
+  // The copies are complete (no vector moves any more): point the views at them.
+  void finish() {
+    if (in_place_) return;
+    for (const auto& [name, v] : st_.copies) st_.tensors[name] = TensorView(v);
+  }
 
-void put_params(TensorMap& out, const ref::ParamSet<double>& ps, const std::string& suffix) {
-  for (const auto& [name, m] : ps) put(out[name + suffix], m);
-}
+ private:
+  RefStep& st_;
+  bool in_place_;
+};
 
 ref::ParamSet<double> start_params(const std::vector<ParamSpec>& specs, const RunInputs& in,
                                    std::uint64_t seed) {
@@ -30,40 +48,47 @@ ref::ParamSet<double> start_params(const std::vector<ParamSpec>& specs, const Ru
 
 template <class Model, class Batch, class Update>
 void trace(Model& model, const Batch& batch, int steps, const char* output_name, Update&& update,
-           const std::function<RefStep&(int)>& slot, const std::function<void(int)>& published) {
+           RefStorage storage, const std::function<RefStep&(int)>& slot,
+           const std::function<void(int)>& published) {
   for (int s = 1; s <= steps; ++s) {
+    // In place, step s-1's readers must be done before the model overwrites what they view.
+    RefStep* st = storage == RefStorage::InPlace ? &slot(s) : nullptr;
     const double loss = model.forward_backward(batch);
-    RefStep& st = slot(s);
-    st.step = s;
-    st.loss = loss;
+    if (!st) st = &slot(s);
+    st->step = s;
+    st->loss = loss;
+    StepWriter w(*st, storage);
     if constexpr (requires { model.output(); })
-      put(st.tensors[output_name], model.output());
+      w.put(output_name, model.output());
     else
-      put(st.tensors[output_name], model.logits());
-    if constexpr (requires { model.input_grad(); }) put(st.tensors["x.grad"], model.input_grad());
-    if constexpr (requires { model.points(); }) put_params(st.tensors, model.points(), "");
-    put_params(st.tensors, model.grads(), ".grad");
+      w.put(output_name, model.logits());
+    if constexpr (requires { model.input_grad(); }) w.put("x.grad", model.input_grad());
+    if constexpr (requires { model.points(); }) w.put_params(model.points(), "");
+    w.put_params(model.grads(), ".grad");
     update(model);
-    put_params(st.tensors, model.params(), "");
+    w.put_params(model.params(), "");
+    w.finish();
     published(s);
   }
+  // In place, the last step's views die with the model: wait until its readers let go.
+  if (storage == RefStorage::InPlace) slot(steps + 1);
 }
 
 }  // namespace
 
-void run_reference(const RunOptions& o, const RunInputs& in,
+void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
                    const std::function<void(int step)>& published) {
   const auto specs = param_specs(o);
   auto params = start_params(specs, in, o.seed);
   if (o.model == ModelKind::Mlp) {
     ref::Mlp<double> m(o.mlp, std::move(params));
-    trace(m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, slot,
+    trace(m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, storage, slot,
           published);
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params));
     g.record_points(true);
-    trace(g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); }, slot,
+    trace(g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); }, storage, slot,
           published);
   }
 }

@@ -9,8 +9,8 @@ namespace tpsim {
 void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
   for (const auto& o : obs) {
     auto it = ref_.tensors.find(o.name);
-    const std::vector<double>* full = it == ref_.tensors.end() ? nullptr : &it->second;
-    std::vector<double> loss_value{ref_.loss};
+    const TensorView* full = it == ref_.tensors.end() ? nullptr : &it->second;
+    const TensorView loss_value(&ref_.loss, 1);
     if (o.name == "loss") full = &loss_value;
     if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
     Comparison c = compare_to_reference(o, *full, tolerance_of(o.name));
@@ -20,7 +20,7 @@ void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
 }
 
 void StepChecker::check_reassembled(const std::string& name, const Shape& shape,
-                                    std::vector<double> values, Phase phase) {
+                                    ObservedValues values, Phase phase) {
   auto it = ref_.tensors.find(name);
   if (it == ref_.tensors.end()) throw Error("verify: the reference has no tensor '" + name + "'");
   const int tp = world_;

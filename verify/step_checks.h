@@ -30,7 +30,7 @@ class StepChecker {
   void check(const std::vector<Observation>& obs, Phase phase);
   // A full tensor reassembled from every rank's shard (what --save-final writes) against
   // the whole reference tensor, after the step's own checks.
-  void check_reassembled(const std::string& name, const Shape& shape, std::vector<double> values,
+  void check_reassembled(const std::string& name, const Shape& shape, ObservedValues values,
                          Phase phase);
   void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
                       const std::vector<Phase>& phases);

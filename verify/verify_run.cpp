@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -25,20 +26,28 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // The reference's steps as they are produced, for the ranks of the TP groups that run at
-// the same time. The reference runs on its own thread, at most one step ahead of the
-// slowest rank, in a ring of recycled slots: two (the step being checked, the one being
-// computed), or three with --resync (whose ranks load step s-1's parameters at step s).
-// Either way the producer may fill step p once every rank has finished step p-2, and
-// memory does not grow with steps.
+// the same time. The reference runs on its own thread. Without --resync its steps are
+// views of the reference model itself (RefStorage::InPlace, one slot): it computes step
+// p once every rank has finished step p-1, alongside the ranks' own step p, so nothing is
+// copied. With --resync (whose ranks load step s-1's parameters at step s) it runs at most
+// one step ahead of the slowest rank in a ring of three slots of copies, filling step p
+// once every rank has finished step p-2. Either way memory does not grow with steps.
 class ReferenceFeed {
  public:
-  ReferenceFeed(int consumers, bool resync) : slots_(resync ? 3 : 2), consumers_(consumers) {}
+  ReferenceFeed(int consumers, bool resync)
+      : storage_(resync ? RefStorage::Copies : RefStorage::InPlace),
+        lag_(resync ? 2 : 1),
+        slots_(resync ? 3 : 1),
+        consumers_(consumers) {}
+
+  RefStorage storage() const { return storage_; }
 
   // Producer: the slot for `step`, once the step that used it before has been let go.
   RefStep& slot(int step) {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return step <= 2 || consumers_ <= 0 || all_done_ >= step - 2; });
+    cv_.wait(lock,
+             [&] { return step <= lag_ || consumers_ <= 0 || all_done_ >= step - lag_; });
     waited_s_ += seconds_since(t0);
     return at(step);
   }
@@ -56,7 +65,7 @@ class ReferenceFeed {
 
   // Consumer: blocks until `step` is published; throws if the reference failed first. The
   // step stays valid until this rank calls done(step) (done(step + 1) with --resync) or
-  // retire().
+  // retire(): in place, the reference model itself waits for that.
   const RefStep& wait(int step) {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return published_ >= step || error_; });
@@ -111,6 +120,8 @@ class ReferenceFeed {
     cv_.notify_all();
   }
   RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
+  const RefStorage storage_;
+  const int lag_;                      // step p waits for every rank to finish step p-lag_
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<RefStep> slots_;         // step s lives in slots_[(s-1) % size]
@@ -205,7 +216,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
     RankFindings& mine = found[static_cast<std::size_t>(rank)];
     const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 run
     for (int step = 1; step <= o.steps; ++step) {
-      if (o.resync && step > 1) model->load_params(ref.wait(step - 1).tensors);
+      if (o.resync && step > 1) model->load_params(ref.wait(step - 1).copies);
       comm.clear_records();
       const double loss = model->forward_backward();
       if (step == 1) mine.comm_step1 = totals(comm.records());
@@ -236,8 +247,15 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       // A non-finite loss or gradient that the reference shares is a diverged run, not a
       // mismatch; one that it does not share failed a comparison above and is reported
       // as the mismatch it is.
+      // The comparisons saw every gradient value: only when one was not finite (or the
+      // loss is not) must check_finite read them again to name the first.
+      const auto first_grad =
+          mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before + fwd.size());
       if (std::all_of(mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before),
-                      mine.step.end(), [](const Comparison& c) { return c.pass; }))
+                      mine.step.end(), [](const Comparison& c) { return c.pass; }) &&
+          (!std::isfinite(loss) ||
+           !std::all_of(first_grad, mine.step.end(),
+                        [](const Comparison& c) { return c.sharded_finite; })))
         check_finite(loss, grads, rank, step);
       model->optimizer_step();
       auto params = model->observe_params();
@@ -259,10 +277,18 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
 
       // After the last step, the reassembly that --save-final uses: a shard placed at the
       // wrong offset passes every per-shard check and corrupts only the saved tensors.
+      // A replicated tensor reassembles to this rank's own copy: where the backend holds
+      // it in f64 on the host, it is read in place rather than copied (wte: 100 MB).
       if (step == o.steps) {
+        auto full_of = [&](const Parameter& p, const Tensor& t) -> ObservedValues {
+          if (p.spec.replicated())
+            if (const double* h = be.host_view_f64(t))
+              return ObservedValues::view(h, static_cast<std::size_t>(t.numel()));
+          return gather_full(be, comm, p.spec, t, o.fault);
+        };
         for (const Parameter& p : model->params()) {
-          auto grad = gather_full(be, comm, p.spec, p.grad, o.fault);
-          auto value = gather_full(be, comm, p.spec, p.value, o.fault);
+          auto grad = full_of(p, p.grad);
+          auto value = full_of(p, p.value);
           if (rank != 0) continue;
           check.check_reassembled(p.spec.name + ".grad", p.spec.full_shape, std::move(grad),
                                   Phase::Backward);
@@ -350,7 +376,7 @@ VerifyReport run_verify(const RunOptions& o) {
     std::thread reference([&] {
       auto t0 = std::chrono::steady_clock::now();
       try {
-        run_reference(o, in, [&](int step) -> RefStep& { return ref.slot(step); },
+        run_reference(o, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
                       [&](int step) { ref.publish(step); });
       } catch (...) {
         ref.fail(std::current_exception());
