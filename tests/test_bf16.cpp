@@ -240,6 +240,10 @@ TEST_CASE("the bf16 error model: depth, collectives, steps, resync", "[bf16][tol
   const ToleranceModel mr(r);
   CHECK(mr.bound("act/logits", 3, 8) == mr.bound("act/logits", 1, 8));
   CHECK(mr.bound("h.0.mlp.ffn2.weight", 3, 8) == mr.bound("h.0.mlp.ffn2.weight", 1, 8));
+  // the first step with a bound that cannot fail: none with --resync at lr 0.01
+  CHECK(m.first_step_with_bound_at_least(0.0) == 1);
+  CHECK(m.first_step_with_bound_at_least(1e9) == 0);
+  CHECK(mr.first_step_with_bound_at_least(1.0) == 0);
   // f32 and f64 keep their one tolerance for every tensor
   RunOptions f = o;
   f.dtype = DType::F32;
@@ -252,6 +256,24 @@ namespace {
 const std::string kGpt =
     "verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 --tp 1,2,4,8 --steps 2 ";
 }  // namespace
+
+TEST_CASE("verify --dtype bf16 warns from the step whose bounds cannot fail", "[bf16][cli]") {
+  const std::string base = "verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 "
+                           "--tp 1,2 --steps 5 --json ";
+  const std::string json = temp_path("bf16-vacuous.json");
+  const auto r = run_tpsim(base + json);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  const int from = read_json(json)["vacuous_from_step"];
+  CHECK(from >= 2);  // step 1's bounds are all far below 1 (largest ~0.1)
+  CHECK(r.out.find("warning: from step " + std::to_string(from) + " on some bounds are 1 or more") !=
+        std::string::npos);
+  const auto rs = run_tpsim(base + json + " --resync");
+  INFO(rs.out);
+  REQUIRE(rs.exit_code == 0);
+  CHECK(read_json(json)["vacuous_from_step"] == 0);
+  CHECK(rs.out.find("warning: from step") == std::string::npos);
+}
 
 TEST_CASE("verify --dtype bf16: tp 1,2,4,8 in every mode, every tensor within its bound",
           "[bf16][cli]") {

@@ -161,6 +161,10 @@ void print_collectives(std::ostream& os, const TpResult& t) {
 
 void print_tolerance_and_reference(std::ostream& os, const VerifyReport& r) {
   os << tolerance_rule(r.tolerance, r.per_tensor_bounds) << "\n";
+  if (r.vacuous_from_step > 0)
+    os << "warning: from step " << r.vacuous_from_step
+       << " on some bounds are 1 or more (a relative error of 100%): those checks cannot "
+          "fail; --resync checks every step with step 1's bounds\n";
   if (r.tp_invariant)
     os << "tp-invariant: every tp is also compared with tp 1 at tolerance 0, bit for bit "
           "(rows marked =tp1)\n";
@@ -254,6 +258,7 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
   j["resync"] = o.resync;
   j["fault"] = fault_name(o.fault);
   j["tolerance"] = r.tolerance;
+  j["vacuous_from_step"] = r.vacuous_from_step;
   j["pass"] = r.pass;
   j["reference"] = {{"losses", r.reference_losses}, {"seconds", r.reference_seconds}};
   j["tp"] = nlohmann::json::array();

@@ -257,6 +257,18 @@ int ToleranceModel::sums_before(const std::string& tensor) const {
   return it == bf16_sums_.end() ? max_sums_ : it->second;
 }
 
+int ToleranceModel::first_step_with_bound_at_least(double x) const {
+  if (!per_tensor_) return uniform_ >= x ? 1 : 0;
+  for (int s = 1; s <= steps_; ++s)
+    for (int t : tp_) {
+      for (const auto& [n, d] : depth_)
+        if (bound(n, s, t) >= x) return s;
+      for (const auto& p : params_)
+        if (bound(p.name, s, t) >= x) return s;
+    }
+  return 0;
+}
+
 const std::vector<std::size_t>& ToleranceModel::reads(const std::string& tensor) const {
   const auto it = reads_.find(tensor);
   return it == reads_.end() ? all_reads_ : it->second;  // unknown: all of them

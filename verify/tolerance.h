@@ -35,6 +35,9 @@ class ToleranceModel {
   double bound(const std::string& tensor, int step, int tp) const;
   // The largest bound of the run (every tensor, step and TP degree).
   double largest() const { return largest_; }
+  // The first step at which some tensor's bound at some TP degree is at least `x`; 0 when
+  // none is. A norm-wise relative bound of 1 or more is a check that cannot fail.
+  int first_step_with_bound_at_least(double x) const;
 
   // The model's inputs, for tests and the report.
   double storage_roundoff() const { return u_store_; }        // u_s: 2^-8 bf16, 2^-24 f32

@@ -335,7 +335,11 @@ VerifyReport run_verify(const RunOptions& o) {
   check_memory(o, "verify");
   VerifyReport rep;
   rep.tolerance = norm_tolerance(o);
-  rep.per_tensor_bounds = ToleranceModel(o).per_tensor();
+  {
+    const ToleranceModel bounds(o);
+    rep.per_tensor_bounds = bounds.per_tensor();
+    rep.vacuous_from_step = bounds.first_step_with_bound_at_least(1.0);
+  }
   const RunInputs in = prepare_inputs(o);
   rep.results.resize(o.tp.size());
   rep.tp_invariant = o.tp_invariant;

@@ -44,6 +44,7 @@ struct TpResult {
 struct VerifyReport {
   double tolerance = 0.0;  // the one tolerance, or with per-tensor bounds the largest
   bool per_tensor_bounds = false;  // bf16: each comparison's tolerance is its own bound
+  int vacuous_from_step = 0;  // the first step with a bound >= 1, which cannot fail; 0: none
   std::vector<double> reference_losses;
   double reference_seconds = 0.0;
   std::vector<TpResult> results;
