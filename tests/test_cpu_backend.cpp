@@ -36,6 +36,7 @@
 #include "backend/backend.h"
 #include "core/errors.h"
 #include "model/config.h"
+#include "profile/timing_backend.h"
 
 namespace {
 
@@ -356,6 +357,37 @@ TEST_CASE("cpu backend: fill, copy, host transfers", "[backend]") {
   CHECK(ids.data<i64>()[1] == -100);
   env.be->fill(ids, 5);
   CHECK(ids.data<i64>()[2] == 5);
+}
+
+TEST_CASE("cpu backend: all_finite finds any NaN or inf and the default agrees", "[backend]") {
+  Env env;
+  TimingBackend timed(make_cpu_backend());  // forwards sum(), so runs Backend's default
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::F64, DType::F32, DType::BF16}) {
+    INFO(dtype_name(dt));
+    for (i64 n : {1, 4095, 4096, 4097, 9000}) {
+      INFO("n " << n);
+      Vec x = env.randn(static_cast<std::size_t>(n));
+      Tensor t = env.make({n}, dt, x, "t");
+      CHECK(env.be->all_finite(t));
+      CHECK(timed.all_finite(t));
+      for (double bad : {kNaN, inf, -inf})
+        for (i64 at : {i64{0}, n / 2, n - 1}) {
+          INFO("bad " << bad << " at " << at);
+          Vec y = x;
+          y[static_cast<std::size_t>(at)] = bad;
+          Tensor u = env.make({n}, dt, y, "u");
+          CHECK_FALSE(env.be->all_finite(u));
+          CHECK_FALSE(timed.all_finite(u));
+        }
+    }
+  }
+  // the largest finite values count as finite, even where their sum overflows
+  Tensor big = env.make({2}, DType::F64, {1.7e308, 1.7e308}, "big");
+  CHECK(env.be->all_finite(big));
+  CHECK(timed.all_finite(big));
+  Tensor big32 = env.make({1}, DType::F32, {3.4e38}, "big32");
+  CHECK(env.be->all_finite(big32));
 }
 
 TEST_CASE("cpu backend: to_host_into overwrites in place, reusing the storage", "[backend]") {

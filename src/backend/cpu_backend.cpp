@@ -778,6 +778,38 @@ double CpuBackend::sum(const Tensor& t) {
   return acc;
 }
 
+namespace {
+// Whether no element of p[n] has an all-ones exponent (NaN or ±inf), testing the bits, in
+// blocks so that a bad value stops the scan early without a branch per element.
+template <class U>
+bool exponents_finite(const void* data, i64 n, U exponent_mask) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  constexpr i64 kBlock = 4096;
+  for (i64 i0 = 0; i0 < n; i0 += kBlock) {
+    const i64 c = std::min(kBlock, n - i0);
+    U bad = 0;
+    for (i64 i = 0; i < c; ++i) {
+      U bits;
+      std::memcpy(&bits, bytes + static_cast<std::size_t>(i0 + i) * sizeof(U), sizeof(U));
+      bad |= static_cast<U>((bits & exponent_mask) == exponent_mask);
+    }
+    if (bad) return false;
+  }
+  return true;
+}
+}  // namespace
+
+bool CpuBackend::all_finite(const Tensor& t) {
+  OpCheck("all_finite", device()).float_arg("t", t);
+  switch (t.dtype()) {
+    case DType::F32: return exponents_finite<std::uint32_t>(t.raw(), t.numel(), 0x7f800000u);
+    case DType::F64:
+      return exponents_finite<std::uint64_t>(t.raw(), t.numel(), 0x7ff0000000000000ull);
+    case DType::BF16: return exponents_finite<std::uint16_t>(t.raw(), t.numel(), 0x7f80u);
+    default: return Backend::all_finite(t);  // (float_arg has refused the rest)
+  }
+}
+
 // ---- MSE ----------------------------------------------------------------------------------
 
 double CpuBackend::mse_forward(const Tensor& y, const Tensor& target) {
