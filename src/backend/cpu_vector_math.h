@@ -20,6 +20,10 @@ void scaled_probs_f32(float* out, const float* x, std::int64_t n, float m, float
 // normal range; NaN stays NaN), for tests.
 float exp_nonpos_f32(float x);
 
+// Whether no element is NaN or ±inf (no all-ones exponent), by the bits.
+bool all_finite_f32(const float* x, std::int64_t n);
+bool all_finite_f64(const double* x, std::int64_t n);
+
 // torch.optim.Adam on n elements (backend.h's formula, in the dtype): with g = grad + wd·param
 // when decay, m = b1·m + (1-b1)·g, v = b2·v + (1-b2)·g², param -= step_size·m /
 // (sqrt(v)/bc2_sqrt + eps), each operation in this order, rounded once.
