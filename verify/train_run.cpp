@@ -1,5 +1,6 @@
 #include "verify/train_run.h"
 
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <optional>
@@ -25,6 +26,16 @@ std::string loss_str(double l, DType dt) {
   return buf;
 }
 }  // namespace
+
+void check_finite_grads(double loss, ShardedModel& model, Backend& be, int rank, int step) {
+  check_finite(loss, {}, rank, step);
+  bool all_finite = true;
+  for (const Parameter& p : model.params()) all_finite = all_finite && be.all_finite(p.grad);
+  if (all_finite) return;
+  auto grads = model.observe_param_grads();  // the slow path names the first bad element
+  check_finite(loss, grads, rank, step);
+  model.recycle(std::move(grads));
+}
 
 TrainResult run_train(const RunOptions& o, std::ostream& os) {
   if (o.tp.size() != 1) throw UsageError("train: --tp takes one degree (verify takes a list)");
@@ -66,11 +77,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
         rank_dump.add(step, model->observe_activation_grads());
         rank_dump.add(step, model->observe_param_grads());
       }
-      {  // host copies of the gradients only to test them: reuse their storage every step
-        auto grads = model->observe_param_grads();
-        check_finite(loss, grads, rank, step);
-        model->recycle(std::move(grads));
-      }
+      check_finite_grads(loss, *model, be, rank, step);
       if (o.model == ModelKind::Mlp) {
         // fc1's gradient, reassembled from the shards (every rank joins the gather).
         auto grads = model->gather_grads(comm);

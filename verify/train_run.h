@@ -5,6 +5,8 @@
 #include <iosfwd>
 #include <vector>
 
+#include "backend/backend.h"
+#include "sharded/sharded_model.h"
 #include "verify/run_options.h"
 
 namespace tpsim {
@@ -14,5 +16,10 @@ struct TrainResult {
 };
 
 TrainResult run_train(const RunOptions& o, std::ostream& os);
+
+// check_finite (verify/divergence.h) on the model's loss and parameter gradients, read in
+// place on their device (Backend::all_finite). Only when one is not finite are the
+// gradients copied to the host, where check_finite names the first bad element.
+void check_finite_grads(double loss, ShardedModel& model, Backend& be, int rank, int step);
 
 }  // namespace tpsim

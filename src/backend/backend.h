@@ -17,6 +17,7 @@
 // output; every other output is overwritten.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -124,6 +125,16 @@ class Backend {
                            std::int64_t valid, double scale) = 0;
   // Σ of a float tensor, accumulated in f64 (for the loss and MSE).
   virtual double sum(const Tensor& t) = 0;
+  // Whether every element of a float tensor is finite (no NaN, no ±inf). This default
+  // reads one sum(), finite exactly when every element is, except that finite f64 values
+  // can overflow it: then it looks at the host copy.
+  virtual bool all_finite(const Tensor& t) {
+    if (std::isfinite(sum(t))) return true;
+    if (t.dtype() != DType::F64) return false;
+    for (double x : to_host(t))
+      if (!std::isfinite(x)) return false;
+    return true;
+  }
 
   // ---- mean squared error (the MLP's loss) -----------------------------------------
   // returns mean((y - target)^2); dy = 2 (y - target) / numel.

@@ -15,9 +15,11 @@
 #include <limits>
 #include <numbers>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "backend/bf16_widen.h"
+#include "backend/cpu_vector_math.h"
 #include "backend/op_checks.h"
 #include "model/config.h"  // kIgnoreIndex
 
@@ -284,10 +286,17 @@ void ce_row_max_kernel(T* rowmax, const T* logits, i64 N, i64 Vl, i64 valid) {
                            : ConstVec<T>(logits + i * Vl, valid).maxCoeff();
 }
 // sumexp[N] = Σ over the valid columns of exp(logits[N,Vl] - rowmax[N]).
+// f32 rows take cpu_vector_math's exp and sum, f64 rows Eigen's.
 template <class T>
 void ce_sum_exp_kernel(T* sumexp, const T* logits, const T* rowmax, i64 N, i64 Vl, i64 valid) {
-  for (i64 i = 0; i < N; ++i)
-    sumexp[i] = valid == 0 ? T(0) : (ConstVec<T>(logits + i * Vl, valid) - rowmax[i]).exp().sum();
+  for (i64 i = 0; i < N; ++i) {
+    if (valid == 0)
+      sumexp[i] = T(0);
+    else if constexpr (std::is_same_v<T, float>)
+      sumexp[i] = vec::sum_exp_f32(logits + i * Vl, valid, rowmax[i]);
+    else
+      sumexp[i] = (ConstVec<T>(logits + i * Vl, valid) - rowmax[i]).exp().sum();
+  }
 }
 // loss[N] = log(sumexp) + rowmax - target_logit; 0 on ignored rows.
 template <class T>
@@ -310,7 +319,10 @@ void ce_backward_kernel(T* dlogits, const T* logits, const T* rowmax, const T* s
     }
     const T m = rowmax[i], se = sumexp[i];
     ConstVec<T> x(logits + i * Vl, valid);
-    Vec<T>(drow, valid) = scale * ((x - m).exp() / se);
+    if constexpr (std::is_same_v<T, float>)
+      vec::scaled_probs_f32(drow, logits + i * Vl, valid, m, se, scale);
+    else
+      Vec<T>(drow, valid) = scale * ((x - m).exp() / se);
     if (local[i] >= 0) drow[local[i]] = scale * (std::exp(x[local[i]] - m) / se - T(1));
     std::fill(drow + valid, drow + Vl, T(0));
   }
@@ -325,28 +337,14 @@ void adam_kernel(T* param, const T* grad, T* m, T* v, i64 n, double lr, double b
                  double eps, double weight_decay, i64 step) {
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  const T step_size = T(lr / bc1), bc2_sqrt = T(std::sqrt(bc2));
-  const T b1 = T(beta1), b2 = T(beta2), one_b1 = T(1.0 - beta1), one_b2 = T(1.0 - beta2);
-  const T wd = T(weight_decay), e = T(eps);
-  // Vectorised by Eigen (its sqrt is the exact IEEE one), in cache-sized chunks so that
-  // the three statements make one pass over memory. Each element's operations and their
-  // order are those of the scalar formula.
-  constexpr i64 kChunk = 2048;
-  for (i64 i0 = 0; i0 < n; i0 += kChunk) {
-    const i64 c = std::min(kChunk, n - i0);
-    Vec<T> p(param + i0, c), mm(m + i0, c), vv(v + i0, c);
-    ConstVec<T> gr(grad + i0, c);
-    // torch adds the decay term only when weight_decay != 0 (so 0·inf never makes a NaN)
-    if (weight_decay != 0.0) {
-      const auto g = gr + wd * p;
-      mm = b1 * mm + one_b1 * g;
-      vv = b2 * vv + one_b2 * g * g;
-    } else {
-      mm = b1 * mm + one_b1 * gr;
-      vv = b2 * vv + one_b2 * gr * gr;
-    }
-    p -= step_size * mm / (vv.sqrt() / bc2_sqrt + e);
-  }
+  // plain loops in cpu_vector_math.cpp, vectorised for the CPU it runs on; each element's
+  // operations and their order are those of the scalar formula
+  const vec::AdamCoeffs c{lr / bc1, std::sqrt(bc2), beta1, beta2, 1.0 - beta1, 1.0 - beta2,
+                          weight_decay, eps, weight_decay != 0.0};
+  if constexpr (std::is_same_v<T, float>)
+    vec::adam_f32(param, grad, m, v, n, c);
+  else
+    vec::adam_f64(param, grad, m, v, n, c);
 }
 
 }  // namespace
@@ -776,6 +774,38 @@ double CpuBackend::sum(const Tensor& t) {
     acc = ConstVec<T>(t.data<T>(), t.numel()).template cast<double>().sum();
   });
   return acc;
+}
+
+namespace {
+// Whether no element of p[n] has an all-ones exponent (NaN or ±inf), testing the bits, in
+// blocks so that a bad value stops the scan early without a branch per element (bf16
+// here; f32 and f64 in cpu_vector_math.cpp).
+template <class U>
+bool exponents_finite(const void* data, i64 n, U exponent_mask) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  constexpr i64 kBlock = 4096;
+  for (i64 i0 = 0; i0 < n; i0 += kBlock) {
+    const i64 c = std::min(kBlock, n - i0);
+    U bad = 0;
+    for (i64 i = 0; i < c; ++i) {
+      U bits;
+      std::memcpy(&bits, bytes + static_cast<std::size_t>(i0 + i) * sizeof(U), sizeof(U));
+      bad |= static_cast<U>((bits & exponent_mask) == exponent_mask);
+    }
+    if (bad) return false;
+  }
+  return true;
+}
+}  // namespace
+
+bool CpuBackend::all_finite(const Tensor& t) {
+  OpCheck("all_finite", device()).float_arg("t", t);
+  switch (t.dtype()) {
+    case DType::F32: return vec::all_finite_f32(t.data<float>(), t.numel());
+    case DType::F64: return vec::all_finite_f64(t.data<double>(), t.numel());
+    case DType::BF16: return exponents_finite<std::uint16_t>(t.raw(), t.numel(), 0x7f80u);
+    default: return Backend::all_finite(t);  // (float_arg has refused the rest)
+  }
 }
 
 // ---- MSE ----------------------------------------------------------------------------------
