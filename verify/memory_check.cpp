@@ -3,11 +3,15 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <sys/resource.h>
 #include <vector>
 
 #include "core/errors.h"
+#include "sharded/gpt.h"
+#include "sharded/tp_invariant.h"
+#include "verify/tensor_order.h"
 #include "verify/verify_run.h"
 
 namespace tpsim {
@@ -20,13 +24,24 @@ std::string gib(double bytes) {
   return buf;
 }
 
-// One rank's bytes at TP degree t, in the dtype of the run (the reference: float64, t 1).
+GptParallelism parallelism(const RunOptions& o) {
+  GptParallelism par;
+  par.loss_parallel = o.loss_parallel;
+  par.sequence_parallel = o.sequence_parallel;
+  par.make_vocab_divisible_by = o.make_vocab_divisible_by;
+  par.tp_invariant = o.tp_invariant;
+  return par;
+}
+
+// One rank's bytes at TP degree t, in the dtype of the run (the reference: float64, t 1,
+// none of the sharded model's modes).
 double rank_bytes(const RunOptions& o, int t, DType dtype, bool parallel_flags) {
   if (o.model == ModelKind::Gpt) {
     GptMemoryQuery q = memory_query(o, t, true);
     q.dtype = dtype;
     if (!parallel_flags) q.loss_parallel = q.sequence_parallel = false;
-    return static_cast<double>(predict_gpt_memory(q).total());
+    const double mode = parallel_flags && o.tp_invariant ? tp_invariant_rank_bytes(o, t) : 0.0;
+    return static_cast<double>(predict_gpt_memory(q).total()) + mode;
   }
   // The MLP (sharded/mlp.cpp): the fc1/fc2 shards, P weights; the inputs x and target
   // (replicated); the activations fc1 out, relu out and y; the gradients of y, relu out,
@@ -62,6 +77,47 @@ double peak_groups(const std::vector<int>& tp, const std::vector<double>& group_
 
 }  // namespace
 
+double tp1_record_step_bytes(const RunOptions& o) {
+  if (o.model != ModelKind::Gpt || !o.tp_invariant) return 0.0;
+  const GptParallelism par = parallelism(o);
+  const std::int64_t tokens = o.batch_size * o.seq_len;
+  std::map<std::string, Shape> params;
+  for (const auto& p : gpt_param_specs(o.gpt)) params.emplace(p.name, p.shape);
+  double elements = 0;
+  for (const std::string& name : gpt_tensor_order(o.gpt)) {
+    Shape full{1};  // "loss"
+    if (auto point = gpt_point_shard(name, o.gpt, par, tokens, 0, 1)) {
+      full = point->full_shape;
+    } else if (name != "loss") {
+      const bool grad = name.ends_with(".grad");
+      const auto it = params.find(grad ? name.substr(0, name.size() - 5) : name);
+      if (it == params.end())
+        throw RuntimeFailure("memory: tensor " + name + " of the GPT's step order is neither "
+                             "an activation point nor a parameter");
+      full = it->second;
+    }
+    elements += static_cast<double>(shape_numel(full));
+  }
+  return elements * static_cast<double>(sizeof(double));
+}
+
+double tp_invariant_rank_bytes(const RunOptions& o, int tp) {
+  if (o.model != ModelKind::Gpt || !o.tp_invariant) return 0.0;
+  const double C = kCanonicalChunks, Cl = C / tp;
+  const double N = static_cast<double>(o.batch_size * o.seq_len);
+  const double H = static_cast<double>(o.gpt.hidden);
+  const DType cd = compute_dtype(o.dtype);
+  double elements = Cl * N * H + (tp > 1 ? C * N * H : 0.0) + (cd != o.dtype ? N * H : 0.0);
+  if (o.sequence_parallel) {
+    double wpe = 0;
+    for (const auto& p : gpt_param_specs(o.gpt))
+      if (p.name == "wpe.weight") wpe = static_cast<double>(shape_numel(p.shape));
+    elements += (Cl + C) * std::max(H, wpe);
+    if (!o.loss_parallel) elements += (Cl + C) * static_cast<double>(o.gpt.vocab_size) * H;
+  }
+  return elements * static_cast<double>(dtype_size(cd));
+}
+
 GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
   GptMemoryQuery q;
   q.cfg = o.gpt;
@@ -90,6 +146,12 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
     total = ref + ranks;
     d << "reference " << gib(ref) << " + ranks running at once " << gib(ranks);
     if (!host_ranks) d.str("the reference");
+    if (o.tp_invariant) {
+      // TP 1 runs first and alone; its record of every step stays for the other degrees.
+      const double record = o.steps * tp1_record_step_bytes(o);
+      total += record;
+      d << " + tp 1's record of " << o.steps << " steps " << gib(record);
+    }
   } else {
     total = *std::max_element(groups.begin(), groups.end());
     d << "the largest TP group";

@@ -189,6 +189,13 @@ class Tp1Trace {
       throw RuntimeFailure("verify --tp-invariant: tp 1 did not reach step " + std::to_string(step));
     return steps_[static_cast<std::size_t>(step - 1)];
   }
+  // What the record holds now, in bytes of tensor data.
+  double bytes() const {
+    double b = 0;
+    for (const TensorMap& m : steps_)
+      for (const auto& [name, v] : m) b += static_cast<double>(v.capacity() * sizeof(double));
+    return b;
+  }
 
  private:
   std::vector<TensorMap> steps_;  // [steps]
@@ -406,6 +413,7 @@ VerifyReport run_verify(const RunOptions& o) {
     if (auto e = ref.error()) std::rethrow_exception(e);
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
+    if (o.tp_invariant) rep.tp1_record_bytes = std::max(rep.tp1_record_bytes, tp1.bytes());
     if (w == 0) {
       rep.reference_losses = ref.losses();
       rep.reference_seconds = ref_seconds;
