@@ -56,8 +56,10 @@ double rank_bytes(const RunOptions& o, int t, DType dtype, bool parallel_flags) 
   return per_weight * weights + size * b * (2 * in + 3 * out + 4 * h);
 }
 
-// The largest sum over sets of groups that may be in flight together.
-double peak_groups(const std::vector<int>& tp, const std::vector<double>& group_bytes) {
+// The largest sum over sets of groups that may be in flight together, at most
+// `max_in_flight` ranks (a larger group alone).
+double peak_groups(const std::vector<int>& tp, const std::vector<double>& group_bytes,
+                   int max_in_flight) {
   double peak = 0;
   const std::size_t n = tp.size();
   for (std::size_t mask = 1; mask < (std::size_t{1} << n); ++mask) {
@@ -70,7 +72,7 @@ double peak_groups(const std::vector<int>& tp, const std::vector<double>& group_
         bytes += group_bytes[i];
         ++members;
       }
-    if (members == 1 || ranks <= kMaxRanksInFlight) peak = std::max(peak, bytes);
+    if (members == 1 || ranks <= max_in_flight) peak = std::max(peak, bytes);
   }
   return peak;
 }
@@ -142,15 +144,34 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
   double total = 0;
   if (command == "verify") {
     const double ref = rank_bytes(o, 1, DType::F64, false);
-    const double ranks = peak_groups(o.tp, groups);
+    double ranks = 0;
+    if (o.tp_invariant) {
+      // TP 1 runs in every wave beside at most kMaxRanksInFlight - 1 other ranks, and
+      // keeps one step of full tensors for them (verify_run.cpp's Tp1Feed).
+      std::vector<int> rest;
+      std::vector<double> rest_bytes;
+      double one = 0;
+      bool seen_one = false;
+      for (std::size_t i = 0; i < o.tp.size(); ++i) {
+        if (o.tp[i] == 1 && !seen_one) {
+          one = groups[i];
+          seen_one = true;
+          continue;
+        }
+        rest.push_back(o.tp[i]);
+        rest_bytes.push_back(groups[i]);
+      }
+      ranks = one + (rest.empty() ? 0.0 : peak_groups(rest, rest_bytes, kMaxRanksInFlight - 1));
+    } else {
+      ranks = peak_groups(o.tp, groups, kMaxRanksInFlight);
+    }
     total = ref + ranks;
     d << "reference " << gib(ref) << " + ranks running at once " << gib(ranks);
     if (!host_ranks) d.str("the reference");
     if (o.tp_invariant) {
-      // TP 1 runs first and alone; its record of every step stays for the other degrees.
-      const double record = o.steps * tp1_record_step_bytes(o);
+      const double record = tp1_record_step_bytes(o);
       total += record;
-      d << " + tp 1's record of " << o.steps << " steps " << gib(record);
+      d << " + tp 1's record of one step " << gib(record);
     }
   } else {
     total = *std::max_element(groups.begin(), groups.end());
