@@ -3,11 +3,15 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <sys/resource.h>
 #include <vector>
 
 #include "core/errors.h"
+#include "sharded/gpt.h"
+#include "sharded/tp_invariant.h"
+#include "verify/tensor_order.h"
 #include "verify/verify_run.h"
 
 namespace tpsim {
@@ -20,13 +24,24 @@ std::string gib(double bytes) {
   return buf;
 }
 
-// One rank's bytes at TP degree t, in the dtype of the run (the reference: float64, t 1).
+GptParallelism parallelism(const RunOptions& o) {
+  GptParallelism par;
+  par.loss_parallel = o.loss_parallel;
+  par.sequence_parallel = o.sequence_parallel;
+  par.make_vocab_divisible_by = o.make_vocab_divisible_by;
+  par.tp_invariant = o.tp_invariant;
+  return par;
+}
+
+// One rank's bytes at TP degree t, in the dtype of the run (the reference: float64, t 1,
+// none of the sharded model's modes).
 double rank_bytes(const RunOptions& o, int t, DType dtype, bool parallel_flags) {
   if (o.model == ModelKind::Gpt) {
     GptMemoryQuery q = memory_query(o, t, true);
     q.dtype = dtype;
     if (!parallel_flags) q.loss_parallel = q.sequence_parallel = false;
-    return static_cast<double>(predict_gpt_memory(q).total());
+    const double mode = parallel_flags && o.tp_invariant ? tp_invariant_rank_bytes(o, t) : 0.0;
+    return static_cast<double>(predict_gpt_memory(q).total()) + mode;
   }
   // The MLP (sharded/mlp.cpp): the fc1/fc2 shards, P weights; the inputs x and target
   // (replicated); the activations fc1 out, relu out and y; the gradients of y, relu out,
@@ -41,8 +56,10 @@ double rank_bytes(const RunOptions& o, int t, DType dtype, bool parallel_flags) 
   return per_weight * weights + size * b * (2 * in + 3 * out + 4 * h);
 }
 
-// The largest sum over sets of groups that may be in flight together.
-double peak_groups(const std::vector<int>& tp, const std::vector<double>& group_bytes) {
+// The largest sum over sets of groups that may be in flight together, at most
+// `max_in_flight` ranks (a larger group alone).
+double peak_groups(const std::vector<int>& tp, const std::vector<double>& group_bytes,
+                   int max_in_flight) {
   double peak = 0;
   const std::size_t n = tp.size();
   for (std::size_t mask = 1; mask < (std::size_t{1} << n); ++mask) {
@@ -55,12 +72,53 @@ double peak_groups(const std::vector<int>& tp, const std::vector<double>& group_
         bytes += group_bytes[i];
         ++members;
       }
-    if (members == 1 || ranks <= kMaxRanksInFlight) peak = std::max(peak, bytes);
+    if (members == 1 || ranks <= max_in_flight) peak = std::max(peak, bytes);
   }
   return peak;
 }
 
 }  // namespace
+
+double tp1_record_step_bytes(const RunOptions& o) {
+  if (o.model != ModelKind::Gpt || !o.tp_invariant) return 0.0;
+  const GptParallelism par = parallelism(o);
+  const std::int64_t tokens = o.batch_size * o.seq_len;
+  std::map<std::string, Shape> params;
+  for (const auto& p : gpt_param_specs(o.gpt)) params.emplace(p.name, p.shape);
+  double elements = 0;
+  for (const std::string& name : gpt_tensor_order(o.gpt)) {
+    Shape full{1};  // "loss"
+    if (auto point = gpt_point_shard(name, o.gpt, par, tokens, 0, 1)) {
+      full = point->full_shape;
+    } else if (name != "loss") {
+      const bool grad = name.ends_with(".grad");
+      const auto it = params.find(grad ? name.substr(0, name.size() - 5) : name);
+      if (it == params.end())
+        throw RuntimeFailure("memory: tensor " + name + " of the GPT's step order is neither "
+                             "an activation point nor a parameter");
+      full = it->second;
+    }
+    elements += static_cast<double>(shape_numel(full));
+  }
+  return elements * static_cast<double>(sizeof(double));
+}
+
+double tp_invariant_rank_bytes(const RunOptions& o, int tp) {
+  if (o.model != ModelKind::Gpt || !o.tp_invariant) return 0.0;
+  const double C = kCanonicalChunks, Cl = C / tp;
+  const double N = static_cast<double>(o.batch_size * o.seq_len);
+  const double H = static_cast<double>(o.gpt.hidden);
+  const DType cd = compute_dtype(o.dtype);
+  double elements = Cl * N * H + (tp > 1 ? C * N * H : 0.0) + (cd != o.dtype ? N * H : 0.0);
+  if (o.sequence_parallel) {
+    double wpe = 0;
+    for (const auto& p : gpt_param_specs(o.gpt))
+      if (p.name == "wpe.weight") wpe = static_cast<double>(shape_numel(p.shape));
+    elements += (Cl + C) * std::max(H, wpe);
+    if (!o.loss_parallel) elements += (Cl + C) * static_cast<double>(o.gpt.vocab_size) * H;
+  }
+  return elements * static_cast<double>(dtype_size(cd));
+}
 
 GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
   GptMemoryQuery q;
@@ -86,10 +144,35 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
   double total = 0;
   if (command == "verify") {
     const double ref = rank_bytes(o, 1, DType::F64, false);
-    const double ranks = peak_groups(o.tp, groups);
+    double ranks = 0;
+    if (o.tp_invariant) {
+      // TP 1 runs in every wave beside at most kMaxRanksInFlight - 1 other ranks, and
+      // keeps one step of full tensors for them (verify_run.cpp's Tp1Feed).
+      std::vector<int> rest;
+      std::vector<double> rest_bytes;
+      double one = 0;
+      bool seen_one = false;
+      for (std::size_t i = 0; i < o.tp.size(); ++i) {
+        if (o.tp[i] == 1 && !seen_one) {
+          one = groups[i];
+          seen_one = true;
+          continue;
+        }
+        rest.push_back(o.tp[i]);
+        rest_bytes.push_back(groups[i]);
+      }
+      ranks = one + (rest.empty() ? 0.0 : peak_groups(rest, rest_bytes, kMaxRanksInFlight - 1));
+    } else {
+      ranks = peak_groups(o.tp, groups, kMaxRanksInFlight);
+    }
     total = ref + ranks;
     d << "reference " << gib(ref) << " + ranks running at once " << gib(ranks);
     if (!host_ranks) d.str("the reference");
+    if (o.tp_invariant) {
+      const double record = tp1_record_step_bytes(o);
+      total += record;
+      d << " + tp 1's record of one step " << gib(record);
+    }
   } else {
     total = *std::max_element(groups.begin(), groups.end());
     d << "the largest TP group";

@@ -14,10 +14,22 @@ namespace tpsim {
 // The activation model's question for rank memory of `o` at TP degree `tp`.
 GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam);
 
+// --tp-invariant: the float64 full tensors that verify keeps of one TP 1 step for the other
+// degrees' bit comparison (every observation: loss, activation points and their gradients,
+// parameter gradients, parameters), as the record holds them.
+double tp1_record_step_bytes(const RunOptions& o);
+
+// --tp-invariant: one rank's canonical-chunk buffers at degree `tp` (sharded/gpt.cpp's
+// Invariant: the partials, their all-gather, the f32 sum of a bf16 run, and under sequence
+// parallelism the replicated gradients' and wte's partials). Not counted: the GEMM tile
+// scratch (tiles of tensors already counted, allocated on first use).
+double tp_invariant_rank_bytes(const RunOptions& o, int tp);
+
 // The bytes a run of `command` ("train", "verify" or "profile") is predicted to hold at
 // its peak in host memory, all ranks of the process together: for train and profile the
 // largest TP group (they run one group at a time); for verify the float64 reference plus
-// the largest set of groups that may run at once. Ranks on a CUDA device count nothing
+// the largest set of groups that may run at once (with --tp-invariant, TP 1 in every such
+// set, its record of one step, and the mode's buffers in every rank). Ranks on a CUDA device count nothing
 // here (device memory is not checked). `detail` gets the parts, for the message.
 double predicted_run_bytes(const RunOptions& o, const std::string& command, std::string* detail);
 

@@ -168,15 +168,28 @@ class FeedReader {
   int last_done_ = 0;
 };
 
-// --tp-invariant: tp 1's observations, every step, as full tensors; written by tp 1's one
-// rank (which runs alone, first), then only read.
-class Tp1Trace {
+// --tp-invariant: tp 1's observations of one step, as full tensors, for the other degrees
+// of the same wave, which run alongside tp 1 in lockstep with it: tp 1 fills step s once
+// every reader has let go of step s-1, and publishes it once the step (its update
+// included) is recorded. One step of full tensors lives at a time, whatever the steps.
+// The first failure, tp 1's own or a group's, stops everyone, and is the one reported.
+class Tp1Feed {
  public:
+  explicit Tp1Feed(int readers) : readers_(readers) {}
+
+  // Producer (tp 1's one rank). The first call of a step waits for the readers of the
+  // last; the step's later calls add to it. The vectors are overwritten in place (the same
+  // names and sizes every step): no allocation after step 1.
   void record(int step, const std::vector<Observation>& obs) {
-    if (steps_.size() < static_cast<std::size_t>(step)) steps_.resize(static_cast<std::size_t>(step));
-    TensorMap& m = steps_[static_cast<std::size_t>(step - 1)];
+    if (step != filling_) {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return error_ || readers_ <= 0 || all_done_ >= step - 1; });
+      if (error_) throw RuntimeFailure("verify --tp-invariant: a tp group failed before tp 1 "
+                                       "recorded step " + std::to_string(step));
+      filling_ = step;
+    }
     for (const auto& ob : obs) {
-      std::vector<double>& full = m[ob.name];
+      std::vector<double>& full = slot_[ob.name];  // [full_shape numel]
       full.assign(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)), 0.0);
       for (std::size_t k = 0; k < ob.values.size(); ++k) {
         const std::int64_t f = full_index(ob.spec, static_cast<std::int64_t>(k));
@@ -184,18 +197,93 @@ class Tp1Trace {
       }
     }
   }
-  const TensorMap& at(int step) const {
-    if (steps_.size() < static_cast<std::size_t>(step))
-      throw RuntimeFailure("verify --tp-invariant: tp 1 did not reach step " + std::to_string(step));
-    return steps_[static_cast<std::size_t>(step - 1)];
+  void publish(int step) {
+    std::lock_guard lock(mu_);
+    published_ = step;
+    double b = 0;
+    for (const auto& [name, v] : slot_) b += static_cast<double>(v.capacity() * sizeof(double));
+    peak_bytes_ = std::max(peak_bytes_, b);
+    cv_.notify_all();
+  }
+  void fail(std::exception_ptr e) {
+    std::lock_guard lock(mu_);
+    if (!error_) error_ = e;
+    cv_.notify_all();
+  }
+
+  // Reader: tp 1's step `step`, valid until this rank calls done(step) or retire().
+  const TensorMap& wait(int step) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return published_ >= step || error_; });
+    if (published_ < step)
+      throw RuntimeFailure("verify --tp-invariant: tp 1 failed before step " + std::to_string(step));
+    return slot_;
+  }
+  void done(int step) {
+    std::lock_guard lock(mu_);
+    ++done_count_[step];
+    advance();
+  }
+  void retire(int last_done) {
+    std::lock_guard lock(mu_);
+    for (auto& [step, n] : done_count_)
+      if (step <= last_done) --n;  // count only the ranks still reading
+    --readers_;
+    advance();
+  }
+
+  std::exception_ptr error() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+  double peak_bytes() {
+    std::lock_guard lock(mu_);
+    return peak_bytes_;
   }
 
  private:
-  std::vector<TensorMap> steps_;  // [steps]
+  void advance() {  // with mu_ held
+    for (auto it = done_count_.find(all_done_ + 1);
+         it != done_count_.end() && it->second >= readers_; it = done_count_.find(all_done_ + 1)) {
+      done_count_.erase(it);
+      ++all_done_;
+    }
+    cv_.notify_all();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  TensorMap slot_;                 // the step being filled or read
+  int filling_ = 0;                // producer thread only
+  int readers_;                    // ranks still reading
+  int published_ = 0;
+  int all_done_ = 0;               // every reader has finished steps 1..all_done_
+  std::map<int, int> done_count_;  // step -> readers that finished it, beyond all_done_
+  double peak_bytes_ = 0;
+  std::exception_ptr error_;
+};
+
+// Lets go of tp 1's feed when a reading rank stops, however it stops.
+class Tp1Reader {
+ public:
+  explicit Tp1Reader(Tp1Feed* feed) : feed_(feed) {}
+  Tp1Reader(const Tp1Reader&) = delete;
+  Tp1Reader& operator=(const Tp1Reader&) = delete;
+  ~Tp1Reader() {
+    if (feed_) feed_->retire(last_done_);
+  }
+  void done(int step) {
+    if (!feed_) return;
+    feed_->done(step);
+    last_done_ = step;
+  }
+
+ private:
+  Tp1Feed* feed_;
+  int last_done_ = 0;
 };
 
 TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
-                   double tol, Tp1Trace* tp1) {
+                   double tol, Tp1Feed* tp1) {
   auto t0 = std::chrono::steady_clock::now();
   TpResult r;
   r.tp = tp;
@@ -210,6 +298,8 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
 
   launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
     FeedReader reader(ref);
+    const bool record_tp1 = tp1 && tp == 1, against_tp1 = tp1 && tp != 1;
+    Tp1Reader tp1_reader(against_tp1 ? tp1 : nullptr);
     auto model = make_sharded_model(o, in, be, comm);
     model->record_activation_points(true);
     if (!in.loaded.empty()) model->load_params(in.loaded);
@@ -236,13 +326,13 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       const std::size_t checked_before = mine.step.size();
       check.check(fwd, Phase::Forward);
       check.check(grads, Phase::Backward);
-      const bool record_tp1 = tp1 && tp == 1, against_tp1 = tp1 && tp != 1;
       if (record_tp1) {
         tp1->record(step, fwd);
         tp1->record(step, grads);
       } else if (against_tp1) {
-        check.check_bitwise(fwd, tp1->at(step), Phase::Forward);
-        check.check_bitwise(grads, tp1->at(step), Phase::Backward);
+        const TensorMap& one = tp1->wait(step);
+        check.check_bitwise(fwd, one, Phase::Forward);
+        check.check_bitwise(grads, one, Phase::Backward);
       }
       // A non-finite loss or gradient that the reference shares is a diverged run, not a
       // mismatch; one that it does not share failed a comparison above and is reported
@@ -260,8 +350,13 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       model->optimizer_step();
       auto params = model->observe_params();
       check.check(params, Phase::Update);
-      if (record_tp1) tp1->record(step, params);
-      else if (against_tp1) check.check_bitwise(params, tp1->at(step), Phase::Update);
+      if (record_tp1) {
+        tp1->record(step, params);
+        tp1->publish(step);
+      } else if (against_tp1) {
+        check.check_bitwise(params, tp1->wait(step), Phase::Update);
+        tp1_reader.done(step);  // the last read of tp 1's step
+      }
 
       // Replicas against rank 0: publish, wait, compare, wait (so slots outlive readers).
       std::vector<Phase> phases;
@@ -311,11 +406,12 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
 // The TP groups that run at once: every rank holds its own model (a replicated wte is
 // 100 MB in f64), so at most kMaxRanksInFlight ranks run at once; a larger group runs
 // alone, and so does every group when they may not share the devices (NCCL).
-std::vector<std::vector<std::size_t>> waves_of(const std::vector<int>& tps, bool concurrent) {
+std::vector<std::vector<std::size_t>> waves_of(const std::vector<int>& tps, bool concurrent,
+                                               int max_in_flight) {
   std::vector<std::vector<std::size_t>> waves;
   int in_flight = 0;
   for (std::size_t i = 0; i < tps.size(); ++i) {
-    if (waves.empty() || !concurrent || in_flight + tps[i] > kMaxRanksInFlight) {
+    if (waves.empty() || !concurrent || in_flight + tps[i] > max_in_flight) {
       waves.emplace_back();
       in_flight = 0;
     }
@@ -343,7 +439,6 @@ VerifyReport run_verify(const RunOptions& o) {
   const RunInputs in = prepare_inputs(o);
   rep.results.resize(o.tp.size());
   rep.tp_invariant = o.tp_invariant;
-  Tp1Trace tp1;
 
   // Each wave of TP groups runs at once with a reference run of its own, on threads of
   // their own: the reference streams its steps to the wave's ranks, which wait for a step
@@ -351,9 +446,11 @@ VerifyReport run_verify(const RunOptions& o) {
   // sees the same numbers; the report's reference losses and time are the first wave's.
   const bool concurrent = groups_may_run_concurrently(o.device);
   std::vector<std::vector<std::size_t>> waves;
+  std::size_t one = o.tp.size();  // --tp-invariant: tp 1's index, first in every wave
   if (o.tp_invariant) {
-    // tp 1 first and alone: every other degree is compared with its trace.
-    const auto one = static_cast<std::size_t>(std::find(o.tp.begin(), o.tp.end(), 1) - o.tp.begin());
+    // tp 1 runs in every wave, one step ahead at most, and its steps are compared as they
+    // come (Tp1Feed); the others fill the rest of the wave's ranks.
+    one = static_cast<std::size_t>(std::find(o.tp.begin(), o.tp.end(), 1) - o.tp.begin());
     if (one == o.tp.size())
       throw UsageError("verify --tp-invariant: --tp must include 1, the degree every other is "
                        "compared with bit for bit");
@@ -364,18 +461,20 @@ VerifyReport run_verify(const RunOptions& o) {
         rest.push_back(o.tp[i]);
         index.push_back(i);
       }
-    waves.push_back({one});
-    for (auto& w : waves_of(rest, concurrent)) {
+    for (auto& w : waves_of(rest, concurrent, kMaxRanksInFlight - 1)) {
       for (auto& i : w) i = index[i];
+      w.insert(w.begin(), one);
       waves.push_back(std::move(w));
     }
+    if (waves.empty()) waves.push_back({one});
   } else {
-    waves = waves_of(o.tp, concurrent);
+    waves = waves_of(o.tp, concurrent, kMaxRanksInFlight);
   }
   for (std::size_t w = 0; w < waves.size(); ++w) {
     int consumers = 0;
     for (std::size_t i : waves[w]) consumers += o.tp[i];
     ReferenceFeed ref(consumers, o.resync);
+    Tp1Feed tp1(consumers - 1);  // read by every rank of the wave but tp 1's
     double ref_seconds = 0;
     std::thread reference([&] {
       auto t0 = std::chrono::steady_clock::now();
@@ -393,10 +492,13 @@ VerifyReport run_verify(const RunOptions& o) {
       groups.emplace_back([&, j] {
         const std::size_t i = waves[w][j];
         try {
-          rep.results[i] = verify_tp(o, in, ref, o.tp[i], rep.tolerance,
-                                     o.tp_invariant ? &tp1 : nullptr);
+          TpResult r = verify_tp(o, in, ref, o.tp[i], rep.tolerance,
+                                 o.tp_invariant ? &tp1 : nullptr);
+          // tp 1 runs again in every wave (deterministic, the same numbers): the first's counts.
+          if (i != one || w == 0) rep.results[i] = std::move(r);
         } catch (...) {
           errors[j] = std::current_exception();
+          if (o.tp_invariant) tp1.fail(errors[j]);
         }
       });
     for (auto& g : groups) g.join();
@@ -404,8 +506,11 @@ VerifyReport run_verify(const RunOptions& o) {
     reference.join();
     // The reference's own failure is the root cause of any "reference failed" in a group.
     if (auto e = ref.error()) std::rethrow_exception(e);
+    // The first group to fail (tp 1 or a reader) stopped the others' tp 1 feed.
+    if (auto e = tp1.error()) std::rethrow_exception(e);
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
+    rep.tp1_record_bytes = std::max(rep.tp1_record_bytes, tp1.peak_bytes());
     if (w == 0) {
       rep.reference_losses = ref.losses();
       rep.reference_seconds = ref_seconds;

@@ -54,6 +54,9 @@ struct VerifyReport {
   // element whose bits differ (step, then production order).
   bool tp_invariant = false;
   std::optional<Comparison> first_bit_difference;
+  // --tp-invariant: the most bytes TP 1's record held at once (not reported: what the
+  // memory check's prediction is held against).
+  double tp1_record_bytes = 0.0;
 };
 
 // verify runs the reference and its TP groups at once; every rank holds a model of its
