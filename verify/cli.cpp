@@ -104,6 +104,14 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                                    "memory available");
 }
 
+// --tp-invariant, the same mode on every subcommand; `what_else` says what this one adds.
+void add_tp_invariant_flag(CLI::App& cmd, RunOptions& o, const std::string& what_else) {
+  cmd.add_flag("--tp-invariant", o.tp_invariant,
+               "gpt, cpu: split reductions in 8 canonical chunks summed in one order and "
+               "GEMMs in canonical tiles, so that tp 1, 2, 4 and 8 compute the same bits" +
+                   what_else);
+}
+
 void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, bool verify) {
   o.model = raw.model == "gpt" ? ModelKind::Gpt : ModelKind::Mlp;
   o.batch = raw.batch == "boundary" || (raw.batch.empty() && verify) ? BatchKind::Boundary
@@ -167,9 +175,7 @@ Examples:
   auto* train = app.add_subcommand("train", "train the sharded model at one TP degree, printing "
                                             "what the seed prints per iteration");
   add_model_flags(*train, o, raw, false);
-  train->add_flag("--tp-invariant", o.tp_invariant,
-                   "gpt, cpu: split reductions in 8 canonical chunks summed in one order and "
-                   "GEMMs in canonical tiles, so that tp 1, 2, 4 and 8 compute the same bits");
+  add_tp_invariant_flag(*train, o, "");
   train->add_option("--save-final", o.save_final, "write the final full weights (safetensors)");
   train->add_option("--dump", o.dump_dir,
                     "gpt: write a dump of every rank's shards, every step, to this directory "
@@ -183,9 +189,7 @@ Examples:
   auto* verify = app.add_subcommand("verify", "run the reference and the sharded model for each "
                                               "TP degree and compare every tensor, every step");
   add_model_flags(*verify, o, raw, true);
-  verify->add_flag("--tp-invariant", o.tp_invariant,
-                   "gpt, cpu: split reductions in 8 canonical chunks summed in one order and "
-                   "GEMMs in canonical tiles, so that tp 1, 2, 4 and 8 compute the same bits; each degree is then also compared with tp 1 bit for bit");
+  add_tp_invariant_flag(*verify, o, "; each degree is then also compared with tp 1 bit for bit");
   verify->add_flag("--resync", o.resync,
                    "copy the reference weights into the shards before each step, so one "
                    "step's error is told from drift");
@@ -216,6 +220,8 @@ each on a boundary batch and a random one; --dtype, --steps, --seed, --inject-fa
                                                 "every byte recorded; memory measured vs the "
                                                 "analytical model, time per op and collective");
   add_model_flags(*profile, o, raw, true);
+  add_tp_invariant_flag(*profile, o, "; profile it to see what the mode costs in time, "
+                                     "memory and communication");
   profile->add_option("--trace", prof.trace_path,
                       "write a Chrome trace (Perfetto, chrome://tracing): one process per rank");
   profile->add_option("--html", prof.html_path, "write each rank's memory timeline as an HTML/SVG plot");
@@ -224,7 +230,8 @@ each on a boundary batch and a random one; --dtype, --steps, --seed, --inject-fa
   profile->footer(std::string(R"(
 Examples:
   tpsim profile --model gpt --tp 1,2 --steps 2
-  tpsim profile --model gpt --tp 2 --loss-parallel --sequence-parallel --trace t.json)") + kFooter);
+  tpsim profile --model gpt --tp 2 --loss-parallel --sequence-parallel --trace t.json
+  tpsim profile --model gpt --tp 1,2 --tp-invariant   # its cost: compare with the run without it)") + kFooter);
 
   CheckOptions chk;
   auto* check = app.add_subcommand(
