@@ -39,9 +39,11 @@ double rank_bytes(const RunOptions& o, int t, DType dtype, bool parallel_flags) 
   if (o.model == ModelKind::Gpt) {
     GptMemoryQuery q = memory_query(o, t, true);
     q.dtype = dtype;
-    if (!parallel_flags) q.loss_parallel = q.sequence_parallel = false;
-    const double mode = parallel_flags && o.tp_invariant ? tp_invariant_rank_bytes(o, t) : 0.0;
-    return static_cast<double>(predict_gpt_memory(q).total()) + mode;
+    if (!parallel_flags) {
+      q.loss_parallel = q.sequence_parallel = false;
+      q.canonical_chunks = 0;
+    }
+    return static_cast<double>(predict_gpt_memory(q).total());  // the mode's buffers included
   }
   // The MLP (sharded/mlp.cpp): the fc1/fc2 shards, P weights; the inputs x and target
   // (replicated); the activations fc1 out, relu out and y; the gradients of y, relu out,
@@ -105,19 +107,10 @@ double tp1_record_step_bytes(const RunOptions& o) {
 
 double tp_invariant_rank_bytes(const RunOptions& o, int tp) {
   if (o.model != ModelKind::Gpt || !o.tp_invariant) return 0.0;
-  const double C = kCanonicalChunks, Cl = C / tp;
-  const double N = static_cast<double>(o.batch_size * o.seq_len);
-  const double H = static_cast<double>(o.gpt.hidden);
-  const DType cd = compute_dtype(o.dtype);
-  double elements = Cl * N * H + (tp > 1 ? C * N * H : 0.0) + (cd != o.dtype ? N * H : 0.0);
-  if (o.sequence_parallel) {
-    double wpe = 0;
-    for (const auto& p : gpt_param_specs(o.gpt))
-      if (p.name == "wpe.weight") wpe = static_cast<double>(shape_numel(p.shape));
-    elements += (Cl + C) * std::max(H, wpe);
-    if (!o.loss_parallel) elements += (Cl + C) * static_cast<double>(o.gpt.vocab_size) * H;
-  }
-  return elements * static_cast<double>(dtype_size(cd));
+  double bytes = 0;
+  for (const auto& t : predict_gpt_memory(memory_query(o, tp, true)).tensors)
+    if (t.tag.starts_with("invariant.")) bytes += static_cast<double>(t.bytes);
+  return bytes;
 }
 
 GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
@@ -131,6 +124,7 @@ GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
   q.make_vocab_divisible_by = o.make_vocab_divisible_by;
   q.dtype = o.dtype;
   q.adam = adam;
+  q.canonical_chunks = o.model == ModelKind::Gpt && o.tp_invariant ? kCanonicalChunks : 0;
   return q;
 }
 

@@ -21,8 +21,9 @@ double tp1_record_step_bytes(const RunOptions& o);
 
 // --tp-invariant: one rank's canonical-chunk buffers at degree `tp` (sharded/gpt.cpp's
 // Invariant: the partials, their all-gather, the f32 sum of a bf16 run, and under sequence
-// parallelism the replicated gradients' and wte's partials). Not counted: the GEMM tile
-// scratch (tiles of tensors already counted, allocated on first use).
+// parallelism the replicated gradients' and wte's partials), as the activation model
+// predicts them (its invariant.* tensors). Not counted: the GEMM tile scratch (tiles of
+// tensors already counted, allocated on first use).
 double tp_invariant_rank_bytes(const RunOptions& o, int tp);
 
 // The bytes a run of `command` ("train", "verify" or "profile") is predicted to hold at

@@ -13,6 +13,8 @@
 
 #include "io/atomic_file.h"
 #include "verify/memory_check.h"
+#include "sharded/tp_invariant.h"
+#include "verify/tp_invariant_comm.h"
 #include "runtime/launch.h"
 #include "verify/inputs.h"
 #include "core/clock.h"
@@ -113,6 +115,7 @@ std::string layer_pattern(const std::string& name) {
 std::vector<std::string> unexplained(const RankProfile& r, const GptMemoryPrediction& p) {
   std::vector<std::string> out;
   std::set<std::string> predicted;
+  for (const auto& [tag, why] : p.unmodelled) predicted.insert(tag);  // reported apart
   for (const auto& t : p.tensors) {
     predicted.insert(t.tag);
     auto it = r.tags.find(t.tag);
@@ -141,7 +144,8 @@ void print_tp(std::ostream& os, const RunOptions& o, const TpProfile& run) {
     os << ", H " << o.gpt.hidden << ", A " << o.gpt.heads << ", L " << o.gpt.layers << ", V "
        << o.gpt.vocab_size << ", batch " << o.batch_size << " x seq " << o.seq_len
        << (o.loss_parallel ? ", loss parallel" : "")
-       << (o.sequence_parallel ? ", sequence parallel" : "");
+       << (o.sequence_parallel ? ", sequence parallel" : "")
+       << (o.tp_invariant ? ", tp-invariant" : "");
   os << ", " << o.steps << " steps ==\n";
 
   // ---- memory by category ----
@@ -257,6 +261,14 @@ void print_tp(std::ostream& os, const RunOptions& o, const TpProfile& run) {
       os << "  DIFFERENCES the model does not explain (a bug in the model or the ledger):\n";
       for (const auto& b : bad) os << "    " << b << "\n";
     }
+    for (const auto& [tag, why] : p.unmodelled) {
+      std::int64_t most = 0;
+      for (const auto& r : ranks)
+        if (auto it = r.tags.find(tag); it != r.tags.end()) most = std::max(most, it->second.current);
+      if (most == 0) continue;  // e.g. at tp 8 every tile is a whole shard, copied nowhere
+      os << "  not in the model: " << tag << " (" << why << "), " << most
+         << " B on the rank that holds most\n";
+    }
     // Peaks above the steady state: what existed only for a moment, and why.
     const auto& r0 = ranks.front();
     std::vector<std::string> transient;
@@ -334,6 +346,19 @@ void print_tp(std::ostream& os, const RunOptions& o, const TpProfile& run) {
       tb.row(row);
     }
     tb.print(os);
+    if (o.tp_invariant) {
+      const TpInvariantComm c = predict_tp_invariant_comm(o, t);
+      auto vol = [](const CollectiveVolume& v) {
+        return std::to_string(v.count) + " / " + std::to_string(v.bytes);
+      };
+      os << "  tp-invariant, predicted per rank per step: all_gather of canonical partials +"
+         << vol(c.added_all_gather) << " B, in place of the plain run's all_reduce -"
+         << vol(c.removed_all_reduce) << " B";
+      if (c.removed_reduce_scatter.count > 0)
+        os << " and reduce_scatter -" << vol(c.removed_reduce_scatter) << " B";
+      os << "\n  (each split reduction of S bytes moves its " << kCanonicalChunks << "/" << t
+         << " partials: on the wire 8(t-1)/t·S instead of 2(t-1)/t·S, 4x at every t)\n";
+    }
   }
 
   // ---- FLOPs ----
@@ -370,13 +395,28 @@ nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
     json cls = json::object();
     for (int c = 0; c < kNumOpClasses; ++c)
       cls[op_class_name(static_cast<OpClass>(c))] = s.class_s[static_cast<std::size_t>(c)];
+    json coll = json::object();
+    for (int k = 0; k < kNumCollectiveKinds; ++k)
+      coll[collective_name(static_cast<CollectiveKind>(k))] = {
+          {"count", s.coll_count[static_cast<std::size_t>(k)]},
+          {"bytes", s.coll_bytes[static_cast<std::size_t>(k)]}};
     ranks.push_back({{"rank", r.rank}, {"memory", mem}, {"peak", peak},
                      {"peak_total", r.peak_total}, {"step_seconds", s.step_s},
                      {"compute_seconds", s.compute_s}, {"comm_seconds", s.comm_s},
-                     {"comm_bytes_per_step", s.comm_bytes}, {"op_class_seconds", cls},
+                     {"comm_bytes_per_step", s.comm_bytes}, {"collectives_per_step", coll},
+                     {"op_class_seconds", cls},
                      {"flops_executed_per_step", s.flops_executed}});
   }
   j["ranks"] = ranks;
+  if (o.tp_invariant) {
+    const TpInvariantComm c = predict_tp_invariant_comm(o, run.tp);
+    auto vol = [](const CollectiveVolume& v) {
+      return json{{"count", v.count}, {"bytes", v.bytes}};
+    };
+    j["tp_invariant_comm_predicted"] = {{"added_all_gather", vol(c.added_all_gather)},
+                                        {"removed_all_reduce", vol(c.removed_all_reduce)},
+                                        {"removed_reduce_scatter", vol(c.removed_reduce_scatter)}};
+  }
   if (run.predicted) {
     json pred = json::object();
     for (int c = 0; c < kNumMemCategories; ++c)
@@ -388,7 +428,6 @@ nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
     for (const auto& r : run.ranks) bad += unexplained(r, *run.predicted).size();
     j["unexplained_differences"] = bad;
   }
-  (void)o;
   return j;
 }
 
@@ -425,7 +464,7 @@ void print_memory_prediction(const RunOptions& o, std::ostream& os) {
      << o.gpt.hidden << ", A " << o.gpt.heads << ", L " << o.gpt.layers << ", V "
      << o.gpt.vocab_size << ", batch " << o.batch_size << " x seq " << o.seq_len
      << (o.loss_parallel ? ", loss parallel" : "") << (o.sequence_parallel ? ", sequence parallel" : "")
-     << "\n";
+     << (o.tp_invariant ? ", tp-invariant" : "") << "\n";
   std::vector<std::string> h = {"per rank, MiB"};
   for (int tp : o.tp) h.push_back("tp " + std::to_string(tp));
   Table tb(h);
@@ -603,6 +642,7 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
   if (!o.json_path.empty()) {
     nlohmann::json j = {{"tool", "tpsim"}, {"command", "profile"}, {"model", model_name(o.model)},
                         {"dtype", dtype_name(o.dtype)}, {"steps", o.steps},
+                        {"tp_invariant", o.tp_invariant},
                         {"tp", nlohmann::json::array()}};
     for (const auto& r : result.runs) j["tp"].push_back(tp_json(o, r));
     write_file_atomically(o.json_path, j.dump(2) + "\n", "--json");

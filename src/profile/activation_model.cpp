@@ -1,5 +1,6 @@
 #include "profile/activation_model.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/errors.h"
@@ -34,6 +35,11 @@ void check_query(const GptMemoryQuery& q) {
                      std::to_string(c.hidden) + " and --heads " + std::to_string(c.heads));
   if (q.sequence_parallel && (q.B * q.T) % q.t != 0)
     throw UsageError("memory model: --sequence-parallel needs batch x sequence divisible by tp");
+  const int C = q.canonical_chunks;
+  if (C > 0 && (C % q.t != 0 || c.hidden % C != 0 || (q.sequence_parallel && (q.B * q.T) % C != 0)))
+    throw UsageError("memory model: --tp-invariant needs tp " + std::to_string(q.t) +
+                     " to divide " + std::to_string(C) + ", and --hidden (and batch x sequence "
+                     "under --sequence-parallel) to be multiples of it");
 }
 }  // namespace
 
@@ -48,7 +54,8 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   // statistics, gradients and optimizer state: f32 for a bf16 model (sharded/parameter.h)
   const std::int64_t bc = static_cast<std::int64_t>(dtype_size(compute_dtype(q.dtype)));
   GptMemoryPrediction out;
-  const std::int64_t m = std::max<std::int64_t>(1, q.make_vocab_divisible_by) * t;
+  const std::int64_t C = q.canonical_chunks;  // 0: the TP-invariant mode is off
+  const std::int64_t m = std::max<std::int64_t>(1, q.make_vocab_divisible_by) * (C > 0 ? C : t);
   out.vocab_padded = lp ? (c.vocab_size + m - 1) / m * m : c.vocab_size;
   const std::int64_t Vl = lp ? out.vocab_padded / t : c.vocab_size;
 
@@ -133,6 +140,34 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   add(Tm, "residual.grad.0", {Nl, H}, -1);
   add(Tm, "residual.grad.1", {Nl, H}, -1);
   add(Tm, "ce.row_loss", {Nce}, -1, bc);
+
+  // ---- --tp-invariant: this rank's C/t partials of a split reduction and every rank's,
+  // gathered, in the compute dtype (sharded/gpt.cpp's Invariant) ----
+  if (C > 0) {
+    const auto Cm = MemCategory::CommBuffer;
+    const std::int64_t Cl = C / t;
+    add(Tm, "invariant.partials", {Cl * N, H}, -1, bc);
+    if (t > 1) add(Cm, "invariant.gathered", {C * N, H}, -1, bc);
+    if (bc != b) add(Tm, "invariant.sum", {N, H}, -1, bc);  // the f32 sum, rounded once
+    if (sp) {  // the replicated gradients' token-chunk partials: LN weights and wpe
+      std::int64_t G = H;
+      for (const auto& p : gpt_param_specs(c))
+        if (p.name == "wpe.weight") G = std::max(G, shape_numel(p.shape));
+      add(Tm, "invariant.grad.partials", {Cl * G}, -1, bc);
+      add(Cm, "invariant.grad.gathered", {C * G}, -1, bc);
+      if (!lp) {  // wte, replicated, sums over this rank's tokens too
+        add(Tm, "invariant.wte.partials", {Cl * c.vocab_size, H}, -1, bc);
+        add(Cm, "invariant.wte.gathered", {C * c.vocab_size, H}, -1, bc);
+      }
+    }
+    if (lp) {  // the exp-sum over vocabulary chunks, and the backward's chunk at a time
+      add(Tm, "ce.sumexp.partials", {Cl, Nce}, -1, bc);
+      add(Cm, "ce.sumexp.gathered", {C, Nce}, -1, bc);
+      add(Tm, "ce.grad.chunk", {Nce, Vl / Cl}, -1);
+    }
+    out.unmodelled.push_back({"canonical_gemm.tile",
+                              "the canonical GEMMs' tile scratch, one buffer per tile shape"});
+  }
   return out;
 }
 

@@ -39,6 +39,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -57,6 +58,10 @@ struct GptMemoryQuery {
   std::int64_t make_vocab_divisible_by = 1;
   DType dtype = DType::F32;
   bool adam = true;  // Adam's m and v exist (after the first optimizer step)
+  // --tp-invariant: the canonical chunks C (sharded/tp_invariant.h); 0 when the mode is off.
+  // The vocabulary pads to C·M at every t, and the mode's partials and their gathered
+  // copies (sharded/gpt.cpp's Invariant, the cross-entropy's chunked exp-sum) are counted.
+  int canonical_chunks = 0;
 };
 
 struct PredictedTensor {
@@ -69,6 +74,9 @@ struct PredictedTensor {
 
 struct GptMemoryPrediction {
   std::vector<PredictedTensor> tensors;  // one rank's, every category
+  // Tags the ledger holds that the model does not size, each with why (--tp-invariant's GEMM
+  // tile scratch: one buffer per distinct tile shape, allocated on first use).
+  std::vector<std::pair<std::string, std::string>> unmodelled;
   std::int64_t vocab_padded = 0;
   std::int64_t bytes(MemCategory c) const;
   std::int64_t layer_activation_bytes(int layer) const;
