@@ -1,6 +1,7 @@
 // profile: run the sharded model at each TP degree with every op timed and every byte
 // recorded, and print per rank what the memory holds (measured by the ledger next to the
 // analytical model), where the time goes (op classes, collectives), and the FLOP rate.
+// The running is here; the printing is verify/profile_report.h's.
 #pragma once
 
 #include <iosfwd>
@@ -41,9 +42,9 @@ double model_flops_per_step(const RunOptions& o);
 // Path of the file for TP degree `tp` when several are profiled: "t.json" -> "t.tp2.json".
 std::string per_tp_path(const std::string& path, int tp, bool several);
 
-// The model's figures for each TP degree of `o` (gpt only), for sizes too large to run.
-void print_memory_prediction(const RunOptions& o, std::ostream& os);
-
+// Checks the degrees and the memory, runs each degree (or, with --predict, only prints the
+// model's figures), prints each as it ends, then the comparison; writes --trace, --html and
+// --json files.
 ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ostream& os);
 
 }  // namespace tpsim
