@@ -88,18 +88,20 @@ TEST_CASE("profile --tp-invariant: the collectives differ from a plain run as th
   for (const std::string mode : {"", "--loss-parallel", "--sequence-parallel",
                                  "--loss-parallel --sequence-parallel"})
     for (const std::string dtype : {"f32", "bf16"}) {
-      const std::string flags = "--tp 2,4 --dtype " + dtype + " " + mode;
+      const std::string flags = "--tp 1,2,4 --dtype " + dtype + " " + mode;
       std::string name = "pinv-" + dtype + mode + ".json";
       for (char& ch : name)
         if (ch == ' ') ch = '_';
       const auto plain = profile_json(flags, "plain" + name);
       const auto inv = profile_json(flags + " --tp-invariant", "inv" + name);
-      for (std::size_t i = 0; i < 2; ++i) {
-        INFO(flags << ", tp " << inv["tp"][i]["tp"]);
+      for (std::size_t i = 0; i < 3; ++i) {
+        const int tp = inv["tp"][i]["tp"];
+        INFO(flags << ", tp " << tp);
         const auto& p = plain["tp"][i]["ranks"][0]["collectives_per_step"];
         const auto& q = inv["tp"][i]["ranks"][0]["collectives_per_step"];
         const auto& m = inv["tp"][i]["tp_invariant_comm_predicted"];
-        REQUIRE(get(m, "added_all_gather", "bytes") > 0);
+        REQUIRE((tp == 1) == (get(m, "added_all_gather", "bytes") == 0));
+        REQUIRE(get(m, "removed_all_reduce", "bytes") + get(m, "removed_reduce_scatter", "bytes") > 0);
         CHECK(get(q, "all_gather", "count") - get(p, "all_gather", "count") ==
               get(m, "added_all_gather", "count"));
         CHECK(get(q, "all_gather", "bytes") - get(p, "all_gather", "bytes") ==

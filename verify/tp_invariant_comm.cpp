@@ -10,7 +10,7 @@ namespace tpsim {
 
 TpInvariantComm predict_tp_invariant_comm(const RunOptions& o, int tp) {
   TpInvariantComm c;
-  if (o.model != ModelKind::Gpt || !o.tp_invariant || tp == 1) return c;
+  if (o.model != ModelKind::Gpt || !o.tp_invariant) return c;
   const bool sp = o.sequence_parallel, lp = o.loss_parallel;
   const std::int64_t L = o.gpt.layers, N = o.batch_size * o.seq_len, H = o.gpt.hidden;
   const std::int64_t V = o.gpt.vocab_size, Nl = sp ? N / tp : N, Cl = kCanonicalChunks / tp;
@@ -20,7 +20,10 @@ TpInvariantComm predict_tp_invariant_comm(const RunOptions& o, int tp) {
   std::int64_t wpe = 0;
   for (const auto& p : gpt_param_specs(o.gpt))
     if (p.name == "wpe.weight") wpe = shape_numel(p.shape);
-  auto add = [](CollectiveVolume& v, std::int64_t n, std::int64_t bytes) {
+  // At tp 1 the mode gathers nothing (its partials are all local), while a plain run still
+  // calls, and records, its one-rank collectives.
+  auto add = [tp, &c](CollectiveVolume& v, std::int64_t n, std::int64_t bytes) {
+    if (tp == 1 && &v == &c.added_all_gather) return;
     v.count += n;
     v.bytes += n * bytes;
   };

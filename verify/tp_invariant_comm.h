@@ -24,7 +24,9 @@ struct TpInvariantComm {
   CollectiveVolume removed_reduce_scatter;   // sequence parallel's g forward, f backward
 };
 
-// Per rank per step at degree `tp`; all zero without --tp-invariant, for the mlp, or at tp 1.
+// Per rank per step at degree `tp`; all zero without --tp-invariant or for the mlp. At tp 1
+// nothing is added (all partials are local) and the plain run's one-rank collectives, which
+// it calls and records, are removed.
 TpInvariantComm predict_tp_invariant_comm(const RunOptions& o, int tp);
 
 }  // namespace tpsim
