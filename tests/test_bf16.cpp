@@ -268,6 +268,17 @@ TEST_CASE("verify --dtype bf16 warns from the step whose bounds cannot fail", "[
   CHECK(from >= 2);  // step 1's bounds are all far below 1 (largest ~0.1)
   CHECK(r.out.find("warning: from step " + std::to_string(from) + " on some bounds are 1 or more") !=
         std::string::npos);
+  // --json's per_step: every tensor at every step, its largest error over shards and its bound
+  const auto j = read_json(json);
+  for (const auto& t : j["tp"]) {
+    REQUIRE(t["per_step"].size() > 60);
+    for (const auto& e : t["per_step"]) {
+      INFO(t["tp"] << " " << e["tensor"]);
+      REQUIRE(e["rel_err"].size() == 5);
+      REQUIRE(e["tolerance"].size() == 5);
+      for (std::size_t s = 0; s < 5; ++s) CHECK(double(e["rel_err"][s]) <= double(e["tolerance"][s]));
+    }
+  }
   const auto rs = run_tpsim(base + json + " --resync");
   INFO(rs.out);
   REQUIRE(rs.exit_code == 0);
@@ -325,6 +336,14 @@ TEST_CASE("verify --dtype bf16: a fault above the bound fails, naming tensor and
   // a few times its bound: above it, though within 10x (bf16 hides smaller faults)
   CHECK(double(f["err_over_tolerance"]) > 1.0);
   CHECK(r.out.find("x its bound") != std::string::npos);
+  // per_step shows the same failure: the embedding's error above its bound at step 1
+  bool seen = false;
+  for (const auto& e : j["tp"][0]["per_step"])
+    if (e["tensor"] == "act/embedding.out") {
+      seen = true;
+      CHECK(double(e["rel_err"][0]) > double(e["tolerance"][0]));
+    }
+  CHECK(seen);
   // replicas must stay bit-identical in bf16 too: a rank-dependent summation order is
   // caught by the replica check, whatever the bound
   const auto rep = run_tpsim("verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 "
