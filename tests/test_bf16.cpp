@@ -240,7 +240,11 @@ TEST_CASE("the bf16 error model: depth, collectives, steps, resync", "[bf16][tol
   r.resync = true;
   const ToleranceModel mr(r);
   CHECK(mr.bound("act/logits", 3, 8) == mr.bound("act/logits", 1, 8));
-  CHECK(mr.bound("h.0.mlp.ffn2.weight", 3, 8) == mr.bound("h.0.mlp.ffn2.weight", 1, 8));
+  // ... up to Adam's largest step at step 3, which --resync leaves the moments of:
+  // sqrt(Σ a_j²/b_j) over the bias-corrected weights, for betas 0.9, 0.95 (computed apart)
+  const double c3 = 1.000969272450759, w0s = us + ua;
+  CHECK(mr.bound("h.0.mlp.ffn2.weight", 3, 8) - w0s ==
+        Approx((mr.bound("h.0.mlp.ffn2.weight", 1, 8) - w0s) * c3).epsilon(1e-12));
   // the first step with a bound that cannot fail: none with --resync at lr 0.01
   CHECK(m.first_step_with_bound_at_least(0.0) == 1);
   CHECK(m.first_step_with_bound_at_least(1e9) == 0);

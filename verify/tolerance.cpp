@@ -128,6 +128,20 @@ double init_rms(const InitSpec& s) {
   return 0.0;
 }
 
+// The largest |m̂/(sqrt(v̂)+eps)| at step k, per element, for any gradients: m̂ = Σ a_j g_j,
+// v̂ = Σ b_j g_j² (bias-corrected weights, each summing to 1), and by Cauchy-Schwarz
+// |m̂| ≤ sqrt(Σ a_j²/b_j)·sqrt(v̂). 1 at step 1; 1.003 at step 5 for betas 0.9, 0.95.
+double adam_step_cap(double beta1, double beta2, int k) {
+  double c2 = 0.0;
+  const double n1 = 1.0 - std::pow(beta1, k), n2 = 1.0 - std::pow(beta2, k);
+  for (int j = 1; j <= k; ++j) {
+    const double a = (1.0 - beta1) * std::pow(beta1, k - j) / n1;
+    const double b = (1.0 - beta2) * std::pow(beta2, k - j) / n2;
+    c2 += a * a / b;
+  }
+  return std::sqrt(c2);
+}
+
 bool ends_with_any(const std::string& n, std::initializer_list<const char*> tails) {
   for (const char* t : tails)
     if (n.ends_with(t)) return true;
@@ -162,6 +176,8 @@ void ToleranceModel::build(const RunOptions& o, const StreamNorms* norms) {
   u_acc_ = u32;
   steps_ = static_cast<int>(std::max<std::int64_t>(1, o.steps));
   adam_ = o.model == ModelKind::Gpt;
+  beta1_ = o.adam.beta1;
+  beta2_ = o.adam.beta2;
 
   // Depths, the bf16 sums up to each tensor, and the parameters.
   std::vector<std::string> order;
@@ -439,7 +455,9 @@ void ToleranceModel::build_weights(int ti) {
     for (std::size_t p = 0; p < params_.size(); ++p) {
       const Param& q = params_[p];
       const double rho_g = chain(q.name + ".grad", s, ti);
-      const double update = adam_ ? std::min(kFlip * std::sqrt(rho_g), 2.0) * q.lr : rho_g;
+      const double cap = adam_step_cap(beta1_, beta2_, s);
+      const double update =
+          adam_ ? std::min(kFlip * std::sqrt(rho_g), 2.0) * cap * q.lr : rho_g;
       next[p] = (resync_ ? 0.0 : updates[p]) + update;
       const double scale =
           !adam_ ? 1.0

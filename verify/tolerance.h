@@ -87,6 +87,7 @@ class ToleranceModel {
   double uniform_ = 0.0;  // the bound of a run without per-tensor bounds
   double u_store_ = 0.0, u_acc_ = 0.0, k_max_ = 0.0;
   bool adam_ = true, resync_ = false;
+  double beta1_ = 0.9, beta2_ = 0.95;  // Adam's, for the update's largest size per element
   int steps_ = 1, max_depth_ = 1, max_sums_ = 0;
   std::vector<int> tp_;  // the run's TP degrees
   std::unordered_map<std::string, int> depth_;      // tensor -> i
