@@ -259,7 +259,8 @@ TEST_CASE("the bf16 error model: depth, collectives, steps, resync", "[bf16][tol
 namespace {
 // The small GPT of the error-model tests, and stream norms for it: every stream point's
 // norm `point` and every branch's `branch` (the first point of each direction has none),
-// every weight's RMS after each step `rms_scale` times its initial one.
+// every weight's RMS after each step `rms_scale` times its initial one, every gradient's
+// RMS 1 and that of g + wd·w `decayed`.
 RunOptions small_bf16_gpt(int steps) {
   RunOptions o;
   o.model = ModelKind::Gpt;
@@ -276,7 +277,8 @@ RunOptions small_bf16_gpt(int steps) {
   return o;
 }
 
-StreamNorms flat_norms(const RunOptions& o, double point, double branch, double rms_scale) {
+StreamNorms flat_norms(const RunOptions& o, double point, double branch, double rms_scale,
+                        double decayed = 1.0) {
   StreamNorms n;
   const auto points = gpt_stream_points(o.gpt);
   const std::size_t forward = 2 * static_cast<std::size_t>(o.gpt.layers) + 1;
@@ -291,6 +293,7 @@ StreamNorms flat_norms(const RunOptions& o, double point, double branch, double 
                              : std::sqrt((p.init.a * p.init.a + p.init.a * p.init.b +
                                           p.init.b * p.init.b) / 3.0);
       m[p.name] = {rms_scale * rms, 1.0};  // numel 1: the norm is the RMS
+      m[p.name + ".grad"] = {1.0, decayed};  // rms(g), rms(g + wd·w)
     }
   }
   return n;
@@ -330,6 +333,12 @@ TEST_CASE("the bf16 error model with the reference's stream: attenuation where a
   const double us = 0x1p-8, ua = 0x1p-24;
   const double h1 = half.bound("h.0.mlp.ffn2.weight", 1, 1) - us - ua;
   CHECK(h1 == Approx(2 * (full.bound("h.0.mlp.ffn2.weight", 1, 1) - us - ua)).epsilon(1e-9));
+  // weight decay that dominates the gradient (rms(g + wd·w) = 10 rms(g)) leaves a tenth of
+  // the gradient's relative error to flip signs: sqrt(10) less update error
+  const ToleranceModel decayed(o, flat_norms(o, 1.0, 1.0, 1.0, 10.0));
+  const double f1 = full.bound("h.0.mlp.ffn2.weight", 1, 1) - us - ua;
+  const double d1 = decayed.bound("h.0.mlp.ffn2.weight", 1, 1) - us - ua;
+  CHECK(d1 == Approx(f1 / std::sqrt(10.0)).epsilon(1e-6));
   // norms for fewer steps than the run: refused
   CHECK_THROWS(ToleranceModel(small_bf16_gpt(4), flat_norms(o, 1.0, 1.0, 1.0)));
 }

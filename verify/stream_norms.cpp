@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/errors.h"
+#include "reference/params.h"
 #include "verify/reference_trace.h"
 
 namespace tpsim {
@@ -28,6 +29,15 @@ StreamNorms reference_stream_norms(const RunOptions& o, const RunInputs& in) {
   const std::vector<std::string> points = gpt_stream_points(o.gpt);
   const std::size_t forward = 2 * static_cast<std::size_t>(o.gpt.layers) + 1;
   const std::vector<ParamSpec> params = gpt_param_specs(o.gpt);
+  // The weights before each step (the initial ones, --load's where given): Adam's gradient
+  // is g + wd·w at them.
+  std::map<std::string, std::vector<double>> before;
+  for (const auto& [name, m] : ref::init_params<double>(params, o.seed)) {
+    const auto it = in.loaded.find(name);
+    before[name] = it != in.loaded.end() ? it->second
+                                         : std::vector<double>(m.data(), m.data() + m.size());
+  }
+  const double wd = o.adam.weight_decay;
   RefStep step;  // in place: views of the reference model, valid until the next slot()
   run_reference(
       o, in, RefStorage::InPlace, [&](int) -> RefStep& { return step; },
@@ -55,7 +65,21 @@ StreamNorms reference_stream_norms(const RunOptions& o, const RunInputs& in) {
             throw Error("reference_stream_norms: the reference has no " + p.name);
           double n2 = 0;
           for (double v : it->second) n2 += v * v;
-          m[p.name] = {std::sqrt(n2), std::sqrt(static_cast<double>(it->second.size()))};
+          const double root_n = std::sqrt(static_cast<double>(it->second.size()));
+          m[p.name] = {std::sqrt(n2), root_n};
+          // the gradient's RMS and that of what Adam normalises, g + wd·w (before the step)
+          const auto g = step.tensors.find(p.name + ".grad");
+          if (g == step.tensors.end())
+            throw Error("reference_stream_norms: the reference has no " + p.name + ".grad");
+          std::vector<double>& w = before.at(p.name);
+          double g2 = 0, gd2 = 0;
+          for (std::size_t i = 0; i < w.size(); ++i) {
+            const double gi = g->second[i], gd = gi + wd * w[i];
+            g2 += gi * gi;
+            gd2 += gd * gd;
+          }
+          m[p.name + ".grad"] = {std::sqrt(g2) / root_n, std::sqrt(gd2) / root_n};
+          w.assign(it->second.begin(), it->second.end());
         }
       });
   return out;

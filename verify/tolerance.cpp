@@ -213,6 +213,7 @@ void ToleranceModel::build(const RunOptions& o, const StreamNorms* norms) {
   adam_ = o.model == ModelKind::Gpt;
   beta1_ = o.adam.beta1;
   beta2_ = o.adam.beta2;
+  weight_decay_ = o.adam.weight_decay;
 
   // Depths, the bf16 sums up to each tensor, and the parameters.
   std::vector<std::string> order;
@@ -256,6 +257,10 @@ void ToleranceModel::build(const RunOptions& o, const StreamNorms* norms) {
         const auto it = step.find(s.name);
         if (it == step.end()) throw Error("ToleranceModel: no reference norm for " + s.name);
         p.rms_after.push_back(it->second[1] > 0 ? it->second[0] / it->second[1] : 0.0);
+        const auto g = step.find(s.name + ".grad");
+        if (g == step.end()) throw Error("ToleranceModel: no reference norm for " + s.name + ".grad");
+        p.grad_rms.push_back(g->second[0]);
+        p.decayed_rms.push_back(g->second[1]);
       }
     param_[s.name] = params_.size();
     params_.push_back(p);
@@ -460,7 +465,7 @@ double ToleranceModel::chain(const std::string& tensor, int step, int ti) const 
       if (it != g.end()) gain = &it->second;
     }
     for (std::size_t r = 0; r < before->second; ++r) {
-      const double a = gain ? (*gain)[r] : 1.0;
+      const double a = gain && r < gain->size() ? (*gain)[r] : 1.0;  // else gain 1
       const double e = a * w[reads_list_[r].param];
       w2 += e * e;
     }
@@ -489,7 +494,15 @@ void ToleranceModel::build_weights(int ti) {
     std::vector<double> next(params_.size());
     for (std::size_t p = 0; p < params_.size(); ++p) {
       const Param& q = params_[p];
-      const double rho_g = chain(q.name + ".grad", s, ti);
+      double rho_g = chain(q.name + ".grad", s, ti);
+      if (adam_ && !q.grad_rms.empty() && q.decayed_rms[su - 1] > 0) {
+        // What flips is g + wd·w: its error is the gradient's, rho_g·rms(g), plus wd times
+        // the master's error before the step, relative to rms(g + wd·w). Where the decay
+        // dominates (most of wte's rows), few elements can flip.
+        const double w_rms = su >= 2 ? q.rms_after[su - 2] : q.rms;
+        const double master = (resync_ || su < 2 ? 0.0 : updates[p]) + u_acc_ * w_rms;
+        rho_g = (rho_g * q.grad_rms[su - 1] + weight_decay_ * master) / q.decayed_rms[su - 1];
+      }
       const double cap = adam_step_cap(beta1_, beta2_, s);
       const double update =
           adam_ ? std::min(kFlip * std::sqrt(rho_g), 2.0) * cap * q.lr : rho_g;

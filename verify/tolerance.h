@@ -25,7 +25,9 @@ double norm_tolerance(const RunOptions& o);
 // (forward: act/embedding.out, act/h.l.residual.mid, act/h.l.residual.out; backward:
 // act/h.l.residual.out.grad, act/h.l.residual.mid.grad, act/embedding.out.grad) its norm
 // ‖S_k‖ and that of the branch added to make it, ‖S_k − S_{k−1}‖ (0 for the first point of
-// each direction); and for each parameter, by its name, {‖w‖ after the step, sqrt(numel)}.
+// each direction); for each parameter, by its name, {‖w‖ after the step, sqrt(numel)};
+// and by "<name>.grad" the RMS of its gradient g and of g + wd·w (w before the step), what
+// Adam normalises.
 // steps[s-1] is step s. The bf16 bounds attenuate a weight's error where
 // its branch joins the stream by these (tolerance.cpp, (4)); without them, gain 1.
 struct StreamNorms {
@@ -36,7 +38,9 @@ struct StreamNorms {
 // each tensor's bound grows with its depth in the step (forward, then backward), with the
 // bf16 sums of the TP collectives before it, and with the steps before it (the weights'
 // error, which Adam's update adds to the f32 master weights and the bf16 cast adds to
-// once). Thread-safe once built (every method is const).
+// once); given the reference's StreamNorms, each weight's error is weighted by its gain
+// through the residual stream and taken relative to the reference's weight after each
+// step. Thread-safe once built (every method is const).
 class ToleranceModel {
  public:
   explicit ToleranceModel(const RunOptions& o);
@@ -73,6 +77,8 @@ class ToleranceModel {
     double rms = 1.0;  // the RMS of its initial values (1 for a zero init)
     // the RMS of the reference's values after step s at s-1, where the stream norms give it
     std::vector<double> rms_after;
+    // the RMS of its gradient and of g + wd·w at step s (at s-1), where the norms give them
+    std::vector<double> grad_rms, decayed_rms;
   };
   void build(const RunOptions& o, const StreamNorms* norms);
   // rho(i, s) of (4) for a tensor at depth i after `bf16_sums` collective sums that has
@@ -87,7 +93,7 @@ class ToleranceModel {
   double uniform_ = 0.0;  // the bound of a run without per-tensor bounds
   double u_store_ = 0.0, u_acc_ = 0.0, k_max_ = 0.0;
   bool adam_ = true, resync_ = false;
-  double beta1_ = 0.9, beta2_ = 0.95;  // Adam's, for the update's largest size per element
+  double beta1_ = 0.9, beta2_ = 0.95, weight_decay_ = 0.0;  // Adam's, for the update's largest size per element
   int steps_ = 1, max_depth_ = 1, max_sums_ = 0;
   std::vector<int> tp_;  // the run's TP degrees
   std::unordered_map<std::string, int> depth_;      // tensor -> i
