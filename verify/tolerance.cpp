@@ -409,7 +409,7 @@ void ToleranceModel::build_gains(const GptConfig& cfg, const StreamNorms* norms)
         }
         cur = p;
       }
-      for (; born < reads_list_.size() && reads_list_[born].at == k; ++born) {
+      for (; born < reads_list_.size() && reads_list_[born].at <= k; ++born) {
         s.push_back(p.seg == Seg::Stream ? 1.0 : 0.0);  // only the embedding's reads
         c.push_back(1.0);
       }
