@@ -150,9 +150,6 @@ void validate_run_options(const RunOptions& o) {
               std::numeric_limits<double>::infinity());
   check_float("--timeout", o.timeout_s, 0, false, kMaxTimeout);
   check_int("--batch-size", o.model == ModelKind::Mlp ? o.mlp.batch : o.batch_size, 1, kMaxBatch);
-  if (o.dtype == DType::BF16 && o.device.backend != BackendKind::Cpu)
-    throw UsageError("--dtype bf16: only the cpu backend runs it (the CUDA backend has no bf16 "
-                     "kernels yet)");
   if (o.model == ModelKind::Mlp && (o.loss_parallel || o.sequence_parallel))
     throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
 
