@@ -39,9 +39,11 @@ gpt=(--model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 
 failed=0
 for comm in sim nccl; do
   # f64 (the GPT's default) checks indexing to 1e-10; the f32 runs per communicator check
-  # the float kernels' arithmetic at f32's tolerance.
+  # the float kernels' arithmetic at f32's tolerance, the bf16 runs the mixed-precision path
+  # (bf16 storage, f32 statistics and main gradients, bf16 collectives) at its derived bounds.
   runs=("--model mlp --dtype f32" "${gpt[*]}" "${gpt[*]} --loss-parallel"
-        "${gpt[*]} --sequence-parallel" "${gpt[*]} --loss-parallel --sequence-parallel --dtype f32")
+        "${gpt[*]} --sequence-parallel" "${gpt[*]} --loss-parallel --sequence-parallel --dtype f32"
+        "${gpt[*]} --dtype bf16" "${gpt[*]} --loss-parallel --sequence-parallel --dtype bf16")
   for args in "${runs[@]}"; do
     # shellcheck disable=SC2086
     if out=$(build-emu/tpsim verify --backend cuda --comm "$comm" --tp 1,2,4,8 $args 2>&1); then
