@@ -120,9 +120,6 @@ namespace {
 void check_tp_invariant(const RunOptions& o) {
   const int C = kCanonicalChunks;
   if (o.model != ModelKind::Gpt) throw UsageError("--tp-invariant: applies to --model gpt");
-  if (o.device.backend != BackendKind::Cpu)
-    throw UsageError("--tp-invariant: only the cpu backend runs it (cuBLAS picks its split-K "
-                     "and NCCL its summation order by shape and topology; see README)");
   for (int t : o.tp)
     if (C % t != 0)
       throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
