@@ -1,5 +1,6 @@
 // The CUDA backend's host side: the same argument checks as the CPU backend
-// (op_checks.h), then a dtype dispatch onto the kernels of kernels.h or onto cuBLAS.
+// (op_checks.h), then a dtype dispatch onto the kernels of kernels.h or onto cuBLAS; a
+// bf16 call other than gemm runs the f32 path on device shadows (bf16_widen.h).
 // Built by the host compiler, so it gets the project's full warning set.
 #include "backend/cuda/cuda_backend.h"
 
@@ -17,8 +18,8 @@
 #include "backend/cuda/embedding_plan.h"
 #include "backend/cuda/kernels.h"
 #include "backend/op_checks.h"
-#include "core/errors.h"
 #include "core/dtype.h"
+#include "core/errors.h"
 
 namespace tpsim {
 namespace {
