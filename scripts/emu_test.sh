@@ -3,7 +3,10 @@
 # instrument, not a GPU; no nvcc needed) in build-emu/, then runs
 #   1. the emulator's self-tests and the unmodified device tests (tests/cuda/);
 #   2. tpsim verify --backend cuda for the MLP and a small GPT (plain, --loss-parallel,
-#      --sequence-parallel) at TP 1,2,4,8, with --comm sim and the emulated --comm nccl.
+#      --sequence-parallel; f64, f32 and bf16) at TP 1,2,4,8, with --comm sim and the
+#      emulated --comm nccl;
+#   3. verify --tp-invariant on a tiny GPT in f32 and bf16 under the emulator's split-K by
+#      shape (TPSIM_EMU_CUBLAS_SPLITK=shape): bit-identical to TP 1.
 # Called by scripts/test.sh; about 5 minutes of runs on 2 cores, plus the build.
 # EMU_ASAN=1 also builds build-emu-asan/ with ASan/UBSan and runs the self-tests and
 # device tests there (slower: not part of CI), so that a host access out of bounds or
@@ -39,9 +42,11 @@ gpt=(--model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 
 failed=0
 for comm in sim nccl; do
   # f64 (the GPT's default) checks indexing to 1e-10; the f32 runs per communicator check
-  # the float kernels' arithmetic at f32's tolerance.
+  # the float kernels' arithmetic at f32's tolerance, the bf16 runs the mixed-precision path
+  # (bf16 storage, f32 statistics and main gradients, bf16 collectives) at its derived bounds.
   runs=("--model mlp --dtype f32" "${gpt[*]}" "${gpt[*]} --loss-parallel"
-        "${gpt[*]} --sequence-parallel" "${gpt[*]} --loss-parallel --sequence-parallel --dtype f32")
+        "${gpt[*]} --sequence-parallel" "${gpt[*]} --loss-parallel --sequence-parallel --dtype f32"
+        "${gpt[*]} --dtype bf16" "${gpt[*]} --loss-parallel --sequence-parallel --dtype bf16")
   for args in "${runs[@]}"; do
     # shellcheck disable=SC2086
     if out=$(build-emu/tpsim verify --backend cuda --comm "$comm" --tp 1,2,4,8 $args 2>&1); then
@@ -52,5 +57,19 @@ for comm in sim nccl; do
       tail -n 20 <<<"$out"
     fi
   done
+done
+# The TP-invariant mode, with cuBLAS's sums made shape-dependent (cuda_emu's split-K by
+# shape), so that bit-identity across degrees comes from the canonical tiles.
+tiny=(--model gpt --vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 1 --batch-size 2
+      --seq-len 16 --loss-parallel --sequence-parallel --tp-invariant)
+for dt in f32 bf16; do
+  if out=$(TPSIM_EMU_CUBLAS_SPLITK=shape build-emu/tpsim verify --backend cuda --comm sim \
+             --tp 1,2,4,8 --dtype "$dt" "${tiny[@]}" 2>&1); then
+    echo "ok   --tp-invariant --dtype $dt (split-K by shape): $(grep '^verify:' <<<"$out")"
+  else
+    failed=1
+    echo "FAIL --tp-invariant --dtype $dt (split-K by shape):"
+    tail -n 20 <<<"$out"
+  fi
 done
 exit "$failed"

@@ -9,6 +9,7 @@
 //  - the device communicators' host rendezvous (DeviceRendezvous) and its validation,
 //    over ThreadComm with made-up device addresses (no device memory is touched).
 #include <catch2/catch.hpp>
+#include <bit>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -22,6 +23,7 @@
 #include "backend/cuda/math.h"
 #include "comm/device_comm.h"
 #include "comm/rank_runner.h"
+#include "core/dtype.h"
 #include "core/errors.h"
 #include "model/config.h"
 #include "runtime/cuda_plan.h"
@@ -89,6 +91,36 @@ void check_gelu() {
   CHECK(rel_err(g, be->to_host(dx)) <= bound<T>());
   // the left tail keeps its relative precision (GELU(-8) ≈ -4.9e-15, not 0)
   CHECK(f.back() < 0.0);
+}
+
+// The kernels' bf16 rounding (cuda_math::bf16_bits_from_f32) against the CPU backend's
+// (bf16_from_f32), bit for bit, at every place rounding can go wrong: for each of the 65536
+// bf16 values, the f32 values just below, at and just above the tie to the next one, the
+// exact value and the last below the next; plus every NaN pattern's class and a stride
+// through all 2^32 f32 bit patterns. Widening is checked for every bf16 value.
+TEST_CASE("cuda math: bf16 rounding and widening give the CPU's bits", "[cuda-host]") {
+  auto f32 = [](std::uint32_t u) { return std::bit_cast<float>(u); };
+  std::uint64_t checked = 0, wrong = 0;
+  auto check = [&](std::uint32_t u) {
+    ++checked;
+    wrong += cm::bf16_bits_from_f32(f32(u)) != bf16_from_f32(f32(u)).bits;
+  };
+  for (std::uint32_t hi = 0; hi < 0x10000u; ++hi) {
+    const std::uint32_t base = hi << 16;
+    for (std::uint32_t lo : {0x0000u, 0x0001u, 0x7FFEu, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu})
+      check(base | lo);
+    const bf16 h{static_cast<std::uint16_t>(hi)};
+    const float w = cm::f32_from_bf16_bits(h.bits);
+    wrong += std::bit_cast<std::uint32_t>(w) != std::bit_cast<std::uint32_t>(bf16_to_f32(h));
+  }
+  for (std::uint64_t u = 0; u < (1ull << 32); u += 65521)  // a prime stride: every low-bit mix
+    check(static_cast<std::uint32_t>(u));
+  INFO(wrong << " of " << checked << " roundings differ");
+  CHECK(wrong == 0);
+  CHECK(checked > 7 * 65536);
+  // a NaN whose payload would round into inf stays NaN, canonically
+  CHECK(cm::bf16_bits_from_f32(f32(0x7F80FFFFu)) == 0x7FFF);
+  CHECK(cm::bf16_bits_from_f32(f32(0x7F7FFFFFu)) == 0x7F80);  // rounds up into inf
 }
 
 TEST_CASE("cuda math: GELU matches the CPU backend", "[cuda-host]") {

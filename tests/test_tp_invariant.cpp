@@ -245,10 +245,7 @@ TEST_CASE("the TP-invariant mode refuses what it cannot make invariant, in one l
   INFO(no1.out);
   CHECK(no1.exit_code == 2);
   CHECK(no1.out.find("--tp must include 1") != std::string::npos);
-  const auto cuda = run_tpsim("train " + kTinyGpt + "--tp-invariant --backend cuda");
-  INFO(cuda.out);
-  CHECK(cuda.exit_code == 2);
-  CHECK(cuda.out.find("--tp-invariant: only the cpu backend runs it") != std::string::npos);
+  // (--backend cuda runs the mode: tests/cuda/test_cuda_tp_invariant.cpp)
   const auto mlp = run_tpsim("train --model mlp --tp-invariant");
   CHECK(mlp.exit_code == 2);
   const auto dump = run_tpsim("train " + kTinyGpt + "--tp-invariant --dump " + temp_path("inv-dump"));

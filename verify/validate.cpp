@@ -120,9 +120,6 @@ namespace {
 void check_tp_invariant(const RunOptions& o) {
   const int C = kCanonicalChunks;
   if (o.model != ModelKind::Gpt) throw UsageError("--tp-invariant: applies to --model gpt");
-  if (o.device.backend != BackendKind::Cpu)
-    throw UsageError("--tp-invariant: only the cpu backend runs it (cuBLAS picks its split-K "
-                     "and NCCL its summation order by shape and topology; see README)");
   for (int t : o.tp)
     if (C % t != 0)
       throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
@@ -150,9 +147,6 @@ void validate_run_options(const RunOptions& o) {
               std::numeric_limits<double>::infinity());
   check_float("--timeout", o.timeout_s, 0, false, kMaxTimeout);
   check_int("--batch-size", o.model == ModelKind::Mlp ? o.mlp.batch : o.batch_size, 1, kMaxBatch);
-  if (o.dtype == DType::BF16 && o.device.backend != BackendKind::Cpu)
-    throw UsageError("--dtype bf16: only the cpu backend runs it (the CUDA backend has no bf16 "
-                     "kernels yet)");
   if (o.model == ModelKind::Mlp && (o.loss_parallel || o.sequence_parallel))
     throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
 

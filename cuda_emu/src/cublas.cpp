@@ -4,7 +4,9 @@
 // out of bounds (reported as a device fault, like the illegal address it would be).
 #include <cublas_v2.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "internal.h"
 
@@ -74,6 +76,26 @@ std::string check_operand(const char* call, const char* name, const T* p, int ro
   return "";
 }
 
+// How many K slices a call of this shape sums separately (then adds in slice order).
+// cuBLAS picks a kernel, and with it a split-K and a summation order, by shape; the
+// emulator by default sums every element in k order, whatever the shape, and so could
+// never show a result that depends on the shape of the call. TPSIM_EMU_CUBLAS_SPLITK=shape
+// makes it depend: 1 to 4 slices, from a hash of (m, n, k), so that calls of different
+// shapes round differently (not cuBLAS's rule, which is its own; a test instrument for
+// code that must not depend on it). Read at every call, so a test can switch it.
+int k_slices(int m, int n, int k) {
+  const char* v = std::getenv("TPSIM_EMU_CUBLAS_SPLITK");
+  if (!v || std::string(v) != "shape" || k < 8) return 1;
+  // mixed so that power-of-two shapes (whose low bits are all 0) still spread
+  std::uint64_t h = (static_cast<std::uint64_t>(m) << 42) ^ (static_cast<std::uint64_t>(n) << 21) ^
+                    static_cast<std::uint64_t>(k);
+  h *= 0x9E3779B97F4A7C15ull;
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 32;
+  return 1 + static_cast<int>(h % 4);
+}
+
 // AB: the operands' storage type, TC: C's, T: the compute type (alpha, beta, the sums).
 template <class T, class AB = T, class TC = T>
 cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
@@ -127,6 +149,7 @@ cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cu
       device_fault(dev, cudaErrorIllegalAddress, late + " (when the stream ran it)");
       return true;
     }
+    const int slices = k_slices(m, n, kk);
     for (int b = 0; b < batch; ++b) {
       const AB* a = A + sA * b;
       const AB* bb = B + sB * b;
@@ -134,12 +157,18 @@ cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cu
       for (int j = 0; j < n; ++j)
         for (int i = 0; i < m; ++i) {
           T acc = T(0);
-          for (int l = 0; l < kk; ++l) {
-            const T x = widen(ta == CUBLAS_OP_N ? a[i + static_cast<long long>(l) * lda]
-                                                : a[l + static_cast<long long>(i) * lda]);
-            const T y = widen(tb == CUBLAS_OP_N ? bb[l + static_cast<long long>(j) * ldb]
-                                                : bb[j + static_cast<long long>(l) * ldb]);
-            acc += x * y;
+          for (int sl = 0; sl < slices; ++sl) {
+            // slice sl: k in [kk·sl/slices, kk·(sl+1)/slices); one slice is plain k order
+            T part = T(0);
+            const int l1 = static_cast<int>(static_cast<long long>(kk) * (sl + 1) / slices);
+            for (int l = static_cast<int>(static_cast<long long>(kk) * sl / slices); l < l1; ++l) {
+              const T x = widen(ta == CUBLAS_OP_N ? a[i + static_cast<long long>(l) * lda]
+                                                  : a[l + static_cast<long long>(i) * lda]);
+              const T y = widen(tb == CUBLAS_OP_N ? bb[l + static_cast<long long>(j) * ldb]
+                                                  : bb[j + static_cast<long long>(l) * ldb]);
+              part += x * y;
+            }
+            acc = sl == 0 ? part : acc + part;
           }
           TC& out = c[i + static_cast<long long>(j) * ldc];
           // beta 0: C is not read (it may hold NaN), as cuBLAS documents

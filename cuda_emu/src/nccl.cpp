@@ -174,9 +174,46 @@ void reduce_into(std::vector<char>& out, const std::vector<const char*>& srcs, s
   }
 }
 
+// ncclBfloat16 as a ring reduces it: each addition in f32, rounded to bf16 (to nearest
+// even, every NaN to 0x7FFF, as cvt.rn.bf16.f32) before the next, here in rank order.
+float widen_bf16(std::uint16_t h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+std::uint16_t round_bf16(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
+  return static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+void reduce_bf16(std::vector<char>& out, const std::vector<const char*>& srcs, std::size_t count,
+                 ncclRedOp_t op) {
+  out.resize(count * sizeof(std::uint16_t));
+  for (std::size_t i = 0; i < count; ++i) {
+    std::uint16_t acc;
+    std::memcpy(&acc, srcs[0] + i * sizeof acc, sizeof acc);
+    for (std::size_t q = 1; q < srcs.size(); ++q) {
+      std::uint16_t x;
+      std::memcpy(&x, srcs[q] + i * sizeof x, sizeof x);
+      const float a = widen_bf16(acc), b = widen_bf16(x);
+      switch (op) {
+        case ncclMax: acc = (b > a || b != b) ? x : acc; break;
+        case ncclMin: acc = (b < a || b != b) ? x : acc; break;
+        case ncclProd: acc = round_bf16(a * b); break;
+        default: acc = round_bf16(a + b); break;
+      }
+    }
+    if (op == ncclAvg) acc = round_bf16(widen_bf16(acc) / static_cast<float>(srcs.size()));
+    std::memcpy(out.data() + i * sizeof acc, &acc, sizeof acc);
+  }
+}
+
 void reduce(std::vector<char>& out, const std::vector<const char*>& srcs, std::size_t count,
             ncclDataType_t dt, ncclRedOp_t op) {
   switch (dt) {
+    case ncclBfloat16: return reduce_bf16(out, srcs, count, op);
     case ncclFloat32: return reduce_into<float>(out, srcs, count, op);
     case ncclFloat64: return reduce_into<double>(out, srcs, count, op);
     case ncclInt32: return reduce_into<std::int32_t>(out, srcs, count, op);

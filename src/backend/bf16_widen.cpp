@@ -18,7 +18,12 @@ bool any_bf16(std::initializer_list<const Tensor*> ts) {
 
 Tensor Bf16Widened::shadow(const Tensor& t, bool read) {
   Tensor s = Tensor::empty(t.shape(), DType::F32, scratch_, MemCategory::Temporary, t.tag());
-  if (read) widen_bf16(s.data<float>(), t.data<bf16>(), t.numel());
+  if (read) {
+    if (convert_)
+      convert_->widen(s.data<float>(), t.data<bf16>(), t.numel());
+    else
+      widen_bf16(s.data<float>(), t.data<bf16>(), t.numel());
+  }
   return s;
 }
 
@@ -39,7 +44,12 @@ Tensor Bf16Widened::inout(const Tensor& t) {
 }
 
 void Bf16Widened::store() {
-  for (auto& p : pending_) round_to_bf16(p.dst.data<bf16>(), p.shadow.data<float>(), p.dst.numel());
+  for (auto& p : pending_) {
+    if (convert_)
+      convert_->round(p.dst.data<bf16>(), p.shadow.data<float>(), p.dst.numel());
+    else
+      round_to_bf16(p.dst.data<bf16>(), p.shadow.data<float>(), p.dst.numel());
+  }
   pending_.clear();
 }
 

@@ -42,7 +42,7 @@ ncclDataType_t nccl_type(DType d) {
     case DType::F32: return ncclFloat32;
     case DType::F64: return ncclFloat64;
     case DType::I64: return ncclInt64;
-    case DType::BF16: break;  // the CUDA backend holds no bf16 tensors to reduce
+    case DType::BF16: return ncclBfloat16;  // NCCL 2.10+, CUDA 11+
   }
   throw Error(std::string("NcclComm: no collectives for dtype ") + dtype_name(d));
 }

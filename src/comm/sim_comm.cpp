@@ -11,10 +11,15 @@
 namespace tpsim {
 namespace {
 
+// reduce_ranks' dtype codes (kernels.h); bf16 sums as ThreadComm's do, in rank order
 int dtype_code(DType d) {
-  if (d == DType::BF16)  // reduce_ranks has no bf16 kernel; the CUDA backend holds no bf16 data
-    throw Error("SimComm: no collectives for dtype bf16");
-  return d == DType::F32 ? 0 : d == DType::F64 ? 1 : 2;
+  switch (d) {
+    case DType::F32: return 0;
+    case DType::F64: return 1;
+    case DType::I64: return 2;
+    case DType::BF16: return 3;
+  }
+  throw Error(std::string("SimComm: no collectives for dtype ") + dtype_name(d));
 }
 
 cudaEvent_t event_of(std::uint64_t h) { return reinterpret_cast<cudaEvent_t>(h); }

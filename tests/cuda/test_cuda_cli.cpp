@@ -89,4 +89,25 @@ TEST_CASE("cli: a CUDA report says whether its GPU was emulated", "[cuda]") {
 #endif
 }
 
+// --dtype bf16 on the CUDA backend (under cuda_emu only so far): every tensor within its
+// bf16 bound against the f64 reference, with SimComm's and NCCL's bf16 sums; and a built-in
+// fault is still caught there (so the PASS is not a verifier that cannot fail).
+TEST_CASE("cli: verify --backend cuda --dtype bf16 passes and catches a fault", "[cuda][bf16]") {
+  TPSIM_REQUIRE_CUDA();
+  const std::string gpt =
+      " --model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16"
+      " --block-size 32 --batch-size 2 --dtype bf16 --steps 2";
+  for (const char* comm : {"sim", "nccl"}) {
+    const auto r = run_tpsim(std::string("verify --backend cuda --comm ") + comm +
+                             " --tp 1,2 --loss-parallel --sequence-parallel" + gpt);
+    INFO(comm << ":\n" << r.out);
+    CHECK(r.exit_code == 0);
+    CHECK_THAT(r.out, Catch::Matchers::Contains("verify: PASS"));
+  }
+  const auto bad = run_tpsim("verify --backend cuda --comm sim --tp 2 --inject-fault gpt-missing-g" + gpt);
+  INFO(bad.out);
+  CHECK(bad.exit_code != 0);
+  CHECK_THAT(bad.out, Catch::Matchers::Contains("FAIL"));
+}
+
 }  // namespace

@@ -182,11 +182,14 @@ TEST_CASE("cuda ops: bf16 gemm (cublasGemmEx, f32 compute) agrees with the CPU b
         const double err = test::rel_err(from_device(gc), cpu->to_host(c));
         CHECK(err <= (out_dt == DType::BF16 ? 0x1p-8 : 2e-5));
       }
-  // every other op refuses bf16 by name instead of moving bytes of the wrong size
+  // mixed bf16/f32 operands have no cuBLAS path here: refused by name (the other ops'
+  // bf16 paths are in test_cuda_bf16_ops.cpp)
   CudaBackend gpu(0);
-  Tensor t = gpu.empty({4}, DType::BF16, MemCategory::Temporary, "w");
-  const double v[4] = {1, 2, 3, 4};
-  CHECK_THROWS_WITH(gpu.from_host(t, v), Catch::Contains("from_host: 'w' is bf16"));
+  Tensor a = gpu.empty({2, 3}, DType::BF16, MemCategory::Temporary, "a16");
+  Tensor b = gpu.empty({3, 2}, DType::F32, MemCategory::Temporary, "b32");
+  Tensor c = gpu.empty({2, 2}, DType::F32, MemCategory::Temporary, "c");
+  CHECK_THROWS_WITH(gpu.gemm(c, a, false, b, false, 1.0, 0.0),
+                    Catch::Contains("a 'a16' and b 'b32' must both be bf16"));
 }
 
 TEST_CASE("cuda ops: activations", "[cuda]") {

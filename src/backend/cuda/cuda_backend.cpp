@@ -1,5 +1,6 @@
 // The CUDA backend's host side: the same argument checks as the CPU backend
-// (op_checks.h), then a dtype dispatch onto the kernels of kernels.h or onto cuBLAS.
+// (op_checks.h), then a dtype dispatch onto the kernels of kernels.h or onto cuBLAS; a
+// bf16 call other than gemm runs the f32 path on device shadows (bf16_widen.h).
 // Built by the host compiler, so it gets the project's full warning set.
 #include "backend/cuda/cuda_backend.h"
 
@@ -8,15 +9,16 @@
 #include <cstdint>
 #include <cstdio>
 #include <cmath>
-#include <initializer_list>
 #include <limits>
 #include <thread>
 
+#include "backend/bf16_widen.h"
 #include "backend/cuda/blas_int.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/embedding_plan.h"
 #include "backend/cuda/kernels.h"
 #include "backend/op_checks.h"
+#include "core/dtype.h"
 #include "core/errors.h"
 
 namespace tpsim {
@@ -28,16 +30,6 @@ namespace K = cuda_kernels;
 template <class F>
 void on_float(const Tensor& t, F&& f) {
   dispatch_float(t.dtype(), std::forward<F>(f));
-}
-
-// bf16 on this backend: only gemm has a path (cuBLAS, f32 compute). Every other op would
-// reach a kernel of the wrong element size, so it is refused by name before any byte moves.
-// (dispatch_float refuses bf16 too, but without saying which op and tensor.)
-void refuse_bf16(const char* op, std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts)
-    if (t->defined() && t->dtype() == DType::BF16)
-      throw Error(std::string(op) + ": '" + t->tag() + "' is bf16; the CUDA backend has bf16 " +
-                  "only in gemm (run bf16 models with --backend cpu)");
 }
 
 cublasStatus_t gemm_sb(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
@@ -95,6 +87,26 @@ void CudaAllocator::deallocate(void* p, std::size_t) {
   if (previous >= 0 && previous != device_) (void)cudaSetDevice(previous);
 }
 
+// ---- bf16 conversions ---------------------------------------------------------------------
+
+void CudaBf16Convert::widen(float* dst, const bf16* src, std::int64_t n) const {
+  CudaDeviceGuard guard(device_);
+  K::widen_bf16(dst, reinterpret_cast<const std::uint16_t*>(src), n, stream_);
+}
+
+void CudaBf16Convert::round(bf16* dst, const float* src, std::int64_t n) const {
+  CudaDeviceGuard guard(device_);
+  K::round_to_bf16(reinterpret_cast<std::uint16_t*>(dst), src, n, stream_);
+}
+
+namespace {
+// bf16 tensors as the kernels' bits
+std::uint16_t* bits(Tensor& t) { return reinterpret_cast<std::uint16_t*>(t.data<bf16>()); }
+const std::uint16_t* bits(const Tensor& t) {
+  return reinterpret_cast<const std::uint16_t*>(t.data<bf16>());
+}
+}  // namespace
+
 // ---- the backend --------------------------------------------------------------------------
 
 // [kSumBlocks + 1] f64, then [1] i64
@@ -120,6 +132,7 @@ CudaBackend::CudaBackend(int device)
   sum_result_ = sum_partial_ + K::kSumBlocks;
   bad_row_ = reinterpret_cast<std::int64_t*>(sum_result_ + 1);
   alloc_ = std::make_unique<CudaAllocator>(device_, stream_);
+  shadow_alloc_ = std::make_unique<CudaAllocator>(device_, stream_);
 }
 
 // The members free everything, in order (cuda_handles.h).
@@ -167,12 +180,15 @@ void CudaBackend::copy_from_host(void* dst, const void* src, std::size_t bytes, 
 void CudaBackend::fill(Tensor& t, double value) {
   OpCheck c("fill", device());
   c.arg("t", t);
-  refuse_bf16("fill", {&t});
   CudaDeviceGuard guard(device_);
   if (t.dtype() == DType::I64) {
     if (!(std::trunc(value) == value && std::abs(value) < 0x1p63))
       c.fail("t '" + t.tag() + "' is i64 and " + std::to_string(value) + " is not an i64 value");
     K::fill_i64(t.data<i64>(), t.numel(), static_cast<i64>(value), stream_);
+    return;
+  }
+  if (t.dtype() == DType::BF16) {
+    K::fill_u16(bits(t), t.numel(), bf16_from_f32(static_cast<float>(value)).bits, stream_);
     return;
   }
   on_float(t, [&](auto z) {
@@ -183,8 +199,11 @@ void CudaBackend::fill(Tensor& t, double value) {
 
 void CudaBackend::copy(Tensor& dst, const Tensor& src) {
   check_copy(device(), dst, src);
-  refuse_bf16("copy", {&dst, &src});  // bf16 <-> f32 would be a conversion, not a memcpy
   CudaDeviceGuard guard(device_);
+  if (dst.dtype() == DType::BF16 && src.dtype() == DType::F32)
+    return K::round_to_bf16(bits(dst), src.data<float>(), dst.numel(), stream_);
+  if (dst.dtype() == DType::F32 && src.dtype() == DType::BF16)
+    return K::widen_bf16(dst.data<float>(), bits(src), dst.numel(), stream_);
   if (dst.nbytes() > 0 && dst.raw() != src.raw())
     TPSIM_CUDA_CHECK(
         cudaMemcpyAsync(dst.raw(), src.raw(), dst.nbytes(), cudaMemcpyDeviceToDevice, stream_));
@@ -192,7 +211,6 @@ void CudaBackend::copy(Tensor& dst, const Tensor& src) {
 
 void CudaBackend::from_host(Tensor& dst, const double* src) {
   OpCheck("from_host", device()).float_arg("dst", dst);
-  refuse_bf16("from_host", {&dst});
   if (dst.numel() == 0) return;
   CudaDeviceGuard guard(device_);
   if (dst.dtype() == DType::F64) {
@@ -202,6 +220,8 @@ void CudaBackend::from_host(Tensor& dst, const double* src) {
   // [numel] f64 staging on the device, converted there; freed in stream order.
   Tensor staging = empty({dst.numel()}, DType::F64, MemCategory::Temporary, "from_host.staging");
   copy_from_host(staging.raw(), src, staging.nbytes(), "from_host");
+  if (dst.dtype() == DType::BF16)
+    return K::bf16_from_f64(bits(dst), staging.data<double>(), dst.numel(), stream_);
   K::convert_from_f64<float>(dst.data<float>(), staging.data<double>(), dst.numel(), stream_);
 }
 
@@ -214,15 +234,17 @@ void CudaBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
 
 std::vector<double> CudaBackend::to_host(const Tensor& src) {
   OpCheck("to_host", device()).float_arg("src", src);
-  refuse_bf16("to_host", {&src});
   std::vector<double> out(static_cast<std::size_t>(src.numel()));
   if (src.numel() == 0) return out;
   CudaDeviceGuard guard(device_);
   const void* from = src.raw();
-  Tensor staging;  // [numel] f64 on the device, for f32 sources
-  if (src.dtype() == DType::F32) {
+  Tensor staging;  // [numel] f64 on the device, for f32 and bf16 sources
+  if (src.dtype() != DType::F64) {
     staging = empty({src.numel()}, DType::F64, MemCategory::Temporary, "to_host.staging");
-    K::convert_to_f64<float>(staging.data<double>(), src.data<float>(), src.numel(), stream_);
+    if (src.dtype() == DType::BF16)
+      K::bf16_to_f64(staging.data<double>(), bits(src), src.numel(), stream_);
+    else
+      K::convert_to_f64<float>(staging.data<double>(), src.data<float>(), src.numel(), stream_);
     from = staging.raw();
   }
   copy_to_host(out.data(), from, out.size() * sizeof(double), "to_host");
@@ -231,7 +253,6 @@ std::vector<double> CudaBackend::to_host(const Tensor& src) {
 
 void CudaBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   check_columns("copy_columns", device(), src, "src", dst, "dst", col0);
-  refuse_bf16("copy_columns", {&src});
   const i64 M = dst.dim(0), n = dst.dim(1), N = src.dim(1);
   if (M == 0 || n == 0) return;
   const std::size_t esz = dtype_size(src.dtype());
@@ -245,7 +266,6 @@ void CudaBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0
 
 void CudaBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   check_columns("set_columns", device(), dst, "dst", src, "src", col0);
-  refuse_bf16("set_columns", {&dst});
   const i64 M = src.dim(0), n = src.dim(1), N = dst.dim(1);
   if (M == 0 || n == 0) return;
   const std::size_t esz = dtype_size(dst.dtype());
@@ -259,6 +279,12 @@ void CudaBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0)
 
 void CudaBackend::add_inplace(Tensor& dst, const Tensor& src) {
   check_same_float("add_inplace", device(), "dst", dst, "src", src);
+  if (any_bf16({&dst, &src})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor d = w.inout(dst);
+    add_inplace(d, w.in(src));
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(dst, [&](auto z) {
     using T = decltype(z);
@@ -268,6 +294,12 @@ void CudaBackend::add_inplace(Tensor& dst, const Tensor& src) {
 
 void CudaBackend::scale_inplace(Tensor& t, double s) {
   OpCheck("scale_inplace", device()).float_arg("t", t);
+  if (any_bf16({&t})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor x = w.inout(t);
+    scale_inplace(x, s);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(t, [&](auto z) {
     using T = decltype(z);
@@ -314,6 +346,12 @@ void CudaBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor&
 
 void CudaBackend::relu_forward(Tensor& out, const Tensor& inp) {
   check_same_float("relu_forward", device(), "out", out, "inp", inp);
+  if (any_bf16({&out, &inp})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.out(out);
+    relu_forward(o, w.in(inp));
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -323,6 +361,12 @@ void CudaBackend::relu_forward(Tensor& out, const Tensor& inp) {
 
 void CudaBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   check_act_backward("relu_backward", device(), dinp, dout, inp);
+  if (any_bf16({&dinp, &dout, &inp})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor d = w.out(dinp);
+    relu_backward(d, w.in(dout), w.in(inp));
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -332,6 +376,12 @@ void CudaBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& 
 
 void CudaBackend::gelu_forward(Tensor& out, const Tensor& inp) {
   check_same_float("gelu_forward", device(), "out", out, "inp", inp);
+  if (any_bf16({&out, &inp})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.out(out);
+    gelu_forward(o, w.in(inp));
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -341,6 +391,12 @@ void CudaBackend::gelu_forward(Tensor& out, const Tensor& inp) {
 
 void CudaBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   check_act_backward("gelu_backward", device(), dinp, dout, inp);
+  if (any_bf16({&dinp, &dout, &inp})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor d = w.out(dinp);
+    gelu_backward(d, w.in(dout), w.in(inp));
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -353,6 +409,12 @@ void CudaBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& 
 void CudaBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
                                     const Tensor& weight, double eps) {
   const RowsCols s = check_layernorm_forward(device(), out, mean, rstd, inp, weight);
+  if (any_bf16({&out, &mean, &rstd, &inp, &weight})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.out(out), m = w.out(mean), r = w.out(rstd);
+    layernorm_forward(o, m, r, w.in(inp), w.in(weight), eps);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -366,6 +428,12 @@ void CudaBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor
                                      const Tensor& rstd) {
   const RowsCols s =
       check_layernorm_backward(device(), dinp, dweight, dout, inp, weight, mean, rstd);
+  if (any_bf16({&dinp, &dweight, &dout, &inp, &weight, &mean, &rstd})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor di = w.inout(dinp), dw = w.inout(dweight);
+    layernorm_backward(di, dw, w.in(dout), w.in(inp), w.in(weight), w.in(mean), w.in(rstd));
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   // [chunks, C] per-chunk column sums of dout·xhat, added in order into dweight
   Tensor partial = empty({K::layernorm_dweight_chunks(s.N), s.C}, inp.dtype(),
@@ -387,6 +455,14 @@ void CudaBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q,
                                     const Tensor& v, std::int64_t B, std::int64_t T,
                                     std::int64_t h, double scale) {
   const i64 d = check_attention_forward(device(), out, probs, q, k, v, B, T, h);
+  if (any_bf16({&out, &probs, &q, &k, &v})) {
+    // as on the CPU: scores and probabilities stay f32 inside the call (probs·v reads the
+    // f32 probabilities); probs is rounded to bf16 only where it is saved for backward
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.out(out), p = w.out(probs);
+    attention_forward(o, p, w.in(q), w.in(k), w.in(v), B, T, h, scale);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   const i64 ld = h * d;
   on_float(q, [&](auto z) {
@@ -407,6 +483,13 @@ void CudaBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const T
                                      const Tensor& probs, std::int64_t B, std::int64_t T,
                                      std::int64_t h, double scale) {
   const i64 d = check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, B, T, h);
+  if (any_bf16({&dq, &dk, &dv, &dout, &q, &k, &v, &probs})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor gq = w.out(dq), gk = w.out(dk), gv = w.out(dv);
+    attention_backward(gq, gk, gv, w.in(dout), w.in(q), w.in(k), w.in(v), w.in(probs), B, T, h,
+                       scale);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   const i64 ld = h * d;
   // [B,h,T,T]: dP, then dS in place; as large as probs (the CPU needs only [T,T], but a
@@ -443,6 +526,12 @@ void CudaBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const T
 void CudaBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
                                     std::int64_t row0) {
   const EmbeddingDims s = check_embedding_forward(device(), out, ids, table, row0);
+  if (any_bf16({&out, &table})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.out(out);
+    embedding_forward(o, ids, w.in(table), row0);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(table, [&](auto z) {
     using T = decltype(z);
@@ -454,6 +543,12 @@ void CudaBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor
 void CudaBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
                                      std::int64_t row0) {
   const EmbeddingDims s = check_embedding_backward(device(), dtable, dout, ids, row0);
+  if (any_bf16({&dtable, &dout})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor dt = w.inout(dtable);
+    embedding_backward(dt, w.in(dout), ids, row0);
+    return w.store();
+  }
   if (s.N == 0 || s.C == 0) return;
   CudaDeviceGuard guard(device_);
   // The ids come to the host (N i64s, one wait) to plan the scatter-add there.
@@ -495,6 +590,12 @@ void CudaBackend::check_targets(const char* op, const Tensor& targets, const Ten
 
 void CudaBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
   const CeDims s = check_ce_row_max(device(), rowmax, logits, valid);
+  if (any_bf16({&rowmax, &logits})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor m = w.out(rowmax);
+    ce_row_max(m, w.in(logits), valid);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(logits, [&](auto z) {
     using T = decltype(z);
@@ -505,6 +606,12 @@ void CudaBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t 
 void CudaBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits,
                                   const Tensor& targets, std::int64_t col0, std::int64_t valid) {
   const CeDims s = check_ce_target_logit(device(), target_logit, logits, targets, col0, valid);
+  if (any_bf16({&target_logit, &logits})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor tl = w.out(target_logit);
+    ce_target_logit(tl, w.in(logits), targets, col0, valid);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   check_targets("ce_target_logit", targets, logits, col0, valid);
   on_float(logits, [&](auto z) {
@@ -517,6 +624,12 @@ void CudaBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits,
 void CudaBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
                              std::int64_t valid) {
   const CeDims s = check_ce_sum_exp(device(), sumexp, logits, rowmax, valid);
+  if (any_bf16({&sumexp, &logits, &rowmax})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor se = w.out(sumexp);
+    ce_sum_exp(se, w.in(logits), w.in(rowmax), valid);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(logits, [&](auto z) {
     using T = decltype(z);
@@ -528,6 +641,12 @@ void CudaBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor&
 void CudaBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
                           const Tensor& target_logit, const Tensor& targets) {
   const i64 N = check_ce_loss(device(), loss, rowmax, sumexp, target_logit, targets);
+  if (any_bf16({&loss, &rowmax, &sumexp, &target_logit})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor l = w.out(loss);
+    ce_loss(l, w.in(rowmax), w.in(sumexp), w.in(target_logit), targets);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(loss, [&](auto z) {
     using T = decltype(z);
@@ -541,6 +660,12 @@ void CudaBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tenso
                               std::int64_t valid, double scale) {
   const CeDims s =
       check_ce_backward(device(), dlogits, logits, rowmax, sumexp, targets, col0, valid);
+  if (any_bf16({&dlogits, &logits, &rowmax, &sumexp})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor d = w.out(dlogits);
+    ce_backward(d, w.in(logits), w.in(rowmax), w.in(sumexp), targets, col0, valid, scale);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   check_targets("ce_backward", targets, logits, col0, valid);
   on_float(logits, [&](auto z) {
@@ -558,6 +683,10 @@ double CudaBackend::read_sum() {
 
 double CudaBackend::sum(const Tensor& t) {
   OpCheck("sum", device()).float_arg("t", t);
+  if (any_bf16({&t})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    return sum(w.in(t));
+  }
   if (t.numel() == 0) return 0.0;
   CudaDeviceGuard guard(device_);
   on_float(t, [&](auto z) {
@@ -573,6 +702,10 @@ double CudaBackend::mse_forward(const Tensor& y, const Tensor& target) {
   check_same_float("mse_forward", device(), "target", target, "y", y);
   if (y.numel() == 0)
     OpCheck("mse_forward", device()).fail("y '" + y.tag() + "' is empty; its mean is 0/0");
+  if (any_bf16({&y, &target})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    return mse_forward(w.in(y), w.in(target));
+  }
   CudaDeviceGuard guard(device_);
   on_float(y, [&](auto z) {
     using T = decltype(z);
@@ -584,6 +717,12 @@ double CudaBackend::mse_forward(const Tensor& y, const Tensor& target) {
 
 void CudaBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
   check_mse_backward(device(), dy, y, target);
+  if (any_bf16({&dy, &y, &target})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor d = w.out(dy);
+    mse_backward(d, w.in(y), w.in(target));
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(y, [&](auto z) {
     using T = decltype(z);
@@ -596,6 +735,12 @@ void CudaBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target
 
 void CudaBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
   check_same_float("sgd_update", device(), "grad", grad, "param", param);
+  if (any_bf16({&param, &grad})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor p = w.inout(param);
+    sgd_update(p, w.in(grad), lr);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(param, [&](auto z) {
     using T = decltype(z);
@@ -607,6 +752,12 @@ void CudaBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tens
                               double beta1, double beta2, double eps, double weight_decay,
                               std::int64_t step) {
   check_adam(device(), param, grad, m, v, step);
+  if (any_bf16({&param, &grad, &m, &v})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor p = w.inout(param), mm = w.inout(m), vv = w.inout(v);
+    adam_update(p, w.in(grad), mm, vv, lr, beta1, beta2, eps, weight_decay, step);
+    return w.store();
+  }
   CudaDeviceGuard guard(device_);
   on_float(param, [&](auto z) {
     using T = decltype(z);

@@ -5,6 +5,15 @@
 // Ops return as soon as their work is enqueued; to_host, sum and mse_forward wait for
 // the stream, since they hand results to the host. Those waits poll the stream against a
 // deadline (HostWait), so work stuck behind a collective ends in an error, not a hang.
+//
+// bf16 (backend.h's rule, the CPU backend's recipe): gemm is cuBLAS's bf16 GEMM with f32
+// compute; every other op widens its bf16 tensors to f32 shadows on the device, runs its
+// f32 kernel and rounds each bf16 output once, to nearest even, with the CPU's integer
+// formula. So on the same input an elementwise op gives the CPU backend's bf16 bits
+// wherever its f32 kernel gives the CPU's f32 bits (under cuda_emu; on a GPU nvcc's
+// contractions and CUDA's exp/erfc move some f32 results by an ulp, and a bf16 output by
+// one bf16 ulp where that crosses a rounding boundary). Tested under cuda_emu only; it
+// has never run on a GPU.
 #pragma once
 
 #include <cublas_v2.h>
@@ -15,6 +24,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/bf16_widen.h"
 #include "backend/cuda/cuda_handles.h"
 
 namespace tpsim {
@@ -28,6 +38,19 @@ class CudaAllocator final : public Allocator {
   Device device() const override { return {DeviceKind::Cuda, device_}; }
   void* allocate(std::size_t bytes) override;
   void deallocate(void* p, std::size_t bytes) override;
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+};
+
+// The bf16 shadows' conversions (bf16_widen.h) as kernels on one device's stream, with
+// cuda_math's rounding (the bits of core/dtype.h's bf16_from_f32).
+class CudaBf16Convert final : public Bf16Convert {
+ public:
+  CudaBf16Convert(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  void widen(float* dst, const bf16* src, std::int64_t n) const override;
+  void round(bf16* dst, const float* src, std::int64_t n) const override;
 
  private:
   int device_;
@@ -58,6 +81,8 @@ class CudaBackend final : public Backend {
   // or CommError when the HostWait's deadline passes first.
   void synchronize();
   void set_host_wait(HostWait w) { host_wait_ = std::move(w); }
+  // The bf16 shadows' memory (see shadow_alloc_), for tests and profiles.
+  const MemoryLedger& bf16_shadow_ledger() const { return shadow_alloc_->ledger(); }
 
   void fill(Tensor& t, double value) override;
   void copy(Tensor& dst, const Tensor& src) override;
@@ -145,6 +170,12 @@ class CudaBackend final : public Backend {
   double* sum_result_ = nullptr;
   std::int64_t* bad_row_ = nullptr;
   std::unique_ptr<CudaAllocator> alloc_;
+  // bf16 calls: every op but gemm runs its f32 kernel on f32 shadows of its bf16 tensors,
+  // as the CPU backend does (bf16_widen.h). The shadows are device memory, taken and
+  // freed in stream order within the call, outside the rank's ledger (a fused bf16 kernel
+  // would not hold them); this allocator's own ledger records them.
+  std::unique_ptr<CudaAllocator> shadow_alloc_;
+  CudaBf16Convert bf16_convert_{device_, stream_};
   HostWait host_wait_;
 };
 

@@ -1,4 +1,4 @@
-// Elementwise kernels: fills, conversions, activations, MSE gradient and optimizers. One
+// Elementwise kernels: fills, conversions (bf16 included), activations, MSE gradient and optimizers. One
 // thread per element in a grid-stride loop; the arithmetic is cuda_math's.
 #include "backend/cuda/block_reduce.cuh"
 #include "backend/cuda/cuda_check.h"
@@ -24,6 +24,24 @@ void fill(T* t, i64 n, T value, cudaStream_t s) {
 }
 void fill_i64(i64* t, i64 n, i64 value, cudaStream_t s) {
   for_each(n, s, [=] __device__(i64 i) { t[i] = value; });
+}
+void fill_u16(std::uint16_t* t, i64 n, std::uint16_t value, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { t[i] = value; });
+}
+void widen_bf16(float* dst, const std::uint16_t* src, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dst[i] = cuda_math::f32_from_bf16_bits(src[i]); });
+}
+void round_to_bf16(std::uint16_t* dst, const float* src, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dst[i] = cuda_math::bf16_bits_from_f32(src[i]); });
+}
+void bf16_from_f64(std::uint16_t* dst, const double* src, i64 n, cudaStream_t s) {
+  // through f32: a direct f64 -> bf16 rounding could differ where f32 rounds to a tie
+  for_each(n, s, [=] __device__(i64 i) {
+    dst[i] = cuda_math::bf16_bits_from_f32(static_cast<float>(src[i]));
+  });
+}
+void bf16_to_f64(double* dst, const std::uint16_t* src, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { dst[i] = double(cuda_math::f32_from_bf16_bits(src[i])); });
 }
 template <class T>
 void convert_from_f64(T* dst, const double* src, i64 n, cudaStream_t s) {

@@ -18,6 +18,13 @@ using i64 = std::int64_t;
 template <class T> void fill(T* t, i64 n, T value, cudaStream_t s);          // t[n] = value
 template <class T> void convert_from_f64(T* dst, const double* src, i64 n, cudaStream_t s);
 template <class T> void convert_to_f64(double* dst, const T* src, i64 n, cudaStream_t s);
+// bf16 storage (bits, cuda_math::bf16_bits_from_f32): dst[n] = src widened exactly /
+// rounded to nearest even; from f64 through f32, as the CPU backend's from_host does.
+void widen_bf16(float* dst, const std::uint16_t* src, i64 n, cudaStream_t s);
+void round_to_bf16(std::uint16_t* dst, const float* src, i64 n, cudaStream_t s);
+void bf16_from_f64(std::uint16_t* dst, const double* src, i64 n, cudaStream_t s);
+void bf16_to_f64(double* dst, const std::uint16_t* src, i64 n, cudaStream_t s);
+void fill_u16(std::uint16_t* t, i64 n, std::uint16_t value, cudaStream_t s);
 template <class T> void add_inplace(T* dst, const T* src, i64 n, cudaStream_t s);
 template <class T> void scale_inplace(T* t, i64 n, T a, cudaStream_t s);
 template <class T> void relu_forward(T* out, const T* inp, i64 n, cudaStream_t s);
@@ -46,7 +53,8 @@ inline constexpr int kMaxRanks = 64;
 struct RankPtrs {
   const void* p[kMaxRanks];
 };
-// dtype: 0 f32, 1 f64, 2 i64
+// dtype: 0 f32, 1 f64, 2 i64, 3 bf16 (each addition in f32, rounded to bf16 before the
+// next, as ThreadComm does)
 void reduce_ranks(void* dst, const RankPtrs& src, int k, i64 n, int dtype, bool op_max,
                   cudaStream_t s);
 

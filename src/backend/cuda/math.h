@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #ifdef __CUDACC__
 #define TPSIM_HD __host__ __device__
@@ -38,6 +39,26 @@ TPSIM_HD inline float m_log(float x) { return logf(x); }
 TPSIM_HD inline double m_log(double x) { return log(x); }
 TPSIM_HD inline float m_sqrt(float x) { return sqrtf(x); }
 TPSIM_HD inline double m_sqrt(double x) { return sqrt(x); }
+
+// ---- bf16 storage -----------------------------------------------------------------------
+// The bits of core/dtype.h's bf16_from_f32 / bf16_to_f32, as the kernels see them (a bf16
+// buffer is std::uint16_t on the device: core/dtype.h is C++20 and host only). The same
+// integer formula, so host and device round alike: to nearest, ties to even, every NaN to
+// 0x7FFF, as cvt.rn.bf16.f32 does (tests/test_cuda_host_math.cpp checks it bit for bit
+// against bf16_from_f32 at every rounding boundary).
+TPSIM_HD inline std::uint16_t bf16_bits_from_f32(float x) {
+  std::uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
+  const std::uint32_t lsb = (u >> 16) & 1u;
+  return static_cast<std::uint16_t>((u + 0x7FFFu + lsb) >> 16);
+}
+TPSIM_HD inline float f32_from_bf16_bits(std::uint16_t h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
 
 inline constexpr double kInvSqrt2 = 0.70710678118654752440;    // 1/√2
 inline constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1/√(2π)

@@ -45,8 +45,16 @@ __global__ void reduce_ranks_kernel(T* dst, RankPtrs src, int k, i64 n) {
     T acc = static_cast<const T*>(src.p[0])[i];
     for (int q = 1; q < k; ++q) {
       const T x = static_cast<const T*>(src.p[q])[i];
-      if constexpr (kMax) {
+      if constexpr (kMax && std::is_same_v<T, std::uint16_t>) {
+        // bf16 bits compare as their f32 values (NaN wins), never as integers
+        const float a = cuda_math::f32_from_bf16_bits(acc), b = cuda_math::f32_from_bf16_bits(x);
+        acc = (b > a || b != b) ? x : acc;
+      } else if constexpr (kMax) {
         acc = MaxOp<T>{}(acc, x);
+      } else if constexpr (std::is_same_v<T, std::uint16_t>) {
+        // bf16 bits: the f32 sum rounded back to bf16 before the next addition
+        acc = cuda_math::bf16_bits_from_f32(cuda_math::f32_from_bf16_bits(acc) +
+                                            cuda_math::f32_from_bf16_bits(x));
       } else if constexpr (std::is_integral_v<T>) {
         // i64: wrap around instead of signed overflow, as ThreadComm does
         acc = static_cast<T>(static_cast<unsigned long long>(acc) +
@@ -90,6 +98,7 @@ void reduce_ranks(void* dst, const RankPtrs& src, int k, i64 n, int dtype, bool 
   switch (dtype) {
     case 0: return reduce_ranks_typed<float>(dst, src, k, n, op_max, s);
     case 1: return reduce_ranks_typed<double>(dst, src, k, n, op_max, s);
+    case 3: return reduce_ranks_typed<std::uint16_t>(dst, src, k, n, op_max, s);
     default: return reduce_ranks_typed<long long>(dst, src, k, n, op_max, s);
   }
 }
