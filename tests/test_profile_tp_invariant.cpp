@@ -64,8 +64,6 @@ TEST_CASE("profile --tp-invariant refuses what train and verify refuse, in the s
   const Case cases[] = {
       {"--model gpt --preset small --tp 3", "--tp-invariant: tp 3 does not divide 8"},
       {"--model mlp --tp 2", "--tp-invariant: applies to --model gpt"},
-      {"--model gpt --preset small --tp 2 --backend cuda",
-       "--tp-invariant: only the cpu backend runs it"},
       {"--model gpt --preset small --hidden 36 --tp 2",
        "--tp-invariant: --hidden 36 is not a multiple of 8"},
       {"--model gpt --preset small --batch-size 1 --seq-len 3 --tp 2 --sequence-parallel",
