@@ -5,7 +5,6 @@
 #include <cmath>
 #include <condition_variable>
 #include <exception>
-#include <map>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -13,6 +12,7 @@
 #include "runtime/launch.h"
 #include "verify/divergence.h"
 #include "verify/memory_check.h"
+#include "verify/step_barrier.h"
 #include "verify/step_checks.h"
 #include "verify/tensor_order.h"
 #include "verify/tolerance.h"
@@ -38,7 +38,7 @@ class ReferenceFeed {
       : storage_(resync ? RefStorage::Copies : RefStorage::InPlace),
         lag_(resync ? 2 : 1),
         slots_(resync ? 3 : 1),
-        consumers_(consumers) {}
+        readers_(consumers) {}
 
   RefStorage storage() const { return storage_; }
 
@@ -46,8 +46,7 @@ class ReferenceFeed {
   RefStep& slot(int step) {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock lock(mu_);
-    cv_.wait(lock,
-             [&] { return step <= lag_ || consumers_ <= 0 || all_done_ >= step - lag_; });
+    cv_.wait(lock, [&] { return readers_.passed(step - lag_); });
     waited_s_ += seconds_since(t0);
     return at(step);
   }
@@ -76,23 +75,21 @@ class ReferenceFeed {
   // This rank has finished `step` (ranks finish their steps in order).
   void done(int step) {
     std::lock_guard lock(mu_);
-    ++done_count_[step];
-    advance();
+    readers_.done(step);
+    cv_.notify_all();
   }
   // This rank reads no more (finished or failed): the reference no longer waits for it.
   void retire(int last_done) {
     std::lock_guard lock(mu_);
-    for (auto& [step, n] : done_count_)
-      if (step <= last_done) --n;  // count only the ranks still reading
-    --consumers_;
-    advance();
+    readers_.retire(last_done);
+    cv_.notify_all();
   }
 
   // No rank reads any more: the reference need not wait for anyone (ranks of a group
   // whose launch failed never retire themselves).
   void close() {
     std::lock_guard lock(mu_);
-    consumers_ = 0;
+    readers_.close();
     cv_.notify_all();
   }
 
@@ -111,24 +108,14 @@ class ReferenceFeed {
   }
 
  private:
-  void advance() {  // with mu_ held
-    for (auto it = done_count_.find(all_done_ + 1);
-         it != done_count_.end() && it->second >= consumers_; it = done_count_.find(all_done_ + 1)) {
-      done_count_.erase(it);
-      ++all_done_;
-    }
-    cv_.notify_all();
-  }
   RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
   const RefStorage storage_;
   const int lag_;                      // step p waits for every rank to finish step p-lag_
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<RefStep> slots_;         // step s lives in slots_[(s-1) % size]
-  int consumers_;                      // ranks still reading
+  StepBarrier readers_;                // the ranks' finished steps, under mu_
   int published_ = 0;
-  int all_done_ = 0;                   // every consumer has finished steps 1..all_done_
-  std::map<int, int> done_count_;      // step -> ranks that finished it, beyond all_done_
   std::vector<double> losses_;         // per published step
   double waited_s_ = 0;                // in slot(), producer thread only
   std::exception_ptr error_;
@@ -183,7 +170,7 @@ class Tp1Feed {
   void record(int step, const std::vector<Observation>& obs) {
     if (step != filling_) {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return error_ || readers_ <= 0 || all_done_ >= step - 1; });
+      cv_.wait(lock, [&] { return error_ || readers_.passed(step - 1); });
       if (error_) throw RuntimeFailure("verify --tp-invariant: a tp group failed before tp 1 "
                                        "recorded step " + std::to_string(step));
       filling_ = step;
@@ -221,15 +208,13 @@ class Tp1Feed {
   }
   void done(int step) {
     std::lock_guard lock(mu_);
-    ++done_count_[step];
-    advance();
+    readers_.done(step);
+    cv_.notify_all();
   }
   void retire(int last_done) {
     std::lock_guard lock(mu_);
-    for (auto& [step, n] : done_count_)
-      if (step <= last_done) --n;  // count only the ranks still reading
-    --readers_;
-    advance();
+    readers_.retire(last_done);
+    cv_.notify_all();
   }
 
   std::exception_ptr error() {
@@ -242,22 +227,12 @@ class Tp1Feed {
   }
 
  private:
-  void advance() {  // with mu_ held
-    for (auto it = done_count_.find(all_done_ + 1);
-         it != done_count_.end() && it->second >= readers_; it = done_count_.find(all_done_ + 1)) {
-      done_count_.erase(it);
-      ++all_done_;
-    }
-    cv_.notify_all();
-  }
   std::mutex mu_;
   std::condition_variable cv_;
   TensorMap slot_;                 // the step being filled or read
   int filling_ = 0;                // producer thread only
-  int readers_;                    // ranks still reading
+  StepBarrier readers_;            // the reading ranks' finished steps, under mu_
   int published_ = 0;
-  int all_done_ = 0;               // every reader has finished steps 1..all_done_
-  std::map<int, int> done_count_;  // step -> readers that finished it, beyond all_done_
   double peak_bytes_ = 0;
   std::exception_ptr error_;
 };
