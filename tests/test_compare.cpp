@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "verify/compare.h"
+#include "verify/step_checks.h"
 #include "verify/tolerance.h"
 
 using namespace tpsim;
@@ -255,4 +256,62 @@ TEST_CASE("the tolerance model's values", "[verify][tolerance]") {
   o.batch_size = 16;
   o.seq_len = 64;  // 1024 tokens = 4H
   CHECK(norm_tolerance(o) == Approx(4.0 * 38.0 * std::sqrt(1024.0) * u32).epsilon(1e-12));
+}
+
+TEST_CASE("a replicated tensor reassembled in place reports the numbers of a fresh scan",
+          "[compare][verify]") {
+  // check_reassembled reuses check()'s comparison of the same memory; the numbers must be
+  // those of comparing a copy of the values, which always scans.
+  const ParamSpec p{"wte.weight", {7, 3}, {}};
+  std::vector<double> ref(21), mine(21);
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    ref[i] = std::sin(static_cast<double>(i) + 0.5);
+    mine[i] = ref[i] * (1.0 + 1e-9 * std::cos(3.0 * static_cast<double>(i)));
+  }
+  mine[11] += 1e-6;  // the worst element, mid-tensor
+  RefStep step;
+  step.tensors["wte.weight"] = TensorView(ref);
+  for (Phase phase : {Phase::Update, Phase::Backward}) {
+    std::vector<Comparison> viewed, copied;
+    {
+      StepChecker check(step, 1e-10, 5, 2, viewed);
+      check.check({{"wte.weight", replicate(p, 0, 2), ObservedValues::view(mine.data(), 21)}},
+                  phase);
+      check.check_reassembled("wte.weight", p.shape, ObservedValues::view(mine.data(), 21), phase);
+    }
+    {
+      StepChecker check(step, 1e-10, 5, 2, copied);
+      check.check({{"wte.weight", replicate(p, 0, 2), ObservedValues(mine)}}, phase);
+      check.check_reassembled("wte.weight", p.shape, ObservedValues(mine), phase);
+    }
+    REQUIRE(viewed.size() == 2);
+    REQUIRE(copied.size() == 2);
+    const Comparison& a = viewed[1];
+    const Comparison& b = copied[1];
+    require_same_numbers(a, b);
+    CHECK(a.what == std::string(kReassembledCheck));
+    CHECK(a.shard == b.shard);
+    CHECK(a.shard == "reassembled from 2 ranks");
+    CHECK(a.rank == b.rank);
+    CHECK(a.tp == b.tp);
+    CHECK(a.order == b.order);
+    CHECK(a.step == b.step);
+    CHECK(a.phase == b.phase);
+    CHECK(a.full_shape == b.full_shape);
+    CHECK(a.tolerance == b.tolerance);
+    CHECK(a.pass == b.pass);
+    CHECK_FALSE(a.pass);  // 1e-6 on values of order 1: far over 1e-10
+    CHECK(a.worst == 11);
+    CHECK(a.sharded_finite == b.sharded_finite);
+  }
+  // Other memory (a gathered copy) is scanned, not matched by name alone.
+  std::vector<Comparison> out;
+  StepChecker check(step, 1e-10, 5, 2, out);
+  check.check({{"wte.weight", replicate(p, 0, 2), ObservedValues::view(mine.data(), 21)}},
+              Phase::Update);
+  std::vector<double> other = ref;  // equal to the reference: rel err 0
+  check.check_reassembled("wte.weight", p.shape, ObservedValues::view(other.data(), 21),
+                          Phase::Update);
+  CHECK(out[1].rel_err == 0.0);
+  CHECK(out[1].pass);
 }

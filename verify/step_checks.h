@@ -29,7 +29,10 @@ class StepChecker {
 
   void check(const std::vector<Observation>& obs, Phase phase);
   // A full tensor reassembled from every rank's shard (what --save-final writes) against
-  // the whole reference tensor, after the step's own checks.
+  // the whole reference tensor, after the step's own checks. `values` that view the very
+  // memory check() compared under this name and phase in this step (a replicated tensor's
+  // own copy) take that comparison's numbers without a second scan: the caller passes such
+  // a view only where nothing has written that memory since.
   void check_reassembled(const std::string& name, const Shape& shape, ObservedValues values,
                          Phase phase);
   void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
@@ -39,6 +42,17 @@ class StepChecker {
 
  private:
   static constexpr int kAfterShardChecks = 1 << 24;
+  // Where check() read each observation's values, so that check_reassembled can tell a
+  // tensor it has already compared in place (a replicated one, viewed where it lies).
+  struct Checked {
+    const double* values;
+    std::size_t n;
+    std::size_t index;  // in out_
+  };
+  // This step's reference check of `name` in `phase` made on exactly these values (the
+  // same memory), or null.
+  const Comparison* checked_in_place(const std::string& name, const double* values,
+                                     std::size_t n, Phase phase) const;
   void stamp(Comparison& c, Phase phase);
   double tolerance_of(const std::string& tensor) const;
   const RefStep& ref_;
@@ -48,6 +62,7 @@ class StepChecker {
   int world_;
   int order_ = 0;
   std::vector<Comparison>& out_;
+  std::vector<Checked> checked_;
 };
 
 // Folds a TP group's comparisons into its TpResult one step at a time, as the step's last

@@ -348,7 +348,9 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       // After the last step, the reassembly that --save-final uses: a shard placed at the
       // wrong offset passes every per-shard check and corrupts only the saved tensors.
       // A replicated tensor reassembles to this rank's own copy: where the backend holds
-      // it in f64 on the host, it is read in place rather than copied (wte: 100 MB).
+      // it in f64 on the host, it is read in place rather than copied (wte: 100 MB), and
+      // the checker reuses this step's check of that same memory (optimizer_step reads the
+      // gradients only: Backend::adam_update takes them const).
       if (step == o.steps) {
         auto full_of = [&](const Parameter& p, const Tensor& t) -> ObservedValues {
           if (p.spec.replicated())
