@@ -315,3 +315,87 @@ TEST_CASE("a replicated tensor reassembled in place reports the numbers of a fre
   CHECK(out[1].rel_err == 0.0);
   CHECK(out[1].pass);
 }
+
+namespace {
+// Rank 0's and rank 1's checks of one replicated tensor at tp 2, rank 1 deferring.
+struct ReplicaPair {
+  ParamSpec p{"wte.weight", {5, 4}, {}};
+  std::vector<double> ref = std::vector<double>(20), mine0 = std::vector<double>(20);
+  RefStep step;
+  ReplicaPair() {
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      ref[i] = std::cos(static_cast<double>(i) + 0.25);
+      mine0[i] = ref[i] * (1.0 + 1e-12 * std::sin(static_cast<double>(i)));
+    }
+    step.tensors["wte.weight"] = TensorView(ref);
+  }
+  Observation obs(int rank, const std::vector<double>& v) const {
+    return {"wte.weight", replicate(p, rank, 2), ObservedValues(v)};
+  }
+};
+}  // namespace
+
+TEST_CASE("a deferred replica check takes rank 0's numbers only for identical bits",
+          "[compare][verify]") {
+  ReplicaPair t;
+  std::vector<Comparison> out0;
+  StepChecker check0(t.step, 1e-10, 2, 2, out0);
+  check0.check({t.obs(0, t.mine0)}, Phase::Update);
+
+  auto rank1 = [&](const std::vector<double>& v, std::vector<Comparison>& out) {
+    StepChecker check(t.step, 1e-10, 2, 2, out);
+    check.defer_replicated();
+    check.check({t.obs(1, v)}, Phase::Update);
+    REQUIRE(out.size() == 1);
+    CHECK(out[0].pass);  // pending
+    check.check_replicas({t.obs(1, v)}, {t.obs(0, t.mine0)}, {Phase::Update}, &out0);
+    REQUIRE(out.size() == 2);
+  };
+  auto own_scan = [&](const std::vector<double>& v) {
+    std::vector<Comparison> out;
+    StepChecker check(t.step, 1e-10, 2, 2, out);
+    check.check({t.obs(1, v)}, Phase::Update);
+    return out.at(0);
+  };
+
+  SECTION("identical bits") {
+    std::vector<Comparison> out;
+    rank1(t.mine0, out);
+    const Comparison want = own_scan(t.mine0);
+    require_same_numbers(out[0], want);
+    CHECK(out[0].shard == want.shard);
+    CHECK(out[0].rank == 1);
+    CHECK(out[0].order == want.order);
+    CHECK(out[0].pass);
+    CHECK(out[1].what == std::string(kReplicaCheck));
+    CHECK(out[1].pass);
+  }
+  SECTION("different bits: this rank's own scan, which fails") {
+    std::vector<double> v = t.mine0;
+    v[7] += 1e-3;
+    std::vector<Comparison> out;
+    rank1(v, out);
+    const Comparison want = own_scan(v);
+    require_same_numbers(out[0], want);
+    CHECK_FALSE(out[0].pass);
+    CHECK(out[0].worst == 7);
+    CHECK_FALSE(out[1].pass);  // and the replica check fails
+  }
+  SECTION("complete_pending scans at once, and a pending check never handed over throws") {
+    std::vector<double> v = t.mine0;
+    v[3] = std::numeric_limits<double>::quiet_NaN();
+    std::vector<Comparison> out;
+    StepChecker check(t.step, 1e-10, 2, 2, out);
+    check.defer_replicated();
+    check.check({t.obs(1, v)}, Phase::Backward);
+    CHECK_FALSE(out[0].sharded_finite);  // known before the scan: it decides check_finite
+    check.complete_pending({t.obs(1, v)}, Phase::Backward);
+    CHECK_FALSE(out[0].pass);
+    std::vector<Comparison> left;
+    StepChecker lost(t.step, 1e-10, 2, 2, left);
+    lost.defer_replicated();
+    lost.check({t.obs(1, v)}, Phase::Update);
+    CHECK_THROWS_WITH(lost.check_replicas({}, {}, {}, &out0),
+                      Catch::Contains("wte.weight") && Catch::Contains("pending"));
+  }
+}
