@@ -35,6 +35,7 @@ class ObservedValues {
   const double* begin() const { return data(); }
   const double* end() const { return data() + size(); }
   bool empty() const { return size() == 0; }
+  bool is_view() const { return view_ != nullptr; }
   std::vector<double> to_vector() const { return {data(), data() + size()}; }
   // The owned copy, to be (re)filled; ends any view.
   std::vector<double>& copy() {

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "verify/compare.h"
+#include "verify/step_checks.h"
 #include "verify/tolerance.h"
 
 using namespace tpsim;
@@ -255,4 +256,146 @@ TEST_CASE("the tolerance model's values", "[verify][tolerance]") {
   o.batch_size = 16;
   o.seq_len = 64;  // 1024 tokens = 4H
   CHECK(norm_tolerance(o) == Approx(4.0 * 38.0 * std::sqrt(1024.0) * u32).epsilon(1e-12));
+}
+
+TEST_CASE("a replicated tensor reassembled in place reports the numbers of a fresh scan",
+          "[compare][verify]") {
+  // check_reassembled reuses check()'s comparison of the same memory; the numbers must be
+  // those of comparing a copy of the values, which always scans.
+  const ParamSpec p{"wte.weight", {7, 3}, {}};
+  std::vector<double> ref(21), mine(21);
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    ref[i] = std::sin(static_cast<double>(i) + 0.5);
+    mine[i] = ref[i] * (1.0 + 1e-9 * std::cos(3.0 * static_cast<double>(i)));
+  }
+  mine[11] += 1e-6;  // the worst element, mid-tensor
+  RefStep step;
+  step.tensors["wte.weight"] = TensorView(ref);
+  for (Phase phase : {Phase::Update, Phase::Backward}) {
+    std::vector<Comparison> viewed, copied;
+    {
+      StepChecker check(step, 1e-10, 5, 2, viewed);
+      check.check({{"wte.weight", replicate(p, 0, 2), ObservedValues::view(mine.data(), 21)}},
+                  phase);
+      check.check_reassembled("wte.weight", p.shape, ObservedValues::view(mine.data(), 21), phase);
+    }
+    {
+      StepChecker check(step, 1e-10, 5, 2, copied);
+      check.check({{"wte.weight", replicate(p, 0, 2), ObservedValues(mine)}}, phase);
+      check.check_reassembled("wte.weight", p.shape, ObservedValues(mine), phase);
+    }
+    REQUIRE(viewed.size() == 2);
+    REQUIRE(copied.size() == 2);
+    const Comparison& a = viewed[1];
+    const Comparison& b = copied[1];
+    require_same_numbers(a, b);
+    CHECK(a.what == std::string(kReassembledCheck));
+    CHECK(a.shard == b.shard);
+    CHECK(a.shard == "reassembled from 2 ranks");
+    CHECK(a.rank == b.rank);
+    CHECK(a.tp == b.tp);
+    CHECK(a.order == b.order);
+    CHECK(a.step == b.step);
+    CHECK(a.phase == b.phase);
+    CHECK(a.full_shape == b.full_shape);
+    CHECK(a.tolerance == b.tolerance);
+    CHECK(a.pass == b.pass);
+    CHECK_FALSE(a.pass);  // 1e-6 on values of order 1: far over 1e-10
+    CHECK(a.worst == 11);
+    CHECK(a.sharded_finite == b.sharded_finite);
+  }
+  // Other memory (a gathered copy) is scanned, not matched by name alone.
+  std::vector<Comparison> out;
+  StepChecker check(step, 1e-10, 5, 2, out);
+  check.check({{"wte.weight", replicate(p, 0, 2), ObservedValues::view(mine.data(), 21)}},
+              Phase::Update);
+  std::vector<double> other = ref;  // equal to the reference: rel err 0
+  check.check_reassembled("wte.weight", p.shape, ObservedValues::view(other.data(), 21),
+                          Phase::Update);
+  CHECK(out[1].rel_err == 0.0);
+  CHECK(out[1].pass);
+}
+
+namespace {
+// Rank 0's and rank 1's checks of one replicated tensor at tp 2, rank 1 deferring.
+struct ReplicaPair {
+  ParamSpec p{"wte.weight", {5, 4}, {}};
+  std::vector<double> ref = std::vector<double>(20), mine0 = std::vector<double>(20);
+  RefStep step;
+  ReplicaPair() {
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      ref[i] = std::cos(static_cast<double>(i) + 0.25);
+      mine0[i] = ref[i] * (1.0 + 1e-12 * std::sin(static_cast<double>(i)));
+    }
+    step.tensors["wte.weight"] = TensorView(ref);
+  }
+  Observation obs(int rank, const std::vector<double>& v) const {
+    return {"wte.weight", replicate(p, rank, 2), ObservedValues(v)};
+  }
+};
+}  // namespace
+
+TEST_CASE("a deferred replica check takes rank 0's numbers only for identical bits",
+          "[compare][verify]") {
+  ReplicaPair t;
+  std::vector<Comparison> out0;
+  StepChecker check0(t.step, 1e-10, 2, 2, out0);
+  check0.check({t.obs(0, t.mine0)}, Phase::Update);
+
+  auto rank1 = [&](const std::vector<double>& v, std::vector<Comparison>& out) {
+    StepChecker check(t.step, 1e-10, 2, 2, out);
+    check.defer_replicated();
+    check.check({t.obs(1, v)}, Phase::Update);
+    REQUIRE(out.size() == 1);
+    CHECK(out[0].pass);  // pending
+    check.check_replicas({t.obs(1, v)}, {t.obs(0, t.mine0)}, {Phase::Update}, &out0);
+    REQUIRE(out.size() == 2);
+  };
+  auto own_scan = [&](const std::vector<double>& v) {
+    std::vector<Comparison> out;
+    StepChecker check(t.step, 1e-10, 2, 2, out);
+    check.check({t.obs(1, v)}, Phase::Update);
+    return out.at(0);
+  };
+
+  SECTION("identical bits") {
+    std::vector<Comparison> out;
+    rank1(t.mine0, out);
+    const Comparison want = own_scan(t.mine0);
+    require_same_numbers(out[0], want);
+    CHECK(out[0].shard == want.shard);
+    CHECK(out[0].rank == 1);
+    CHECK(out[0].order == want.order);
+    CHECK(out[0].pass);
+    CHECK(out[1].what == std::string(kReplicaCheck));
+    CHECK(out[1].pass);
+  }
+  SECTION("different bits: this rank's own scan, which fails") {
+    std::vector<double> v = t.mine0;
+    v[7] += 1e-3;
+    std::vector<Comparison> out;
+    rank1(v, out);
+    const Comparison want = own_scan(v);
+    require_same_numbers(out[0], want);
+    CHECK_FALSE(out[0].pass);
+    CHECK(out[0].worst == 7);
+    CHECK_FALSE(out[1].pass);  // and the replica check fails
+  }
+  SECTION("complete_pending scans at once, and a pending check never handed over throws") {
+    std::vector<double> v = t.mine0;
+    v[3] = std::numeric_limits<double>::quiet_NaN();
+    std::vector<Comparison> out;
+    StepChecker check(t.step, 1e-10, 2, 2, out);
+    check.defer_replicated();
+    check.check({t.obs(1, v)}, Phase::Backward);
+    CHECK_FALSE(out[0].sharded_finite);  // known before the scan: it decides check_finite
+    check.complete_pending({t.obs(1, v)}, Phase::Backward);
+    CHECK_FALSE(out[0].pass);
+    std::vector<Comparison> left;
+    StepChecker lost(t.step, 1e-10, 2, 2, left);
+    lost.defer_replicated();
+    lost.check({t.obs(1, v)}, Phase::Update);
+    CHECK_THROWS_WITH(lost.check_replicas({}, {}, {}, &out0),
+                      Catch::Contains("wte.weight") && Catch::Contains("pending"));
+  }
 }

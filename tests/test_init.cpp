@@ -42,6 +42,21 @@ TEST_CASE("a shard initialised alone equals its slice of the full tensor", "[ini
   }
 }
 
+TEST_CASE("a block holds init_value of each element, whatever the kind of init", "[init]") {
+  // init_block's runs take shortcuts (one name hash per run, normals a pair at a time);
+  // init_value is the definition, so the reference and any reader of one element agree.
+  const Shape shape{6, 5};
+  for (const InitSpec& spec :
+       {InitSpec::uniform(-0.3, 0.7), InitSpec::normal(0.5), InitSpec::constant(2.0)}) {
+    std::vector<double> block(3 * 5);  // rows [2, 5) of [6, 5]: the run starts mid-tensor
+    init_block<double>(block.data(), 11, "w", spec, shape, 0, 2, 3);
+    for (std::size_t k = 0; k < block.size(); ++k) {
+      const double want = init_value(11, "w", spec, static_cast<std::int64_t>(10 + k));
+      REQUIRE(std::memcmp(&block[k], &want, sizeof(double)) == 0);
+    }
+  }
+}
+
 TEST_CASE("f32 init is the f64 init rounded once", "[init]") {
   const Shape shape{5, 3};
   std::vector<double> d(15);

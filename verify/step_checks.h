@@ -28,18 +28,49 @@ class StepChecker {
   }
 
   void check(const std::vector<Observation>& obs, Phase phase);
+  // A rank other than 0 of its group: check() leaves each replicated tensor's reference
+  // check (the loss's aside) pending, and check_replicas completes it, with rank 0's
+  // numbers where this rank's copy is bit-identical to rank 0's (the same scan of the same
+  // bits against the same reference), with its own scan where not. A pending check
+  // counts as passing until then; its sharded_finite is this rank's own.
+  void defer_replicated() { defer_ = true; }
+  // Completes the pending checks of `obs` (of `phase`) with this rank's own scans: before
+  // a decision that must see their real pass.
+  void complete_pending(const std::vector<Observation>& obs, Phase phase);
   // A full tensor reassembled from every rank's shard (what --save-final writes) against
-  // the whole reference tensor, after the step's own checks.
+  // the whole reference tensor, after the step's own checks. `values` that view the very
+  // memory check() compared under this name and phase in this step (a replicated tensor's
+  // own copy) take that comparison's numbers without a second scan: the caller passes such
+  // a view only where nothing has written that memory since.
   void check_reassembled(const std::string& name, const Shape& shape, ObservedValues values,
                          Phase phase);
+  // `rank0_checks`: rank 0's comparisons of this step, which complete the pending checks
+  // (every one left must be among `mine`).
   void check_replicas(const std::vector<Observation>& mine, const std::vector<Observation>& rank0,
-                      const std::vector<Phase>& phases);
+                      const std::vector<Phase>& phases,
+                      const std::vector<Comparison>* rank0_checks = nullptr);
   // --tp-invariant: every observation against tp 1's same tensor of this step, bit for bit.
   void check_bitwise(const std::vector<Observation>& obs, const TensorMap& tp1, Phase phase);
 
  private:
   static constexpr int kAfterShardChecks = 1 << 24;
+  // Where check() read each observation's values, so that check_reassembled can tell a
+  // tensor it has already compared in place (a replicated one, viewed where it lies).
+  struct Checked {
+    const double* values;
+    std::size_t n;
+    std::size_t index;  // in out_
+  };
+  // This step's reference check of `name` in `phase` made on exactly these values (the
+  // same memory), or null.
+  const Comparison* checked_in_place(const std::string& name, const double* values,
+                                     std::size_t n, Phase phase) const;
   void stamp(Comparison& c, Phase phase);
+  Comparison reference_check(const Observation& o) const;
+  struct Pending {
+    std::size_t index;  // in out_
+    bool done = false;
+  };
   double tolerance_of(const std::string& tensor) const;
   const RefStep& ref_;
   double tol_;
@@ -48,6 +79,9 @@ class StepChecker {
   int world_;
   int order_ = 0;
   std::vector<Comparison>& out_;
+  std::vector<Checked> checked_;
+  bool defer_ = false;
+  std::vector<Pending> pending_;
 };
 
 // Folds a TP group's comparisons into its TpResult one step at a time, as the step's last

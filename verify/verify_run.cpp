@@ -5,7 +5,6 @@
 #include <cmath>
 #include <condition_variable>
 #include <exception>
-#include <map>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -13,6 +12,7 @@
 #include "runtime/launch.h"
 #include "verify/divergence.h"
 #include "verify/memory_check.h"
+#include "verify/step_barrier.h"
 #include "verify/step_checks.h"
 #include "verify/tensor_order.h"
 #include "verify/stream_norms.h"
@@ -39,7 +39,7 @@ class ReferenceFeed {
       : storage_(resync ? RefStorage::Copies : RefStorage::InPlace),
         lag_(resync ? 2 : 1),
         slots_(resync ? 3 : 1),
-        consumers_(consumers) {}
+        readers_(consumers) {}
 
   RefStorage storage() const { return storage_; }
 
@@ -47,8 +47,7 @@ class ReferenceFeed {
   RefStep& slot(int step) {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock lock(mu_);
-    cv_.wait(lock,
-             [&] { return step <= lag_ || consumers_ <= 0 || all_done_ >= step - lag_; });
+    cv_.wait(lock, [&] { return readers_.passed(step - lag_); });
     waited_s_ += seconds_since(t0);
     return at(step);
   }
@@ -77,23 +76,21 @@ class ReferenceFeed {
   // This rank has finished `step` (ranks finish their steps in order).
   void done(int step) {
     std::lock_guard lock(mu_);
-    ++done_count_[step];
-    advance();
+    readers_.done(step);
+    cv_.notify_all();
   }
   // This rank reads no more (finished or failed): the reference no longer waits for it.
   void retire(int last_done) {
     std::lock_guard lock(mu_);
-    for (auto& [step, n] : done_count_)
-      if (step <= last_done) --n;  // count only the ranks still reading
-    --consumers_;
-    advance();
+    readers_.retire(last_done);
+    cv_.notify_all();
   }
 
   // No rank reads any more: the reference need not wait for anyone (ranks of a group
   // whose launch failed never retire themselves).
   void close() {
     std::lock_guard lock(mu_);
-    consumers_ = 0;
+    readers_.close();
     cv_.notify_all();
   }
 
@@ -112,24 +109,14 @@ class ReferenceFeed {
   }
 
  private:
-  void advance() {  // with mu_ held
-    for (auto it = done_count_.find(all_done_ + 1);
-         it != done_count_.end() && it->second >= consumers_; it = done_count_.find(all_done_ + 1)) {
-      done_count_.erase(it);
-      ++all_done_;
-    }
-    cv_.notify_all();
-  }
   RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
   const RefStorage storage_;
   const int lag_;                      // step p waits for every rank to finish step p-lag_
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<RefStep> slots_;         // step s lives in slots_[(s-1) % size]
-  int consumers_;                      // ranks still reading
+  StepBarrier readers_;                // the ranks' finished steps, under mu_
   int published_ = 0;
-  int all_done_ = 0;                   // every consumer has finished steps 1..all_done_
-  std::map<int, int> done_count_;      // step -> ranks that finished it, beyond all_done_
   std::vector<double> losses_;         // per published step
   double waited_s_ = 0;                // in slot(), producer thread only
   std::exception_ptr error_;
@@ -184,7 +171,7 @@ class Tp1Feed {
   void record(int step, const std::vector<Observation>& obs) {
     if (step != filling_) {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return error_ || readers_ <= 0 || all_done_ >= step - 1; });
+      cv_.wait(lock, [&] { return error_ || readers_.passed(step - 1); });
       if (error_) throw RuntimeFailure("verify --tp-invariant: a tp group failed before tp 1 "
                                        "recorded step " + std::to_string(step));
       filling_ = step;
@@ -222,15 +209,13 @@ class Tp1Feed {
   }
   void done(int step) {
     std::lock_guard lock(mu_);
-    ++done_count_[step];
-    advance();
+    readers_.done(step);
+    cv_.notify_all();
   }
   void retire(int last_done) {
     std::lock_guard lock(mu_);
-    for (auto& [step, n] : done_count_)
-      if (step <= last_done) --n;  // count only the ranks still reading
-    --readers_;
-    advance();
+    readers_.retire(last_done);
+    cv_.notify_all();
   }
 
   std::exception_ptr error() {
@@ -243,22 +228,12 @@ class Tp1Feed {
   }
 
  private:
-  void advance() {  // with mu_ held
-    for (auto it = done_count_.find(all_done_ + 1);
-         it != done_count_.end() && it->second >= readers_; it = done_count_.find(all_done_ + 1)) {
-      done_count_.erase(it);
-      ++all_done_;
-    }
-    cv_.notify_all();
-  }
   std::mutex mu_;
   std::condition_variable cv_;
   TensorMap slot_;                 // the step being filled or read
   int filling_ = 0;                // producer thread only
-  int readers_;                    // ranks still reading
+  StepBarrier readers_;            // the reading ranks' finished steps, under mu_
   int published_ = 0;
-  int all_done_ = 0;               // every reader has finished steps 1..all_done_
-  std::map<int, int> done_count_;  // step -> readers that finished it, beyond all_done_
   double peak_bytes_ = 0;
   std::exception_ptr error_;
 };
@@ -314,6 +289,10 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
 
       StepChecker check(ref.wait(step), tol, step, tp, mine.step);
       check.use_bounds(bounds);
+      // Rank 0's replicated tensors are compared with the reference; the others' with rank
+      // 0's bit for bit, and take rank 0's numbers when equal (logits, wte and their
+      // gradients: a third of tp 2's compared values).
+      if (rank != 0) check.defer_replicated();
       // Last step's observations go back to the model to be refilled: past the second
       // barrier below, no rank reads another's slot any more.
       auto& slot = replica_slots[static_cast<std::size_t>(rank)];
@@ -341,11 +320,16 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       // loss is not) must check_finite read them again to name the first.
       const auto first_grad =
           mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before + fwd.size());
-      if (std::all_of(mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before),
-                      mine.step.end(), [](const Comparison& c) { return c.pass; }) &&
-          (!std::isfinite(loss) ||
-           !std::all_of(first_grad, mine.step.end(),
-                        [](const Comparison& c) { return c.sharded_finite; })))
+      const bool not_finite =
+          !std::isfinite(loss) || !std::all_of(first_grad, mine.step.end(), [](const Comparison& c) {
+            return c.sharded_finite;
+          });
+      if (not_finite) {  // the decision below needs the pending checks' real pass
+        check.complete_pending(fwd, Phase::Forward);
+        check.complete_pending(grads, Phase::Backward);
+      }
+      if (not_finite && std::all_of(mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before),
+                                    mine.step.end(), [](const Comparison& c) { return c.pass; }))
         check_finite(loss, grads, rank, step);
       model->optimizer_step();
       auto params = model->observe_params();
@@ -367,13 +351,15 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
           phases.push_back(phase);
         }
       comm.barrier();
-      if (rank != 0) check.check_replicas(slot, replica_slots[0], phases);
+      if (rank != 0) check.check_replicas(slot, replica_slots[0], phases, &found[0].step);
       comm.barrier();
 
       // After the last step, the reassembly that --save-final uses: a shard placed at the
       // wrong offset passes every per-shard check and corrupts only the saved tensors.
       // A replicated tensor reassembles to this rank's own copy: where the backend holds
-      // it in f64 on the host, it is read in place rather than copied (wte: 100 MB).
+      // it in f64 on the host, it is read in place rather than copied (wte: 100 MB), and
+      // the checker reuses this step's check of that same memory (optimizer_step reads the
+      // gradients only: Backend::adam_update takes them const).
       if (step == o.steps) {
         auto full_of = [&](const Parameter& p, const Tensor& t) -> ObservedValues {
           if (p.spec.replicated())

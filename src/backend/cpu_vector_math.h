@@ -20,6 +20,14 @@ void scaled_probs_f32(float* out, const float* x, std::int64_t n, float m, float
 // normal range; NaN stays NaN), for tests.
 float exp_nonpos_f32(float x);
 
+// The same in f64: exp_nonpos_f64 (within 1.2 ulp of exp on [-708, 0]; 0 below -708, where
+// exp leaves f64's normal range), the sum in 8 interleaved partial sums added in a fixed
+// order. Each element's exp depends on its value only, not on its position or alignment.
+double sum_exp_f64(const double* x, std::int64_t n, double m);
+void scaled_probs_f64(double* out, const double* x, std::int64_t n, double m, double se,
+                      double scale);
+double exp_nonpos_f64(double x);
+
 // Whether no element is NaN or ±inf (no all-ones exponent), by the bits.
 bool all_finite_f32(const float* x, std::int64_t n);
 bool all_finite_f64(const double* x, std::int64_t n);

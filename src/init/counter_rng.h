@@ -27,14 +27,25 @@ constexpr std::uint64_t mix64(std::uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// The part of counter_bits that depends on (seed, stream) only: a run of one tensor's
+// values computes it once.
+constexpr std::uint64_t counter_key(std::uint64_t seed, std::uint64_t stream) {
+  return mix64(mix64(seed + 0x9e3779b97f4a7c15ull) ^ stream);
+}
+constexpr std::uint64_t counter_bits_at(std::uint64_t key, std::uint64_t counter) {
+  return mix64(key + counter * 0x9e3779b97f4a7c15ull);
+}
 constexpr std::uint64_t counter_bits(std::uint64_t seed, std::uint64_t stream,
                                      std::uint64_t counter) {
-  return mix64(mix64(mix64(seed + 0x9e3779b97f4a7c15ull) ^ stream) + counter * 0x9e3779b97f4a7c15ull);
+  return counter_bits_at(counter_key(seed, stream), counter);
 }
 
 // Uniform in [0, 1) with 53 random bits.
+constexpr double uniform_of_bits(std::uint64_t bits) {
+  return static_cast<double>(bits >> 11) * 0x1.0p-53;
+}
 constexpr double counter_uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
-  return static_cast<double>(counter_bits(seed, stream, counter) >> 11) * 0x1.0p-53;
+  return uniform_of_bits(counter_bits(seed, stream, counter));
 }
 
 // Box-Muller turns the uniforms at counters 4m and 4m+1 into two standard normals, the
