@@ -119,6 +119,20 @@ inline bool exponents_finite(const F* x, i64 n, U exponent_mask) {
   return true;
 }
 
+// kLanes partial sums (one 512-bit register of T) so the loop vectorises; the lanes are
+// added in one fixed order, so the result does not depend on the clone that ran.
+template <class T, int kLanes>
+inline T sum_exp_lanes(const T* x, i64 n, T m) {
+  T acc[kLanes] = {};
+  i64 i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += exp_nonpos(x[i + l] - m);
+  for (int l = 0; i < n; ++i, ++l) acc[l] += exp_nonpos(x[i] - m);
+  T s = 0;
+  for (T a : acc) s += a;
+  return s;
+}
+
 }  // namespace
 
 TPSIM_CLONES bool all_finite_f32(const float* x, i64 n) {
@@ -132,15 +146,7 @@ float exp_nonpos_f32(float x) { return exp_nonpos(x); }
 double exp_nonpos_f64(double x) { return exp_nonpos(x); }
 
 TPSIM_CLONES float sum_exp_f32(const float* x, i64 n, float m) {
-  constexpr int kLanes = 16;
-  float acc[kLanes] = {};
-  i64 i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += exp_nonpos(x[i + l] - m);
-  for (int l = 0; i < n; ++i, ++l) acc[l] += exp_nonpos(x[i] - m);
-  float s = 0.0f;
-  for (float a : acc) s += a;
-  return s;
+  return sum_exp_lanes<float, 16>(x, n, m);
 }
 
 TPSIM_CLONES void scaled_probs_f32(float* out, const float* x, i64 n, float m, float se,
@@ -149,15 +155,7 @@ TPSIM_CLONES void scaled_probs_f32(float* out, const float* x, i64 n, float m, f
 }
 
 TPSIM_CLONES double sum_exp_f64(const double* x, i64 n, double m) {
-  constexpr int kLanes = 8;
-  double acc[kLanes] = {};
-  i64 i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += exp_nonpos(x[i + l] - m);
-  for (int l = 0; i < n; ++i, ++l) acc[l] += exp_nonpos(x[i] - m);
-  double s = 0.0;
-  for (double a : acc) s += a;
-  return s;
+  return sum_exp_lanes<double, 8>(x, n, m);
 }
 
 TPSIM_CLONES void scaled_probs_f64(double* out, const double* x, i64 n, double m, double se,
