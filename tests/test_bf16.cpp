@@ -17,7 +17,6 @@
 #include "cli_runner.h"
 #include "comm/rank_runner.h"
 #include "core/dtype.h"
-#include "verify/stream_norms.h"
 #include "verify/tolerance.h"
 
 using namespace tpsim;
@@ -240,11 +239,7 @@ TEST_CASE("the bf16 error model: depth, collectives, steps, resync", "[bf16][tol
   r.resync = true;
   const ToleranceModel mr(r);
   CHECK(mr.bound("act/logits", 3, 8) == mr.bound("act/logits", 1, 8));
-  // ... up to Adam's largest step at step 3, which --resync leaves the moments of:
-  // sqrt(Σ a_j²/b_j) over the bias-corrected weights, for betas 0.9, 0.95 (computed apart)
-  const double c3 = 1.000969272450759, w0s = us + ua;
-  CHECK(mr.bound("h.0.mlp.ffn2.weight", 3, 8) - w0s ==
-        Approx((mr.bound("h.0.mlp.ffn2.weight", 1, 8) - w0s) * c3).epsilon(1e-12));
+  CHECK(mr.bound("h.0.mlp.ffn2.weight", 3, 8) == mr.bound("h.0.mlp.ffn2.weight", 1, 8));
   // the first step with a bound that cannot fail: none with --resync at lr 0.01
   CHECK(m.first_step_with_bound_at_least(0.0) == 1);
   CHECK(m.first_step_with_bound_at_least(1e9) == 0);
@@ -254,93 +249,6 @@ TEST_CASE("the bf16 error model: depth, collectives, steps, resync", "[bf16][tol
   f.dtype = DType::F32;
   CHECK_FALSE(ToleranceModel(f).per_tensor());
   CHECK(ToleranceModel(f).bound("act/logits", 1, 1) == norm_tolerance(f));
-}
-
-namespace {
-// The small GPT of the error-model tests, and stream norms for it: every stream point's
-// norm `point` and every branch's `branch` (the first point of each direction has none),
-// every weight's RMS after each step `rms_scale` times its initial one, every gradient's
-// RMS 1 and that of g + wd·w `decayed`.
-RunOptions small_bf16_gpt(int steps) {
-  RunOptions o;
-  o.model = ModelKind::Gpt;
-  o.gpt.vocab_size = 101;
-  o.gpt.hidden = 64;
-  o.gpt.heads = 8;
-  o.gpt.layers = 2;
-  o.gpt.block_size = 32;
-  o.batch_size = 2;
-  o.seq_len = 24;
-  o.steps = steps;
-  o.tp = {1, 2};
-  o.dtype = DType::BF16;
-  return o;
-}
-
-StreamNorms flat_norms(const RunOptions& o, double point, double branch, double rms_scale,
-                        double decayed = 1.0) {
-  StreamNorms n;
-  const auto points = gpt_stream_points(o.gpt);
-  const std::size_t forward = 2 * static_cast<std::size_t>(o.gpt.layers) + 1;
-  for (std::int64_t s = 0; s < o.steps; ++s) {
-    auto& m = n.steps.emplace_back();
-    for (std::size_t k = 0; k < points.size(); ++k)
-      m[points[k]] = {point, k == 0 || k == forward ? 0.0 : branch};
-    for (const auto& p : gpt_param_specs(o.gpt)) {
-      const double rms = p.init.kind == InitSpec::Kind::Normal ? p.init.a
-                         : p.init.kind == InitSpec::Kind::Constant
-                             ? std::abs(p.init.a)
-                             : std::sqrt((p.init.a * p.init.a + p.init.a * p.init.b +
-                                          p.init.b * p.init.b) / 3.0);
-      m[p.name] = {rms_scale * rms, 1.0};  // numel 1: the norm is the RMS
-      m[p.name + ".grad"] = {1.0, decayed};  // rms(g), rms(g + wd·w)
-    }
-  }
-  return n;
-}
-}  // namespace
-
-TEST_CASE("the bf16 error model with the reference's stream: attenuation where a branch joins it",
-          "[bf16][tolerance]") {
-  const RunOptions o = small_bf16_gpt(3);
-  const ToleranceModel gain1(o);
-  // A branch of norm 0 adds nothing where it joins: the stream passes its reads on at gain 1.
-  const ToleranceModel none(o, flat_norms(o, 1.0, 0.0, 1.0));
-  // inside the first branch, before any join: the same reads at gain 1 as the gain-1 model
-  // at step 1; later the weights they read are nearer (their gradients were attenuated)
-  for (const char* t : {"act/embedding.out", "act/h.0.ln1.out", "act/h.0.attn.o.out"}) {
-    CHECK(none.bound(t, 1, 2) == Approx(gain1.bound(t, 1, 2)).epsilon(1e-12));
-    for (int s : {2, 3}) CHECK(none.bound(t, s, 2) < gain1.bound(t, s, 2));
-  }
-  // after the join, the first attention's weights no longer reach the stream (‖b‖ = 0)
-  CHECK(none.bound("act/h.0.residual.mid", 2, 1) < gain1.bound("act/h.0.residual.mid", 2, 1));
-  CHECK(none.bound("act/h.1.ln1.out", 2, 1) < gain1.bound("act/h.1.ln1.out", 2, 1));
-  // a branch of a tenth of the stream's norm: its reads reach the stream at ~0.1
-  const ToleranceModel tenth(o, flat_norms(o, 1.0, 0.1, 1.0));
-  CHECK(tenth.bound("act/h.1.ln1.out", 2, 1) > none.bound("act/h.1.ln1.out", 2, 1));
-  CHECK(tenth.bound("act/h.1.ln1.out", 2, 1) < gain1.bound("act/h.1.ln1.out", 2, 1));
-  // a branch as large as the stream it makes, which does not grow: the branch's reads
-  // join at gain 1 (sqrt(1·0² + 1·1²)/1), the stream's own at sqrt(2): none is attenuated
-  const ToleranceModel full(o, flat_norms(o, 1.0, 1.0, 1.0));
-  for (const char* t : {"act/h.0.residual.mid", "act/h.1.ln1.out", "act/logits", "loss"})
-    CHECK(full.bound(t, 1, 2) >= gain1.bound(t, 1, 2) * (1 - 1e-12));
-  // backward, a branch also reads its forward tensors: two paths in quadrature, so a
-  // weight gradient is no tighter than gain 1 here
-  CHECK(full.bound("h.0.mlp.ffn1.weight.grad", 1, 1) >= gain1.bound("h.0.mlp.ffn1.weight.grad", 1, 1));
-  // the weights' errors are relative to the reference's weights after the step: weights
-  // that shrank to half their initial RMS carry twice the relative update error
-  const ToleranceModel half(o, flat_norms(o, 1.0, 1.0, 0.5));
-  const double us = 0x1p-8, ua = 0x1p-24;
-  const double h1 = half.bound("h.0.mlp.ffn2.weight", 1, 1) - us - ua;
-  CHECK(h1 == Approx(2 * (full.bound("h.0.mlp.ffn2.weight", 1, 1) - us - ua)).epsilon(1e-9));
-  // weight decay that dominates the gradient (rms(g + wd·w) = 10 rms(g)) leaves a tenth of
-  // the gradient's relative error to flip signs: sqrt(10) less update error
-  const ToleranceModel decayed(o, flat_norms(o, 1.0, 1.0, 1.0, 10.0));
-  const double f1 = full.bound("h.0.mlp.ffn2.weight", 1, 1) - us - ua;
-  const double d1 = decayed.bound("h.0.mlp.ffn2.weight", 1, 1) - us - ua;
-  CHECK(d1 == Approx(f1 / std::sqrt(10.0)).epsilon(1e-6));
-  // norms for fewer steps than the run: refused
-  CHECK_THROWS(ToleranceModel(small_bf16_gpt(4), flat_norms(o, 1.0, 1.0, 1.0)));
 }
 
 namespace {
@@ -357,20 +265,9 @@ TEST_CASE("verify --dtype bf16 warns from the step whose bounds cannot fail", "[
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
   const int from = read_json(json)["vacuous_from_step"];
-  CHECK(from >= 3);  // steps 1 and 2: every bound below 1 (largest ~0.1 and ~0.4)
+  CHECK(from >= 2);  // step 1's bounds are all far below 1 (largest ~0.1)
   CHECK(r.out.find("warning: from step " + std::to_string(from) + " on some bounds are 1 or more") !=
         std::string::npos);
-  // --json's per_step: every tensor at every step, its largest error over shards and its bound
-  const auto j = read_json(json);
-  for (const auto& t : j["tp"]) {
-    REQUIRE(t["per_step"].size() > 60);
-    for (const auto& e : t["per_step"]) {
-      INFO(t["tp"] << " " << e["tensor"]);
-      REQUIRE(e["rel_err"].size() == 5);
-      REQUIRE(e["tolerance"].size() == 5);
-      for (std::size_t s = 0; s < 5; ++s) CHECK(double(e["rel_err"][s]) <= double(e["tolerance"][s]));
-    }
-  }
   const auto rs = run_tpsim(base + json + " --resync");
   INFO(rs.out);
   REQUIRE(rs.exit_code == 0);
@@ -428,14 +325,6 @@ TEST_CASE("verify --dtype bf16: a fault above the bound fails, naming tensor and
   // a few times its bound: above it, though within 10x (bf16 hides smaller faults)
   CHECK(double(f["err_over_tolerance"]) > 1.0);
   CHECK(r.out.find("x its bound") != std::string::npos);
-  // per_step shows the same failure: the embedding's error above its bound at step 1
-  bool seen = false;
-  for (const auto& e : j["tp"][0]["per_step"])
-    if (e["tensor"] == "act/embedding.out") {
-      seen = true;
-      CHECK(double(e["rel_err"][0]) > double(e["tolerance"][0]));
-    }
-  CHECK(seen);
   // replicas must stay bit-identical in bf16 too: a rank-dependent summation order is
   // caught by the replica check, whatever the bound
   const auto rep = run_tpsim("verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 "
@@ -460,30 +349,4 @@ TEST_CASE("bf16 dtype runs train and profile, and is refused where it cannot run
   const auto dump = run_tpsim("train --model gpt --preset small --dtype bf16 --tp 2 --steps 1 "
                               "--dump " + temp_path("bf16-dump"));
   CHECK(dump.exit_code == 2);
-}
-
-TEST_CASE("verify --dtype bf16: a fault seen only at step 3 breaks the step-3 bound the gain-1 model would pass",
-          "[bf16][cli][faults]") {
-  // reassembly-shard-order misplaces shards only where verify reassembles full tensors, at
-  // the last step: here step 3, where the bounds are the stream-attenuated ones
-  const std::string json = temp_path("bf16-step3-fault.json");
-  const auto r = run_tpsim("verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 "
-                           "--tp 2 --steps 3 --inject-fault reassembly-shard-order --json " + json);
-  INFO(r.out);
-  REQUIRE(r.exit_code == 1);
-  const auto j = read_json(json);
-  const auto& f = j["first_failure"];
-  CHECK(f["step"] == 3);
-  CHECK(f["check"] == "reassembled");
-  REQUIRE(f["tensor"] == "h.0.attn.q_proj.weight.grad");
-  CHECK(double(f["err_over_tolerance"]) > 1.0);
-  // the same error is within the bound of the model without the reference's stream (gain 1
-  // per read, the initial RMS): that model could not see this fault in this gradient
-  RunOptions o = small_bf16_gpt(3);
-  o.tp = {2};
-  CHECK(double(f["rel_err"]) < ToleranceModel(o).bound("h.0.attn.q_proj.weight.grad", 3, 2));
-  // the clean run passes the same bound
-  const auto clean = run_tpsim("verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 "
-                               "--tp 2 --steps 3 --json " + json);
-  CHECK(clean.exit_code == 0);
 }

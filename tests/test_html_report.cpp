@@ -118,7 +118,7 @@ TEST_CASE("the page draws one cell per tensor, step and TP degree and fetches no
     TpResult t;
     t.tp = tp;
     t.losses = {2.0, 1.5 + 0.1 * (tp - 1), 1.2};
-    t.per_step = {{"act/<x>", {0.5f, 0.25f, NAN}, {}, {}}, {"w.grad", {1e-3f, 40.0f, INFINITY}, {}, {}}};
+    t.per_step = {{"act/<x>", {0.5f, 0.25f, NAN}}, {"w.grad", {1e-3f, 40.0f, INFINITY}}};
     rep.results.push_back(t);
   }
   Comparison f = comparison("w.grad", 2, 1, 1, 4e-9, 1e-10);

@@ -11,7 +11,6 @@
 #include "verify/reference_trace.h"
 #include "verify/step_checks.h"
 #include "verify/tensor_order.h"
-#include "verify/stream_norms.h"
 #include "verify/tolerance.h"
 #include "verify/validate.h"
 
@@ -85,12 +84,8 @@ CheckResult run_check(const CheckOptions& c) {
   DumpSteps dump = read_dump(c.dumps, m, in.gpt_batch.B * in.gpt_batch.T);
 
   VerifyReport& rep = res.report;
-  // per-tensor bounds of a bf16 dump; a GPT's attenuate by the reference's residual stream,
-  // from a reference run of its own (as verify's)
-  const ToleranceModel bounds = o.dtype == DType::BF16 && o.model == ModelKind::Gpt
-                                    ? ToleranceModel(o, reference_stream_norms(o, in))
-                                    : ToleranceModel(o);
-  rep.tolerance = o.dtype == DType::BF16 ? bounds.largest() : norm_tolerance(o);
+  rep.tolerance = norm_tolerance(o);
+  const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 dump
   rep.per_tensor_bounds = bounds.per_tensor();
   const int world = m.world_size;
   TpResult tpr;

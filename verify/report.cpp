@@ -279,17 +279,6 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
     jt["bus_bytes_step1"] = bus_bytes(t.comm_step1, t.tp);
     jt["tensors"] = nlohmann::json::array();
     for (const auto& c : t.worst) jt["tensors"].push_back(to_json(c));
-    // every tensor at every step (largest over shards): what the worst-per-tensor rows hide
-    jt["per_step"] = nlohmann::json::array();
-    for (const auto& ts : t.per_step) {
-      nlohmann::json e, err = nlohmann::json::array(), tol = nlohmann::json::array();
-      for (double v : ts.rel_err) err.push_back(std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr));
-      for (double v : ts.tolerance) tol.push_back(std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr));
-      e["tensor"] = ts.tensor;
-      e["rel_err"] = err;
-      e["tolerance"] = tol;
-      jt["per_step"].push_back(e);
-    }
     jt["failures"] = nlohmann::json::array();
     for (const auto& c : t.failures) jt["failures"].push_back(to_json(c));
     j["tp"].push_back(jt);

@@ -186,13 +186,10 @@ void StepFolder::hand_in(int step, std::vector<Comparison>&& cs) {
 
 void StepFolder::fold_per_step(const Comparison& c) {
   auto [it, added] = row_.try_emplace(c.tensor, r_.per_step.size());
-  if (added) r_.per_step.push_back({c.tensor, {}, {}, {}});
-  TensorSteps& ts = r_.per_step[it->second];
-  std::vector<float>& row = ts.err_over_tol;
+  if (added) r_.per_step.push_back({c.tensor, {}});
+  std::vector<float>& row = r_.per_step[it->second].err_over_tol;
   const auto s = static_cast<std::size_t>(c.step - 1);
   if (row.size() <= s) row.resize(s + 1, NAN);
-  if (ts.rel_err.size() <= s) ts.rel_err.resize(s + 1, NAN);
-  if (ts.tolerance.size() <= s) ts.tolerance.resize(s + 1, NAN);
   // A replica check has no tolerance to measure by: it marks the cell off the scale only
   // where the reference checks pass (see finish_replicas), so that a shard far from the
   // reference shows how far, though its replicas differ too.
@@ -200,10 +197,6 @@ void StepFolder::fold_per_step(const Comparison& c) {
     if (!c.pass) replica_failed_.push_back(it->second);
     if (std::isnan(row[s])) row[s] = 0;
     return;
-  }
-  if (c.what != kInvariantCheck && !std::isnan(c.rel_err)) {
-    if (std::isnan(ts.rel_err[s]) || c.rel_err > ts.rel_err[s]) ts.rel_err[s] = c.rel_err;
-    if (std::isnan(ts.tolerance[s]) || c.tolerance > ts.tolerance[s]) ts.tolerance[s] = c.tolerance;
   }
   const double ratio = c.tolerance > 0 && !std::isnan(c.rel_err) ? c.rel_err / c.tolerance
                        : c.pass                                  ? 0.0

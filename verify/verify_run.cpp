@@ -15,7 +15,6 @@
 #include "verify/step_barrier.h"
 #include "verify/step_checks.h"
 #include "verify/tensor_order.h"
-#include "verify/stream_norms.h"
 #include "verify/tolerance.h"
 
 namespace tpsim {
@@ -259,7 +258,7 @@ class Tp1Reader {
 };
 
 TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
-                   double tol, const ToleranceModel& bounds, Tp1Feed* tp1) {
+                   double tol, Tp1Feed* tp1) {
   auto t0 = std::chrono::steady_clock::now();
   TpResult r;
   r.tp = tp;
@@ -280,6 +279,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
     model->record_activation_points(true);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     RankFindings& mine = found[static_cast<std::size_t>(rank)];
+    const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 run
     for (int step = 1; step <= o.steps; ++step) {
       if (o.resync && step > 1) model->load_params(ref.wait(step - 1).copies);
       comm.clear_records();
@@ -416,16 +416,13 @@ VerifyReport run_verify(const RunOptions& o) {
   }
   check_memory(o, "verify");
   VerifyReport rep;
+  rep.tolerance = norm_tolerance(o);
+  {
+    const ToleranceModel bounds(o);
+    rep.per_tensor_bounds = bounds.per_tensor();
+    rep.vacuous_from_step = bounds.first_step_with_bound_at_least(1.0);
+  }
   const RunInputs in = prepare_inputs(o);
-  // bf16 GPT: the bounds attenuate by the reference's residual stream, from a reference
-  // run of its own before the TP groups start (per-tensor bounds of a bf16 run)
-  const ToleranceModel bounds =
-      o.dtype == DType::BF16 && o.model == ModelKind::Gpt
-          ? ToleranceModel(o, reference_stream_norms(o, in))
-          : ToleranceModel(o);
-  rep.tolerance = o.dtype == DType::BF16 ? bounds.largest() : norm_tolerance(o);
-  rep.per_tensor_bounds = bounds.per_tensor();
-  rep.vacuous_from_step = bounds.first_step_with_bound_at_least(1.0);
   rep.results.resize(o.tp.size());
   rep.tp_invariant = o.tp_invariant;
 
@@ -481,7 +478,7 @@ VerifyReport run_verify(const RunOptions& o) {
       groups.emplace_back([&, j] {
         const std::size_t i = waves[w][j];
         try {
-          TpResult r = verify_tp(o, in, ref, o.tp[i], rep.tolerance, bounds,
+          TpResult r = verify_tp(o, in, ref, o.tp[i], rep.tolerance,
                                  o.tp_invariant ? &tp1 : nullptr);
           // tp 1 runs again in every wave (deterministic, the same numbers): the first's counts.
           if (i != one || w == 0) rep.results[i] = std::move(r);

@@ -22,9 +22,6 @@ struct CollectiveTotals {
 struct TensorSteps {
   std::string tensor;
   std::vector<float> err_over_tol;  // [steps], step s at s-1
-  // [steps]: the largest reference error over shards and its bound (NaN: none that step);
-  // the error model's steps >= 2 are judged by these (README, "The error model")
-  std::vector<double> rel_err, tolerance;
 };
 
 struct TpResult {
