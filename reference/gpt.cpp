@@ -118,7 +118,7 @@ bool worth_two_threads(Index m, Index n, Index k) {
 // out = x W^T   x [N, in], W [out, in], out [N, out]. Also the LM head (W = wte).
 template <class S>
 void matmul_forward(Matrix<S>& out, const Matrix<S>& x, const Matrix<S>& w) {
-  out.resize(x.rows(), w.rows());
+  resize_on_huge_pages(out, x.rows(), w.rows());
   in_two_halves(w.rows(), worth_two_threads(x.rows(), w.rows(), w.cols()), [&](Index b, Index e) {
     out.middleCols(b, e - b).noalias() = x * w.middleRows(b, e - b).transpose();
   });
@@ -251,7 +251,7 @@ double crossentropy_forward_backward(Matrix<S>& dlogits, const Matrix<S>& logits
                                      const LossRows& rows) {
   const Index M = static_cast<Index>(rows.row.size()), V = logits.cols();
   const S inv_m = S(1) / static_cast<S>(M);
-  dlogits.resize(M, V);                // [M, V]
+  resize_on_huge_pages(dlogits, M, V);  // [M, V]
   std::vector<double> row_loss(rows.row.size());  // [M]
   in_two_halves(M, worth_two_threads(M, V, 16), [&](Index begin, Index end) {
     for (Index m = begin; m < end; ++m) {
@@ -378,7 +378,8 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   for (Index m = 0; m < M; ++m) dlnf_out.row(rows.row[static_cast<std::size_t>(m)]) = dlnf_rows.row(m);
   if (record_) {
     Matrix<S>& dl = points_["act/logits.grad"];  // [N, V], zero where no loss was taken
-    dl.setZero(N, logits_.cols());
+    resize_on_huge_pages(dl, N, logits_.cols());
+    dl.setZero();
     for (Index m = 0; m < M; ++m) dl.row(rows.row[static_cast<std::size_t>(m)]) = dlogits_.row(m);
   }
   note("act/ln_f.out.grad", dlnf_out);

@@ -52,8 +52,8 @@ class Adam {
       Matrix<S>& m = m_[name];  // [same as p], first moment
       Matrix<S>& v = v_[name];  // [same as p], second moment
       if (m.size() == 0) {
-        m = Matrix<S>::Zero(p.rows(), p.cols());
-        v = Matrix<S>::Zero(p.rows(), p.cols());
+        m = zeros_on_huge_pages<S>(p.rows(), p.cols());
+        v = zeros_on_huge_pages<S>(p.rows(), p.cols());
       }
       // One pass per element, in the order of the formulas above: the moments and the
       // parameter are each read and written once (three passes over wte-sized arrays

@@ -2,7 +2,8 @@
 // parameter name, initialised from the same seeded, index-addressable init as the sharded
 // model (src/init), so both sides start from identical numbers without sharing model code.
 //
-// Independence: the reference uses only model/config.h, init/, core/errors.h and Eigen.
+// Independence: the reference uses only model/config.h, init/, core/errors.h,
+// core/host_memory.h (where memory pages come from, not what is computed) and Eigen.
 // Nothing here may include src/backend, src/comm or sharded/.
 #pragma once
 
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/host_memory.h"
 #include "init/init.h"
 #include "model/config.h"
 
@@ -26,6 +28,24 @@ using Vector = Eigen::Matrix<S, Eigen::Dynamic, 1>;
 // Full shapes. A 1-D parameter of length C is stored as [1,C] so every entry is a Matrix.
 template <class S>
 using ParamSet = std::map<std::string, Matrix<S>>;
+
+// Matrix::resize, whose new storage (wte-sized for the model state and the logits) is
+// advised onto huge pages before anything touches it: see core/host_memory.h.
+template <class S>
+void resize_on_huge_pages(Matrix<S>& m, Eigen::Index rows, Eigen::Index cols) {
+  const S* before = m.data();
+  m.resize(rows, cols);
+  if (m.data() != before) advise_huge_pages(m.data(), static_cast<std::size_t>(m.size()) * sizeof(S));
+}
+
+// A [rows, cols] matrix of zeros on huge pages where large.
+template <class S>
+Matrix<S> zeros_on_huge_pages(Eigen::Index rows, Eigen::Index cols) {
+  Matrix<S> m;
+  resize_on_huge_pages(m, rows, cols);
+  m.setZero();
+  return m;
+}
 
 // The [rows, cols] a ParamSpec's full shape is stored as; throws UsageError on 0-D or >2-D.
 inline std::pair<Eigen::Index, Eigen::Index> stored_shape(const ParamSpec& spec) {
@@ -43,7 +63,8 @@ ParamSet<S> init_params(const std::vector<ParamSpec>& specs, std::uint64_t seed)
   ParamSet<S> out;
   for (const ParamSpec& spec : specs) {
     const auto [rows, cols] = stored_shape(spec);
-    Matrix<S> m(rows, cols);  // [rows, cols], full, row-major like the flat index
+    Matrix<S> m;  // [rows, cols], full, row-major like the flat index
+    resize_on_huge_pages(m, rows, cols);
     init_block<S>(m.data(), seed, spec.name, spec.init, spec.shape, -1, 0, 0);
     if (!out.emplace(spec.name, std::move(m)).second)
       throw UsageError("reference: parameter name " + spec.name + " appears twice in the specs");
@@ -57,7 +78,7 @@ ParamSet<S> zeros_like_specs(const std::vector<ParamSpec>& specs) {
   ParamSet<S> out;
   for (const ParamSpec& spec : specs) {
     const auto [rows, cols] = stored_shape(spec);
-    out[spec.name] = Matrix<S>::Zero(rows, cols);
+    out[spec.name] = zeros_on_huge_pages<S>(rows, cols);
   }
   return out;
 }

@@ -5,14 +5,22 @@ namespace tpsim {
 Parameter make_parameter(Backend& be, ShardSpec spec, DType dtype, std::uint64_t seed) {
   Parameter p;
   const Shape shape = spec.local_shape();
-  std::vector<double> host(static_cast<std::size_t>(shape_numel(shape)));
-  init_block<double>(host.data(), seed, spec.name, spec.init, spec.full_shape, spec.split_dim,
-                     spec.offset, spec.length);
   p.value = be.empty(shape, dtype, MemCategory::Parameter, spec.name);
   // Megatron counts the fp32 master copy among the optimizer's state.
   if (dtype == DType::BF16)
     p.master = be.empty(shape, DType::F32, MemCategory::OptimizerState, spec.name + ".master");
-  set_values(be, p, host.data());
+  Tensor& initial = p.master.defined() ? p.master : p.value;  // f32 or f64
+  if (initial.device().kind == DeviceKind::Cpu) {
+    // Straight into host memory: a host copy would fault in and copy a second wte.
+    init_block(initial, seed, spec.name, spec.init, spec.full_shape, spec.split_dim, spec.offset,
+               spec.length);
+    if (p.master.defined()) be.copy(p.value, p.master);  // rounded to nearest even
+  } else {
+    std::vector<double> host(static_cast<std::size_t>(shape_numel(shape)));
+    init_block<double>(host.data(), seed, spec.name, spec.init, spec.full_shape, spec.split_dim,
+                       spec.offset, spec.length);
+    set_values(be, p, host.data());
+  }
   p.grad = be.empty(shape, compute_dtype(dtype), MemCategory::Gradient, spec.name + ".grad");
   be.fill(p.grad, 0.0);
   p.spec = std::move(spec);

@@ -1,5 +1,7 @@
 #include "core/tensor.h"
 
+#include "core/host_memory.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -31,14 +33,9 @@ std::string device_str(Device d) {
   return d.kind == DeviceKind::Cpu ? std::string("cpu") : "cuda:" + std::to_string(d.index);
 }
 
-void* HostAllocator::allocate(std::size_t bytes) {
-  std::size_t rounded = (bytes + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
-  if (!p) throw std::bad_alloc();
-  return p;
-}
+void* HostAllocator::allocate(std::size_t bytes) { return allocate_host(bytes); }
 
-void HostAllocator::deallocate(void* p, std::size_t) { std::free(p); }
+void HostAllocator::deallocate(void* p, std::size_t bytes) { free_host(p, bytes); }
 
 struct Tensor::Storage {
   Allocator* alloc;

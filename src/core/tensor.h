@@ -40,7 +40,7 @@ class Allocator {
   MemoryLedger ledger_;
 };
 
-// 64-byte aligned host memory.
+// 64-byte aligned host memory; large buffers on huge pages (core/host_memory.h).
 class HostAllocator final : public Allocator {
  public:
   Device device() const override { return {}; }
