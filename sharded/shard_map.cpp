@@ -1,5 +1,7 @@
 #include "sharded/shard_map.h"
 
+#include <algorithm>
+
 namespace tpsim {
 
 namespace {
@@ -91,12 +93,17 @@ std::vector<double> slice_full(const std::vector<double>& full, const ShardSpec&
   return out;
 }
 
-void place_shard(std::vector<double>& full, const std::vector<double>& shard,
-                 const ShardSpec& spec) {
-  for (std::int64_t k = 0; k < static_cast<std::int64_t>(shard.size()); ++k) {
-    auto f = full_index(spec, k);
-    if (f >= 0) full[static_cast<std::size_t>(f)] = shard[k];
+void place_shard(std::vector<double>& full, std::span<const double> shard, const ShardSpec& spec) {
+  if (spec.replicated()) {
+    std::copy(shard.begin(), shard.end(), full.begin());
+    return;
   }
+  // full_index's mapping, a contiguous run of `inner` values at a time.
+  const SplitView v(spec);
+  const double* src = shard.data();
+  for (std::int64_t o = 0; o < v.outer; ++o)
+    for (std::int64_t j = spec.offset; j < spec.offset + spec.length; ++j, src += v.inner)
+      if (j < v.D) std::copy(src, src + v.inner, full.begin() + (o * v.D + j) * v.inner);
 }
 
 std::string index_str(const Shape& shape, std::int64_t flat) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -40,9 +41,9 @@ void init_shard(Tensor& out, const ShardSpec& spec, std::uint64_t seed);
 // Slices a row-major full tensor (values of spec.full_shape) to this shard's block;
 // padded positions read as 0.
 std::vector<double> slice_full(const std::vector<double>& full, const ShardSpec& spec);
-// The inverse: writes this shard's real (unpadded) block into `full`.
-void place_shard(std::vector<double>& full, const std::vector<double>& shard,
-                 const ShardSpec& spec);
+// The inverse: writes this shard's real (unpadded) block (spec.local_shape() values) into
+// `full`.
+void place_shard(std::vector<double>& full, std::span<const double> shard, const ShardSpec& spec);
 // The flat index in the full tensor of element `local` of the shard, or -1 for padding.
 std::int64_t full_index(const ShardSpec& spec, std::int64_t local);
 std::string index_str(const Shape& shape, std::int64_t flat);  // "(3,17)"

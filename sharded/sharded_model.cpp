@@ -51,12 +51,17 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
   const std::int64_t n = t.numel();
   Tensor all = be.empty({world, n}, t.dtype(), MemCategory::CommBuffer, spec.name + ".gather");
   comm.all_gather(t.reshape({n}), all);
-  const auto host = be.to_host(all);
+  std::vector<double> copy;  // [world * n], only where `all` cannot be read in place
+  const double* host = be.host_view_f64(all);
+  if (!host) {
+    copy = be.to_host(all);
+    host = copy.data();
+  }
   for (int r = 0; r < world; ++r) {
     ShardSpec s = spec;
     s.rank = fault == Fault::ReassemblyShardOrder ? (r + 1) % world : r;
     s.offset = s.length * s.rank;
-    place_shard(full, std::vector<double>(host.begin() + r * n, host.begin() + (r + 1) * n), s);
+    place_shard(full, std::span<const double>(host + r * n, static_cast<std::size_t>(n)), s);
   }
   return full;
 }

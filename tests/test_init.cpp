@@ -1,6 +1,7 @@
 // Seeded init is index-addressable: any shard generated on its own equals the same slice
 // of the full tensor bit for bit, for every TP degree and split dimension.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cstring>
 
 #include "sharded/shard_map.h"
@@ -105,6 +106,30 @@ TEST_CASE("padded shards read zero past the real rows and map back", "[init]") {
     place_shard(rebuilt, shard, s);
   }
   REQUIRE(bit_equal(rebuilt, full));
+}
+
+TEST_CASE("place_shard puts every real element where full_index says, on any split dim", "[init]") {
+  // [3,5,4] split along each dim over 2 and 3 ranks, padded where the dim does not divide.
+  ParamSpec p{"w", {3, 5, 4}, InitSpec::normal(1.0)};
+  for (int dim = 0; dim < 3; ++dim)
+    for (int world : {2, 3}) {
+      const std::int64_t D = p.shape[static_cast<std::size_t>(dim)];
+      const std::int64_t padded = (D + world - 1) / world * world;
+      std::vector<double> got(60, -1.0), want(60, -1.0);
+      for (int r = 0; r < world; ++r) {
+        const ShardSpec s = split(p, dim, r, world, padded);
+        std::vector<double> shard(static_cast<std::size_t>(shape_numel(s.local_shape())));
+        for (std::size_t k = 0; k < shard.size(); ++k) shard[k] = 100.0 * r + static_cast<double>(k);
+        place_shard(got, shard, s);
+        for (std::size_t k = 0; k < shard.size(); ++k) {
+          const std::int64_t f = full_index(s, static_cast<std::int64_t>(k));
+          if (f >= 0) want[static_cast<std::size_t>(f)] = shard[k];
+        }
+      }
+      INFO("dim " << dim << " world " << world);
+      REQUIRE(bit_equal(got, want));
+      REQUIRE(std::count(got.begin(), got.end(), -1.0) == 0);  // every element placed
+    }
 }
 
 TEST_CASE("a split that does not divide is a usage error", "[init]") {
