@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "verify/compare_scan.h"
+
 namespace tpsim {
 
 const char* phase_name(Phase p) {
@@ -42,9 +44,10 @@ Comparison header(const ObservationView& obs) {
 }
 
 // One pass over a shard's values in flat (row-major) order, in contiguous runs of the full
-// tensor. The sums run element by element in that order, so the numbers are those of a
-// plain loop over the flat index; what the runs save is the index arithmetic (three
-// divisions per element) and the profile bin's division.
+// tensor: the runs save the index arithmetic (three divisions per element) and the profile
+// bin's division. Each run is scanned in wide vectors (verify/compare_scan.h), whose sums
+// differ from a plain loop's only in the order of their additions; the worst element, its
+// index and the profile are the plain loop's exactly.
 class Scan {
  public:
   Scan(Comparison& c, std::int64_t n) : c_(c), n_(n) {}
@@ -82,6 +85,20 @@ class Scan {
   // a[0..len) against ref[0..len) (or 0), flat indices k0.., all within one profile bin.
   template <bool kHasRef>
   void span(const double* a, const double* ref, std::int64_t k0, std::int64_t len, float& bin) {
+    const ScanTotals t = scan_distances(a, kHasRef ? ref : nullptr, len);
+    if (t.finite) {
+      diff2_ += t.diff2;
+      ref2_ += t.ref2;
+      bin = std::max(bin, static_cast<float>(t.max_dist));  // float() is monotonic
+      if (t.max_dist > best_) {
+        best_ = t.max_dist;
+        worst_local_ = k0 + t.first_max;
+        c_.sharded_at_worst = a[t.first_max];
+        c_.reference_at_worst = kHasRef ? ref[t.first_max] : 0.0;
+      }
+      return;
+    }
+    // Some value is not finite: element by element, as compare.h says it is judged.
     double diff2 = diff2_, ref2 = ref2_, best = best_;
     float bin_max = bin;
     for (std::int64_t i = 0; i < len; ++i) {

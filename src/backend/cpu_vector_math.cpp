@@ -7,13 +7,7 @@
 #include <bit>
 #include <cmath>
 
-// target_clones dispatch through an ifunc resolver, which runs before a sanitizer's
-// runtime is up and crashes it: sanitized builds take the default clone only.
-#if defined(TPSIM_NO_CLONES)
-#define TPSIM_CLONES
-#else
-#define TPSIM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
+#include "core/target_clones.h"
 
 namespace tpsim::vec {
 
