@@ -1,7 +1,8 @@
 // launch_ranks for --backend cuda (compiled only with a CUDA backend, real or emulated;
 // launch_no_cuda.cpp refuses otherwise): plans the ranks (cuda_plan.h), then runs one thread per rank, each
 // with its own CudaBackend (own stream) and an NcclComm or SimComm on top of the rank
-// threads' host ThreadComm.
+// threads' host ThreadComm. Linked into the launcher with the emulator; built as the module
+// that launch_cuda_module.cpp loads (TPSIM_CUDA_MODULE) with the real backend.
 #include <cstdlib>
 #include <memory>
 
@@ -22,19 +23,10 @@ CudaPlan plan_for(const DeviceOptions& dev, int world) {
   return plan_cuda_ranks(dev.comm, world, gpus,
                          parse_cuda_device_env(std::getenv("TPSIM_CUDA_DEVICE")), why);
 }
-}  // namespace
 
-void check_cuda_launch(const DeviceOptions& dev, int world) { (void)plan_for(dev, world); }
+void check(const DeviceOptions& dev, int world) { (void)plan_for(dev, world); }
 
-std::string cuda_backend_description() {
-#ifdef CUDA_EMU
-  return "cuda (EMULATED on the CPU)";  // cuda_emu's stand-in cuda_runtime.h says so
-#else
-  return "cuda";
-#endif
-}
-
-void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
+void launch(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
   const CudaPlan plan = plan_for(dev, world);
   std::unique_ptr<NcclGroup> nccl;
   std::unique_ptr<SimCommGroup> sim;  // its events outlive every rank (see sim_comm.h)
@@ -80,5 +72,28 @@ void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, co
     }
   });
 }
+
+}  // namespace
+
+#ifdef TPSIM_CUDA_MODULE
+extern "C" [[gnu::visibility("default")]] const CudaLauncher* tpsim_cuda_launcher() {
+  static const CudaLauncher launcher{check, launch};
+  return &launcher;
+}
+#else
+void check_cuda_launch(const DeviceOptions& dev, int world) { check(dev, world); }
+
+void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
+  launch(dev, world, timeout_s, fn);
+}
+
+std::string cuda_backend_description() {
+#ifdef CUDA_EMU
+  return "cuda (EMULATED on the CPU)";  // cuda_emu's stand-in cuda_runtime.h says so
+#else
+  return "cuda";
+#endif
+}
+#endif
 
 }  // namespace tpsim
