@@ -6,10 +6,12 @@ parallel, f32, 10 steps. PyTorch side: examples/pytorch's producer (f/g as autog
 Functions, gloo, one process per rank, torch.set_num_threads(1) per rank).
 
 Order A B A B ... (--rounds, at least 2). Per side and round:
-  - step time: mean of steps 2..STEPS (startup and step 1 excluded). PyTorch times them in
-    process (rank 0, after a barrier). `tpsim train` prints no per-step time, so its step
-    time is the difference of two whole runs, (run of STEPS steps - run of 1 step) / (STEPS-1),
-    for wall and for CPU time.
+  - step time: mean of steps 2..STEPS (startup and step 1 excluded), each side timed in
+    process the same way: rank 0's wall clock from a barrier before the step to a barrier
+    after the optimizer's update (PyTorch: time.perf_counter around dist.barrier();
+    tpsim: `train --json`'s step_seconds). A step's CPU time has no in-process measure on
+    either side; for tpsim it is the difference of two whole runs, (run of STEPS steps -
+    run of 1 step) / (STEPS-1).
   - whole-process CPU time (user + system, all threads and rank processes) of the
     STEPS-step run, from wait4.
 Prints both ratios, tpsim / PyTorch (medians over rounds). Exit 77 if torch is missing.
@@ -106,15 +108,18 @@ def run_torch(steps, tmp):
             "loss_last": r["losses"][-1]}
 
 
-def run_tpsim(tpsim, steps):
+def run_tpsim(tpsim, steps, tmp):
     c = CFG
     base = [tpsim, "train", "--model", "gpt", "--tp", str(c["tp"]), "--loss-parallel",
             "--dtype", "f32", "--vocab-size", str(c["vocab_size"]), "--hidden", str(c["hidden"]),
             "--heads", str(c["heads"]), "--layers", str(c["layers"]),
             "--batch-size", str(c["batch_size"]), "--seq-len", str(c["seq_len"])]
+    res = os.path.join(tmp, "torch_peer_tpsim.json")
     w1, c1 = timed(base + ["--steps", "1"])
-    wn, cn = timed(base + ["--steps", str(steps)])
-    return {"step_wall": (wn - w1) / (steps - 1), "step_cpu": (cn - c1) / (steps - 1),
+    wn, cn = timed(base + ["--steps", str(steps), "--json", res])
+    with open(res) as f:
+        later = json.load(f)["step_seconds"][1:]  # steps 2..steps
+    return {"step_wall": sum(later) / len(later), "step_cpu": (cn - c1) / (steps - 1),
             "cpu": cn, "wall": wn}
 
 
@@ -145,7 +150,7 @@ def main():
     T, S = [], []
     for r in range(args.rounds):
         T.append(run_torch(args.steps, tmp))
-        S.append(run_tpsim(args.tpsim, args.steps))
+        S.append(run_tpsim(args.tpsim, args.steps, tmp))
         t, s = T[-1], S[-1]
         print(f"round {r + 1}: pytorch step {t['step_wall'] * 1e3:.1f} ms wall, process "
               f"{t['cpu']:.2f} s CPU {t['wall']:.2f} s wall | tpsim step {s['step_wall'] * 1e3:.1f}"

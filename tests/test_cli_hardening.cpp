@@ -141,9 +141,14 @@ TEST_CASE("a failed write leaves the previous file intact and nothing else", "[c
   REQUIRE(other_files(dir, "w.safetensors") == 1);  // r.json only
 
   // And a successful write replaces it whole.
-  const auto ok = run_tpsim("train --model mlp --steps 1 --json " + j);
+  const auto ok = run_tpsim("train --model mlp --tp 2 --steps 3 --json " + j);
   REQUIRE(ok.exit_code == 0);
-  REQUIRE(read_json(j)["command"] == "train");
+  const auto report = read_json(j);
+  REQUIRE(report["command"] == "train");
+  REQUIRE(report["losses"].size() == 3);
+  // One wall time per step (bench/torch_peer.py reads them); positive, never asserted fast.
+  REQUIRE(report["step_seconds"].size() == 3);
+  for (const auto& s : report["step_seconds"]) REQUIRE(s.get<double>() > 0.0);
   REQUIRE(other_files(dir, "w.safetensors") == 1);
 }
 

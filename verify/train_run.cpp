@@ -1,5 +1,6 @@
 #include "verify/train_run.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -71,6 +72,10 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
       }
     }
     for (int step = 1; step <= o.steps; ++step) {
+      // A step's time, as the PyTorch peer (bench/torch_peer.py) takes its own: rank 0's
+      // wall clock between a barrier before the step and one after the optimizer's update.
+      comm.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
       const double loss = model->forward_backward();
       if (dump) {  // before the optimizer step overwrites the gradients' views
         rank_dump.add(step, model->observe_forward());
@@ -96,6 +101,10 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
       }
       if (rank == 0) result.losses.push_back(loss);
       model->optimizer_step();
+      comm.barrier();
+      if (rank == 0)
+        result.step_seconds.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (dump) rank_dump.add(step, model->observe_params());
     }
     if (dump) rank_dump.write(rank_file(o.dump_dir, rank));
@@ -115,7 +124,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   if (!o.json_path.empty()) {
     nlohmann::json j = {{"tool", "tpsim"}, {"command", "train"},   {"model", model_name(o.model)},
                         {"tp", tp},         {"dtype", dtype_name(o.dtype)}, {"seed", o.seed},
-                        {"losses", result.losses}};
+                        {"losses", result.losses}, {"step_seconds", result.step_seconds}};
     write_file_atomically(o.json_path, j.dump(2) + "\n", "--json");
   }
   return result;

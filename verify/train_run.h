@@ -12,7 +12,8 @@
 namespace tpsim {
 
 struct TrainResult {
-  std::vector<double> losses;
+  std::vector<double> losses;        // [steps], rank 0's
+  std::vector<double> step_seconds;  // [steps], rank 0's wall time of each step, printing included
 };
 
 TrainResult run_train(const RunOptions& o, std::ostream& os);
