@@ -165,10 +165,16 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
     if (n != outer * s.length * inner)
       throw Error("compare " + obs.name + ": " + std::to_string(n) + " values for the block " +
                   s.shard_str() + " of " + shape_str(s.full_shape));
+    // Within one outer index the block's real rows are one contiguous run of both
+    // tensors, and its padded rows (against 0) another.
+    const std::int64_t real = std::max<std::int64_t>(0, std::min(s.length, D - s.offset));
     std::int64_t k = 0;
-    for (std::int64_t o = 0; o < outer; ++o)
-      for (std::int64_t j = s.offset; j < s.offset + s.length; ++j, k += inner)
-        scan.run(a + k, j < D ? reference_full + (o * D + j) * inner : nullptr, k, inner);
+    for (std::int64_t o = 0; o < outer; ++o) {
+      if (real > 0) scan.run(a + k, reference_full + (o * D + s.offset) * inner, k, real * inner);
+      k += real * inner;
+      if (real < s.length) scan.run(a + k, nullptr, k, (s.length - real) * inner);
+      k += (s.length - real) * inner;
+    }
   }
   scan.finish(s);
   c.pass = c.rel_err <= tolerance;  // false for NaN
