@@ -32,6 +32,9 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;  // "cpu", "cuda:0"
   virtual Allocator& allocator() = 0;
+  // Returns once every op enqueued so far has finished. A backend whose ops are complete
+  // when they return (the CPU's) has nothing to wait for; a stream-ordered one (CUDA) waits.
+  virtual void synchronize() {}
 
   Tensor empty(const Shape& s, DType dt, MemCategory c, std::string tag) {
     return Tensor::empty(s, dt, allocator(), c, std::move(tag));

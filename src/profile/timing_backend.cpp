@@ -26,9 +26,16 @@ class TimingBackend::Scope {
   Scope(TimingBackend& tb, const char* name, OpClass cls, double flops = 0.0)
       : tb_(tb), name_(name), cls_(cls), flops_(flops) {
     tb_.inner_->allocator().ledger().set_op(tb_.phase_.empty() ? name : tb_.phase_ + ": " + name);
+    tb_.inner_->synchronize();  // what came before is not this op's time
     t0_ = steady_now_ns();
   }
   ~Scope() {
+    // A destructor must not throw: a device error is left for the next op (or the step's
+    // barrier) to report, which synchronises again and throws there.
+    try {
+      tb_.inner_->synchronize();
+    } catch (...) {
+    }
     tb_.records_.push_back({name_, cls_, t0_, steady_now_ns(), flops_});
     tb_.inner_->allocator().ledger().set_op(tb_.phase_);
   }

@@ -2,9 +2,11 @@
 // rank's memory ledger with the op's name while it runs, so that each timeline event
 // names its cause. It forwards everything else, so the model cannot tell it is there.
 //
-// The times are wall times of the call. On the CPU backend an op is complete when it
-// returns; a backend with asynchronous streams (CUDA) would need a synchronise per op to
-// make them mean anything, so `tpsim profile` times what the call costs the host there.
+// The times are wall times from the op's start to its completion: each op is bracketed by
+// the inner backend's synchronize(), a no-op on the CPU (an op is complete when it
+// returns) and a stream wait on CUDA, so that an op's time there is its device time (plus
+// a launch and a wait, ~10 us) and not what the call costs the host while the device works
+// through the queue. The profiled run is slower on CUDA for it; its step time is the sum.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +43,7 @@ class TimingBackend final : public Backend {
 
   std::string name() const override { return inner_->name(); }
   Allocator& allocator() override { return inner_->allocator(); }
+  void synchronize() override { inner_->synchronize(); }
 
   void fill(Tensor& t, double value) override;
   void copy(Tensor& dst, const Tensor& src) override;
