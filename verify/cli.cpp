@@ -107,7 +107,7 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
 // --tp-invariant, the same mode on every subcommand; `what_else` says what this one adds.
 void add_tp_invariant_flag(CLI::App& cmd, RunOptions& o, const std::string& what_else) {
   cmd.add_flag("--tp-invariant", o.tp_invariant,
-               "gpt (cpu, and cuda under the emulator only so far): split reductions in 8 canonical chunks summed in one order and "
+               "gpt (cpu and cuda): split reductions in 8 canonical chunks summed in one order and "
                "GEMMs in canonical tiles, so that tp 1, 2, 4 and 8 compute the same bits" +
                    what_else);
 }

@@ -1,6 +1,6 @@
 // The CUDA backend's bf16 ops against the CPU backend's, op by op, on the same inputs, with
 // the dtypes the mixed-precision model gives each tensor (bf16 data; f32 statistics, main
-// gradients and master weights). Run under cuda_emu only so far: never on a GPU.
+// gradients and master weights). Run under cuda_emu and on one H200 (bench/gpu/).
 //
 // Each op is checked three ways:
 //  1. the recipe, bit for bit on the CUDA side alone: the bf16 call equals the f32 call on

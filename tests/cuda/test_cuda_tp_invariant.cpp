@@ -1,7 +1,7 @@
 // The TP-invariant mode on the CUDA backend: TP 1, 2, 4 and 8 bit-identical, because every
 // GEMM whose shape depends on the degree is issued in canonical tiles (canonical_gemm.h)
-// and cuBLAS then sees the same shapes at every degree. Run under cuda_emu only so far,
-// never on a GPU. The emulator's cuBLAS sums every element in k order whatever the shape,
+// and cuBLAS then sees the same shapes at every degree. Run under cuda_emu and on one
+// H200 (bench/gpu/: there untiled calls differed, tiled ones did not). The emulator's cuBLAS sums every element in k order whatever the shape,
 // which would make the equality luck; these tests set TPSIM_EMU_CUBLAS_SPLITK=shape, its
 // shape-dependent split-K (cuda_emu/src/cublas.cpp), so that calls of different shapes do
 // round differently, as cuBLAS's may, and the tiles must do the work.

@@ -315,8 +315,8 @@ void CudaBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor&
   CudaDeviceGuard guard(device_);
   if (a.dtype() == DType::BF16 || b.dtype() == DType::BF16 || out.dtype() == DType::BF16) {
     // bf16 operands, f32 compute (Megatron's recipe): out bf16, or f32 for a main gradient.
-    // Written to compile against cuBLAS 11+ and run under cuda_emu; it has never run on a
-    // device. cuBLAS may pick a split-K kernel by shape, so its sums are f32 in an order of
+    // Written to compile against cuBLAS 11+; run under cuda_emu and on an H200 (cuBLAS 13).
+    // cuBLAS may pick a split-K kernel by shape, so its sums are f32 in an order of
     // its own (the CPU's sgemm has another): the same numbers up to f32 reassociation.
     if (a.dtype() != DType::BF16 || b.dtype() != DType::BF16)
       throw Error("gemm: a '" + a.tag() + "' and b '" + b.tag() + "' must both be bf16 when " +
