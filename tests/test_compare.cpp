@@ -441,6 +441,19 @@ TEST_CASE("a deferred replica check takes rank 0's numbers only for identical bi
     CHECK(out[0].worst == 7);
     CHECK_FALSE(out[1].pass);  // and the replica check fails
   }
+  SECTION("identical bits, but rank 0's record is of another step: this rank's own scan") {
+    std::vector<Comparison> forged = out0;
+    forged.at(0).step += 1;
+    forged.at(0).rel_err = 0.5;  // numbers that must not be taken
+    std::vector<Comparison> out;
+    StepChecker check(t.step, 1e-10, 2, 2, out);
+    check.defer_replicated();
+    check.check({t.obs(1, t.mine0)}, Phase::Update);
+    check.check_replicas({t.obs(1, t.mine0)}, {t.obs(0, t.mine0)}, {Phase::Update}, &forged);
+    REQUIRE(out.size() == 2);
+    require_same_numbers(out[0], own_scan(t.mine0));
+    CHECK(out[0].pass);
+  }
   SECTION("complete_pending scans at once, and a pending check never handed over throws") {
     std::vector<double> v = t.mine0;
     v[3] = std::numeric_limits<double>::quiet_NaN();

@@ -120,10 +120,13 @@ void StepChecker::check_replicas(const std::vector<Observation>& mine,
       if (!p.done && out_[p.index].tensor == name && out_[p.index].phase == phase) return &p;
     return nullptr;
   };
+  // Rank 0's reference check of the same tensor, phase and step: only then are its numbers
+  // this replica's (a record of another step would be another tensor's values).
   auto rank0_check = [&](const std::string& name, Phase phase) -> const Comparison* {
     if (!rank0_checks) return nullptr;
     for (const Comparison& c : *rank0_checks)
-      if (c.tensor == name && c.phase == phase && c.what == kReferenceCheck) return &c;
+      if (c.tensor == name && c.phase == phase && c.step == step_ && c.what == kReferenceCheck)
+        return &c;
     return nullptr;
   };
   for (std::size_t i = 0; i < mine.size(); ++i) {
