@@ -9,6 +9,7 @@
 #   SKIP_BUILD=1 scripts/gpu_check.sh    # reuse build-gpu/ (built here or carried here)
 #   LOG=results.txt scripts/gpu_check.sh # also append everything printed to a file
 #   ONLY=quick scripts/gpu_check.sh      # the small checks only (no seed-size runs, no timing)
+#   SANITIZER_TIMEOUT=75                 # the time limit of each compute-sanitizer run
 #
 # The verify runs use --comm sim, every rank on GPU 0 (so TP 2, 4, 8 need one GPU); with
 # as many GPUs as ranks the NCCL runs use one GPU per rank; the timing uses --comm auto
@@ -54,7 +55,7 @@ check() {
   fi
 }
 
-say "== tpsim gpu_check, $(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+say "== tpsim gpu_check, $(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname), commit $(git describe --always --dirty 2>/dev/null || echo unknown)"
 if command -v nvidia-smi >/dev/null; then
   say "$(nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader)"
 else
@@ -190,7 +191,7 @@ PY
     done
   done
   # Memory by category and time by op class on the GPU (the timing wrapper synchronises
-  # after every op, so its times are per op, not the step's).
+  # the device around every op, so its times are each op's device time).
   check "profile seed gpt b256 s256 tp 1,2 lp" "$T" profile --backend cuda --comm sim --model gpt \
     --batch-size 256 --seq-len 256 --tp 1,2 --steps 2 --loss-parallel
 fi

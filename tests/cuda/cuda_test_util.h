@@ -22,6 +22,15 @@ inline bool gpu_required() {
   return v && std::string(v) == "1";
 }
 
+// For a part of a test that needs n GPUs (--comm nccl at tp n) where the rest needs one:
+// true when the machine has them, else a warning that `what` was skipped, and false.
+inline bool have_gpus_for(int n, const std::string& what) {
+  const int have = gpus();
+  if (have >= n) return true;
+  WARN(what << " needs " << n << " CUDA device(s), found " << have << ": skipped");
+  return false;
+}
+
 // ‖a−b‖/‖b‖ (‖a−b‖ when b is 0).
 inline double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;

@@ -98,10 +98,8 @@ TEST_CASE("cli: verify --backend cuda --dtype bf16 passes and catches a fault", 
       " --model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16"
       " --block-size 32 --batch-size 2 --dtype bf16 --steps 2";
   for (const char* comm : {"sim", "nccl"}) {
-    if (std::string(comm) == "nccl" && tpsim::test::gpus() < 2) {
-      WARN("--comm nccl at tp 2 needs 2 CUDA devices, found " << tpsim::test::gpus() << ": skipped");
+    if (std::string(comm) == "nccl" && !tpsim::test::have_gpus_for(2, "--comm nccl at tp 2"))
       continue;
-    }
     const auto r = run_tpsim(std::string("verify --backend cuda --comm ") + comm +
                              " --tp 1,2 --loss-parallel --sequence-parallel" + gpt);
     INFO(comm << ":\n" << r.out);

@@ -1,8 +1,9 @@
 // The TP-invariant mode on the CUDA backend: TP 1, 2, 4 and 8 bit-identical, because every
 // GEMM whose shape depends on the degree is issued in canonical tiles (canonical_gemm.h)
 // and cuBLAS then sees the same shapes at every degree. Run under cuda_emu and on one
-// H200 (bench/gpu/: there untiled calls differed, tiled ones did not). The emulator's cuBLAS sums every element in k order whatever the shape,
-// which would make the equality luck; these tests set TPSIM_EMU_CUBLAS_SPLITK=shape, its
+// H200 (bench/gpu/: there untiled calls differed, tiled ones did not). The emulator's
+// cuBLAS sums every element in k order whatever the shape, which would make the equality
+// luck; these tests set TPSIM_EMU_CUBLAS_SPLITK=shape, its
 // shape-dependent split-K (cuda_emu/src/cublas.cpp), so that calls of different shapes do
 // round differently, as cuBLAS's may, and the tiles must do the work.
 #include <cstdint>
@@ -118,10 +119,7 @@ TEST_CASE("cuda: verify --tp-invariant is bit for bit at tp 1,2,4,8 in f32 and b
     for (const char* dtype : {"f32", "bf16"})
       for (const char* mode : {"", "--loss-parallel --sequence-parallel"}) {
         const bool nccl = std::string(comm) == "nccl";
-        if (nccl && nccl_degrees == "1") {
-          WARN("--comm nccl needs 2 CUDA devices or more, found " << test::gpus() << ": skipped");
-          continue;
-        }
+        if (nccl && !test::have_gpus_for(2, "--comm nccl")) continue;
         const auto r = run_tpsim(std::string("verify --backend cuda --comm ") + comm + " " +
                                  kTinyGpt + "--steps 3 --tp " + (nccl ? nccl_degrees : "1,2,4,8") +
                                  " --tp-invariant --dtype " + dtype + " " + mode);
