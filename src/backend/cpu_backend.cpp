@@ -2,9 +2,9 @@
 // kernel per op on raw row-major buffers. Kernels come in forward/backward pairs, side by
 // side, with the buffers' shapes in comments. Float math stays in T (float or double), as
 // a float32 device would do it; a call touching bf16 runs the f32 kernel on widened
-// shadows and rounds its bf16 outputs once (backend/bf16_widen.h); OpenBLAS does the GEMMs, Eigen the small per-head
-// attention products and the vectorised row math (expression templates, which never
-// allocate).
+// shadows and rounds its bf16 outputs once (backend/bf16_widen.h). OpenBLAS does the GEMMs
+// (the per-head attention products included), Eigen the row math (expression templates,
+// which never allocate).
 #include "backend/cpu_backend.h"
 
 #include <Eigen/Core>
@@ -34,14 +34,6 @@ using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajo
 template <class T>
 using MatMap = Eigen::Map<RowMajor<T>>;
 template <class T>
-using ConstMatMap = Eigen::Map<const RowMajor<T>>;
-// A [rows, cols] block of a wider row-major matrix: rows are `stride` elements apart
-// (one head's [T, d] slice of q [B*T, h*d] has stride h*d).
-template <class T>
-using BlockMap = Eigen::Map<RowMajor<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
-template <class T>
-using ConstBlockMap = Eigen::Map<const RowMajor<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
-template <class T>
 using Vec = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 template <class T>
 using ConstVec = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
@@ -59,14 +51,14 @@ void on_float(const Tensor& t, F&& f) {
 // calling thread alone (init_blas_one_thread_per_caller): the same shapes on two ranks
 // take the same kernel and the same summation order, so replicas stay bit-identical.
 void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, float alpha,
-               const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c) {
+               const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c, i64 ldc) {
   cblas_sgemm(CblasRowMajor, ta, tb, blasint(M), blasint(N), blasint(K), alpha, a, blasint(lda),
-              b, blasint(ldb), beta, c, blasint(N));
+              b, blasint(ldb), beta, c, blasint(ldc));
 }
 void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, double alpha,
-               const double* a, i64 lda, const double* b, i64 ldb, double beta, double* c) {
+               const double* a, i64 lda, const double* b, i64 ldb, double beta, double* c, i64 ldc) {
   cblas_dgemm(CblasRowMajor, ta, tb, blasint(M), blasint(N), blasint(K), alpha, a, blasint(lda),
-              b, blasint(ldb), beta, c, blasint(N));
+              b, blasint(ldb), beta, c, blasint(ldc));
 }
 
 template <class T>
@@ -85,7 +77,7 @@ void gemm_kernel(T* out, const T* a, bool trans_a, const T* b, bool trans_b, i64
     return;
   }
   blas_gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
-            alpha, a, trans_a ? M : K, b, trans_b ? K : N, beta, out);
+            alpha, a, trans_a ? M : K, b, trans_b ? K : N, beta, out, N);
 }
 
 // ---- elementwise activations ----------------------------------------------------------
@@ -166,70 +158,81 @@ void layernorm_backward_kernel(T* dinp, T* dweight, const T* dout, const T* inp,
 
 // ---- causal self-attention --------------------------------------------------------------
 
+// The per-head products run on OpenBLAS as whole [T,T] and [T,d] GEMMs on the blocks in
+// place (row stride h·d): twice the FLOPs a triangular product needs, but Eigen's
+// triangular products, built without instruction-set flags, ran at a fifth of OpenBLAS's
+// rate and were most of the non-GEMM time. The scores above the diagonal are computed and
+// then overwritten with 0 before anything reads them, so the products that read P or dS
+// add exact zeros there (as the reference's full products do). The calls' shapes are
+// (T, T, d) and (T, d, T) at every TP degree; only the row stride h·d changes, and OpenBLAS
+// packs its operands before the kernel, so the stride moves where it reads, not the order
+// in which it sums: a head gives the same bits at any degree (tests/test_tp_invariant.cpp
+// holds the TP-invariant mode to that, tp 1, 2, 4, 8).
+//
+// out[M,N] (row stride ldc) = alpha · op(a)·op(b), a and b of row strides lda, ldb.
+template <class T>
+void head_gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* a, i64 lda,
+               const T* b, i64 ldb, T* out, i64 ldc) {
+  if (K == 0) {  // d 0: never hand BLAS an empty reduction
+    for (i64 i = 0; i < M; ++i) std::fill_n(out + i * ldc, N, T(0));
+    return;
+  }
+  blas_gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
+            alpha, a, lda, b, ldb, T(0), out, ldc);
+}
+
 // For every batch row b and local head j, with Q, K, V the [T,d] blocks of q, k, v (row
 // stride h·d) and P the [T,T] block probs[b,j]:
 //   P = causal_softmax(scale · Q·Kᵀ),  O = P·V.
-// Only the lower triangle of Q·Kᵀ is computed, and P·V uses P as a triangular matrix.
 template <class T>
 void attention_forward_kernel(T* out, T* probs, const T* q, const T* k, const T* v, i64 B, i64 T_,
                               i64 h, i64 d, T scale) {
   const i64 ld = h * d;
-  const Eigen::OuterStride<> stride(ld);
   for (i64 b = 0; b < B; ++b) {
     for (i64 j = 0; j < h; ++j) {
       const i64 off = b * T_ * ld + j * d;
-      ConstBlockMap<T> Q(q + off, T_, d, stride), K(k + off, T_, d, stride),
-          V(v + off, T_, d, stride);
-      BlockMap<T> O(out + off, T_, d, stride);
-      T* pbj = probs + (b * h + j) * T_ * T_;
-      MatMap<T> P(pbj, T_, T_);
-      P.template triangularView<Eigen::Lower>() = Q * K.transpose();
+      T* pbj = probs + (b * h + j) * T_ * T_;  // [T,T]
+      head_gemm<T>(false, true, T_, T_, d, scale, q + off, ld, k + off, ld, pbj, T_);
       for (i64 t = 0; t < T_; ++t) {
         // row t attends to s <= t; subtract the row max so exp never overflows
-        Vec<T> s(pbj + t * T_, t + 1);
-        s *= scale;
-        const T mx = s.maxCoeff();
-        s = (s - mx).exp();
-        const T denom = s.sum();
-        s /= denom;
-        std::fill(pbj + t * T_ + t + 1, pbj + (t + 1) * T_, T(0));
+        T* row = pbj + t * T_;
+        const T mx = ConstVec<T>(row, t + 1).maxCoeff();
+        if constexpr (std::is_same_v<T, float>)
+          vec::scaled_probs_f32(row, row, t + 1, mx, vec::sum_exp_f32(row, t + 1, mx), 1.0f);
+        else
+          vec::scaled_probs_f64(row, row, t + 1, mx, vec::sum_exp_f64(row, t + 1, mx), 1.0);
+        std::fill(row + t + 1, row + T_, T(0));
       }
-      O.noalias() = P.template triangularView<Eigen::Lower>() * V;
+      head_gemm<T>(false, false, T_, d, T_, T(1), pbj, T_, v + off, ld, out + off, ld);
     }
   }
 }
 // The exact gradient of the forward, per (b, j), with dO the [T,d] block of dout:
 //   dV = Pᵀ·dO
-//   dP = dO·Vᵀ                                (lower triangle only; P is 0 above it)
+//   dP = dO·Vᵀ                                (its upper triangle is discarded: P is 0 there)
 //   dS = scale · P ∘ (dP - rowsum(P ∘ dP))     (softmax backward, then the scale)
 //   dQ = dS·K,  dK = dSᵀ·Q
-// dscores is [T,T] scratch; only its lower triangle is ever written or read.
+// dscores is [T,T] scratch.
 template <class T>
 void attention_backward_kernel(T* dq, T* dk, T* dv, T* dscores, const T* dout, const T* q,
                                const T* k, const T* v, const T* probs, i64 B, i64 T_, i64 h, i64 d,
                                T scale) {
   const i64 ld = h * d;
-  const Eigen::OuterStride<> stride(ld);
-  MatMap<T> dS(dscores, T_, T_);
   for (i64 b = 0; b < B; ++b) {
     for (i64 j = 0; j < h; ++j) {
       const i64 off = b * T_ * ld + j * d;
-      ConstBlockMap<T> Q(q + off, T_, d, stride), K(k + off, T_, d, stride),
-          V(v + off, T_, d, stride), dO(dout + off, T_, d, stride);
-      BlockMap<T> dQ(dq + off, T_, d, stride), dK(dk + off, T_, d, stride),
-          dV(dv + off, T_, d, stride);
-      const T* pbj = probs + (b * h + j) * T_ * T_;
-      ConstMatMap<T> P(pbj, T_, T_);
-      dV.noalias() = P.transpose().template triangularView<Eigen::Upper>() * dO;
-      dS.template triangularView<Eigen::Lower>() = dO * V.transpose();
+      const T* pbj = probs + (b * h + j) * T_ * T_;  // [T,T]
+      head_gemm<T>(true, false, T_, d, T_, T(1), pbj, T_, dout + off, ld, dv + off, ld);
+      head_gemm<T>(false, true, T_, T_, d, T(1), dout + off, ld, v + off, ld, dscores, T_);
       for (i64 t = 0; t < T_; ++t) {
         ConstVec<T> p(pbj + t * T_, t + 1);
         Vec<T> ds(dscores + t * T_, t + 1);
         const T dot = (p * ds).sum();
         ds = scale * (p * (ds - dot));
+        std::fill(dscores + t * T_ + t + 1, dscores + (t + 1) * T_, T(0));
       }
-      dQ.noalias() = dS.template triangularView<Eigen::Lower>() * K;
-      dK.noalias() = dS.transpose().template triangularView<Eigen::Upper>() * Q;
+      head_gemm<T>(false, false, T_, d, T_, T(1), dscores, T_, k + off, ld, dq + off, ld);
+      head_gemm<T>(true, false, T_, d, T_, T(1), dscores, T_, q + off, ld, dk + off, ld);
     }
   }
 }
