@@ -1239,6 +1239,57 @@ TEST_CASE("cpu backend: the vectorised f32 exp is within 1.3 ulp of exp on [-87,
   CHECK(std::isnan(tpsim::vec::exp_nonpos_f32(std::numeric_limits<float>::quiet_NaN())));
 }
 
+TEST_CASE("cpu backend: the vectorised f32 erfc is within 6 ulp of erfc on [-10, 9.2]",
+          "[backend]") {
+  double worst = 0;
+  // every 211th float of the range: ~10 million values, both signs, every binade near 0
+  int k = 0;
+  for (float y = -10.0f; y <= 9.2f; y = std::nextafter(y, 10.0f)) {
+    if (++k % 211 != 0) continue;
+    const long double ref = std::erfc(static_cast<long double>(y));
+    const float r = static_cast<float>(ref);
+    const double ulp = static_cast<double>(std::nextafter(r, 3.0f) - r);
+    const long double got = tpsim::vec::erfc_f32(y);
+    worst = std::max(worst, static_cast<double>(std::fabs(got - ref)) / ulp);
+  }
+  INFO("worst " << worst << " ulp");
+  CHECK(worst <= 6.0);
+  CHECK(tpsim::vec::erfc_f32(0.0f) == 1.0f);
+  CHECK(tpsim::vec::erfc_f32(-std::numeric_limits<float>::infinity()) == 2.0f);
+  CHECK(tpsim::vec::erfc_f32(std::numeric_limits<float>::infinity()) == 0.0f);
+  CHECK(tpsim::vec::erfc_f32(9.4f) == 0.0f);
+  CHECK(std::isnan(tpsim::vec::erfc_f32(std::numeric_limits<float>::quiet_NaN())));
+}
+
+TEST_CASE("cpu backend: f32 gelu is the scalar erfc_f32 element by element, tails included",
+          "[backend]") {
+  // The clone that runs (AVX-512, AVX2 or baseline) and an element's place in the vector
+  // (lanes or the tail) must not change its bits: TP-invariant mode relies on it.
+  std::mt19937_64 gen(3);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::vector<float> x(1003), y(x.size()), dy(x.size()), ones(x.size(), 1.0f);
+  for (float& v : x) v = nd(gen);
+  x[0] = std::numeric_limits<float>::infinity();
+  x[1] = -std::numeric_limits<float>::infinity();
+  x[2] = -20.0f;
+  const auto n = static_cast<std::int64_t>(x.size());
+  std::vector<float> dy0;
+  for (std::int64_t off : {0, 1, 5}) {
+    tpsim::vec::gelu_forward_f32(y.data() + off, x.data() + off, n - off);
+    tpsim::vec::gelu_backward_f32(dy.data() + off, ones.data() + off, x.data() + off, n - off);
+    if (off == 0) dy0 = dy;
+    for (std::int64_t i = off; i < n; ++i) {
+      const auto u = static_cast<std::size_t>(i);
+      const float want = 0.5f * x[u] * tpsim::vec::erfc_f32(-x[u] * 0.707106781186547524f);
+      REQUIRE(std::memcmp(&y[u], &want, sizeof(float)) == 0);
+      REQUIRE(std::memcmp(&dy[u], &dy0[u], sizeof(float)) == 0);  // shifted: other lanes
+    }
+  }
+  CHECK(y[0] == std::numeric_limits<float>::infinity());
+  CHECK(std::isnan(y[1]));  // -inf·0, as x·Φ(x) with libm
+  CHECK(y[2] == 0.0f);
+}
+
 TEST_CASE("cpu backend: the vectorised f64 exp is within 1.2 ulp of exp on [-708, 0]", "[backend]") {
   double worst = 0;
   std::mt19937_64 gen(5);

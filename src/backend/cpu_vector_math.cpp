@@ -19,13 +19,18 @@ using i64 = std::int64_t;
 // n·kLn2Hi is exact, kLn2Hi having 16 significant bits and |n| < 2^8), exp(r) by its
 // Taylor series to r^7/7!: |r| <= ln2/2 leaves a truncation error of 5e-9 relative, below
 // half an f32 ulp. Adding and subtracting 1.5·2^23 rounds to the nearest integer.
-inline float exp_nonpos(float x) {
+// exp_nonpos_minus(x, lo) is exp(x - lo) for x <= 0 and |lo| small: lo is taken off the
+// reduced argument r rather than off x, so that x - lo is never rounded (erfc_and_exp
+// below needs that: for x = -a² near -87 one rounding of x - lo would cost 87·2^-24, about
+// 80 ulp of the result); x - n·kLn2Hi is exact, as both are within a factor 2 of each
+// other whenever n != 0. exp_nonpos(x) is exp_nonpos_minus(x, 0), bit for bit.
+inline float exp_nonpos_minus(float x, float lo) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693145751953125f;
   constexpr float kLn2Lo = 1.428606765330187045e-06f;
   constexpr float kShift = 12582912.0f;
   const float n = (x * kLog2e + kShift) - kShift;
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  const float r = ((x - n * kLn2Hi) - n * kLn2Lo) - lo;
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -38,6 +43,7 @@ inline float exp_nonpos(float x) {
   const float two_n = std::bit_cast<float>((static_cast<std::int32_t>(n) + 127) << 23);
   return x < -87.0f ? 0.0f : p * two_n;
 }
+inline float exp_nonpos(float x) { return exp_nonpos_minus(x, 0.0f); }
 
 // The f64 twin of exp_nonpos: n·kLn2Hi exact for |n| < 2^21 (kLn2Hi has 32 significant
 // bits), exp(r) by Taylor to r^13/13!, whose truncation error at |r| = ln2/2 is 4e-18
@@ -71,6 +77,36 @@ inline double exp_nonpos(double x) {
   const double two_n = std::bit_cast<double>((std::bit_cast<std::uint64_t>(t) + 1023u) << 52);
   return x < -708.0 ? 0.0 : p * two_n;
 }
+
+// erfc(y) and exp(-y²) in f32, branch-free so the loops vectorise. With a = |y|:
+//   erfc(a) = exp(-a²) · erfcx(a),  erfc(-a) = 2 - erfc(a),
+// erfcx(a) = exp(a²)·erfc(a) by a rational function P(a)/Q(a) of degrees 4 and 5 with
+// positive coefficients (no cancellation in either sum for a >= 0) and P(0) = Q(0) = 1,
+// fitted to erfcx on [0, 9.5] by scripts/fit_erfcx.py (Loeb's then Lawson's iteration:
+// largest relative error 6.8e-9, 0.11 f32 ulp, before the f32 roundings of the sums).
+// exp(-a²) takes a² as hi + lo, hi the square of a with its low 12 mantissa bits cleared
+// (exact in f32), lo = (a - a_hi)·(a + a_hi). Measured within 6 ulp of erfc on [-10, 9.2]
+// (tests/test_cpu_backend.cpp), mostly from the rational function's roundings; CUDA's
+// erfcf documents 4. erfc is 0 where exp(-a²) leaves f32's normal range (a > 9.33, where
+// erfc(a) < 1e-39); a is clamped to 10 so that +-inf gives 0 and 2, and NaN stays NaN.
+struct ErfcExp {
+  float erfc, exp_neg_sq;  // erfc(y), exp(-y²)
+};
+inline ErfcExp erfc_and_exp(float y) {
+  const float a = std::min(std::abs(y), 10.0f);
+  const float p = (((0.0320165482f * a + 0.225570902f) * a + 0.72402058f) * a + 1.23124544f) * a +
+                  1.0f;
+  const float q =
+      ((((0.0567470429f * a + 0.399843651f) * a + 1.31119673f) * a + 2.38656532f) * a +
+       2.35962495f) * a + 1.0f;
+  const float a_hi = std::bit_cast<float>(std::bit_cast<std::uint32_t>(a) & 0xFFFFF000u);
+  const float e = exp_nonpos_minus(-(a_hi * a_hi), (a - a_hi) * (a + a_hi));
+  const float r = e * (p / q);
+  return {y < 0.0f ? 2.0f - r : r, e};
+}
+
+constexpr float kInvSqrt2 = 0.707106781186547524f;    // 1/√2
+constexpr float kInvSqrt2Pi = 0.398942280401432678f;  // 1/√(2π)
 
 template <class T>
 inline void adam_loop(T* param, const T* grad, T* m, T* v, i64 n, const AdamCoeffs& c) {
@@ -137,6 +173,7 @@ TPSIM_CLONES bool all_finite_f64(const double* x, i64 n) {
 }
 
 float exp_nonpos_f32(float x) { return exp_nonpos(x); }
+float erfc_f32(float y) { return erfc_and_exp(y).erfc; }
 double exp_nonpos_f64(double x) { return exp_nonpos(x); }
 
 TPSIM_CLONES float sum_exp_f32(const float* x, i64 n, float m) {
@@ -165,6 +202,26 @@ TPSIM_CLONES void adam_f32(float* param, const float* grad, float* m, float* v, 
 TPSIM_CLONES void adam_f64(double* param, const double* grad, double* m, double* v, i64 n,
                            const AdamCoeffs& c) {
   adam_loop(param, grad, m, v, n, c);
+}
+
+// GELU in the CPU kernel's formulas (cpu_backend.cpp): x·Φ(x) with Φ(x) = 0.5·erfc(-x/√2),
+// and its derivative Φ(x) + x·φ(x), where φ(x) = exp(-x²/2)/√(2π) is the exp(-y²) that
+// erfc_and_exp computed anyway (at the rounded y, as Φ is).
+TPSIM_CLONES void gelu_forward_f32(float* out, const float* inp, i64 n) {
+  for (i64 i = 0; i < n; ++i) {
+    const float x = inp[i];
+    out[i] = 0.5f * x * erfc_and_exp(-x * kInvSqrt2).erfc;
+  }
+}
+
+TPSIM_CLONES void gelu_backward_f32(float* dinp, const float* dout, const float* inp, i64 n) {
+  for (i64 i = 0; i < n; ++i) {
+    const float x = inp[i];
+    const ErfcExp ee = erfc_and_exp(-x * kInvSqrt2);
+    const float cdf = 0.5f * ee.erfc;
+    const float pdf = kInvSqrt2Pi * ee.exp_neg_sq;
+    dinp[i] = dout[i] * (cdf + x * pdf);
+  }
 }
 
 }  // namespace tpsim::vec
