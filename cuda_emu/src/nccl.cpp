@@ -219,7 +219,10 @@ void reduce(std::vector<char>& out, const std::vector<const char*>& srcs, std::s
     case ncclInt32: return reduce_into<std::int32_t>(out, srcs, count, op);
     case ncclUint32: return reduce_into<std::uint32_t>(out, srcs, count, op);
     case ncclUint64: return reduce_into<std::uint64_t>(out, srcs, count, op);
-    default: return reduce_into<std::int64_t>(out, srcs, count, op);
+    case ncclInt64: return reduce_into<std::int64_t>(out, srcs, count, op);
+    default:
+      fatal("reduce of data type " + std::to_string(static_cast<int>(dt)) +
+            ", which issue() refuses");
   }
 }
 
@@ -359,6 +362,13 @@ ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream) {
   if (s->device != comm->device)
     return error(ncclInvalidArgument, comm.get(), std::string(name) + ": stream of cuda:" + std::to_string(s->device) +
                                                       " for a communicator on cuda:" + std::to_string(comm->device));
+  // fp16 and 8-bit sums are not modelled (tpsim sends neither): refused, never summed as
+  // some other type
+  const bool reduces = c.kind == Kind::AllReduce || c.kind == Kind::ReduceScatter;
+  if (reduces && (c.dt == ncclFloat16 || c.dt == ncclInt8 || c.dt == ncclUint8))
+    return error(ncclInvalidArgument, comm.get(),
+                 std::string(name) + ": the emulator does not reduce data type " +
+                     std::to_string(static_cast<int>(c.dt)) + " (fp16, int8, uint8)");
   const std::size_t es = type_size(c.dt);
   const std::size_t n = static_cast<std::size_t>(cl.n);
   std::size_t send_elems = c.count, recv_elems = c.count;

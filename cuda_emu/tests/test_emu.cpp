@@ -266,6 +266,31 @@ TEST_CASE("emu: NCCL all_reduce is a rendezvous of the ranks' streams, non-block
   for (int r = 0; r < 2; ++r) CHECK(ncclCommDestroy(p.c[r]) == ncclSuccess);
 }
 
+TEST_CASE("emu: NCCL refuses the sums it does not model (fp16, 8-bit) by name", "[emu]") {
+  cuda_emu::clear_nccl_faults();
+  Pair p(8);
+  for (int r = 0; r < 2; ++r) CHECK(poll(p.c[r]) == ncclSuccess);
+  for (ncclDataType_t dt : {ncclFloat16, ncclInt8, ncclUint8}) {
+    CHECK(ncclAllReduce(p.buf[0], p.buf[0], 8, dt, ncclSum, p.c[0], p.s[0]) == ncclInvalidArgument);
+    CHECK_THAT(std::string(ncclGetLastError(p.c[0])), Contains("does not reduce data type"));
+    CHECK(ncclReduceScatter(p.buf[0], p.buf[0], 4, dt, ncclSum, p.c[0], p.s[0]) ==
+          ncclInvalidArgument);
+  }
+  // moving 16-bit data is modelled: bf16 all-reduce of rank 0 alone would wait for rank 1,
+  // so issue the pair
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    CHECK(ncclAllReduce(p.buf[r], p.buf[r], 8, ncclBfloat16, ncclSum, p.c[r], p.s[r]) ==
+          ncclInProgress);
+  }
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(cudaStreamSynchronize(p.s[r]) == cudaSuccess);
+    CHECK(poll(p.c[r]) == ncclSuccess);
+  }
+  for (int r = 0; r < 2; ++r) CHECK(ncclCommDestroy(p.c[r]) == ncclSuccess);
+}
+
 TEST_CASE("emu: NCCL reads another GPU's cudaMallocAsync memory only with pool access", "[emu]") {
   cuda_emu::clear_nccl_faults();
   Pair p(4);
