@@ -5,9 +5,12 @@
 //    call over half a second, on one thread and on every core at once (one GEMM per thread,
 //    summed). Also which kernel OpenBLAS chose, and the theoretical FMA peak derived from
 //    /proc/cpuinfo (clock x vector lanes x 2 flops per FMA x FMA pipes).
-// 2. The GPT at TP 1, 2, 4 on a GEMM-bound configuration (H large next to T and V, so that
-//    the q/k/v/o and MLP GEMMs carry ~95% of the FLOPs), f32 and f64, timed by `tpsim
-//    profile`'s machinery: mean step time of steps 2.., the slowest rank's.
+// 2. The GPT at TP 1, 2, 4 on a GEMM-bound configuration, f32 and f64, timed by `tpsim
+//    profile`'s machinery: mean step time of steps 2.., the slowest rank's. GEMM-bound in
+//    FLOPs (H large next to T and V, so that the q/k/v/o and MLP GEMMs carry ~95% of them)
+//    and in time: 1024 tokens a step, so that each parameter's 6·1024 GEMM FLOPs outweigh
+//    its optimizer update (Adam reads and writes 28 bytes a parameter, memory-bound), which
+//    at 256 tokens was 7% of an f32 step on an AVX-512 BLAS whatever the kernels did.
 // 3. The BLAS peak again, so a drift of the machine (other load, thermal) shows.
 // Achieved GFLOP/s = model FLOPs per step (72·B·T·L·H²·(1 + T/6H + V/12HL)) / step time;
 // the ratio is against the one-thread BLAS peak times min(t, cores).
@@ -162,8 +165,8 @@ std::string model_rows(const ProfileResult& res, double flops, double peak1, int
 int main(int argc, char** argv) {
   CLI::App app{"tpsim_bench: step time and GFLOP/s of the sharded CPU GPT at TP 1, 2, 4 next to "
                "this machine's BLAS GEMM peak, measured in the same run"};
-  int steps = 3;
-  std::int64_t hidden = 1024, batch = 2, seq = 128, vocab = 1024;
+  int steps = 4;
+  std::int64_t hidden = 1024, batch = 8, seq = 128, vocab = 1024;
   std::string append;
   app.add_option("--steps", steps, "steps per TP degree (step 1 is not counted)");
   app.add_option("--hidden", hidden, "H");
