@@ -4,7 +4,7 @@
 #include <cmath>
 #include <tuple>
 
-#include "backend/cpu_vector_math.h"
+#include "core/finite.h"
 
 namespace tpsim {
 
@@ -29,7 +29,7 @@ void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
       c.tp = o.spec.world;
       c.full_shape = o.spec.full_shape;
       c.tolerance = tolerance_of(o.name);
-      c.sharded_finite = vec::all_finite_f64(o.values.data(),
+      c.sharded_finite = all_finite_f64(o.values.data(),
                                              static_cast<std::int64_t>(o.values.size()));
       stamp(c, phase);
       pending_.push_back({out_.size()});

@@ -21,6 +21,7 @@
 #include "backend/bf16_widen.h"
 #include "backend/cpu_vector_math.h"
 #include "backend/op_checks.h"
+#include "core/finite.h"
 #include "model/config.h"  // kIgnoreIndex
 
 namespace tpsim {
@@ -816,8 +817,8 @@ bool exponents_finite(const void* data, i64 n, U exponent_mask) {
 bool CpuBackend::all_finite(const Tensor& t) {
   OpCheck("all_finite", device()).float_arg("t", t);
   switch (t.dtype()) {
-    case DType::F32: return vec::all_finite_f32(t.data<float>(), t.numel());
-    case DType::F64: return vec::all_finite_f64(t.data<double>(), t.numel());
+    case DType::F32: return all_finite_f32(t.data<float>(), t.numel());
+    case DType::F64: return all_finite_f64(t.data<double>(), t.numel());
     case DType::BF16: return exponents_finite<std::uint16_t>(t.raw(), t.numel(), 0x7f80u);
     default: return Backend::all_finite(t);  // (float_arg has refused the rest)
   }

@@ -135,20 +135,6 @@ inline void adam_loop(T* param, const T* grad, T* m, T* v, i64 n, const AdamCoef
   }
 }
 
-// In blocks, so that a bad value ends the scan early without a branch per element.
-template <class F, class U>
-inline bool exponents_finite(const F* x, i64 n, U exponent_mask) {
-  constexpr i64 kBlock = 4096;
-  for (i64 i0 = 0; i0 < n; i0 += kBlock) {
-    const i64 c = std::min(kBlock, n - i0);
-    U bad = 0;
-    for (i64 i = 0; i < c; ++i)
-      bad |= (std::bit_cast<U>(x[i0 + i]) & exponent_mask) == exponent_mask ? U(1) : U(0);
-    if (bad) return false;
-  }
-  return true;
-}
-
 // kLanes partial sums (one 512-bit register of T) so the loop vectorises; the lanes are
 // added in one fixed order, so the result does not depend on the clone that ran.
 template <class T, int kLanes>
@@ -164,13 +150,6 @@ inline T sum_exp_lanes(const T* x, i64 n, T m) {
 }
 
 }  // namespace
-
-TPSIM_CLONES bool all_finite_f32(const float* x, i64 n) {
-  return exponents_finite<float, std::uint32_t>(x, n, 0x7f800000u);
-}
-TPSIM_CLONES bool all_finite_f64(const double* x, i64 n) {
-  return exponents_finite<double, std::uint64_t>(x, n, 0x7ff0000000000000ull);
-}
 
 float exp_nonpos_f32(float x) { return exp_nonpos(x); }
 float erfc_f32(float y) { return erfc_and_exp(y).erfc; }

@@ -36,10 +36,6 @@ void gelu_backward_f32(float* dinp, const float* dout, const float* inp, std::in
 // where erfc is below 1e-39; erfc(-inf) = 2, erfc(inf) = 0, NaN stays NaN. For tests.
 float erfc_f32(float y);
 
-// Whether no element is NaN or ±inf (no all-ones exponent), by the bits.
-bool all_finite_f32(const float* x, std::int64_t n);
-bool all_finite_f64(const double* x, std::int64_t n);
-
 // torch.optim.Adam on n elements (backend.h's formula, in the dtype): with g = grad + wd·param
 // when decay, m = b1·m + (1-b1)·g, v = b2·v + (1-b2)·g², param -= step_size·m /
 // (sqrt(v)/bc2_sqrt + eps), each operation in this order, rounded once.
