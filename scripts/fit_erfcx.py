@@ -16,8 +16,9 @@ Ground truth is mpmath's erfc at 40 digits, so the target carries no error of it
 
 Run with Debian's python3 (python3-numpy, python3-mpmath):
     /usr/bin/python3 scripts/fit_erfcx.py
-It prints the coefficients, lowest degree first, as the C++ writes them (Horner from the
-highest), and the largest relative error on a grid 8x denser than the fit's.
+It prints the coefficients, lowest degree first, to 17 digits (the C++ evaluates P and Q in
+double, Horner from the highest), and the largest relative error of P/Q on a grid 8x
+denser than the fit's.
 """
 import math
 import sys
@@ -78,14 +79,14 @@ def main():
     f = erfcx(a)
     c = fit(a, f)
     p, q = coefficients(c)
-    print("P (a^0 .. a^%d):" % DEG_P, ", ".join("%.9g" % x for x in p))
-    print("Q (a^0 .. a^%d):" % DEG_Q, ", ".join("%.9g" % x for x in q))
+    print("P (a^0 .. a^%d):" % DEG_P, ", ".join("%.17g" % x for x in p))
+    print("Q (a^0 .. a^%d):" % DEG_Q, ", ".join("%.17g" % x for x in q))
     if (p < 0).any() or (q < 0).any():
         print("warning: a negative coefficient (the kernel relies on none, so that Horner's "
               "sums never cancel for a >= 0)", file=sys.stderr)
-    # check on a denser grid, with the coefficients rounded to what the C++ writes (%.9g)
+    # check on a denser grid, with the coefficients as printed
     dense = np.linspace(0, A_MAX, 8 * N_FIT)
-    cr = np.array([float("%.9g" % x) for x in c])
+    cr = np.array([float("%.17g" % x) for x in c])
     r, _ = evaluate(cr, dense)
     fd = erfcx(dense)
     print("largest relative error on [0, %g]: %.3g (%.3g f32 ulp)" %

@@ -20,10 +20,12 @@ using i64 = std::int64_t;
 // Taylor series to r^7/7!: |r| <= ln2/2 leaves a truncation error of 5e-9 relative, below
 // half an f32 ulp. Adding and subtracting 1.5·2^23 rounds to the nearest integer.
 // exp_nonpos_minus(x, lo) is exp(x - lo) for x <= 0 and |lo| small: lo is taken off the
-// reduced argument r rather than off x, so that x - lo is never rounded (erfc_and_exp
+// reduced argument r rather than off x, so that x - lo is never rounded (exp_neg_square
 // below needs that: for x = -a² near -87 one rounding of x - lo would cost 87·2^-24, about
 // 80 ulp of the result); x - n·kLn2Hi is exact, as both are within a factor 2 of each
-// other whenever n != 0. exp_nonpos(x) is exp_nonpos_minus(x, 0), bit for bit.
+// other whenever n != 0. With lo (|lo| < 0.05 there) |r| reaches 0.42 and the truncation
+// 3e-8, half an ulp: exp(-a²) measures within 1.4 ulp, exp_nonpos within 1.3.
+// exp_nonpos(x) is exp_nonpos_minus(x, 0), bit for bit.
 inline float exp_nonpos_minus(float x, float lo) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693145751953125f;
@@ -78,31 +80,37 @@ inline double exp_nonpos(double x) {
   return x < -708.0 ? 0.0 : p * two_n;
 }
 
-// erfc(y) and exp(-y²) in f32, branch-free so the loops vectorise. With a = |y|:
+// exp(-c·s²) in f32 for c a power of 2, with c·s² taken as hi + lo and never rounded: hi is
+// c times the square of s with its low 12 mantissa bits cleared (exact in f32), lo =
+// c·(s - s_hi)·(s + s_hi). ±inf gives 0, NaN stays NaN.
+inline float exp_neg_square(float s, float c) {
+  const float s_hi = std::bit_cast<float>(std::bit_cast<std::uint32_t>(s) & 0xFFFFF000u);
+  return exp_nonpos_minus(-(c * (s_hi * s_hi)), c * ((s - s_hi) * (s + s_hi)));
+}
+
+// erfc in f32, branch-free so the loops vectorise. With a = |y|:
 //   erfc(a) = exp(-a²) · erfcx(a),  erfc(-a) = 2 - erfc(a),
 // erfcx(a) = exp(a²)·erfc(a) by a rational function P(a)/Q(a) of degrees 4 and 5 with
 // positive coefficients (no cancellation in either sum for a >= 0) and P(0) = Q(0) = 1,
 // fitted to erfcx on [0, 9.5] by scripts/fit_erfcx.py (Loeb's then Lawson's iteration:
-// largest relative error 6.8e-9, 0.11 f32 ulp, before the f32 roundings of the sums).
-// exp(-a²) takes a² as hi + lo, hi the square of a with its low 12 mantissa bits cleared
-// (exact in f32), lo = (a - a_hi)·(a + a_hi). Measured within 6 ulp of erfc on [-10, 9.2]
-// (tests/test_cpu_backend.cpp), mostly from the rational function's roundings; CUDA's
-// erfcf documents 4. erfc is 0 where exp(-a²) leaves f32's normal range (a > 9.33, where
-// erfc(a) < 1e-39); a is clamped to 10 so that +-inf gives 0 and 2, and NaN stays NaN.
-struct ErfcExp {
-  float erfc, exp_neg_sq;  // erfc(y), exp(-y²)
-};
-inline ErfcExp erfc_and_exp(float y) {
+// largest relative error 5.3e-9, 0.09 f32 ulp). P and Q are summed in double: in f32 their
+// Horner roundings alone cost up to 4.5 ulp each. Error budget: the fit 0.09 ulp, exp(-a²)
+// 1.4 ulp, the product's one rounding 0.5, and for y < 0 the rounding of 2 - r 0.5 ulp
+// more; measured on every float of [-10, 9.2], 2.12 ulp at most (CUDA's erfcf documents
+// 4; tests/test_cpu_backend.cpp holds 2.5 on every float of [2, 9.2], where the largest
+// errors are, and a sample of the rest). erfc is 0 where exp(-a²) leaves f32's normal
+// range (a > 9.33, where erfc(a) < 1e-39); a is clamped to 10 so that +-inf gives 0 and 2
+// (inf/inf would be NaN), and NaN stays NaN (std::min returns its first argument).
+inline float erfc_vec(float y) {
   const float a = std::min(std::abs(y), 10.0f);
-  const float p = (((0.0320165482f * a + 0.225570902f) * a + 0.72402058f) * a + 1.23124544f) * a +
-                  1.0f;
-  const float q =
-      ((((0.0567470429f * a + 0.399843651f) * a + 1.31119673f) * a + 2.38656532f) * a +
-       2.35962495f) * a + 1.0f;
-  const float a_hi = std::bit_cast<float>(std::bit_cast<std::uint32_t>(a) & 0xFFFFF000u);
-  const float e = exp_nonpos_minus(-(a_hi * a_hi), (a - a_hi) * (a + a_hi));
-  const float r = e * (p / q);
-  return {y < 0.0f ? 2.0f - r : r, e};
+  const double ad = a;
+  const double p = (((0.032016548193784244 * ad + 0.2255709024974703) * ad +
+                     0.72402057986679735) * ad + 1.2312454365842649) * ad + 1.0;
+  const double q = ((((0.056747042861364838 * ad + 0.39984365097220032) * ad +
+                      1.3111967286124739) * ad + 2.3865653213535873) * ad +
+                    2.359624952856588) * ad + 1.0;
+  const float r = static_cast<float>(static_cast<double>(exp_neg_square(a, 1.0f)) * (p / q));
+  return y < 0.0f ? 2.0f - r : r;
 }
 
 constexpr float kInvSqrt2 = 0.707106781186547524f;    // 1/√2
@@ -152,7 +160,7 @@ inline T sum_exp_lanes(const T* x, i64 n, T m) {
 }  // namespace
 
 float exp_nonpos_f32(float x) { return exp_nonpos(x); }
-float erfc_f32(float y) { return erfc_and_exp(y).erfc; }
+float erfc_f32(float y) { return erfc_vec(y); }
 double exp_nonpos_f64(double x) { return exp_nonpos(x); }
 
 TPSIM_CLONES float sum_exp_f32(const float* x, i64 n, float m) {
@@ -184,21 +192,21 @@ TPSIM_CLONES void adam_f64(double* param, const double* grad, double* m, double*
 }
 
 // GELU in the CPU kernel's formulas (cpu_backend.cpp): x·Φ(x) with Φ(x) = 0.5·erfc(-x/√2),
-// and its derivative Φ(x) + x·φ(x), where φ(x) = exp(-x²/2)/√(2π) is the exp(-y²) that
-// erfc_and_exp computed anyway (at the rounded y, as Φ is).
+// and its derivative Φ(x) + x·φ(x), φ(x) = exp(-x²/2)/√(2π) with x²/2 never rounded (from
+// x itself, not from the rounded x/√2: that would cost up to 2·87·2^-24 relative in the
+// tails).
 TPSIM_CLONES void gelu_forward_f32(float* out, const float* inp, i64 n) {
   for (i64 i = 0; i < n; ++i) {
     const float x = inp[i];
-    out[i] = 0.5f * x * erfc_and_exp(-x * kInvSqrt2).erfc;
+    out[i] = 0.5f * x * erfc_vec(-x * kInvSqrt2);
   }
 }
 
 TPSIM_CLONES void gelu_backward_f32(float* dinp, const float* dout, const float* inp, i64 n) {
   for (i64 i = 0; i < n; ++i) {
     const float x = inp[i];
-    const ErfcExp ee = erfc_and_exp(-x * kInvSqrt2);
-    const float cdf = 0.5f * ee.erfc;
-    const float pdf = kInvSqrt2Pi * ee.exp_neg_sq;
+    const float cdf = 0.5f * erfc_vec(-x * kInvSqrt2);
+    const float pdf = kInvSqrt2Pi * exp_neg_square(x, 0.5f);
     dinp[i] = dout[i] * (cdf + x * pdf);
   }
 }

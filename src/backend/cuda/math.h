@@ -2,7 +2,8 @@
 // functions so that the CPU tests (tests/test_cuda_host_math.cpp) can check it against
 // the CPU backend on a machine without a GPU. Each function has the matching CPU
 // kernel's formula, type and order of operations, so compiled for the host (ISO C++, no
-// contraction) it gives the CPU's bits, up to libm's erfc/exp/log.
+// contraction) it gives the CPU's bits, up to libm's erfc/exp/log against the CPU's own
+// vectorised f32 exp and erfc (backend/cpu_vector_math.cpp), a few ulp apart.
 //
 // On the device it does NOT give the CPU's bits, and need not: nvcc contracts a·b + c
 // into one fused multiply-add (one rounding instead of two) and the CUDA math library's
