@@ -736,7 +736,7 @@ TEST_CASE("cpu backend: attention backward against finite differences", "[backen
   }
 }
 
-// At sizes where Eigen takes its blocked paths, one directional derivative per input:
+// At sizes where OpenBLAS takes its blocked paths, one directional derivative per input:
 // (L(x + hδ) - L(x - hδ)) / 2h against <∇L, δ>, both of order ||∇L||·||δ||/√n for a random
 // δ; a wrong gradient misses by about that much, rounding by ~1e-10 of it.
 TEST_CASE("cpu backend: attention backward at larger sizes, directional", "[backend]") {
@@ -779,6 +779,53 @@ TEST_CASE("cpu backend: attention backward at larger sizes, directional", "[back
     INFO("fd " << fd << " analytic " << an << " ||g||·||delta|| " << bound);
     CHECK(std::abs(fd - an) <= 1e-8 * bound);
     CHECK(std::abs(an) > 1e-4 * bound);  // the check is not vacuous
+  }
+}
+
+TEST_CASE("cpu backend: a head's attention bits do not depend on how many heads share the rows",
+          "[backend]") {
+  // The per-head GEMMs read the head's [T,d] block in place, with row stride h·d; at a TP
+  // degree t each rank holds h/t heads, so the stride changes with t. The TP-invariant mode
+  // needs the same bits at every stride. At T 256, d 64 OpenBLAS takes its packed, blocked
+  // paths (the CLI tests' tiny heads only reach its small-matrix kernels).
+  const i64 T = 256, h = 8, d = 64, j = 5;
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    Env env;
+    const auto n = static_cast<std::size_t>(T * h * d);
+    const Vec q = round_to(dt, env.randn(n)), k = round_to(dt, env.randn(n)),
+              v = round_to(dt, env.randn(n)), w = round_to(dt, env.randn(n));
+    auto run = [&](const Vec& qv, const Vec& kv, const Vec& vv, const Vec& wv, i64 heads) {
+      const Shape s2{T, heads * d};
+      Tensor qt = env.make(s2, dt, qv, "q"), kt = env.make(s2, dt, kv, "k"),
+             vt = env.make(s2, dt, vv, "v"), dout = env.make(s2, dt, wv, "dout");
+      Tensor out = env.out(s2, dt, "out"), probs = env.out({1, heads, T, T}, dt, "p");
+      Tensor dq = env.out(s2, dt, "dq"), dk = env.out(s2, dt, "dk"), dv = env.out(s2, dt, "dv");
+      const double scale = 0.125;
+      env.be->attention_forward(out, probs, qt, kt, vt, 1, T, heads, scale);
+      env.be->attention_backward(dq, dk, dv, dout, qt, kt, vt, probs, 1, T, heads, scale);
+      return std::vector<Vec>{env.host(out), env.host(probs), env.host(dq), env.host(dk),
+                              env.host(dv)};
+    };
+    // head j alone: its columns of q, k, v, dout as [T, d]
+    auto head = [&](const Vec& x) {
+      Vec y(static_cast<std::size_t>(T * d));
+      for (i64 t = 0; t < T; ++t)
+        for (i64 c = 0; c < d; ++c)
+          y[static_cast<std::size_t>(t * d + c)] = x[static_cast<std::size_t>(t * h * d + j * d + c)];
+      return y;
+    };
+    const auto all = run(q, k, v, w, h);
+    const auto one = run(head(q), head(k), head(v), head(w), 1);
+    const char* names[] = {"out", "probs", "dq", "dk", "dv"};
+    for (int x = 0; x < 5; ++x) {
+      INFO(names[x]);
+      const Vec got = x == 1 ? Vec(all[1].begin() + j * T * T, all[1].begin() + (j + 1) * T * T)
+                             : head(all[static_cast<std::size_t>(x)]);
+      const Vec& want = one[static_cast<std::size_t>(x)];
+      REQUIRE(got.size() == want.size());
+      CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(double)) == 0);
+    }
   }
 }
 

@@ -174,16 +174,20 @@ void layernorm_backward_kernel(T* dinp, T* dweight, const T* dout, const T* inp,
 // triangular products, built without instruction-set flags, ran at a fifth of OpenBLAS's
 // rate and were most of the non-GEMM time. The scores above the diagonal are computed and
 // then overwritten with 0 before anything reads them, so the products that read P or dS
-// add exact zeros there (as the reference's full products do). The calls' shapes are
-// (T, T, d) and (T, d, T) at every TP degree; only the row stride h·d changes, and OpenBLAS
-// packs its operands before the kernel, so the stride moves where it reads, not the order
-// in which it sums: a head gives the same bits at any degree (tests/test_tp_invariant.cpp
-// holds the TP-invariant mode to that, tp 1, 2, 4, 8).
+// add exact zeros there, as the reference's full products and cuBLAS's do (for finite
+// data: an inf at a later position now makes NaN in earlier rows too, on every side alike).
+// The calls' shapes are (T, T, d) and (T, d, T) at every TP degree; only the row stride h·d
+// changes. OpenBLAS chooses its path (packed and blocked, or a direct small-matrix kernel)
+// by shape, transposes, alpha, beta and thread count, never by stride, and each path's
+// summation order is fixed by the shape, so a head gives the same bits at any degree
+// (tests/test_cpu_backend.cpp checks one head at h 8 against h 1 at T 256, d 64;
+// tests/test_tp_invariant.cpp holds the TP-invariant mode to it at tp 1, 2, 4, 8).
 //
 // out[M,N] (row stride ldc) = alpha · op(a)·op(b), a and b of row strides lda, ldb.
 template <class T>
 void head_gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* a, i64 lda,
                const T* b, i64 ldb, T* out, i64 ldc) {
+  if (M == 0 || N == 0) return;  // T or d 0: nothing to write, and strides BLAS may refuse
   if (K == 0) {  // d 0: never hand BLAS an empty reduction
     for (i64 i = 0; i < M; ++i) std::fill_n(out + i * ldc, N, T(0));
     return;
@@ -795,7 +799,7 @@ double CpuBackend::sum(const Tensor& t) {
 namespace {
 // Whether no element of p[n] has an all-ones exponent (NaN or ±inf), testing the bits, in
 // blocks so that a bad value stops the scan early without a branch per element (bf16
-// here; f32 and f64 in cpu_vector_math.cpp).
+// here; f32 and f64 in core/finite.cpp).
 template <class U>
 bool exponents_finite(const void* data, i64 n, U exponent_mask) {
   const auto* bytes = static_cast<const unsigned char*>(data);
