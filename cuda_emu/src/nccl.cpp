@@ -362,13 +362,18 @@ ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream) {
   if (s->device != comm->device)
     return error(ncclInvalidArgument, comm.get(), std::string(name) + ": stream of cuda:" + std::to_string(s->device) +
                                                       " for a communicator on cuda:" + std::to_string(comm->device));
-  // fp16 and 8-bit sums are not modelled (tpsim sends neither): refused, never summed as
-  // some other type
+  // A data type outside NCCL's enum is refused for every collective, as NCCL does; fp16
+  // and 8-bit sums are not modelled (tpsim sends neither), so those are refused too rather
+  // than summed as some other type.
+  const int dt = static_cast<int>(c.dt);
+  if (dt < ncclInt8 || dt > ncclBfloat16)
+    return error(ncclInvalidArgument, comm.get(),
+                 std::string(name) + ": data type " + std::to_string(dt) + " is not NCCL's");
   const bool reduces = c.kind == Kind::AllReduce || c.kind == Kind::ReduceScatter;
   if (reduces && (c.dt == ncclFloat16 || c.dt == ncclInt8 || c.dt == ncclUint8))
     return error(ncclInvalidArgument, comm.get(),
                  std::string(name) + ": the emulator does not reduce data type " +
-                     std::to_string(static_cast<int>(c.dt)) + " (fp16, int8, uint8)");
+                     std::to_string(dt) + " (fp16, int8, uint8)");
   const std::size_t es = type_size(c.dt);
   const std::size_t n = static_cast<std::size_t>(cl.n);
   std::size_t send_elems = c.count, recv_elems = c.count;

@@ -276,8 +276,10 @@ TEST_CASE("emu: NCCL refuses the sums it does not model (fp16, 8-bit) by name", 
     CHECK(ncclReduceScatter(p.buf[0], p.buf[0], 4, dt, ncclSum, p.c[0], p.s[0]) ==
           ncclInvalidArgument);
   }
-  // moving 16-bit data is modelled: bf16 all-reduce of rank 0 alone would wait for rank 1,
-  // so issue the pair
+  const auto not_a_type = static_cast<ncclDataType_t>(10);
+  CHECK(ncclAllGather(p.buf[0], p.buf[0], 2, not_a_type, p.c[0], p.s[0]) == ncclInvalidArgument);
+  CHECK_THAT(std::string(ncclGetLastError(p.c[0])), Contains("data type 10 is not NCCL's"));
+  // bf16 sums are modelled: a pair of calls (rank 0's alone would wait for rank 1's)
   for (int r = 0; r < 2; ++r) {
     cudaSetDevice(r);
     CHECK(ncclAllReduce(p.buf[r], p.buf[r], 8, ncclBfloat16, ncclSum, p.c[r], p.s[r]) ==
