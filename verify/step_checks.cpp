@@ -29,8 +29,8 @@ void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
       c.tp = o.spec.world;
       c.full_shape = o.spec.full_shape;
       c.tolerance = tolerance_of(o.name);
-      c.sharded_finite = all_finite_f64(o.values.data(),
-                                             static_cast<std::int64_t>(o.values.size()));
+      c.sharded_finite =
+          all_finite_f64(o.values.data(), static_cast<std::int64_t>(o.values.size()));
       stamp(c, phase);
       pending_.push_back({out_.size()});
       out_.push_back(std::move(c));

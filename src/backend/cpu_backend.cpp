@@ -29,11 +29,7 @@ namespace {
 
 using i64 = std::int64_t;
 
-// Row-major matrices and 1-D arrays viewed in place.
-template <class T>
-using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using MatMap = Eigen::Map<RowMajor<T>>;
+// 1-D arrays viewed in place.
 template <class T>
 using Vec = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 template <class T>
@@ -62,23 +58,35 @@ void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, doub
               b, blasint(ldb), beta, c, blasint(ldc));
 }
 
+// out[M,N] (row stride ldc) = alpha · op(a)·op(b) + beta · out, a and b of row strides lda,
+// ldb (the attention products read and write head blocks in place).
 template <class T>
-void gemm_kernel(T* out, const T* a, bool trans_a, const T* b, bool trans_b, i64 M, i64 N, i64 K,
-                 T alpha, T beta) {
+void gemm_strided(T* out, i64 ldc, const T* a, i64 lda, bool trans_a, const T* b, i64 ldb,
+                  bool trans_b, i64 M, i64 N, i64 K, T alpha, T beta) {
   if (M == 0 || N == 0) return;
   // BLAS semantics: beta 0 never reads out (it may hold NaN garbage), alpha 0 or K 0
   // never reads a and b. OpenBLAS honours both, but the degenerate cases are spelled out
   // here so they hold whatever the library's argument checks do with K 0.
   if (K == 0 || alpha == T(0)) {
-    MatMap<T> C(out, M, N);
-    if (beta == T(0))
-      C.setZero();
-    else if (beta != T(1))
-      C *= beta;
+    for (i64 i = 0; i < M; ++i) {
+      Vec<T> row(out + i * ldc, N);
+      if (beta == T(0))
+        row.setZero();
+      else if (beta != T(1))
+        row *= beta;
+    }
     return;
   }
   blas_gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
-            alpha, a, trans_a ? M : K, b, trans_b ? K : N, beta, out, N);
+            alpha, a, lda, b, ldb, beta, out, ldc);
+}
+
+// The same on whole row-major matrices.
+template <class T>
+void gemm_kernel(T* out, const T* a, bool trans_a, const T* b, bool trans_b, i64 M, i64 N, i64 K,
+                 T alpha, T beta) {
+  gemm_strided(out, N, a, trans_a ? M : K, trans_a, b, trans_b ? K : N, trans_b, M, N, K, alpha,
+               beta);
 }
 
 // ---- elementwise activations ----------------------------------------------------------
@@ -182,19 +190,6 @@ void layernorm_backward_kernel(T* dinp, T* dweight, const T* dout, const T* inp,
 // summation order is fixed by the shape, so a head gives the same bits at any degree
 // (tests/test_cpu_backend.cpp checks one head at h 8 against h 1 at T 256, d 64;
 // tests/test_tp_invariant.cpp holds the TP-invariant mode to it at tp 1, 2, 4, 8).
-//
-// out[M,N] (row stride ldc) = alpha · op(a)·op(b), a and b of row strides lda, ldb.
-template <class T>
-void head_gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* a, i64 lda,
-               const T* b, i64 ldb, T* out, i64 ldc) {
-  if (M == 0 || N == 0) return;  // T or d 0: nothing to write, and strides BLAS may refuse
-  if (K == 0) {  // d 0: never hand BLAS an empty reduction
-    for (i64 i = 0; i < M; ++i) std::fill_n(out + i * ldc, N, T(0));
-    return;
-  }
-  blas_gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
-            alpha, a, lda, b, ldb, T(0), out, ldc);
-}
 
 // For every batch row b and local head j, with Q, K, V the [T,d] blocks of q, k, v (row
 // stride h·d) and P the [T,T] block probs[b,j]:
@@ -207,7 +202,7 @@ void attention_forward_kernel(T* out, T* probs, const T* q, const T* k, const T*
     for (i64 j = 0; j < h; ++j) {
       const i64 off = b * T_ * ld + j * d;
       T* pbj = probs + (b * h + j) * T_ * T_;  // [T,T]
-      head_gemm<T>(false, true, T_, T_, d, scale, q + off, ld, k + off, ld, pbj, T_);
+      gemm_strided<T>(pbj, T_, q + off, ld, false, k + off, ld, true, T_, T_, d, scale, T(0));
       for (i64 t = 0; t < T_; ++t) {
         // row t attends to s <= t; subtract the row max so exp never overflows
         T* row = pbj + t * T_;
@@ -218,7 +213,7 @@ void attention_forward_kernel(T* out, T* probs, const T* q, const T* k, const T*
           vec::scaled_probs_f64(row, row, t + 1, mx, vec::sum_exp_f64(row, t + 1, mx), 1.0);
         std::fill(row + t + 1, row + T_, T(0));
       }
-      head_gemm<T>(false, false, T_, d, T_, T(1), pbj, T_, v + off, ld, out + off, ld);
+      gemm_strided<T>(out + off, ld, pbj, T_, false, v + off, ld, false, T_, d, T_, T(1), T(0));
     }
   }
 }
@@ -237,8 +232,8 @@ void attention_backward_kernel(T* dq, T* dk, T* dv, T* dscores, const T* dout, c
     for (i64 j = 0; j < h; ++j) {
       const i64 off = b * T_ * ld + j * d;
       const T* pbj = probs + (b * h + j) * T_ * T_;  // [T,T]
-      head_gemm<T>(true, false, T_, d, T_, T(1), pbj, T_, dout + off, ld, dv + off, ld);
-      head_gemm<T>(false, true, T_, T_, d, T(1), dout + off, ld, v + off, ld, dscores, T_);
+      gemm_strided<T>(dv + off, ld, pbj, T_, true, dout + off, ld, false, T_, d, T_, T(1), T(0));
+      gemm_strided<T>(dscores, T_, dout + off, ld, false, v + off, ld, true, T_, T_, d, T(1), T(0));
       for (i64 t = 0; t < T_; ++t) {
         ConstVec<T> p(pbj + t * T_, t + 1);
         Vec<T> ds(dscores + t * T_, t + 1);
@@ -246,8 +241,8 @@ void attention_backward_kernel(T* dq, T* dk, T* dv, T* dscores, const T* dout, c
         ds = scale * (p * (ds - dot));
         std::fill(dscores + t * T_ + t + 1, dscores + (t + 1) * T_, T(0));
       }
-      head_gemm<T>(false, false, T_, d, T_, T(1), dscores, T_, k + off, ld, dq + off, ld);
-      head_gemm<T>(true, false, T_, d, T_, T(1), dscores, T_, q + off, ld, dk + off, ld);
+      gemm_strided<T>(dq + off, ld, dscores, T_, false, k + off, ld, false, T_, d, T_, T(1), T(0));
+      gemm_strided<T>(dk + off, ld, dscores, T_, true, q + off, ld, false, T_, d, T_, T(1), T(0));
     }
   }
 }
@@ -796,34 +791,12 @@ double CpuBackend::sum(const Tensor& t) {
   return acc;
 }
 
-namespace {
-// Whether no element of p[n] has an all-ones exponent (NaN or ±inf), testing the bits, in
-// blocks so that a bad value stops the scan early without a branch per element (bf16
-// here; f32 and f64 in core/finite.cpp).
-template <class U>
-bool exponents_finite(const void* data, i64 n, U exponent_mask) {
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  constexpr i64 kBlock = 4096;
-  for (i64 i0 = 0; i0 < n; i0 += kBlock) {
-    const i64 c = std::min(kBlock, n - i0);
-    U bad = 0;
-    for (i64 i = 0; i < c; ++i) {
-      U bits;
-      std::memcpy(&bits, bytes + static_cast<std::size_t>(i0 + i) * sizeof(U), sizeof(U));
-      bad |= static_cast<U>((bits & exponent_mask) == exponent_mask);
-    }
-    if (bad) return false;
-  }
-  return true;
-}
-}  // namespace
-
 bool CpuBackend::all_finite(const Tensor& t) {
   OpCheck("all_finite", device()).float_arg("t", t);
   switch (t.dtype()) {
     case DType::F32: return all_finite_f32(t.data<float>(), t.numel());
     case DType::F64: return all_finite_f64(t.data<double>(), t.numel());
-    case DType::BF16: return exponents_finite<std::uint16_t>(t.raw(), t.numel(), 0x7f80u);
+    case DType::BF16: return all_finite_bf16(t.data<bf16>(), t.numel());
     default: return Backend::all_finite(t);  // (float_arg has refused the rest)
   }
 }

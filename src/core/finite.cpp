@@ -31,5 +31,8 @@ TPSIM_CLONES bool all_finite_f32(const float* x, std::int64_t n) {
 TPSIM_CLONES bool all_finite_f64(const double* x, std::int64_t n) {
   return exponents_finite<double, std::uint64_t>(x, n, 0x7ff0000000000000ull);
 }
+TPSIM_CLONES bool all_finite_bf16(const bf16* x, std::int64_t n) {
+  return exponents_finite<bf16, std::uint16_t>(x, n, 0x7f80u);
+}
 
 }  // namespace tpsim

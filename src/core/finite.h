@@ -4,9 +4,12 @@
 
 #include <cstdint>
 
+#include "core/dtype.h"
+
 namespace tpsim {
 
 bool all_finite_f32(const float* x, std::int64_t n);
 bool all_finite_f64(const double* x, std::int64_t n);
+bool all_finite_bf16(const bf16* x, std::int64_t n);
 
 }  // namespace tpsim
