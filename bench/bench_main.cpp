@@ -28,7 +28,7 @@
 
 #include "backend/blas.h"
 #include "core/errors.h"
-#include "verify/profile_run.h"
+#include "verify/commands/profile_run.h"
 
 using namespace tpsim;
 

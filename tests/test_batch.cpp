@@ -4,8 +4,8 @@
 #include <catch2/catch.hpp>
 #include <set>
 
-#include "verify/inputs.h"
-#include "verify/sweep.h"
+#include "verify/setup/inputs.h"
+#include "verify/commands/sweep.h"
 
 using namespace tpsim;
 

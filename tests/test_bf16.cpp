@@ -17,7 +17,7 @@
 #include "cli_runner.h"
 #include "comm/rank_runner.h"
 #include "core/dtype.h"
-#include "verify/tolerance.h"
+#include "verify/engine/tolerance.h"
 
 using namespace tpsim;
 using namespace tpsim::testing;

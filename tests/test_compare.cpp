@@ -6,10 +6,10 @@
 #include <cstring>
 #include <limits>
 
-#include "verify/compare.h"
-#include "verify/compare_scan.h"
-#include "verify/step_checks.h"
-#include "verify/tolerance.h"
+#include "verify/engine/compare.h"
+#include "verify/engine/compare_scan.h"
+#include "verify/engine/step_checks.h"
+#include "verify/engine/tolerance.h"
 
 using namespace tpsim;
 

@@ -7,8 +7,8 @@
 #include <limits>
 
 #include "core/errors.h"
-#include "verify/compare.h"
-#include "verify/divergence.h"
+#include "verify/engine/compare.h"
+#include "verify/engine/divergence.h"
 
 using namespace tpsim;
 

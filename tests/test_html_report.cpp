@@ -8,9 +8,9 @@
 #include <sstream>
 
 #include "cli_runner.h"
-#include "verify/html_report.h"
-#include "verify/report.h"
-#include "verify/step_checks.h"
+#include "verify/report/html_report.h"
+#include "verify/report/report.h"
+#include "verify/engine/step_checks.h"
 
 using namespace tpsim;
 using namespace tpsim::testing;

@@ -9,8 +9,8 @@
 
 #include "cli_runner.h"
 #include "profile/activation_model.h"
-#include "verify/memory_check.h"
-#include "verify/profile_run.h"
+#include "verify/setup/memory_check.h"
+#include "verify/commands/profile_run.h"
 
 using namespace tpsim;
 

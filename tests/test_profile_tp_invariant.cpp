@@ -1,6 +1,6 @@
 // profile --tp-invariant, run as a user runs it: the report says the mode is on, its memory
 // equals the model's (the mode's buffers included), its refusals are train's and verify's,
-// and its collectives differ from a plain run's exactly as verify/tp_invariant_comm.h says.
+// and its collectives differ from a plain run's exactly as verify/setup/tp_invariant_comm.h says.
 #include <catch2/catch.hpp>
 
 #include <string>

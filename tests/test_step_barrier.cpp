@@ -3,7 +3,7 @@
 // whichever of them stops reading early.
 #include <catch2/catch.hpp>
 
-#include "verify/step_barrier.h"
+#include "verify/engine/step_barrier.h"
 
 using namespace tpsim;
 

@@ -5,7 +5,7 @@
 #include <set>
 
 #include "cli_runner.h"
-#include "verify/tensor_order.h"
+#include "verify/setup/tensor_order.h"
 
 using namespace tpsim;
 using namespace tpsim::testing;

@@ -10,8 +10,8 @@
 #include "backend/canonical_gemm.h"
 #include "cli_runner.h"
 #include "sharded/shard_map.h"
-#include "verify/report.h"
-#include "verify/step_checks.h"
+#include "verify/report/report.h"
+#include "verify/engine/step_checks.h"
 
 using namespace tpsim;
 using namespace tpsim::testing;

@@ -6,9 +6,9 @@
 #include <sstream>
 
 #include "cli_runner.h"
-#include "verify/memory_check.h"
-#include "verify/profile_run.h"
-#include "verify/verify_run.h"
+#include "verify/setup/memory_check.h"
+#include "verify/commands/profile_run.h"
+#include "verify/commands/verify_run.h"
 
 using namespace tpsim;
 using namespace tpsim::testing;

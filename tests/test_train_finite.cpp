@@ -9,7 +9,7 @@
 #include "core/errors.h"
 #include "sharded/parameter.h"
 #include "sharded/shard_map.h"
-#include "verify/train_run.h"
+#include "verify/commands/train_run.h"
 
 using namespace tpsim;
 

@@ -12,8 +12,8 @@
 #include "core/errors.h"
 #include "cuda_test_util.h"
 #include "runtime/launch.h"
-#include "verify/run_options.h"
-#include "verify/verify_run.h"
+#include "verify/setup/run_options.h"
+#include "verify/commands/verify_run.h"
 
 namespace {
 

@@ -8,7 +8,7 @@
 // On the device it does NOT give the CPU's bits, and need not: nvcc contracts a·b + c
 // into one fused multiply-add (one rounding instead of two) and the CUDA math library's
 // erfc/exp/log differ from libm by a few ulp. Nothing depends on device-CPU bit-equality:
-// the device is compared with the reference within an error model (verify/tolerance.cpp),
+// the device is compared with the reference within an error model (verify/engine/tolerance.cpp),
 // and with the CPU backend within a bound (tests/cuda/test_cuda_ops.cpp); what must be
 // bit-exact is bit-exact for other reasons: replicated tensors are computed by the same
 // kernels on the same inputs on every rank (same contractions, same bits), and the sums

@@ -1,0 +1,339 @@
+#include "verify/cli/cli.h"
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <limits>
+
+#include "io/atomic_file.h"
+#include "verify/commands/check_run.h"
+#include "verify/report/html_report.h"
+#include "verify/commands/profile_run.h"
+#include "verify/report/report.h"
+#include "verify/commands/sweep.h"
+#include "verify/commands/train_run.h"
+#include "verify/setup/validate.h"
+#include "verify/commands/verify_run.h"
+
+namespace tpsim {
+
+namespace {
+
+// Flags as the user typed them, before they become RunOptions.
+struct RawFlags {
+  std::string model = "mlp";
+  std::string tp;  // empty: train 1; verify 1,2,4,8 for the mlp, 1,2 for the gpt
+  std::string dtype;
+  std::string steps;       // empty: the model's default
+  std::string batch_size;  // empty: the model's default
+  std::string seed = "1234";
+  std::string fault = "none";
+  std::string backend = "cpu";
+  std::string comm = "auto";
+  std::string batch;   // empty: verify boundary, train and profile random
+  std::string preset;  // gpt: seed (the defaults) or small (the sweep's)
+};
+
+// Flags that describe one configuration. Without --model, verify runs the default sweep,
+// which picks its own configurations, so these need --model.
+const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidden", "--heads",
+                                 "--layers", "--batch-size", "--seq-len", "--load", "--data",
+                                 "--loss-parallel", "--sequence-parallel",
+                                 "--make-vocab-divisible-by", "--resync", "--batch", "--preset",
+                                 "--lr", "--weight-decay", "--html"};
+
+// --preset small: the sweep's small GPT, for the fields the user did not set.
+void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
+  if (raw.preset.empty() || raw.preset == "seed") return;
+  const GptConfig small = small_gpt_config();
+  auto unset = [&](const char* flag) { return cmd.count(flag) == 0; };
+  if (unset("--vocab-size")) o.gpt.vocab_size = small.vocab_size;
+  if (unset("--block-size")) o.gpt.block_size = small.block_size;
+  if (unset("--hidden")) o.gpt.hidden = small.hidden;
+  if (unset("--heads")) o.gpt.heads = small.heads;
+  if (unset("--layers")) o.gpt.layers = small.layers;
+  if (unset("--seq-len")) o.seq_len = kSmallGptSeqLen;
+  if (unset("--batch-size")) o.batch_size = kSmallGptBatch;
+}
+
+void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {
+  cmd.add_option("-m,--model", raw.model,
+                 "mlp (the seed's naive TP MLP) or gpt; verify without --model runs the "
+                 "default sweep of both")
+      ->check(CLI::IsMember({"mlp", "gpt"}));
+  cmd.add_option("-t,--tp", raw.tp,
+                 tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
+                         : "TP degree (number of ranks)")
+      ->check([](const std::string& s) { return s.empty() ? "'': empty list" : ""; });
+  cmd.add_option("-d,--dtype", raw.dtype, "f32, f64 or bf16 (mixed precision: bf16 weights and activations, f32 "
+                 "statistics, main gradients, master weights and Adam state): the sharded "
+                 "model's precision");
+  cmd.add_option("-s,--steps", raw.steps, "training steps (default: mlp 2, gpt 5)");
+  cmd.add_option("--lr", o.lr, "learning rate (mlp: SGD, gpt: Adam)");
+  cmd.add_option("--weight-decay", o.adam.weight_decay, "Adam's L2 weight decay (gpt)");
+  cmd.add_option("--seed", raw.seed, "seed of weights and data (0 or more)");
+  cmd.add_option("--vocab-size", o.gpt.vocab_size, "gpt vocabulary size");
+  cmd.add_option("--block-size", o.gpt.block_size, "gpt context length (wpe rows)");
+  cmd.add_option("--hidden", o.gpt.hidden, "gpt hidden size H");
+  cmd.add_option("--heads", o.gpt.heads, "gpt attention heads");
+  cmd.add_option("--layers", o.gpt.layers, "gpt transformer blocks");
+  cmd.add_option("-b,--batch-size", raw.batch_size, "batch rows (default: mlp 32, gpt 2)");
+  cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
+  cmd.add_option("--load", o.load_path, "start from weights in a safetensors file");
+  cmd.add_option("--data", o.data_path, "gpt batch (input_ids, labels) from a safetensors file");
+  cmd.add_option("--batch", raw.batch,
+                 "gpt batch without --data: random (the seed's uniform ids) or boundary (the "
+                 "same, with every vocabulary shard's first and last id as labels and ignored "
+                 "labels mid-row); default: verify boundary, train and profile random")
+      ->check(CLI::IsMember({"random", "boundary"}));
+  cmd.add_option("--preset", raw.preset,
+                 "gpt sizes: seed (V 50257, H 256, A 8, L 2, batch 2x64; the default) or small "
+                 "(the default sweep's V 101, H 72, A 12, L 2, batch 2x24)")
+      ->check(CLI::IsMember({"seed", "small"}));
+  cmd.add_flag("--loss-parallel", o.loss_parallel,
+               "gpt: split wte/lm_head by vocabulary; cross-entropy on sharded logits");
+  cmd.add_flag("--sequence-parallel", o.sequence_parallel,
+               "gpt: split LayerNorm/residual regions by tokens (all-gather / reduce-scatter)");
+  cmd.add_option("--make-vocab-divisible-by", o.make_vocab_divisible_by,
+                 "gpt with --loss-parallel: pad the vocabulary to a multiple of this times tp");
+  cmd.add_option("--backend", raw.backend, "cpu, or cuda (a GPU per rank, or ranks sharing one)");
+  cmd.add_option("--comm", raw.comm, "auto, threads (cpu), nccl (one GPU per rank) or sim "
+                                     "(ranks sharing a GPU)");
+  cmd.add_option("--timeout", o.timeout_s, "seconds a collective may wait for a rank");
+  cmd.add_option("--json", o.json_path, "write a machine-readable report here");
+  cmd.add_flag("--force", o.force, "run even when the memory model predicts more than the "
+                                   "memory available");
+}
+
+// --tp-invariant, the same mode on every subcommand; `what_else` says what this one adds.
+void add_tp_invariant_flag(CLI::App& cmd, RunOptions& o, const std::string& what_else) {
+  cmd.add_flag("--tp-invariant", o.tp_invariant,
+               "gpt (cpu and cuda): split reductions in 8 canonical chunks summed in one order and "
+               "GEMMs in canonical tiles, so that tp 1, 2, 4 and 8 compute the same bits" +
+                   what_else);
+}
+
+void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, bool verify) {
+  o.model = raw.model == "gpt" ? ModelKind::Gpt : ModelKind::Mlp;
+  o.batch = raw.batch == "boundary" || (raw.batch.empty() && verify) ? BatchKind::Boundary
+                                                                     : BatchKind::Random;
+  if (!raw.preset.empty() && o.model != ModelKind::Gpt)
+    throw UsageError("--preset applies to --model gpt");
+  std::string tp = raw.tp;
+  if (tp.empty()) tp = !verify ? "1" : o.model == ModelKind::Mlp ? "1,2,4,8" : "1,2";
+  o.tp = parse_tp_list(tp);
+  o.dtype = raw.dtype.empty() ? default_dtype : parse_float_dtype(raw.dtype);
+  // Ranges are checked by validate_run_options, with every other number.
+  const auto min64 = std::numeric_limits<std::int64_t>::min();
+  const auto max64 = std::numeric_limits<std::int64_t>::max();
+  o.steps = raw.steps.empty() ? (o.model == ModelKind::Mlp ? 2 : 5)
+                              : parse_int_flag("--steps", raw.steps, min64, max64);
+  if (!raw.batch_size.empty())
+    o.batch_size = o.mlp.batch = parse_int_flag("--batch-size", raw.batch_size, min64, max64);
+  o.seed = static_cast<std::uint64_t>(parse_int_flag("--seed", raw.seed, 0, max64));
+  o.adam.lr = o.lr;
+  o.fault = parse_fault(raw.fault);
+  o.device.backend = parse_backend_kind(raw.backend);
+  o.device.comm = parse_comm_kind(raw.comm);
+  validate_run_options(o);
+}
+
+// The command as typed, for the HTML page's header (arguments with spaces quoted).
+std::string command_line(int argc, char** argv) {
+  std::string s = "tpsim";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    s += " " + (a.find_first_of(" \t'\"") == std::string::npos ? a : "'" + a + "'");
+  }
+  return s;
+}
+
+const char* kFooter = R"(
+Exit codes: 0 pass, 1 verify found a mismatch, 2 bad input or usage, 3 runtime failure
+(e.g. a collective timed out).)";
+
+}  // namespace
+
+int cli_main(int argc, char** argv) {
+  CLI::App app{"tpsim: a tensor-parallel simulator and verifier. One process drives N ranks\n"
+               "(threads) running a Megatron-style sharded model, and checks it element by\n"
+               "element against an independent float64 Eigen reference."};
+  app.footer(std::string(R"(
+Examples:
+  tpsim verify                                  # every model and mode, in seconds
+  tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
+  tpsim train  --model mlp --tp 2 --steps 2
+  tpsim verify --model mlp --tp 2 --inject-fault mlp-drop-f-backward   # must fail
+  tpsim check --dumps DIR --load W.safetensors --data D.safetensors    # your own TP run
+)") + kFooter);
+  app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();  // --help shows every default
+
+  RunOptions o;
+  RawFlags raw;
+  bool list_faults = false;
+
+  auto* train = app.add_subcommand("train", "train the sharded model at one TP degree, printing "
+                                            "what the seed prints per iteration");
+  add_model_flags(*train, o, raw, false);
+  add_tp_invariant_flag(*train, o, "");
+  train->add_option("--save-final", o.save_final, "write the final full weights (safetensors)");
+  train->add_option("--dump", o.dump_dir,
+                    "gpt: write a dump of every rank's shards, every step, to this directory "
+                    "(docs/dump-format.md), with the initial weights and the batch, for "
+                    "`tpsim check`");
+  train->footer(std::string(R"(
+Examples:
+  tpsim train --model mlp --tp 1
+  tpsim train --model mlp --tp 2 --dtype f64 --steps 3)") + kFooter);
+
+  auto* verify = app.add_subcommand("verify", "run the reference and the sharded model for each "
+                                              "TP degree and compare every tensor, every step");
+  add_model_flags(*verify, o, raw, true);
+  add_tp_invariant_flag(*verify, o, "; each degree is then also compared with tp 1 bit for bit");
+  verify->add_flag("--resync", o.resync,
+                   "copy the reference weights into the shards before each step, so one "
+                   "step's error is told from drift");
+  verify->add_option("--inject-fault", raw.fault,
+                     "break the sharded model on purpose to see verify catch it "
+                     "(--list-faults names them)");
+  verify->add_option("--html", o.html_path,
+                     "write a self-contained HTML page: losses, a heatmap of every tensor's "
+                     "error per step and TP degree, the first failure's shards");
+  verify->add_flag("--list-faults", list_faults, "list the faults --inject-fault knows and exit");
+  verify->footer(std::string(R"(
+Examples:
+  tpsim verify                                      # the default sweep: every model and mode
+  tpsim verify --inject-fault gpt-missing-f         # ... with a bug it must catch
+  tpsim verify --model mlp --tp 1,2,4,8 --dtype f64
+  tpsim verify --model gpt --preset seed --loss-parallel --tp 1,2
+  tpsim verify --model mlp --tp 2,4 --dtype f32 --steps 5 --json report.json
+  tpsim verify --model gpt --preset small --steps 4 --inject-fault gpt-missing-g --html r.html
+
+Without --model, verify runs the default sweep: the MLP at tp 1,2,4,8 and a small GPT (an
+odd vocabulary, 12 heads) at tp 1,2,3,4, plain, loss parallel, sequence parallel and both,
+each on a boundary batch and a random one; --dtype, --steps, --seed, --inject-fault,
+--timeout, --backend, --comm and --json apply to it.)") + kFooter);
+
+  // profile: the train flags, a list of TP degrees, and where to write the trace and plot.
+  ProfileOptions prof;
+  auto* profile = app.add_subcommand("profile", "train at each TP degree with every op timed and "
+                                                "every byte recorded; memory measured vs the "
+                                                "analytical model, time per op and collective");
+  add_model_flags(*profile, o, raw, true);
+  add_tp_invariant_flag(*profile, o, "; profile it to see what the mode costs in time, "
+                                     "memory and communication");
+  profile->add_option("--trace", prof.trace_path,
+                      "write a Chrome trace (Perfetto, chrome://tracing): one process per rank");
+  profile->add_option("--html", prof.html_path, "write each rank's memory timeline as an HTML/SVG plot");
+  profile->add_flag("--predict", prof.predict_only,
+                    "print the analytical memory model's figures per rank and run nothing");
+  profile->footer(std::string(R"(
+Examples:
+  tpsim profile --model gpt --tp 1,2 --steps 2
+  tpsim profile --model gpt --tp 2 --loss-parallel --sequence-parallel --trace t.json
+  tpsim profile --model gpt --tp 1,2 --tp-invariant   # its cost: compare with the run without it)") + kFooter);
+
+  CheckOptions chk;
+  auto* check = app.add_subcommand(
+      "check", "check a dump of someone else's TP training run (docs/dump-format.md) against "
+               "the float64 reference, every tensor of every rank and step");
+  check->add_option("--dumps", chk.dumps, "the dump directory: manifest.json, rank{r}.safetensors")
+      ->required();
+  check->add_option("--load", chk.load, "the full initial weights (safetensors, the dump's names)")
+      ->required();
+  check->add_option("--data", chk.data, "the batch: input_ids I64 [B,T], labels I64 [B,T-1]")
+      ->required();
+  check->add_option("--json", chk.json, "write a machine-readable report here");
+  check->add_option("--html", chk.html,
+                    "write a self-contained HTML page: losses, a tensor-by-step error heatmap, the "
+                    "first failure's shards side by side");
+  check->footer(R"(
+Examples:
+  tpsim train --model gpt --preset small --tp 2 --steps 2 --dump d
+  tpsim check --dumps d --load d/weights.safetensors --data d/batch.safetensors
+
+Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump or input
+(one line naming the file, the tensor and the rank) or usage, 3 runtime failure.)");
+
+  try {
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::CallForHelp& e) {
+      return app.exit(e);
+    } catch (const CLI::CallForAllHelp& e) {
+      return app.exit(e);
+    } catch (const CLI::ParseError& e) {
+      throw UsageError(e.what());
+    }
+    if (list_faults) {
+      for (const auto& f : all_faults())
+        if (f.fault != Fault::None) std::cout << f.name << "\t" << f.what << "\n";
+      return kExitOk;
+    }
+    if (*check) {
+      if (!chk.json.empty()) check_writable(chk.json, "--json");
+      if (!chk.html.empty()) check_writable(chk.html, "--html");
+      const CheckResult r = run_check(chk);
+      print_check_report(std::cout, chk.dumps, r.run, r.report);
+      if (!chk.json.empty()) write_json(chk.json, check_json(chk.dumps, r.run, r.report));
+      if (!chk.html.empty())
+        write_html_report(chk.html,
+                          {"tpsim check", command_line(argc, argv), check_config_line(chk.dumps, r.run),
+                           tolerance_rule(r.report.tolerance, r.report.per_tensor_bounds),
+                           check_verdict(r.report)},
+                          r.report);
+      return r.report.pass ? kExitOk : kExitMismatch;
+    }
+    if (*train) {
+      apply_preset(*train, o, raw);
+      finish_options(o, raw, DType::F32, false);
+      run_train(o, std::cout);
+      return kExitOk;
+    }
+    if (*verify && verify->count("--model") == 0) {
+      for (const char* flag : kSingleRunFlags)
+        if (verify->count(flag) > 0)
+          throw UsageError(std::string(flag) + " describes one configuration: add --model mlp or "
+                           "--model gpt (without --model, verify runs the default sweep)");
+      if (raw.steps.empty()) raw.steps = "2";
+      finish_options(o, raw, DType::F64, true);
+      const SweepReport r = run_sweep(default_sweep(o));
+      print_sweep_report(std::cout, o, r);
+      if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
+      return r.pass ? kExitOk : kExitMismatch;
+    }
+    if (*profile) {
+      // Defaults: the seed's float32, one TP degree unless a list is given, 2 steps.
+      if (raw.tp.empty()) raw.tp = "1";
+      if (raw.steps.empty()) raw.steps = "2";
+      apply_preset(*profile, o, raw);
+      finish_options(o, raw, DType::F32, true);
+      if (raw.batch.empty()) o.batch = BatchKind::Random;  // profile times the seed's batch
+      run_profile(o, prof, std::cout);
+      return kExitOk;
+    }
+    apply_preset(*verify, o, raw);
+    finish_options(o, raw, DType::F64, true);
+    check_fault_applies(o.fault, fault_target(o));
+    const VerifyReport r = run_verify(o);
+    print_verify_report(std::cout, o, r);
+    if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);
+    if (!o.html_path.empty())
+      write_html_report(o.html_path,
+                        {"tpsim verify", command_line(argc, argv), verify_config_line(o),
+                         tolerance_rule(r.tolerance, r.per_tensor_bounds), verify_verdict(o, r)},
+                        r);
+    return r.pass ? kExitOk : kExitMismatch;
+  } catch (const UsageError& e) {
+    std::cerr << "tpsim: error: " << e.what() << "\n";
+    return kExitUsage;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "tpsim: runtime failure: out of memory\n";
+    return kExitRuntime;
+  } catch (const std::exception& e) {
+    std::cerr << "tpsim: runtime failure: " << e.what() << "\n";
+    return kExitRuntime;
+  }
+}
+
+}  // namespace tpsim

@@ -1,0 +1,131 @@
+#include "verify/commands/check_run.h"
+
+#include <chrono>
+#include <map>
+#include <tuple>
+
+#include "io/checkpoint.h"
+#include "verify/dump/dump_reader.h"
+#include "verify/dump/dump_writer.h"
+#include "verify/dump/name_maps.h"
+#include "verify/engine/reference_trace.h"
+#include "verify/engine/step_checks.h"
+#include "verify/setup/tensor_order.h"
+#include "verify/engine/tolerance.h"
+#include "verify/setup/validate.h"
+
+namespace tpsim {
+
+namespace {
+
+// Replicated tensors of `mine` paired by name with rank 0's copies, for check_replicas
+// (a dump's ranks need not hold the same optional points).
+void check_replicas(StepChecker& check, const RankStep& mine, const RankStep& rank0) {
+  std::map<std::string, const Observation*> theirs;
+  for (const auto* group : {&rank0.forward, &rank0.backward, &rank0.update})
+    for (const auto& ob : *group) theirs[ob.name] = &ob;
+  std::vector<Observation> a, b;
+  std::vector<Phase> phases;
+  for (auto [group, phase] : {std::pair{&mine.forward, Phase::Forward},
+                              {&mine.backward, Phase::Backward}, {&mine.update, Phase::Update}})
+    for (const auto& ob : *group) {
+      auto it = theirs.find(ob.name);
+      if (!ob.spec.replicated() || it == theirs.end()) continue;
+      a.push_back({ob.name, ob.spec, ObservedValues::view(ob.values.data(), ob.values.size())});
+      const Observation& t = *it->second;
+      b.push_back({t.name, t.spec, ObservedValues::view(t.values.data(), t.values.size())});
+      phases.push_back(phase);
+    }
+  check.check_replicas(a, b, phases);
+}
+
+}  // namespace
+
+RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const GptBatch& batch) {
+  RunOptions o;
+  o.batch_size = batch.B;
+  o.seq_len = batch.T;
+  o.model = ModelKind::Gpt;
+  o.dtype = m.dtype;
+  o.tp = {m.world_size};
+  o.steps = m.steps;
+  o.gpt = m.config;
+  o.adam = m.adam;
+  o.lr = m.adam.lr;
+  o.loss_parallel = m.parallel.loss_parallel;
+  o.sequence_parallel = m.parallel.sequence_parallel;
+  o.make_vocab_divisible_by = m.parallel.make_vocab_divisible_by;
+  o.data_path = c.data;
+  try {
+    validate_run_options(o);
+    check_tp_degree(o, m.world_size);
+  } catch (const UsageError& e) {
+    throw UsageError(manifest_file(c.dumps) + ": the run it describes cannot be checked: " +
+                     e.what());
+  }
+  return o;
+}
+
+CheckResult run_check(const CheckOptions& c) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const DumpManifest m = read_manifest(manifest_file(c.dumps));
+  CheckResult res;
+  RunOptions& o = res.run;
+  if (c.load.empty()) throw UsageError("check: --load W.safetensors (the initial weights) is required");
+  if (c.data.empty()) throw UsageError("check: --data D.safetensors (the batch) is required");
+  o = run_options_of(m, c, load_gpt_batch(c.data));
+
+  // The inputs as verify reads them; the weights renamed from the dump's convention first.
+  RunInputs in = prepare_inputs(o);
+  st::StFile w = st::read_safetensors(c.load);
+  weights_to_tpsim_names(w, m, c.load);
+  in.loaded = weights_from_st(w, param_specs(o), c.load);
+  // Every shard is read and placed before the reference spends its time.
+  DumpSteps dump = read_dump(c.dumps, m, in.gpt_batch.B * in.gpt_batch.T);
+
+  VerifyReport& rep = res.report;
+  rep.tolerance = norm_tolerance(o);
+  const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 dump
+  rep.per_tensor_bounds = bounds.per_tensor();
+  const int world = m.world_size;
+  TpResult tpr;
+  tpr.tp = world;
+  StepFolder folder(world, tpr);
+  const auto order = gpt_tensor_order(o.gpt);
+  RefStep ref;
+  double ref_seconds = 0;
+  auto ref_t0 = std::chrono::steady_clock::now();
+  run_reference(
+      o, in, RefStorage::InPlace, [&](int) -> RefStep& { return ref; },
+      [&](int step) {
+        ref_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - ref_t0).count();
+        rep.reference_losses.push_back(ref.loss);
+        std::vector<RankStep>& ranks = dump[static_cast<std::size_t>(step - 1)];
+        for (int r = 0; r < world; ++r) {
+          RankStep& rs = ranks[static_cast<std::size_t>(r)];
+          std::vector<Comparison> found;
+          StepChecker check(ref, rep.tolerance, step, world, found);
+          check.use_bounds(bounds);
+          sort_in_tensor_order(rs.forward, order);
+          sort_in_tensor_order(rs.backward, order);
+          sort_in_tensor_order(rs.update, order);
+          if (r == 0)
+            for (const auto& ob : rs.forward)
+              if (ob.name == "loss") tpr.losses.push_back(ob.values[0]);
+          check.check(rs.forward, Phase::Forward);
+          check.check(rs.backward, Phase::Backward);
+          check.check(rs.update, Phase::Update);
+          if (r != 0) check_replicas(check, rs, ranks[0]);
+          folder.hand_in(step, std::move(found));
+        }
+        ref_t0 = std::chrono::steady_clock::now();
+      });
+  rep.reference_seconds = ref_seconds;
+  tpr.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  rep.pass = tpr.pass;
+  if (!tpr.pass) rep.first_failure = tpr.failures.front();
+  rep.results.push_back(std::move(tpr));
+  return res;
+}
+
+}  // namespace tpsim

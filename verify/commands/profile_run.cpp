@@ -1,0 +1,115 @@
+#include "verify/commands/profile_run.h"
+
+#include <memory>
+#include <sstream>
+
+#include "core/clock.h"
+#include "io/atomic_file.h"
+#include "runtime/launch.h"
+#include "verify/setup/inputs.h"
+#include "verify/setup/memory_check.h"
+#include "verify/report/profile_report.h"
+
+namespace tpsim {
+
+std::string per_tp_path(const std::string& path, int tp, bool several) {
+  if (!several) return path;
+  const auto dot = path.find_last_of('.');
+  const auto slash = path.find_last_of('/');
+  const std::string tag = ".tp" + std::to_string(tp);
+  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) return path + tag;
+  return path.substr(0, dot) + tag + path.substr(dot);
+}
+
+ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ostream& os) {
+  if (p.predict_only && o.model != ModelKind::Gpt)
+    throw UsageError("profile --predict: the memory model is the gpt's");
+  for (int tp : o.tp) {
+    check_tp_degree(o, tp);
+    check_launch(o.device, tp);
+  }
+  if (p.predict_only) {
+    print_memory_prediction(o, os);
+    return {};
+  }
+  check_memory(o, "profile");
+  // Before the work: the files go next to these paths (per_tp_path changes only the name).
+  if (!p.trace_path.empty()) check_writable(p.trace_path, "--trace");
+  if (!p.html_path.empty()) check_writable(p.html_path, "--html");
+  const RunInputs in = prepare_inputs(o);
+  ProfileResult result;
+  const bool several = o.tp.size() > 1;
+
+  for (int tp : o.tp) {
+    TpProfile run;
+    run.tp = tp;
+    run.ranks.resize(static_cast<std::size_t>(tp));
+    run.model_flops_per_step = model_flops_per_step(o);
+    if (o.model == ModelKind::Gpt) {
+      run.query = memory_query(o, tp, o.steps > 0);
+      run.predicted = predict_gpt_memory(run.query);
+    }
+    std::vector<TimingBackend*> timing(static_cast<std::size_t>(tp), nullptr);
+    DeviceOptions dev = o.device;
+    auto inner_wrap = dev.wrap;
+    dev.wrap = [&timing, inner_wrap](int rank, std::unique_ptr<Backend> be) {
+      if (inner_wrap) be = inner_wrap(rank, std::move(be));
+      auto tb = std::make_unique<TimingBackend>(std::move(be));
+      timing[static_cast<std::size_t>(rank)] = tb.get();
+      return std::unique_ptr<Backend>(std::move(tb));
+    };
+    launch_ranks(dev, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+      TimingBackend& tb = *timing[static_cast<std::size_t>(rank)];
+      MemoryLedger& ledger = be.allocator().ledger();
+      ledger.set_timeline(true);
+      tb.set_phase("construct");
+      auto model = make_sharded_model(o, in, be, comm);
+      if (!in.loaded.empty()) model->load_params(in.loaded);
+      RankProfile& rp = run.ranks[static_cast<std::size_t>(rank)];
+      rp.rank = rank;
+      for (int step = 1; step <= o.steps; ++step) {
+        const std::int64_t t0 = steady_now_ns();
+        tb.set_phase("step " + std::to_string(step) + " forward/backward");
+        model->forward_backward();
+        tb.set_phase("step " + std::to_string(step) + " optimizer");
+        model->optimizer_step();
+        rp.steps.push_back({t0, steady_now_ns()});
+      }
+      tb.set_phase("");
+      rp.ops = tb.records();
+      rp.collectives = comm.records();
+      rp.memory = ledger.timeline();
+      rp.memory_t0_ns = ledger.t0_ns();
+      for (int c = 0; c < kNumMemCategories; ++c) {
+        rp.current[static_cast<std::size_t>(c)] = ledger.current(static_cast<MemCategory>(c));
+        rp.peak[static_cast<std::size_t>(c)] = ledger.peak(static_cast<MemCategory>(c));
+      }
+      rp.peak_total = ledger.peak_total();
+      rp.tags = ledger.tags();
+    });
+    print_tp_profile(os, o, run);
+    const std::string title = std::string("tpsim profile: ") + model_name(o.model) + ", tp " +
+                              std::to_string(tp);
+    if (!p.trace_path.empty()) {
+      const std::string path = per_tp_path(p.trace_path, tp, several);
+      std::ostringstream text;
+      write_chrome_trace(text, run.ranks, title);
+      write_file_atomically(path, text.str(), "--trace");
+      os << "\ntrace: " << path << " (open in https://ui.perfetto.dev or chrome://tracing)\n";
+    }
+    if (!p.html_path.empty()) {
+      const std::string path = per_tp_path(p.html_path, tp, several);
+      std::ostringstream text;
+      write_memory_html(text, run.ranks, title);
+      write_file_atomically(path, text.str(), "--html");
+      os << "memory plot: " << path << "\n";
+    }
+    result.runs.push_back(std::move(run));
+  }
+
+  if (several) print_profile_comparison(os, result);
+  if (!o.json_path.empty()) write_file_atomically(o.json_path, profile_json(o, result), "--json");
+  return result;
+}
+
+}  // namespace tpsim

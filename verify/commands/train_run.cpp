@@ -1,0 +1,133 @@
+#include "verify/commands/train_run.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <nlohmann/json.hpp>
+
+#include "runtime/launch.h"
+#include "io/atomic_file.h"
+#include "io/checkpoint.h"
+#include "verify/engine/divergence.h"
+#include "verify/dump/dump_writer.h"
+#include "verify/setup/inputs.h"
+#include "verify/setup/memory_check.h"
+#include "verify/report/torch_print.h"
+
+namespace tpsim {
+
+namespace {
+// As many significant digits as the dtype carries, so equal models print equal losses (a
+// bf16 model's loss comes from f32 statistics: f32's digits).
+std::string loss_str(double l, DType dt) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, dt != DType::F64 ? "%.6g" : "%.15g", l);
+  return buf;
+}
+}  // namespace
+
+void check_finite_grads(double loss, ShardedModel& model, Backend& be, int rank, int step) {
+  check_finite(loss, {}, rank, step);
+  bool all_finite = true;
+  for (const Parameter& p : model.params()) all_finite = all_finite && be.all_finite(p.grad);
+  if (all_finite) return;
+  auto grads = model.observe_param_grads();  // the slow path names the first bad element
+  check_finite(loss, grads, rank, step);
+  model.recycle(std::move(grads));
+}
+
+TrainResult run_train(const RunOptions& o, std::ostream& os) {
+  if (o.tp.size() != 1) throw UsageError("train: --tp takes one degree (verify takes a list)");
+  const int tp = o.tp[0];
+  check_tp_degree(o, tp);
+  check_launch(o.device, tp);
+  check_memory(o, "train");
+  const bool dump = !o.dump_dir.empty();
+  if (dump && o.model != ModelKind::Gpt)
+    throw UsageError("--dump: the dump format holds a GPT run; use --model gpt");
+  if (dump && o.dtype == DType::BF16)
+    throw UsageError("--dump: the dump format holds f32 or f64 tensors; a bf16 run is not "
+                     "written as a dump yet");
+  if (dump) prepare_dump_dir(o.dump_dir, tp);
+  const RunInputs in = prepare_inputs(o);
+  TrainResult result;
+
+  os << "tpsim train: model " << model_name(o.model) << ", tp " << tp << ", "
+     << dtype_name(o.dtype) << ", " << o.steps << " steps, seed " << o.seed << "\n";
+  for (int r = 0; r < tp; ++r) os << "rank: " << r << ", world size: " << tp << "\n";
+
+  launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+    auto model = make_sharded_model(o, in, be, comm);
+    if (!in.loaded.empty()) model->load_params(in.loaded);
+    RankDump rank_dump(o.dtype);
+    if (dump) {
+      // What `check --load/--data` start from: the full initial weights and the batch.
+      model->record_activation_points(true);
+      auto initial = model->gather_params(comm);
+      if (rank == 0) {
+        save_weights(dump_weights_file(o.dump_dir), param_specs(o), initial, o.dtype);
+        save_gpt_batch(dump_batch_file(o.dump_dir), in.gpt_batch);
+      }
+    }
+    for (int step = 1; step <= o.steps; ++step) {
+      // A step's time, as the PyTorch peer (bench/torch_peer.py) takes its own: rank 0's
+      // wall clock between a barrier before the step and one after the optimizer's update.
+      comm.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      const double loss = model->forward_backward();
+      if (dump) {  // before the optimizer step overwrites the gradients' views
+        rank_dump.add(step, model->observe_forward());
+        rank_dump.add(step, model->observe_activation_grads());
+        rank_dump.add(step, model->observe_param_grads());
+      }
+      check_finite_grads(loss, *model, be, rank, step);
+      if (o.model == ModelKind::Mlp) {
+        // fc1's gradient, reassembled from the shards (every rank joins the gather).
+        auto grads = model->gather_grads(comm);
+        if (rank == 0) {
+          auto out = model->observe_forward()[1];  // the output, replicated
+          const auto& g = grads.at("fc1.weight");
+          os << "\n        iter: " << step << "\n        output: "
+             << torch_format(out.values.to_vector(), out.spec.full_shape[0], out.spec.full_shape[1])
+             << "\n        loss: " << loss_str(loss, o.dtype) << "\n        fc1_grad = "
+             << torch_format(g, o.mlp.hidden, o.mlp.in) << "\n";
+        }
+      } else if (rank == 0) {
+        os << "\n        iter: " << step << "\n        input size: [" << in.gpt_batch.B << ", "
+           << in.gpt_batch.T << "]\n        num padding tokens: " << in.gpt_batch.num_ignored()
+           << "\n        loss: " << loss_str(loss, o.dtype) << "\n";
+      }
+      if (rank == 0) result.losses.push_back(loss);
+      model->optimizer_step();
+      comm.barrier();
+      if (rank == 0)
+        result.step_seconds.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (dump) rank_dump.add(step, model->observe_params());
+    }
+    if (dump) rank_dump.write(rank_file(o.dump_dir, rank));
+    if (!o.save_final.empty()) {
+      auto full = model->gather_params(comm);
+      // bf16 values are exact in f32, which safetensors readers all take
+      const DType as = o.dtype == DType::BF16 ? DType::F32 : o.dtype;
+      if (rank == 0) save_weights(o.save_final, param_specs(o), full, as);
+    }
+  });
+
+  if (dump) {
+    write_manifest(o.dump_dir, manifest_of(o, tp));
+    os << "\ndump: " << o.dump_dir << " (" << tp << " rank files, manifest.json, "
+       << "weights.safetensors, batch.safetensors)\n";
+  }
+  if (!o.json_path.empty()) {
+    nlohmann::json j = {{"tool", "tpsim"}, {"command", "train"},   {"model", model_name(o.model)},
+                        {"tp", tp},         {"dtype", dtype_name(o.dtype)}, {"seed", o.seed},
+                        {"losses", result.losses}, {"step_seconds", result.step_seconds}};
+    write_file_atomically(o.json_path, j.dump(2) + "\n", "--json");
+  }
+  return result;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,524 @@
+#include "verify/commands/verify_run.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
+#include "runtime/launch.h"
+#include "verify/engine/divergence.h"
+#include "verify/setup/memory_check.h"
+#include "verify/engine/step_barrier.h"
+#include "verify/engine/step_checks.h"
+#include "verify/setup/tensor_order.h"
+#include "verify/engine/tolerance.h"
+
+namespace tpsim {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The reference's steps as they are produced, for the ranks of the TP groups that run at
+// the same time. The reference runs on its own thread. Without --resync its steps are
+// views of the reference model itself (RefStorage::InPlace, one slot): it computes step
+// p once every rank has finished step p-1, alongside the ranks' own step p, so nothing is
+// copied. With --resync (whose ranks load step s-1's parameters at step s) it runs at most
+// one step ahead of the slowest rank in a ring of three slots of copies, filling step p
+// once every rank has finished step p-2. Either way memory does not grow with steps.
+class ReferenceFeed {
+ public:
+  ReferenceFeed(int consumers, bool resync)
+      : storage_(resync ? RefStorage::Copies : RefStorage::InPlace),
+        lag_(resync ? 2 : 1),
+        slots_(resync ? 3 : 1),
+        readers_(consumers) {}
+
+  RefStorage storage() const { return storage_; }
+
+  // Producer: the slot for `step`, once the step that used it before has been let go.
+  RefStep& slot(int step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return readers_.passed(step - lag_); });
+    waited_s_ += seconds_since(t0);
+    return at(step);
+  }
+  void publish(int step) {
+    std::lock_guard lock(mu_);
+    published_ = step;
+    losses_.push_back(at(step).loss);
+    cv_.notify_all();
+  }
+  void fail(std::exception_ptr e) {
+    std::lock_guard lock(mu_);
+    error_ = e;
+    cv_.notify_all();
+  }
+
+  // Consumer: blocks until `step` is published; throws if the reference failed first. The
+  // step stays valid until this rank calls done(step) (done(step + 1) with --resync) or
+  // retire(): in place, the reference model itself waits for that.
+  const RefStep& wait(int step) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return published_ >= step || error_; });
+    if (published_ < step) throw RuntimeFailure("verify: the reference run failed before step " +
+                                                std::to_string(step));
+    return at(step);
+  }
+  // This rank has finished `step` (ranks finish their steps in order).
+  void done(int step) {
+    std::lock_guard lock(mu_);
+    readers_.done(step);
+    cv_.notify_all();
+  }
+  // This rank reads no more (finished or failed): the reference no longer waits for it.
+  void retire(int last_done) {
+    std::lock_guard lock(mu_);
+    readers_.retire(last_done);
+    cv_.notify_all();
+  }
+
+  // No rank reads any more: the reference need not wait for anyone (ranks of a group
+  // whose launch failed never retire themselves).
+  void close() {
+    std::lock_guard lock(mu_);
+    readers_.close();
+    cv_.notify_all();
+  }
+
+  std::exception_ptr error() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+  // Seconds the producer spent waiting for slower ranks: not the reference's own time.
+  double producer_waited_s() {
+    std::lock_guard lock(mu_);
+    return waited_s_;
+  }
+  std::vector<double> losses() {
+    std::lock_guard lock(mu_);
+    return losses_;
+  }
+
+ private:
+  RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
+  const RefStorage storage_;
+  const int lag_;                      // step p waits for every rank to finish step p-lag_
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<RefStep> slots_;         // step s lives in slots_[(s-1) % size]
+  StepBarrier readers_;                // the ranks' finished steps, under mu_
+  int published_ = 0;
+  std::vector<double> losses_;         // per published step
+  double waited_s_ = 0;                // in slot(), producer thread only
+  std::exception_ptr error_;
+};
+
+// What one rank found: its comparisons of the step in progress (handed to the TP group's
+// StepFolder at the end of each step), its losses and its step-1 collectives.
+struct RankFindings {
+  std::vector<Comparison> step;
+  std::vector<double> losses;
+  CollectiveTotals comm_step1;
+};
+
+CollectiveTotals totals(const std::vector<CollectiveRecord>& records) {
+  CollectiveTotals t;
+  for (const auto& r : records) {
+    t.count[static_cast<int>(r.kind)] += 1;
+    t.bytes[static_cast<int>(r.kind)] += r.bytes;
+  }
+  return t;
+}
+
+// Lets go of the reference feed when a rank stops reading, however it stops.
+class FeedReader {
+ public:
+  explicit FeedReader(ReferenceFeed& feed) : feed_(feed) {}
+  FeedReader(const FeedReader&) = delete;
+  FeedReader& operator=(const FeedReader&) = delete;
+  ~FeedReader() { feed_.retire(last_done_); }
+  void done(int step) {
+    feed_.done(step);
+    last_done_ = step;
+  }
+
+ private:
+  ReferenceFeed& feed_;
+  int last_done_ = 0;
+};
+
+// --tp-invariant: tp 1's observations of one step, as full tensors, for the other degrees
+// of the same wave, which run alongside tp 1 in lockstep with it: tp 1 fills step s once
+// every reader has let go of step s-1, and publishes it once the step (its update
+// included) is recorded. One step of full tensors lives at a time, whatever the steps.
+// The first failure, tp 1's own or a group's, stops everyone, and is the one reported.
+class Tp1Feed {
+ public:
+  explicit Tp1Feed(int readers) : readers_(readers) {}
+
+  // Producer (tp 1's one rank). The first call of a step waits for the readers of the
+  // last; the step's later calls add to it. The vectors are overwritten in place (the same
+  // names and sizes every step): no allocation after step 1.
+  void record(int step, const std::vector<Observation>& obs) {
+    if (step != filling_) {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return error_ || readers_.passed(step - 1); });
+      if (error_) throw RuntimeFailure("verify --tp-invariant: a tp group failed before tp 1 "
+                                       "recorded step " + std::to_string(step));
+      filling_ = step;
+    }
+    for (const auto& ob : obs) {
+      std::vector<double>& full = slot_[ob.name];  // [full_shape numel]
+      full.assign(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)), 0.0);
+      for (std::size_t k = 0; k < ob.values.size(); ++k) {
+        const std::int64_t f = full_index(ob.spec, static_cast<std::int64_t>(k));
+        if (f >= 0) full[static_cast<std::size_t>(f)] = ob.values[k];
+      }
+    }
+  }
+  void publish(int step) {
+    std::lock_guard lock(mu_);
+    published_ = step;
+    double b = 0;
+    for (const auto& [name, v] : slot_) b += static_cast<double>(v.capacity() * sizeof(double));
+    peak_bytes_ = std::max(peak_bytes_, b);
+    cv_.notify_all();
+  }
+  void fail(std::exception_ptr e) {
+    std::lock_guard lock(mu_);
+    if (!error_) error_ = e;
+    cv_.notify_all();
+  }
+
+  // Reader: tp 1's step `step`, valid until this rank calls done(step) or retire().
+  const TensorMap& wait(int step) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return published_ >= step || error_; });
+    if (published_ < step)
+      throw RuntimeFailure("verify --tp-invariant: tp 1 failed before step " + std::to_string(step));
+    return slot_;
+  }
+  void done(int step) {
+    std::lock_guard lock(mu_);
+    readers_.done(step);
+    cv_.notify_all();
+  }
+  void retire(int last_done) {
+    std::lock_guard lock(mu_);
+    readers_.retire(last_done);
+    cv_.notify_all();
+  }
+
+  std::exception_ptr error() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+  double peak_bytes() {
+    std::lock_guard lock(mu_);
+    return peak_bytes_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  TensorMap slot_;                 // the step being filled or read
+  int filling_ = 0;                // producer thread only
+  StepBarrier readers_;            // the reading ranks' finished steps, under mu_
+  int published_ = 0;
+  double peak_bytes_ = 0;
+  std::exception_ptr error_;
+};
+
+// Lets go of tp 1's feed when a reading rank stops, however it stops.
+class Tp1Reader {
+ public:
+  explicit Tp1Reader(Tp1Feed* feed) : feed_(feed) {}
+  Tp1Reader(const Tp1Reader&) = delete;
+  Tp1Reader& operator=(const Tp1Reader&) = delete;
+  ~Tp1Reader() {
+    if (feed_) feed_->retire(last_done_);
+  }
+  void done(int step) {
+    if (!feed_) return;
+    feed_->done(step);
+    last_done_ = step;
+  }
+
+ private:
+  Tp1Feed* feed_;
+  int last_done_ = 0;
+};
+
+TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
+                   double tol, Tp1Feed* tp1) {
+  auto t0 = std::chrono::steady_clock::now();
+  TpResult r;
+  r.tp = tp;
+  StepFolder folder(tp, r);
+  std::vector<RankFindings> found(static_cast<std::size_t>(tp));
+  // Replicated observations of the current step, one slot per rank.
+  std::vector<std::vector<Observation>> replica_slots(static_cast<std::size_t>(tp));
+  // Checks run in the order the tensors are produced, so the first failure is the first
+  // op that diverged (the MLP's few tensors come in that order already).
+  const std::vector<std::string> order =
+      o.model == ModelKind::Gpt ? gpt_tensor_order(o.gpt) : std::vector<std::string>{};
+
+  launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+    FeedReader reader(ref);
+    const bool record_tp1 = tp1 && tp == 1, against_tp1 = tp1 && tp != 1;
+    Tp1Reader tp1_reader(against_tp1 ? tp1 : nullptr);
+    auto model = make_sharded_model(o, in, be, comm);
+    model->record_activation_points(true);
+    if (!in.loaded.empty()) model->load_params(in.loaded);
+    RankFindings& mine = found[static_cast<std::size_t>(rank)];
+    const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 run
+    for (int step = 1; step <= o.steps; ++step) {
+      if (o.resync && step > 1) model->load_params(ref.wait(step - 1).copies);
+      comm.clear_records();
+      const double loss = model->forward_backward();
+      if (step == 1) mine.comm_step1 = totals(comm.records());
+      mine.losses.push_back(loss);
+
+      StepChecker check(ref.wait(step), tol, step, tp, mine.step);
+      check.use_bounds(bounds);
+      // Rank 0's replicated tensors are compared with the reference; the others' with rank
+      // 0's bit for bit, and take rank 0's numbers when equal (logits, wte and their
+      // gradients: a third of tp 2's compared values).
+      if (rank != 0) check.defer_replicated();
+      // Last step's observations go back to the model to be refilled: past the second
+      // barrier below, no rank reads another's slot any more.
+      auto& slot = replica_slots[static_cast<std::size_t>(rank)];
+      model->recycle(std::move(slot));
+      auto fwd = model->observe_forward();
+      auto grads = model->observe_param_grads();
+      for (auto& a : model->observe_activation_grads()) grads.push_back(std::move(a));
+      sort_in_tensor_order(fwd, order);
+      sort_in_tensor_order(grads, order);
+      const std::size_t checked_before = mine.step.size();
+      check.check(fwd, Phase::Forward);
+      check.check(grads, Phase::Backward);
+      if (record_tp1) {
+        tp1->record(step, fwd);
+        tp1->record(step, grads);
+      } else if (against_tp1) {
+        const TensorMap& one = tp1->wait(step);
+        check.check_bitwise(fwd, one, Phase::Forward);
+        check.check_bitwise(grads, one, Phase::Backward);
+      }
+      // A non-finite loss or gradient that the reference shares is a diverged run, not a
+      // mismatch; one that it does not share failed a comparison above and is reported
+      // as the mismatch it is.
+      // The comparisons saw every gradient value: only when one was not finite (or the
+      // loss is not) must check_finite read them again to name the first.
+      const auto first_grad =
+          mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before + fwd.size());
+      const bool not_finite =
+          !std::isfinite(loss) || !std::all_of(first_grad, mine.step.end(), [](const Comparison& c) {
+            return c.sharded_finite;
+          });
+      if (not_finite) {  // the decision below needs the pending checks' real pass
+        check.complete_pending(fwd, Phase::Forward);
+        check.complete_pending(grads, Phase::Backward);
+      }
+      if (not_finite && std::all_of(mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before),
+                                    mine.step.end(), [](const Comparison& c) { return c.pass; }))
+        check_finite(loss, grads, rank, step);
+      model->optimizer_step();
+      auto params = model->observe_params();
+      check.check(params, Phase::Update);
+      if (record_tp1) {
+        tp1->record(step, params);
+        tp1->publish(step);
+      } else if (against_tp1) {
+        check.check_bitwise(params, tp1->wait(step), Phase::Update);
+        tp1_reader.done(step);  // the last read of tp 1's step
+      }
+
+      // Replicas against rank 0: publish, wait, compare, wait (so slots outlive readers).
+      std::vector<Phase> phases;
+      for (auto [group, phase] : {std::pair{&fwd, Phase::Forward}, {&grads, Phase::Backward},
+                                  {&params, Phase::Update}})
+        for (auto& ob : *group) {
+          slot.push_back(std::move(ob));
+          phases.push_back(phase);
+        }
+      comm.barrier();
+      if (rank != 0) check.check_replicas(slot, replica_slots[0], phases, &found[0].step);
+      comm.barrier();
+
+      // After the last step, the reassembly that --save-final uses: a shard placed at the
+      // wrong offset passes every per-shard check and corrupts only the saved tensors.
+      // A replicated tensor reassembles to this rank's own copy: where the backend holds
+      // it in f64 on the host, it is read in place rather than copied (wte: 100 MB), and
+      // the checker reuses this step's check of that same memory (optimizer_step reads the
+      // gradients only: Backend::adam_update takes them const).
+      if (step == o.steps) {
+        auto full_of = [&](const Parameter& p, const Tensor& t) -> ObservedValues {
+          if (p.spec.replicated())
+            if (const double* h = be.host_view_f64(t))
+              return ObservedValues::view(h, static_cast<std::size_t>(t.numel()));
+          return gather_full(be, comm, p.spec, t, o.fault);
+        };
+        for (const Parameter& p : model->params()) {
+          auto grad = full_of(p, p.grad);
+          auto value = full_of(p, p.value);
+          if (rank != 0) continue;
+          check.check_reassembled(p.spec.name + ".grad", p.spec.full_shape, std::move(grad),
+                                  Phase::Backward);
+          check.check_reassembled(p.spec.name, p.spec.full_shape, std::move(value),
+                                  Phase::Update);
+        }
+      }
+      folder.hand_in(step, std::move(mine.step));
+      mine.step.clear();
+      reader.done(step);
+    }
+  });
+
+  r.losses = found[0].losses;
+  r.comm_step1 = found[0].comm_step1;
+  r.seconds = seconds_since(t0);
+  return r;
+}
+
+// The TP groups that run at once: every rank holds its own model (a replicated wte is
+// 100 MB in f64), so at most kMaxRanksInFlight ranks run at once; a larger group runs
+// alone, and so does every group when they may not share the devices (NCCL).
+std::vector<std::vector<std::size_t>> waves_of(const std::vector<int>& tps, bool concurrent,
+                                               int max_in_flight) {
+  std::vector<std::vector<std::size_t>> waves;
+  int in_flight = 0;
+  for (std::size_t i = 0; i < tps.size(); ++i) {
+    if (waves.empty() || !concurrent || in_flight + tps[i] > max_in_flight) {
+      waves.emplace_back();
+      in_flight = 0;
+    }
+    waves.back().push_back(i);
+    in_flight += tps[i];
+  }
+  return waves;
+}
+
+}  // namespace
+
+VerifyReport run_verify(const RunOptions& o) {
+  for (int tp : o.tp) {
+    check_tp_degree(o, tp);
+    check_launch(o.device, tp);
+  }
+  check_memory(o, "verify");
+  VerifyReport rep;
+  rep.tolerance = norm_tolerance(o);
+  {
+    const ToleranceModel bounds(o);
+    rep.per_tensor_bounds = bounds.per_tensor();
+    rep.vacuous_from_step = bounds.first_step_with_bound_at_least(1.0);
+  }
+  const RunInputs in = prepare_inputs(o);
+  rep.results.resize(o.tp.size());
+  rep.tp_invariant = o.tp_invariant;
+
+  // Each wave of TP groups runs at once with a reference run of its own, on threads of
+  // their own: the reference streams its steps to the wave's ranks, which wait for a step
+  // only when they are about to check it. The reference is deterministic, so every wave
+  // sees the same numbers; the report's reference losses and time are the first wave's.
+  const bool concurrent = groups_may_run_concurrently(o.device);
+  std::vector<std::vector<std::size_t>> waves;
+  std::size_t one = o.tp.size();  // --tp-invariant: tp 1's index, first in every wave
+  if (o.tp_invariant) {
+    // tp 1 runs in every wave, one step ahead at most, and its steps are compared as they
+    // come (Tp1Feed); the others fill the rest of the wave's ranks.
+    one = static_cast<std::size_t>(std::find(o.tp.begin(), o.tp.end(), 1) - o.tp.begin());
+    if (one == o.tp.size())
+      throw UsageError("verify --tp-invariant: --tp must include 1, the degree every other is "
+                       "compared with bit for bit");
+    std::vector<int> rest;
+    std::vector<std::size_t> index;
+    for (std::size_t i = 0; i < o.tp.size(); ++i)
+      if (i != one) {
+        rest.push_back(o.tp[i]);
+        index.push_back(i);
+      }
+    for (auto& w : waves_of(rest, concurrent, kMaxRanksInFlight - 1)) {
+      for (auto& i : w) i = index[i];
+      w.insert(w.begin(), one);
+      waves.push_back(std::move(w));
+    }
+    if (waves.empty()) waves.push_back({one});
+  } else {
+    waves = waves_of(o.tp, concurrent, kMaxRanksInFlight);
+  }
+  for (std::size_t w = 0; w < waves.size(); ++w) {
+    int consumers = 0;
+    for (std::size_t i : waves[w]) consumers += o.tp[i];
+    ReferenceFeed ref(consumers, o.resync);
+    Tp1Feed tp1(consumers - 1);  // read by every rank of the wave but tp 1's
+    double ref_seconds = 0;
+    std::thread reference([&] {
+      auto t0 = std::chrono::steady_clock::now();
+      try {
+        run_reference(o, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
+                      [&](int step) { ref.publish(step); });
+      } catch (...) {
+        ref.fail(std::current_exception());
+      }
+      ref_seconds = seconds_since(t0) - ref.producer_waited_s();
+    });
+    std::vector<std::exception_ptr> errors(waves[w].size());
+    std::vector<std::thread> groups;
+    for (std::size_t j = 0; j < waves[w].size(); ++j)
+      groups.emplace_back([&, j] {
+        const std::size_t i = waves[w][j];
+        try {
+          TpResult r = verify_tp(o, in, ref, o.tp[i], rep.tolerance,
+                                 o.tp_invariant ? &tp1 : nullptr);
+          // tp 1 runs again in every wave (deterministic, the same numbers): the first's counts.
+          if (i != one || w == 0) rep.results[i] = std::move(r);
+        } catch (...) {
+          errors[j] = std::current_exception();
+          if (o.tp_invariant) tp1.fail(errors[j]);
+        }
+      });
+    for (auto& g : groups) g.join();
+    ref.close();
+    reference.join();
+    // The reference's own failure is the root cause of any "reference failed" in a group.
+    if (auto e = ref.error()) std::rethrow_exception(e);
+    // The first group to fail (tp 1 or a reader) stopped the others' tp 1 feed.
+    if (auto e = tp1.error()) std::rethrow_exception(e);
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    rep.tp1_record_bytes = std::max(rep.tp1_record_bytes, tp1.peak_bytes());
+    if (w == 0) {
+      rep.reference_losses = ref.losses();
+      rep.reference_seconds = ref_seconds;
+    }
+  }
+
+  for (const TpResult& r : rep.results) {
+    if (r.pass) continue;
+    rep.pass = false;
+    const Comparison& f = r.failures.front();
+    if (!rep.first_failure || std::tie(f.step, f.order) <
+                                  std::tie(rep.first_failure->step, rep.first_failure->order))
+      rep.first_failure = f;
+    for (const Comparison& c : r.failures) {
+      if (c.what != kInvariantCheck) continue;
+      const auto& b = rep.first_bit_difference;
+      if (!b || std::tie(c.step, c.order, c.tp) < std::tie(b->step, b->order, b->tp))
+        rep.first_bit_difference = c;
+      break;  // failures are in (step, order, rank) order
+    }
+  }
+  return rep;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,232 @@
+#include "verify/dump/dump_manifest.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "core/errors.h"
+
+namespace tpsim {
+
+namespace {
+
+using nlohmann::json;
+
+// Reads the fields of one JSON object, each at most once, and refuses keys it was not
+// asked for: a misspelt "sequence_paralel" must not silently default to false.
+class Fields {
+ public:
+  Fields(const json& j, std::string where, std::string source)
+      : j_(j), where_(std::move(where)), source_(std::move(source)) {
+    if (!j_.is_object()) fail(where_, "must be a JSON object");
+  }
+  [[noreturn]] void fail(const std::string& key, const std::string& why) const {
+    throw UsageError(source_ + ": " + key + ": " + why);
+  }
+  std::string key(const std::string& k) const { return where_.empty() ? k : where_ + "." + k; }
+  const json* get(const std::string& k) {
+    seen_.insert(k);
+    auto it = j_.find(k);
+    return it == j_.end() ? nullptr : &*it;
+  }
+  const json& need(const std::string& k) {
+    const json* v = get(k);
+    if (!v) fail(key(k), "required field is missing");
+    return *v;
+  }
+  std::int64_t integer(const json& v, const std::string& k, std::int64_t lo, std::int64_t hi) {
+    if (!v.is_number_integer()) fail(key(k), "must be a whole number, got " + v.dump());
+    const std::int64_t x = v.get<std::int64_t>();
+    if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi))
+      fail(key(k), v.dump() + " is out of range (allowed " + std::to_string(lo) + " to " +
+                       std::to_string(hi) + ")");
+    if (x < lo || x > hi)
+      fail(key(k), std::to_string(x) + " is out of range (allowed " + std::to_string(lo) +
+                       " to " + std::to_string(hi) + ")");
+    return x;
+  }
+  std::int64_t integer(const std::string& k, std::int64_t lo, std::int64_t hi) {
+    return integer(need(k), k, lo, hi);
+  }
+  std::int64_t integer_or(const std::string& k, std::int64_t dflt, std::int64_t lo,
+                          std::int64_t hi) {
+    const json* v = get(k);
+    return v ? integer(*v, k, lo, hi) : dflt;
+  }
+  double number_or(const std::string& k, double dflt, double lo, double hi) {
+    const json* v = get(k);
+    if (!v) return dflt;
+    if (!v->is_number()) fail(key(k), "must be a number, got " + v->dump());
+    const double x = v->get<double>();
+    if (!(x >= lo && x <= hi))
+      fail(key(k), v->dump() + " is out of range (allowed " + json(lo).dump() + " to " +
+                       json(hi).dump() + ")");
+    return x;
+  }
+  bool boolean_or(const std::string& k, bool dflt) {
+    const json* v = get(k);
+    if (!v) return dflt;
+    if (!v->is_boolean()) fail(key(k), "must be true or false, got " + v->dump());
+    return v->get<bool>();
+  }
+  std::string string(const json& v, const std::string& k) {
+    if (!v.is_string()) fail(key(k), "must be a string, got " + v.dump());
+    return v.get<std::string>();
+  }
+  std::string string(const std::string& k) { return string(need(k), k); }
+  std::string string_or(const std::string& k, const std::string& dflt) {
+    const json* v = get(k);
+    return v ? string(*v, k) : dflt;
+  }
+  // After every get: a key nobody asked for is an error.
+  void no_others() const {
+    for (const auto& [k, v] : j_.items())
+      if (!seen_.count(k)) fail(key(k), "unknown field");
+  }
+
+ private:
+  const json& j_;
+  std::string where_, source_;
+  std::set<std::string> seen_;
+};
+
+constexpr std::int64_t kMaxSize = std::int64_t{1} << 31;  // validate_run_options bounds the rest
+
+DumpLayout parse_layout(const json& v, const std::string& name, const std::string& source) {
+  const std::string where = "layouts." + name;
+  if (v.is_string()) {
+    if (v.get<std::string>() != "replicated")
+      throw UsageError(source + ": " + where + ": expected \"replicated\" or {\"split_dim\": d, "
+                       "\"padded\": P}, got " + v.dump());
+    return {};
+  }
+  Fields f(v, where, source);
+  DumpLayout l;
+  l.split_dim = static_cast<int>(f.integer("split_dim", 0, 7));
+  l.padded = f.integer_or("padded", 0, 1, kMaxSize);
+  f.no_others();
+  return l;
+}
+
+}  // namespace
+
+const char* convention_name(NameConvention c) {
+  switch (c) {
+    case NameConvention::Tpsim: return "tpsim";
+    case NameConvention::Nanogpt: return "nanogpt";
+    case NameConvention::Megatron: return "megatron";
+  }
+  return "?";
+}
+
+DumpManifest parse_manifest(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw UsageError(source + ": not valid JSON (" + e.what() + ")");
+  }
+  Fields top(j, "", source);
+  if (top.string("format") != "tpsim-dump")
+    top.fail("format", "expected \"tpsim-dump\", got " + top.need("format").dump());
+  const json& version = top.need("version");
+  if (!version.is_number_integer() || version.get<std::int64_t>() != kDumpFormatVersion)
+    top.fail("version", version.dump() + " is not a version this tpsim reads (it reads " +
+                            std::to_string(kDumpFormatVersion) + ")");
+
+  DumpManifest m;
+  m.world_size = static_cast<int>(top.integer("world_size", 1, 64));
+  m.steps = top.integer("steps", 1, 1'000'000);
+  if (top.string("model") != "gpt")
+    top.fail("model", "expected \"gpt\", got " + top.need("model").dump());
+
+  Fields cfg(top.need("config"), "config", source);
+  m.config.vocab_size = cfg.integer("vocab_size", 1, kMaxSize);
+  m.config.block_size = cfg.integer("block_size", 1, kMaxSize);
+  m.config.hidden = cfg.integer("hidden", 1, kMaxSize);
+  m.config.heads = cfg.integer("heads", 1, kMaxSize);
+  m.config.layers = cfg.integer("layers", 1, 1024);
+  m.config.ln_eps = cfg.number_or("ln_eps", 1e-5, 0.0, 1.0);
+  cfg.no_others();
+  if (m.config.hidden % m.config.heads != 0)
+    cfg.fail("config.heads", std::to_string(m.config.heads) + " does not divide hidden " +
+                                 std::to_string(m.config.hidden));
+
+  const std::string dtype = top.string("dtype");
+  if (dtype != "f32" && dtype != "f64") top.fail("dtype", "expected \"f32\" or \"f64\", got \"" +
+                                                              dtype + "\"");
+  m.dtype = parse_float_dtype(dtype);
+
+  if (const json* opt = top.get("optimizer")) {
+    Fields f(*opt, "optimizer", source);
+    if (f.string("name") != "adam")
+      f.fail("optimizer.name", "expected \"adam\", got " + f.need("name").dump());
+    m.adam.lr = f.number_or("lr", m.adam.lr, 0.0, 1e6);
+    m.adam.beta1 = f.number_or("beta1", m.adam.beta1, 0.0, 1.0);
+    m.adam.beta2 = f.number_or("beta2", m.adam.beta2, 0.0, 1.0);
+    m.adam.eps = f.number_or("eps", m.adam.eps, 0.0, 1.0);
+    m.adam.weight_decay = f.number_or("weight_decay", m.adam.weight_decay, 0.0, 1e6);
+    f.no_others();
+  }
+  if (const json* par = top.get("parallel")) {
+    Fields f(*par, "parallel", source);
+    m.parallel.loss_parallel = f.boolean_or("loss_parallel", false);
+    m.parallel.sequence_parallel = f.boolean_or("sequence_parallel", false);
+    m.parallel.make_vocab_divisible_by = f.integer_or("make_vocab_divisible_by", 1, 1, 1 << 20);
+    f.no_others();
+  }
+  const std::string names = top.string_or("names", "tpsim");
+  if (names == "tpsim") m.names = NameConvention::Tpsim;
+  else if (names == "nanogpt") m.names = NameConvention::Nanogpt;
+  else if (names == "megatron") m.names = NameConvention::Megatron;
+  else top.fail("names", "expected \"tpsim\", \"nanogpt\" or \"megatron\", got \"" + names + "\"");
+  if (const json* layouts = top.get("layouts")) {
+    if (!layouts->is_object()) top.fail("layouts", "must be a JSON object");
+    for (const auto& [name, v] : layouts->items()) m.layouts[name] = parse_layout(v, name, source);
+  }
+  top.no_others();
+  return m;
+}
+
+DumpManifest read_manifest(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw UsageError(path + ": cannot be read (a dump directory holds manifest.json)");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return parse_manifest(ss.str(), path);
+}
+
+nlohmann::json manifest_json(const DumpManifest& m) {
+  const auto& c = m.config;
+  json j = {
+      {"format", "tpsim-dump"},
+      {"version", kDumpFormatVersion},
+      {"world_size", m.world_size},
+      {"steps", m.steps},
+      {"model", "gpt"},
+      {"config", {{"vocab_size", c.vocab_size}, {"block_size", c.block_size},
+                  {"hidden", c.hidden}, {"heads", c.heads}, {"layers", c.layers},
+                  {"ln_eps", c.ln_eps}}},
+      {"dtype", dtype_name(m.dtype)},
+      {"optimizer", {{"name", "adam"}, {"lr", m.adam.lr}, {"beta1", m.adam.beta1},
+                     {"beta2", m.adam.beta2}, {"eps", m.adam.eps},
+                     {"weight_decay", m.adam.weight_decay}}},
+      {"parallel", {{"loss_parallel", m.parallel.loss_parallel},
+                    {"sequence_parallel", m.parallel.sequence_parallel},
+                    {"make_vocab_divisible_by", m.parallel.make_vocab_divisible_by}}},
+      {"names", convention_name(m.names)},
+  };
+  if (!m.layouts.empty()) {
+    json l = json::object();
+    for (const auto& [name, layout] : m.layouts)
+      l[name] = layout.split_dim < 0
+                    ? json("replicated")
+                    : (layout.padded > 0 ? json{{"split_dim", layout.split_dim},
+                                                {"padded", layout.padded}}
+                                         : json{{"split_dim", layout.split_dim}});
+    j["layouts"] = l;
+  }
+  return j;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,175 @@
+#include "verify/dump/dump_reader.h"
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "io/safetensors.h"
+#include "verify/dump/dump_writer.h"
+#include "verify/dump/name_maps.h"
+
+namespace tpsim {
+
+namespace {
+
+// Every rank file of the dump, and nothing else named like one.
+void check_rank_files(const std::string& dir, int world) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    throw UsageError("--dumps " + dir + ": not a directory");
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    if (!f.starts_with("rank") || !f.ends_with(".safetensors")) continue;
+    bool known = false;
+    for (int r = 0; r < world && !known; ++r) known = f == "rank" + std::to_string(r) + ".safetensors";
+    if (!known)
+      throw UsageError(e.path().string() + ": a rank file the manifest does not know (world_size " +
+                       std::to_string(world) + ": rank0 .. rank" + std::to_string(world - 1) + ")");
+  }
+  for (int r = 0; r < world; ++r)
+    if (!std::filesystem::exists(rank_file(dir, r), ec))
+      throw UsageError(rank_file(dir, r) + ": missing: rank " + std::to_string(r) + " of world_size " +
+                       std::to_string(world) + " wrote no file");
+}
+
+// Reads one rank's file and places each tensor.
+class RankReader {
+ public:
+  RankReader(const DumpManifest& m, std::int64_t tokens, int rank, std::string source,
+             const std::map<std::string, DumpLayout>& layouts)
+      : m_(m), tokens_(tokens), rank_(rank), source_(std::move(source)), layouts_(layouts) {
+    for (const auto& p : gpt_param_specs(m.config)) params_.emplace(p.name, p);
+  }
+
+  void read(const st::StFile& file, DumpSteps& out) {
+    std::vector<std::set<std::string>> seen(static_cast<std::size_t>(m_.steps));
+    for (const auto& [full_name, t] : file.tensors) {
+      const std::int64_t step = step_of(full_name);
+      const std::string name = full_name.substr(full_name.find('/') + 1);
+      RankStep& rs = out[static_cast<std::size_t>(step - 1)][static_cast<std::size_t>(rank_)];
+      place(full_name, name, t, rs);
+      seen[static_cast<std::size_t>(step - 1)].insert(name);
+    }
+    for (std::int64_t s = 1; s <= m_.steps; ++s) {
+      const auto& have = seen[static_cast<std::size_t>(s - 1)];
+      auto need = [&](const std::string& n) {
+        if (!have.count(n))
+          throw UsageError(source_ + ": step" + std::to_string(s) + "/" + n + ": missing (rank " +
+                           std::to_string(rank_) + "; required every step)");
+      };
+      need("loss");
+      for (const auto& [n, p] : params_) {
+        need(n + ".grad");
+        need(n);
+      }
+    }
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& tensor, const std::string& why) const {
+    throw UsageError(source_ + ": " + quoted(tensor) + ": " + why + " (rank " +
+                     std::to_string(rank_) + ")");
+  }
+  static std::string quoted(const std::string& n) { return st::quote_name(n); }
+
+  std::int64_t step_of(const std::string& full) const {
+    const auto slash = full.find('/');
+    const std::string head = full.substr(0, slash);
+    const std::string digits = head.size() > 4 ? head.substr(4) : "";
+    if (slash == std::string::npos || !head.starts_with("step") || digits.empty() ||
+        digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos ||
+        digits[0] == '0')
+      fail(full, "unknown tensor name (expected step{s}/loss, step{s}/{param}, "
+                 "step{s}/{param}.grad or step{s}/act/{point}[.grad])");
+    const std::int64_t s = std::stoll(digits);
+    if (s > m_.steps)
+      fail(full, "step " + std::to_string(s) + " is past the manifest's steps " +
+                     std::to_string(m_.steps));
+    return s;
+  }
+
+  // The layout the manifest gives `base` (a parameter or point name), or the default.
+  ShardSpec layout(const std::string& tensor, const std::string& base, ShardSpec dflt) const {
+    auto it = layouts_.find(base);
+    if (it == layouts_.end()) return dflt;
+    const DumpLayout& l = it->second;
+    const ParamSpec p{tensor, dflt.full_shape, {}};
+    if (l.split_dim < 0) return replicate(p, rank_, m_.world_size);
+    const int dims = static_cast<int>(p.shape.size());
+    if (l.split_dim >= dims)
+      fail(tensor, "manifest layout split_dim " + std::to_string(l.split_dim) +
+                       " is out of range for its " + std::to_string(dims) + "-d tensor " +
+                       shape_str(p.shape));
+    const std::int64_t len = p.shape[static_cast<std::size_t>(l.split_dim)];
+    const std::int64_t padded = l.padded > 0 ? l.padded : len;
+    if (padded < len || padded % m_.world_size != 0)
+      fail(tensor, "manifest layout does not tile the tensor: dim " + std::to_string(l.split_dim) +
+                       " of length " + std::to_string(len) + (l.padded > 0 ? " padded to " +
+                       std::to_string(padded) : std::string()) + " does not split into " +
+                       std::to_string(m_.world_size) + " equal blocks" +
+                       (padded < len ? " (padded is smaller than the tensor)" : ""));
+    return split(p, l.split_dim, rank_, m_.world_size, padded);
+  }
+
+  void place(const std::string& full, const std::string& name, const st::StTensor& t,
+             RankStep& rs) {
+    std::optional<ShardSpec> spec;
+    std::vector<Observation>* phase = nullptr;
+    std::string base = name;
+    if (name == "loss") {
+      spec = replicate(ParamSpec{name, {1}, {}}, rank_, m_.world_size);
+      phase = &rs.forward;
+    } else if (name.starts_with("act/")) {
+      auto d = gpt_point_shard(name, m_.config, m_.parallel, tokens_, rank_, m_.world_size);
+      if (!d) fail(full, "unknown activation point (docs/dump-format.md lists them)");
+      if (name.ends_with(".grad")) base = name.substr(0, name.size() - 5);
+      spec = layout(name, base, *d);
+      phase = name.ends_with(".grad") ? &rs.backward : &rs.forward;
+    } else {
+      const bool grad = name.ends_with(".grad");
+      if (grad) base = name.substr(0, name.size() - 5);
+      auto it = params_.find(base);
+      if (it == params_.end()) fail(full, "unknown tensor name: no parameter " + quoted(base));
+      ShardSpec d = gpt_param_shard(it->second, m_.config, m_.parallel, rank_, m_.world_size);
+      d.name = name;
+      spec = layout(name, base, d);
+      phase = grad ? &rs.backward : &rs.update;
+    }
+    const Shape want = spec->local_shape();
+    const bool scalar_loss = name == "loss" && t.shape.empty();
+    if (t.shape != want && !scalar_loss)
+      fail(full, "shape " + shape_str(t.shape) + " is not rank " + std::to_string(rank_) +
+                     "'s shard " + shape_str(want) + " of " + shape_str(spec->full_shape) + " (" +
+                     spec->shard_str() + (layouts_.count(base) ? ", as the manifest lays it out)"
+                                                                : ", the default layout)"));
+    if (t.dtype != DType::F32 && t.dtype != DType::F64)
+      fail(full, std::string("dtype ") + st::st_dtype_name(t.dtype) + ": expected F32 or F64");
+    phase->push_back(Observation{name, *spec, ObservedValues(t.to_f64())});
+  }
+
+  const DumpManifest& m_;
+  std::int64_t tokens_;
+  int rank_;
+  std::string source_;
+  const std::map<std::string, DumpLayout>& layouts_;
+  std::map<std::string, ParamSpec> params_;
+};
+
+}  // namespace
+
+DumpSteps read_dump(const std::string& dir, const DumpManifest& m, std::int64_t tokens) {
+  check_rank_files(dir, m.world_size);
+  DumpSteps out(static_cast<std::size_t>(m.steps),
+                std::vector<RankStep>(static_cast<std::size_t>(m.world_size)));
+  const auto layouts = layouts_in_tpsim_names(m);
+  for (int r = 0; r < m.world_size; ++r) {
+    const std::string path = rank_file(dir, r);
+    st::StFile file = st::read_safetensors(path);
+    to_tpsim_names(file, m, r, path);
+    RankReader(m, tokens, r, path, layouts).read(file, out);
+  }
+  return out;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,154 @@
+#include "verify/dump/name_maps.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <optional>
+
+#include "core/errors.h"
+#include "verify/setup/tensor_order.h"
+
+namespace tpsim {
+
+namespace {
+
+// A convention's parameter names: the renamed ones, and the fused q/k/v one per block.
+struct NameTable {
+  std::map<std::string, std::string> to_tpsim;  // foreign -> tpsim, one tensor each
+  std::map<std::string, std::int64_t> fused;    // foreign fused q/k/v -> block index
+  std::string tied_head;                        // the tied LM head, not dumped
+};
+
+NameTable table_of(const DumpManifest& m) {
+  NameTable t;
+  const std::int64_t L = m.config.layers;
+  auto h = [](std::int64_t i) { return "h." + std::to_string(i) + "."; };
+  if (m.names == NameConvention::Nanogpt) {
+    t.to_tpsim = {{"transformer.wte.weight", "wte.weight"},
+                  {"transformer.wpe.weight", "wpe.weight"},
+                  {"transformer.ln_f.weight", "ln_f.weight"}};
+    for (std::int64_t i = 0; i < L; ++i) {
+      const std::string f = "transformer.h." + std::to_string(i) + ".";
+      t.to_tpsim[f + "ln_1.weight"] = h(i) + "ln1.weight";
+      t.to_tpsim[f + "attn.c_proj.weight"] = h(i) + "attn.o_proj.weight";
+      t.to_tpsim[f + "ln_2.weight"] = h(i) + "ln2.weight";
+      t.to_tpsim[f + "mlp.c_fc.weight"] = h(i) + "mlp.ffn1.weight";
+      t.to_tpsim[f + "mlp.c_proj.weight"] = h(i) + "mlp.ffn2.weight";
+      t.fused[f + "attn.c_attn.weight"] = i;
+    }
+    t.tied_head = "lm_head.weight";
+  } else if (m.names == NameConvention::Megatron) {
+    t.to_tpsim = {{"embedding.word_embeddings.weight", "wte.weight"},
+                  {"embedding.position_embeddings.weight", "wpe.weight"},
+                  {"decoder.final_layernorm.weight", "ln_f.weight"}};
+    for (std::int64_t i = 0; i < L; ++i) {
+      const std::string f = "decoder.layers." + std::to_string(i) + ".";
+      t.to_tpsim[f + "input_layernorm.weight"] = h(i) + "ln1.weight";
+      t.to_tpsim[f + "self_attention.linear_proj.weight"] = h(i) + "attn.o_proj.weight";
+      t.to_tpsim[f + "pre_mlp_layernorm.weight"] = h(i) + "ln2.weight";
+      t.to_tpsim[f + "mlp.linear_fc1.weight"] = h(i) + "mlp.ffn1.weight";
+      t.to_tpsim[f + "mlp.linear_fc2.weight"] = h(i) + "mlp.ffn2.weight";
+      t.fused[f + "self_attention.linear_qkv.weight"] = i;
+    }
+    t.tied_head = "output_layer.weight";
+  }
+  return t;
+}
+
+// Splits a fused q/k/v block of `heads` heads (rows 3*heads*d, each of H values) into its
+// q, k and v blocks of heads*d rows: nanoGPT stacks [q; k; v], Megatron interleaves
+// [q_j; k_j; v_j] per head j.
+std::array<st::StTensor, 3> split_fused(const st::StTensor& t, NameConvention names,
+                                        std::int64_t heads, std::int64_t d) {
+  const std::size_t row_bytes = t.bytes.size() / static_cast<std::size_t>(t.shape[0]);
+  const std::int64_t rows = heads * d;  // of each of q, k, v
+  std::array<st::StTensor, 3> out;
+  for (auto& o : out) {
+    o.dtype = t.dtype;
+    o.shape = {rows, t.shape[1]};
+    o.bytes.resize(static_cast<std::size_t>(rows) * row_bytes);
+  }
+  for (int which = 0; which < 3; ++which)
+    for (std::int64_t j = 0; j < heads; ++j) {
+      const std::int64_t src_row =
+          names == NameConvention::Megatron ? (3 * j + which) * d : which * rows + j * d;
+      std::memcpy(out[static_cast<std::size_t>(which)].bytes.data() +
+                      static_cast<std::size_t>(j * d) * row_bytes,
+                  t.bytes.data() + static_cast<std::size_t>(src_row) * row_bytes,
+                  static_cast<std::size_t>(d) * row_bytes);
+    }
+  return out;
+}
+
+// Renames (and splits) every tensor of `file` named `prefix` + a convention name +
+// optional ".grad"; `heads` is the number of heads a fused tensor holds.
+void rename_all(st::StFile& file, const NameTable& t, const DumpManifest& m, std::int64_t heads,
+                const std::string& source, const std::string& whose, bool stepped) {
+  st::StFile out;
+  out.metadata = file.metadata;
+  const std::int64_t H = m.config.hidden, d = m.config.head_dim();
+  for (auto& [full, tensor] : file.tensors) {
+    const auto slash = stepped ? full.find('/') : std::string::npos;
+    const std::string prefix = slash == std::string::npos ? "" : full.substr(0, slash + 1);
+    std::string name = full.substr(prefix.size());
+    const bool grad = name.ends_with(".grad");
+    const std::string base = grad ? name.substr(0, name.size() - 5) : name;
+    const std::string suffix = grad ? ".grad" : "";
+    if (auto it = t.to_tpsim.find(base); it != t.to_tpsim.end()) {
+      out.tensors[prefix + it->second + suffix] = std::move(tensor);
+    } else if (auto f = t.fused.find(base); f != t.fused.end()) {
+      const Shape want{3 * heads * d, H};
+      if (tensor.shape != want)
+        throw UsageError(source + ": " + st::quote_name(full) + ": shape " +
+                         shape_str(tensor.shape) + " is not " + whose + " fused q/k/v " +
+                         shape_str(want) + " (" + convention_name(m.names) + " layout)");
+      auto qkv = split_fused(tensor, m.names, heads, d);
+      const std::string h = "h." + std::to_string(f->second) + ".attn.";
+      const char* parts[] = {"q_proj.weight", "k_proj.weight", "v_proj.weight"};
+      for (std::size_t i = 0; i < 3; ++i)
+        out.tensors[prefix + h + parts[i] + suffix] = std::move(qkv[i]);
+    } else {
+      out.tensors[full] = std::move(tensor);  // act/ points, loss, or unknown: the reader judges
+    }
+  }
+  file = std::move(out);
+}
+
+}  // namespace
+
+void to_tpsim_names(st::StFile& rank_file, const DumpManifest& m, int rank,
+                    const std::string& source) {
+  if (m.names == NameConvention::Tpsim) return;
+  rename_all(rank_file, table_of(m), m, m.config.heads / m.world_size, source,
+             "rank " + std::to_string(rank) + "'s", true);
+}
+
+void weights_to_tpsim_names(st::StFile& weights, const DumpManifest& m, const std::string& source) {
+  if (m.names == NameConvention::Tpsim) return;
+  const NameTable t = table_of(m);
+  weights.tensors.erase(t.tied_head);
+  rename_all(weights, t, m, m.config.heads, source, "the full", false);
+}
+
+std::map<std::string, DumpLayout> layouts_in_tpsim_names(const DumpManifest& m) {
+  const NameTable t = table_of(m);
+  const auto order = gpt_tensor_order(m.config);
+  std::map<std::string, DumpLayout> out;
+  for (const auto& [name, layout] : m.layouts) {
+    if (t.fused.count(name))
+      throw UsageError("manifest.json: layouts." + name + ": a fused q/k/v tensor's layout is "
+                       "fixed by the " + std::string(convention_name(m.names)) +
+                       " convention and may not be given");
+    std::string tpsim = name;
+    if (auto it = t.to_tpsim.find(name); it != t.to_tpsim.end()) tpsim = it->second;
+    if (std::find(order.begin(), order.end(), tpsim) == order.end() || tpsim == "loss" ||
+        tpsim.ends_with(".grad"))
+      throw UsageError("manifest.json: layouts." + name + ": no such tensor in a " +
+                       convention_name(m.names) + "-named dump (a gradient takes its "
+                       "parameter's layout)");
+    out[tpsim] = layout;
+  }
+  return out;
+}
+
+}  // namespace tpsim

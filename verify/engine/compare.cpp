@@ -1,0 +1,246 @@
+#include "verify/engine/compare.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "verify/engine/compare_scan.h"
+
+namespace tpsim {
+
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::Forward: return "forward";
+    case Phase::Backward: return "backward";
+    case Phase::Update: return "update";
+  }
+  return "?";
+}
+
+namespace {
+// |a - b|, where non-finite values agree only with the same value (see compare.h).
+double distance(double a, double b) {
+  if (std::isfinite(a) && std::isfinite(b)) return std::fabs(a - b);
+  const bool same = (std::isnan(a) && std::isnan(b)) || a == b;
+  return same ? 0.0 : INFINITY;
+}
+
+// An observation's name and values under a spec of the caller's choosing: compare_replica
+// reads a shard as a whole tensor without copying its values.
+struct ObservationView {
+  const std::string& name;
+  const ShardSpec& spec;
+  const ObservedValues& values;
+};
+
+Comparison header(const ObservationView& obs) {
+  Comparison c;
+  c.tensor = obs.name;
+  c.shard = obs.spec.shard_str();
+  c.rank = obs.spec.rank;
+  c.tp = obs.spec.world;
+  c.full_shape = obs.spec.full_shape;
+  return c;
+}
+
+// One pass over a shard's values in flat (row-major) order, in contiguous runs of the full
+// tensor: the runs save the index arithmetic (three divisions per element) and the profile
+// bin's division. Each run is scanned in wide vectors (verify/engine/compare_scan.h), whose sums
+// differ from a plain loop's only in the order of their additions; the worst element, its
+// index and the profile are the plain loop's exactly.
+class Scan {
+ public:
+  Scan(Comparison& c, std::int64_t n) : c_(c), n_(n) {}
+
+  // Values k0..k0+len of the shard against ref[0..len), or against 0 (padding) when ref
+  // is null.
+  void run(const double* a, const double* ref, std::int64_t k0, std::int64_t len) {
+    std::int64_t k = k0;
+    const std::int64_t end = k0 + len;
+    while (k < end) {
+      if (k >= next_bin_) {  // the bin of k is k * bins / n; the next starts at next_bin_
+        bin_ = k * Comparison::kProfileBins / n_;
+        next_bin_ = ((bin_ + 1) * n_ + Comparison::kProfileBins - 1) / Comparison::kProfileBins;
+      }
+      const std::int64_t stop = std::min(end, next_bin_);
+      float& bin = c_.profile[static_cast<std::size_t>(bin_)];
+      if (ref)
+        span<true>(a + (k - k0), ref + (k - k0), k, stop - k, bin);
+      else
+        span<false>(a + (k - k0), nullptr, k, stop - k, bin);
+      k = stop;
+    }
+  }
+
+  void finish(const ShardSpec& spec) {
+    c_.max_abs = worst_local_ < 0 ? 0.0 : best_;
+    c_.worst = worst_local_ < 0 ? -1 : full_index(spec, worst_local_);
+    const double dn = std::sqrt(diff2_);
+    const double rn = std::sqrt(ref2_);
+    c_.rel_err = rn > 0 ? dn / rn : dn;
+    c_.reference_rms = n_ > 0 ? rn / std::sqrt(static_cast<double>(n_)) : 0.0;
+  }
+
+ private:
+  // a[0..len) against ref[0..len) (or 0), flat indices k0.., all within one profile bin.
+  template <bool kHasRef>
+  void span(const double* a, const double* ref, std::int64_t k0, std::int64_t len, float& bin) {
+    const ScanTotals t = scan_distances(a, kHasRef ? ref : nullptr, len);
+    if (t.finite) {
+      diff2_ += t.diff2;
+      ref2_ += t.ref2;
+      bin = std::max(bin, static_cast<float>(t.max_dist));  // float() is monotonic
+      if (t.max_dist > best_) {
+        best_ = t.max_dist;
+        worst_local_ = k0 + t.first_max;
+        c_.sharded_at_worst = a[t.first_max];
+        c_.reference_at_worst = kHasRef ? ref[t.first_max] : 0.0;
+      }
+      return;
+    }
+    // Some value is not finite: element by element, as compare.h says it is judged.
+    double diff2 = diff2_, ref2 = ref2_, best = best_;
+    float bin_max = bin;
+    for (std::int64_t i = 0; i < len; ++i) {
+      const double b = kHasRef ? ref[i] : 0.0;
+      const double x = a[i];
+      // x - b is finite only when both are (an overflowing difference of finite values
+      // takes the slow path and gets the same infinity there): one test, not three.
+      const double diff = x - b;
+      double d;
+      if (std::isfinite(diff)) [[likely]] {
+        d = std::fabs(diff);
+        ref2 += b * b;
+      } else {
+        d = distance(x, b);
+        if (std::isfinite(b)) ref2 += b * b;
+        if (!std::isfinite(x)) c_.sharded_finite = false;
+      }
+      diff2 += d * d;
+      bin_max = std::max(bin_max, static_cast<float>(d));
+      if (d > best) {  // best starts below any distance: the first element is the worst so far
+        best = d;
+        worst_local_ = k0 + i;
+        c_.sharded_at_worst = x;
+        c_.reference_at_worst = b;
+      }
+    }
+    diff2_ = diff2;
+    ref2_ = ref2;
+    best_ = best;
+    bin = bin_max;
+  }
+
+  Comparison& c_;
+  std::int64_t n_;
+  std::int64_t bin_ = 0, next_bin_ = 0;
+  // Plain double sums: the norms need a few correct digits, not the last one.
+  double diff2_ = 0, ref2_ = 0, best_ = -1;
+  std::int64_t worst_local_ = -1;
+};
+
+Comparison compare_view(const ObservationView& obs, const double* reference_full,
+                        std::size_t reference_size, double tolerance) {
+  Comparison c = header(obs);
+  c.tolerance = tolerance;
+  if (static_cast<std::int64_t>(reference_size) != shape_numel(obs.spec.full_shape))
+    throw Error("compare " + obs.name + ": reference has " + std::to_string(reference_size) +
+                " values, the shard map says " + shape_str(obs.spec.full_shape));
+  const auto n = static_cast<std::int64_t>(obs.values.size());
+  const double* a = obs.values.data();
+  Scan scan(c, n);
+  const ShardSpec& s = obs.spec;
+  if (s.replicated()) {
+    if (n > shape_numel(s.full_shape))
+      throw Error("compare " + obs.name + ": " + std::to_string(n) + " values for " +
+                  shape_str(s.full_shape));
+    scan.run(a, reference_full, 0, n);
+  } else {
+    // The block as [outer, length, inner] runs of the full tensor's [outer, D, inner].
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < s.split_dim; ++d) outer *= s.full_shape[static_cast<std::size_t>(d)];
+    for (std::size_t d = static_cast<std::size_t>(s.split_dim) + 1; d < s.full_shape.size(); ++d)
+      inner *= s.full_shape[d];
+    const std::int64_t D = s.full_shape[static_cast<std::size_t>(s.split_dim)];
+    if (n != outer * s.length * inner)
+      throw Error("compare " + obs.name + ": " + std::to_string(n) + " values for the block " +
+                  s.shard_str() + " of " + shape_str(s.full_shape));
+    // Within one outer index the block's real rows are one contiguous run of both
+    // tensors, and its padded rows (against 0) another.
+    const std::int64_t real = std::max<std::int64_t>(0, std::min(s.length, D - s.offset));
+    std::int64_t k = 0;
+    for (std::int64_t o = 0; o < outer; ++o) {
+      if (real > 0) scan.run(a + k, reference_full + (o * D + s.offset) * inner, k, real * inner);
+      k += real * inner;
+      if (real < s.length) scan.run(a + k, nullptr, k, (s.length - real) * inner);
+      k += (s.length - real) * inner;
+    }
+  }
+  scan.finish(s);
+  c.pass = c.rel_err <= tolerance;  // false for NaN
+  return c;
+}
+
+}  // namespace
+
+Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
+                                double tolerance) {
+  return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
+                      reference_full.size(), tolerance);
+}
+
+Comparison compare_replica(const Observation& obs, const Observation& rank0) {
+  // The norm-wise error against rank 0 is reported for scale, but replicas pass only
+  // when bit-identical: every rank applies the same ops to the same bits.
+  ShardSpec whole = obs.spec;
+  whole.world = 1;  // compare the whole tensor, index for index
+  whole.split_dim = -1;
+  const std::size_t n = obs.values.size();
+  const bool identical = n == rank0.values.size() &&
+                         std::memcmp(obs.values.data(), rank0.values.data(), n * sizeof(double)) == 0;
+  Comparison c;
+  if (identical && static_cast<std::int64_t>(n) == shape_numel(whole.full_shape)) {
+    // What the scan below finds for identical bits, without reading them again: no
+    // distance anywhere, so the worst is the first element, and no RMS (it only scales
+    // errors, and there are none).
+    c = header({obs.name, whole, obs.values});
+    if (n > 0) {
+      c.worst = 0;
+      c.sharded_at_worst = obs.values[0];
+      c.reference_at_worst = rank0.values[0];
+    }
+  } else {
+    c = compare_view({obs.name, whole, obs.values}, rank0.values.data(), rank0.values.size(), 0.0);
+  }
+  c.shard = obs.spec.shard_str();
+  c.rank = obs.spec.rank;
+  c.tp = obs.spec.world;
+  c.what = kReplicaCheck;
+  c.pass = identical;
+  return c;
+}
+
+Comparison compare_bitwise(const Observation& obs, const std::vector<double>& tp1_full) {
+  Comparison c = compare_view({obs.name, obs.spec, obs.values}, tp1_full.data(), tp1_full.size(), 0.0);
+  c.what = kInvariantCheck;
+  c.pass = true;
+  const auto n = static_cast<std::int64_t>(obs.values.size());
+  for (std::int64_t k = 0; k < n && c.pass; ++k) {
+    const std::int64_t f = full_index(obs.spec, k);
+    const double a = obs.values[static_cast<std::size_t>(k)];
+    // f64 holds every f32 and bf16 value exactly, sign of zero and NaN payload included,
+    // so equal f64 bits are equal bits of the tensor's own dtype.
+    const bool same = f < 0 ? a == 0.0
+                            : std::memcmp(&a, &tp1_full[static_cast<std::size_t>(f)], sizeof a) == 0;
+    if (same) continue;
+    c.pass = false;
+    c.worst = f;
+    c.sharded_at_worst = a;
+    c.reference_at_worst = f < 0 ? 0.0 : tp1_full[static_cast<std::size_t>(f)];
+  }
+  return c;
+}
+
+std::string format_index(const Comparison& c) { return index_str(c.full_shape, c.worst); }
+
+}  // namespace tpsim

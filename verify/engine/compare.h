@@ -1,0 +1,77 @@
+// The compare engine: one rank's block of a tensor against the matching slice of the
+// reference, and replicas against rank 0, bit for bit.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "sharded/sharded_model.h"
+
+namespace tpsim {
+
+enum class Phase { Forward, Backward, Update };
+
+// What a comparison checked (Comparison::what, and "check" in the JSON report).
+inline constexpr const char* kReferenceCheck = "reference";        // a shard vs its slice
+inline constexpr const char* kReplicaCheck = "replica of rank 0";  // bit for bit
+inline constexpr const char* kReassembledCheck = "reassembled";    // the gathered full tensor
+inline constexpr const char* kInvariantCheck = "tp 1 bit for bit";  // --tp-invariant
+const char* phase_name(Phase p);
+
+struct Comparison {
+  int tp = 1;
+  int step = 0;
+  Phase phase = Phase::Forward;
+  int order = 0;          // position within the step: forward, then backward order, then update
+  std::string tensor;     // "h.0.ln1.weight.grad"
+  std::string shard;      // "rank 1/2 rows [128,256)"
+  int rank = 0;
+  Shape full_shape;
+  double rel_err = 0.0;   // ‖a−b‖/‖b‖ (‖a−b‖ when ‖b‖ = 0)
+  double max_abs = 0.0;   // max |a−b|
+  std::int64_t worst = -1;  // flat index in the full tensor of the largest |a−b|
+  double sharded_at_worst = 0.0, reference_at_worst = 0.0;
+  double tolerance = 0.0;
+  bool pass = true;
+  std::string what = kReferenceCheck;
+  // A coarse picture of where in the shard the error lies, for the HTML report's first
+  // failure: the shard's values in flat (row-major) order cut into kProfileBins equal runs,
+  // max |a−b| in each; and the RMS of the values compared against (the reference's, or rank
+  // 0's), which scales it. 32 floats per comparison: cheaper to always fill than to redo.
+  static constexpr int kProfileBins = 32;
+  std::array<float, kProfileBins> profile{};  // [bins]; bins past the shard's size stay 0
+  double reference_rms = 0.0;  // 0 for a replica that passes: no error to scale
+  // Whether every value of the shard was finite (reference and reassembled checks), so a
+  // caller that must find non-finite gradients need not read them all again.
+  bool sharded_finite = true;
+};
+
+// Compares obs.values with the block of `reference_full` that obs.spec names. Padded
+// positions compare against 0: padding must stay exactly zero.
+//
+// Non-finite values: NaN against NaN, and an infinity against the same infinity, agree
+// (distance 0): both models computed the same overflow, so the sharding is not at fault,
+// though the run has diverged, which the ranks report (verify/engine/divergence.h, exit 3). Any
+// other pairing differs with distance infinity and fails: a finite value against a
+// non-finite one, NaN against an infinity, +inf against -inf. Only finite reference values
+// count in the norm of the reference.
+Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
+                                double tolerance);
+inline Comparison compare_to_reference(const Observation& obs,
+                                       const std::vector<double>& reference_full, double tolerance) {
+  return compare_to_reference(obs, std::span<const double>(reference_full), tolerance);
+}
+
+// --tp-invariant: a shard against the same block of tp 1's full tensor, bit for bit
+// (tolerance 0). `worst` is the first element whose bits differ (in the shard's order), not
+// the largest difference; padded positions must be zero. rel_err and max_abs are for scale.
+Comparison compare_bitwise(const Observation& obs, const std::vector<double>& tp1_full);
+// A replicated tensor on `obs.spec.rank` against rank 0's copy: bit-identical or a fail.
+Comparison compare_replica(const Observation& obs, const Observation& rank0);
+
+std::string format_index(const Comparison& c);  // "(3,17)" or "-"
+
+}  // namespace tpsim

@@ -1,0 +1,47 @@
+// The reference run, step by step, handed to the verifier as each step is done.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "verify/setup/inputs.h"
+
+namespace tpsim {
+
+using TensorMap = std::map<std::string, std::vector<double>>;
+using TensorView = std::span<const double>;  // a full tensor, row-major
+
+struct RefStep {
+  int step = 0;  // 1-based
+  double loss = 0.0;
+  // "output" (MLP) or the activation points "act/<point>" and "act/<point>.grad" (GPT,
+  // docs/dump-format.md), the MLP's "x.grad", "<param>.grad", and "<param>" after the
+  // optimizer step: views of `copies`, or in place of the reference model's own storage.
+  std::map<std::string, TensorView> tensors;
+  TensorMap copies;  // RefStorage::Copies: the step's own copy of every tensor
+};
+
+// How a step reaches its readers.
+enum class RefStorage {
+  // slot(s) is asked for once step s is computed, and filled with copies: a step outlives
+  // the model's next steps, so readers may lag behind (a ring of slots, --resync).
+  Copies,
+  // slot(s) is asked for before step s is computed, and its tensors view the model: no
+  // copy, no second set of buffers, but step s-1 must be let go of (slot(s) returning)
+  // before the model moves on. After the last step, slot(steps + 1) is asked for (and
+  // not filled) before the model is destroyed, so the last step's readers are done too.
+  InPlace,
+};
+
+// Runs the float64 Eigen reference for o.steps steps. For step s it fills the RefStep that
+// `slot(s)` returns and then calls `published(s)`. The slot may be a recycled one: its
+// vectors are overwritten in place (same names, same sizes every step), so recycling
+// costs no allocation and no page faults. `slot` may block (back-pressure).
+void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
+                   const std::function<RefStep&(int step)>& slot,
+                   const std::function<void(int step)>& published);
+
+}  // namespace tpsim

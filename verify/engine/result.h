@@ -1,0 +1,88 @@
+// What verify (and check) find: per TP degree, every failure, the worst comparison per
+// tensor, each tensor's error per step; and the run's verdict. StepFolder (step_checks.h)
+// fills a TpResult as the ranks hand their comparisons in; the reports render them.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "verify/engine/compare.h"
+#include "verify/setup/run_options.h"
+
+namespace tpsim {
+
+struct CollectiveTotals {
+  std::int64_t count[kNumCollectiveKinds] = {};
+  std::int64_t bytes[kNumCollectiveKinds] = {};
+};
+
+// One heatmap row of a TP group: a tensor's worst error per step, in units of the
+// tolerance (rel_err / tolerance, the largest over its shards and reassembly). +inf: not
+// finite, or within tolerance of the reference but a replica differs from rank 0's. NaN:
+// not compared at that step.
+struct TensorSteps {
+  std::string tensor;
+  std::vector<float> err_over_tol;  // [steps], step s at s-1
+};
+
+struct TpResult {
+  int tp = 1;
+  bool pass = true;
+  double max_rel_err = 0.0;         // over every reference and reassembled comparison
+  double max_err_over_tol = 0.0;    // the same, as a multiple of each one's tolerance
+  std::int64_t comparisons = 0;     // tensors x shards x steps compared, every check
+  std::vector<Comparison> failures; // every failing comparison, in (step, order, rank) order
+  std::vector<Comparison> worst;    // per tensor, the worst comparison over steps and shards
+  std::vector<TensorSteps> per_step;  // per tensor in the order first checked (step 1's order)
+  // Every check of the first failing tensor at the step it first fails, each rank's shard
+  // and its other checks, in (order, rank) order: the HTML report draws them side by side.
+  std::vector<Comparison> first_failure_shards;
+  std::vector<double> losses;       // per step, rank 0's
+  CollectiveTotals comm_step1;      // rank 0's collectives during step 1
+  double seconds = 0.0;
+};
+
+struct VerifyReport {
+  double tolerance = 0.0;  // the one tolerance, or with per-tensor bounds the largest
+  bool per_tensor_bounds = false;  // bf16: each comparison's tolerance is its own bound
+  int vacuous_from_step = 0;  // the first step with a bound >= 1, which cannot fail; 0: none
+  std::vector<double> reference_losses;
+  double reference_seconds = 0.0;
+  std::vector<TpResult> results;
+  bool pass = true;
+  std::optional<Comparison> first_failure;  // earliest step, then earliest in backward order
+  // --tp-invariant: every degree is also compared with tp 1 bit for bit; the earliest
+  // element whose bits differ (step, then production order).
+  bool tp_invariant = false;
+  std::optional<Comparison> first_bit_difference;
+  // --tp-invariant: the most bytes TP 1's record held at once (not reported: what the
+  // memory check's prediction is held against).
+  double tp1_record_bytes = 0.0;
+};
+
+// The default sweep's (commands/sweep.h): one verify run per case.
+struct SweepCase {
+  std::string name;  // "gpt --loss-parallel, boundary batch"
+  RunOptions options;
+};
+
+struct SweepResult {
+  SweepCase c;
+  VerifyReport report;
+  double seconds = 0.0;  // the whole case, wall clock
+};
+
+struct SweepReport {
+  std::vector<SweepResult> cases;
+  bool pass = true;
+  double seconds = 0.0;
+  // The first failing case, or null.
+  const SweepResult* first_failure() const {
+    for (const auto& c : cases)
+      if (!c.report.pass) return &c;
+    return nullptr;
+  }
+};
+
+}  // namespace tpsim

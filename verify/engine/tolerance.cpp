@@ -1,0 +1,326 @@
+#include "verify/engine/tolerance.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+#include "verify/setup/tensor_order.h"
+
+namespace tpsim {
+
+// float32 sharded vs float64 reference. The error model:
+//  - every float32 value carries a relative rounding error of u32 = 2^-24 ≈ 6.0e-8;
+//  - a dot product of K terms accumulated in float32 has a norm-wise relative error of
+//    about sqrt(K)·u32 (rounding errors of random sign add like a random walk; the
+//    worst case K·u32 needs every rounding to go the same way);
+//  - a tensor at the end of a chain of D such reductions (forward, then backward) carries
+//    the sum of their errors, each amplified by the condition of the rest of the chain,
+//    which for these well-scaled layers is O(1): allow a factor kCondition = 4;
+//  - the optimizer step adds one rounding (SGD) or divides by sqrt(v) (Adam), which
+//    preserves relative error.
+// So: tol = kCondition · D · sqrt(K_max) · u32, with K_max the longest reduction and D
+// the longest chain, both read off the model below.
+namespace {
+
+constexpr double u32 = 0x1.0p-24;
+
+double f32_tolerance(const RunOptions& o, double* k_max_out) {
+  constexpr double kCondition = 4.0;
+  double k_max = 0, depth = 0;
+  if (o.model == ModelKind::Mlp) {
+    k_max = static_cast<double>(std::max({o.mlp.in, o.mlp.hidden, o.mlp.out, o.mlp.batch}));
+    depth = 6;  // fc1, fc2, mse forward; fc2, fc1 data grads and the weight grad in backward
+  } else {
+    const auto& g = o.gpt;
+    const double tokens = static_cast<double>(o.batch_size * o.seq_len);
+    k_max = std::max({static_cast<double>(g.vocab_size), 4.0 * static_cast<double>(g.hidden),
+                      tokens});
+    // Per block forward: ln1, q/k/v, q·k, probs·v, o, ln2, ffn1, ffn2 (8); the head: ln_f,
+    // logits, softmax (3); backward doubles it.
+    depth = 2 * (8 * static_cast<double>(g.layers) + 3);
+  }
+  if (k_max_out) *k_max_out = k_max;
+  return kCondition * depth * std::sqrt(k_max) * u32;
+}
+
+}  // namespace
+
+// ---- bf16: per-tensor bounds --------------------------------------------------------
+//
+// bf16 sharded (Megatron's mixed precision, backend.h) vs float64 reference, norm-wise
+// relative error rho = ‖a−b‖/‖b‖ of each tensor. The sources of error:
+//
+//  (1) Storage. Every op rounds what it stores in bf16 to nearest even: relative error at
+//      most u_s = 2^-8 per element, hence at most u_s norm-wise. The bf16 weights are
+//      bf16(f32(w)): u_s + u_a. Statistics, main gradients, master weights and Adam
+//      state are f32 and round at u_a = 2^-24.
+//  (2) Accumulation. Every reduction (GEMM, LayerNorm, softmax and cross-entropy sums)
+//      accumulates in f32: for K terms sqrt(K)·u_a, not K·u_a. The roundings of an
+//      accumulator are of either sign and add like a random walk; K·u_a needs all of them
+//      to go one way, which data of mixed sign never does. The difference matters only in
+//      f32 (K = 50257 gives 3.0e-3 worst against 1.3e-5 typical); in bf16 sqrt(K)·u_a is
+//      under 1% of u_s for any K below 2^20, so the choice does not move the bound.
+//      K is the longest reduction of the model (vocabulary, 4H or the tokens).
+//  (3) The TP collectives. A bf16 all-reduce or reduce-scatter of t partials rounds after
+//      each of its t-1 additions, as NCCL's ring does: (t-1)·u_s more for every tensor that
+//      a forward g (attention and MLP outputs; the embedding under loss parallel) or a
+//      backward f (the LayerNorm output gradients; ln_f's under loss parallel) produced,
+//      and for everything after it. c(i) counts those sums up to tensor i.
+//  (4) Depth. A tensor's error is the sum of the errors its chain of ops made, each
+//      propagated to it. We take the chain to be the tensors produced before it in the
+//      step, forward then backward (verify/setup/tensor_order.h): i of them, counting itself,
+//      an upper count of the ops on its longest path (q, k and v run side by side but
+//      count one after another). Each op adds its storage rounding, and each op that reads
+//      a weight p adds that weight's relative error w_p(s) (at step 1 its bf16 cast; later
+//      also what the updates got wrong, (5)). A forward tensor has read the weights whose
+//      forward op comes before it in the order (wte twice by the logits: the lookup and
+//      the tied head); the loss all of them; a backward tensor all of them and again those
+//      whose input gradient's op (a GEMM or LayerNorm backward, which reads the weight) has
+//      run, counted from the weight's own gradient on. These are independent errors of random sign, so they add in quadrature:
+//      sqrt(i)·u_s, not i·u_s (the residual stream carries them forward with gain ~1:
+//      LayerNorm renormalises, a random linear map preserves a random error's relative
+//      size). The allowance for the chain's condition (softmax and GELU derivatives,
+//      LayerNorm's 1/sigma where a row is nearly constant) is kappa = 2, a constant, not
+//      kappa^i: with gain ~1 per op a geometric growth (Megatron's 1.03^layers test bound)
+//      would only loosen it. So at step s, with R(i) the weight reads before tensor i:
+//
+//        rho(i, s) = kappa · sqrt( i·u_s² + Σ_{p in R(i)} w_p(s)² + (t−1)·c(i)·u_s²
+//                                  + i·K·u_a² )
+//
+//      Each read counts its own weight's error, not the worst weight's: the LayerNorm gains
+//      (lr/rms = lr) move far less per step than the projections, and counting the worst
+//      weight at every op made the bounds from step 2 on exceed 1, a check that cannot fail.
+//
+//  (5) Steps. Adam updates the f32 master weights: w' = w − lr·m̂/(sqrt(v̂)+eps). At step 1
+//      the update is lr·g/|g| = ±lr per element, and it is only as wrong as the sign of g:
+//      where the gradient's error (relative rho_g, of random sign) exceeds |g|, the update
+//      flips, an error of 2·lr. For a gradient of Gaussian-like distribution a fraction
+//      arctan(rho_g)/pi ≈ rho_g/pi of the elements flip, so
+//        ‖δw'‖/‖w‖ ≤ 2·sqrt(rho_g/pi) · lr/rms(w)            (capped at 2·lr/rms(w))
+//      where rms(w) is the RMS of the parameter's initial values (a weight-decayed, ±lr
+//      per step walk does not shrink it below that in a few steps). Note sqrt(rho_g): Adam
+//      normalises the gradient away, so a small gradient error becomes a much larger
+//      update error. Weight decay (g + wd·w, dominated by wd·w where g is small) only
+//      removes flips, so the bound holds with it; later steps average m and v over steps
+//      and flip less than step 1. The errors of successive steps add in the f32 master;
+//      the bf16 cast of the updated master adds u_s once, not once per step (the master
+//      keeps the update the cast drops). SGD: the update's error is lr·‖δg‖ ≤ rho_g·‖w‖
+//      for any step smaller than the weight itself, so rho_g per step.
+//      With --resync every step starts from the reference's weights: w(s) = u_s + u_a.
+//
+// The bound is an upper estimate under the stated assumptions (independent roundings,
+// gain ~1 per op, Gaussian-like gradients), not a worst case: a worst case (linear in K
+// and depth, every Adam update flipped) would be 10 to 100 times looser and would hide
+// most faults. Weakest where the steps compound: w(s) grows with sqrt of the gradient's
+// bound, so from step 2 on the bounds stay well above what runs measure (verify --resync
+// checks each step on its own).
+namespace {
+constexpr double kKappa = 2.0;
+const double kFlip = 2.0 / std::sqrt(std::numbers::pi);  // 2·sqrt(rho_g/pi) = kFlip·sqrt(rho_g)
+
+// The RMS of a parameter's initial values, from its init spec.
+double init_rms(const InitSpec& s) {
+  switch (s.kind) {
+    case InitSpec::Kind::Normal: return s.a;
+    case InitSpec::Kind::Uniform: return std::sqrt((s.a * s.a + s.a * s.b + s.b * s.b) / 3.0);
+    case InitSpec::Kind::Constant: return std::abs(s.a);
+  }
+  return 0.0;
+}
+
+bool ends_with_any(const std::string& n, std::initializer_list<const char*> tails) {
+  for (const char* t : tails)
+    if (n.ends_with(t)) return true;
+  return false;
+}
+}  // namespace
+
+double norm_tolerance(const RunOptions& o) {
+  if (o.dtype == DType::F64) return kF64Tolerance;
+  if (o.dtype == DType::BF16) return ToleranceModel(o).largest();
+  return f32_tolerance(o, nullptr);
+}
+
+ToleranceModel::ToleranceModel(const RunOptions& o)
+    : per_tensor_(o.dtype == DType::BF16), resync_(o.resync), tp_(o.tp) {
+  if (o.dtype == DType::F64) {
+    uniform_ = largest_ = kF64Tolerance;
+    return;
+  }
+  uniform_ = f32_tolerance(o, &k_max_);
+  largest_ = uniform_;
+  if (!per_tensor_) return;
+  u_store_ = kBf16UnitRoundoff;
+  u_acc_ = u32;
+  steps_ = static_cast<int>(std::max<std::int64_t>(1, o.steps));
+  adam_ = o.model == ModelKind::Gpt;
+
+  // Depths, the bf16 sums up to each tensor, and the parameters.
+  std::vector<std::string> order;
+  std::vector<ParamSpec> specs;
+  if (o.model == ModelKind::Gpt) {
+    order = gpt_tensor_order(o.gpt);
+    specs = gpt_param_specs(o.gpt);
+  } else {
+    // fc1, relu, fc2 and g make the output; mse the loss; its backward, fc2's weight
+    // gradient, relu's and fc1's, f's sum, in production order.
+    order = {"output", "loss", "fc2.weight.grad", "fc1.weight.grad", "x.grad"};
+    specs = mlp_param_specs(o.mlp);
+  }
+  const double lr = adam_ ? o.adam.lr : o.lr;
+  int sums = 0;
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    const std::string& n = order[k];
+    const bool summed =
+        ends_with_any(n, {"attn.o.out", "mlp.ffn2.out", "ln1.out.grad", "ln2.out.grad"}) ||
+        (o.loss_parallel && (n == "act/embedding.out" || n == "act/ln_f.out.grad")) ||
+        (o.model == ModelKind::Mlp && (n == "output" || n == "x.grad"));
+    sums += summed ? 1 : 0;
+    depth_[n] = static_cast<int>(k) + 1;
+    bf16_sums_[n] = sums;
+  }
+  max_sums_ = sums;
+  if (o.model == ModelKind::Mlp) {  // the MLP's chains are short: depth by op count
+    depth_ = {{"output", 4}, {"loss", 5}, {"fc2.weight.grad", 7}, {"fc1.weight.grad", 9},
+              {"x.grad", 9}};
+  }
+  max_depth_ = 1;
+  for (const auto& [n, d] : depth_) max_depth_ = std::max(max_depth_, d);
+  for (const auto& s : specs) {
+    Param p;
+    p.name = s.name;
+    const auto it = depth_.find(s.name + ".grad");
+    p.grad_depth = it == depth_.end() ? max_depth_ : it->second;
+    const double rms = init_rms(s.init);
+    p.lr_over_rms = rms > 0 ? lr / rms : lr;  // a zero init: relative to a weight of 1
+    param_[s.name] = params_.size();
+    params_.push_back(p);
+  }
+  build_reads(o.model, order);
+  weight_err_.resize(tp_.size());
+  weight_max_.resize(tp_.size());
+  largest_ = 0.0;
+  for (std::size_t ti = 0; ti < tp_.size(); ++ti) {
+    build_weights(static_cast<int>(ti));
+    for (int s = 1; s <= steps_; ++s) {
+      largest_ = std::max(largest_, chain(max_depth_, sums, all_reads_, s, static_cast<int>(ti)));
+      largest_ = std::max(largest_, weight_max_[ti][static_cast<std::size_t>(s)]);
+    }
+  }
+}
+
+void ToleranceModel::build_reads(ModelKind model, const std::vector<std::string>& order) {
+  std::vector<std::size_t> every;
+  for (std::size_t p = 0; p < params_.size(); ++p) every.push_back(p);
+  all_reads_ = every;
+  all_reads_.insert(all_reads_.end(), every.begin(), every.end());
+  if (model == ModelKind::Mlp) return;  // its five tensors: both weights twice, an upper count
+  // The weights a GPT forward point's op reads: its layer's module of the same name
+  // ("act/h.0.attn.q" -> "h.0.attn.q_proj.weight"), the embeddings for the lookup, wte
+  // again for the tied head.
+  auto forward_reads = [&](const std::string& n) -> std::vector<std::string> {
+    if (n == "act/embedding.out") return {"wte.weight", "wpe.weight"};
+    if (n == "act/logits") return {"wte.weight"};
+    if (n == "act/ln_f.out") return {"ln_f.weight"};
+    const std::string stem = n.substr(4);  // after "act/"
+    for (const char* m : {"ln1", "ln2", "mlp.ffn1", "mlp.ffn2"})
+      if (stem.ends_with(std::string(m) + ".out"))
+        return {stem.substr(0, stem.size() - 4) + ".weight"};
+    for (const char* m : {"attn.q", "attn.k", "attn.v"})
+      if (stem.ends_with(m)) return {stem + "_proj.weight"};
+    if (stem.ends_with("attn.o.out")) return {stem.substr(0, stem.size() - 6) + ".o_proj.weight"};
+    return {};
+  };
+  // Backward, a weight is read again by the op that makes its input's gradient, which
+  // runs next to the one that makes its own gradient: so it counts from its gradient's
+  // place in the order on (wte's from the logits' gradient, where the tied head reads it).
+  std::vector<std::size_t> seen;
+  bool forward = true;
+  for (const std::string& n : order) {
+    if (n == "loss") forward = false;
+    if (forward && n.starts_with("act/"))
+      for (const std::string& w : forward_reads(n)) seen.push_back(param_.at(w));
+    if (!forward && n == "act/ln_f.out.grad") seen.push_back(param_.at("wte.weight"));
+    if (!forward && n.ends_with(".weight.grad") && n != "wte.weight.grad")
+      seen.push_back(param_.at(n.substr(0, n.size() - 5)));
+    reads_[n] = seen;
+  }
+}
+
+int ToleranceModel::depth(const std::string& tensor) const {
+  const auto it = depth_.find(tensor);
+  return it == depth_.end() ? max_depth_ : it->second;  // unknown: the deepest
+}
+
+int ToleranceModel::sums_before(const std::string& tensor) const {
+  const auto it = bf16_sums_.find(tensor);
+  return it == bf16_sums_.end() ? max_sums_ : it->second;
+}
+
+int ToleranceModel::first_step_with_bound_at_least(double x) const {
+  if (!per_tensor_) return uniform_ >= x ? 1 : 0;
+  for (int s = 1; s <= steps_; ++s)
+    for (int t : tp_) {
+      for (const auto& [n, d] : depth_)
+        if (bound(n, s, t) >= x) return s;
+      for (const auto& p : params_)
+        if (bound(p.name, s, t) >= x) return s;
+    }
+  return 0;
+}
+
+const std::vector<std::size_t>& ToleranceModel::reads(const std::string& tensor) const {
+  const auto it = reads_.find(tensor);
+  return it == reads_.end() ? all_reads_ : it->second;  // unknown: all of them
+}
+
+double ToleranceModel::chain(int i, int bf16_sums, const std::vector<std::size_t>& reads,
+                             int step, int ti) const {
+  const auto& w = weight_err_[static_cast<std::size_t>(ti)][static_cast<std::size_t>(
+      resync_ ? 0 : step - 1)];
+  double w2 = 0.0;
+  for (std::size_t p : reads) w2 += w[p] * w[p];
+  const double t = tp_[static_cast<std::size_t>(ti)];
+  const double us = u_store_, ua = u_acc_, n = i;
+  return kKappa * std::sqrt(n * us * us + w2 + (t - 1) * bf16_sums * us * us +
+                            n * k_max_ * ua * ua);
+}
+
+void ToleranceModel::build_weights(int ti) {
+  auto& err = weight_err_[static_cast<std::size_t>(ti)];
+  auto& mx = weight_max_[static_cast<std::size_t>(ti)];
+  err.assign(static_cast<std::size_t>(steps_) + 1, std::vector<double>(params_.size()));
+  mx.assign(static_cast<std::size_t>(steps_) + 1, 0.0);
+  std::vector<double> master(params_.size(), u_acc_);  // f32(w)
+  for (std::size_t p = 0; p < params_.size(); ++p) err[0][p] = master[p] + u_store_;
+  mx[0] = u_acc_ + u_store_;
+  for (int s = 1; s <= steps_; ++s) {
+    const auto su = static_cast<std::size_t>(s);
+    mx[su] = 0.0;  // filled below, after every parameter's step s
+    std::vector<double> next(params_.size());
+    for (std::size_t p = 0; p < params_.size(); ++p) {
+      const Param& q = params_[p];
+      const std::string g = q.name + ".grad";
+      const double rho_g = chain(q.grad_depth, sums_before(g), reads(g), s, ti);
+      const double update = adam_ ? std::min(kFlip * std::sqrt(rho_g), 2.0) * q.lr_over_rms
+                                  : rho_g;
+      next[p] = (resync_ ? u_acc_ : master[p]) + update;
+      err[su][p] = next[p] + u_store_;  // the bf16 cast of the updated master, once
+      mx[su] = std::max(mx[su], err[su][p]);
+    }
+    master = next;
+  }
+}
+
+double ToleranceModel::bound(const std::string& tensor, int step, int tp) const {
+  if (!per_tensor_) return uniform_;
+  const auto ti = static_cast<std::size_t>(
+      std::find(tp_.begin(), tp_.end(), tp) - tp_.begin());
+  if (ti >= tp_.size()) throw Error("ToleranceModel: tp " + std::to_string(tp) + " is not of this run");
+  const int s = std::clamp(step, 1, steps_);
+  const auto p = param_.find(tensor);
+  if (p != param_.end()) return weight_err_[ti][static_cast<std::size_t>(s)][p->second];
+  return chain(depth(tensor), sums_before(tensor), reads(tensor), s, static_cast<int>(ti));
+}
+
+}  // namespace tpsim

@@ -1,0 +1,84 @@
+// How far a sharded tensor may be from the float64 reference, norm-wise, and why.
+#pragma once
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "verify/setup/run_options.h"
+
+namespace tpsim {
+
+// float64 sharded vs float64 reference: the two differ only in the order of additions
+// (a split GEMM sums its partial products in another order, an all-reduce adds rank
+// partials). Each reordered sum of K terms moves a result by at most ~K·u64 relative
+// (u64 = 2^-53 ≈ 1.1e-16), typically ~sqrt(K)·u64; through a few dozen ops this stays far
+// under 1e-10, while a real bug shows as 1e-3 to 1. So: 1e-10, whatever the model.
+inline constexpr double kF64Tolerance = 1e-10;
+
+// The norm-wise tolerance for this run: f64 and f32 one for every tensor (see
+// tolerance.cpp for the float32 error model); bf16 the largest of its per-tensor bounds.
+double norm_tolerance(const RunOptions& o);
+
+// Per-tensor bounds for a bf16 run, from the error model written out in tolerance.cpp:
+// each tensor's bound grows with its depth in the step (forward, then backward), with the
+// bf16 sums of the TP collectives before it, and with the steps before it (the weights'
+// error, which Adam's update adds to the f32 master weights and the bf16 cast adds to
+// once). Thread-safe once built (every method is const).
+class ToleranceModel {
+ public:
+  explicit ToleranceModel(const RunOptions& o);
+
+  bool per_tensor() const { return per_tensor_; }
+  // The norm-wise bound of `tensor` at `step` (from 1) in a TP group of degree `tp`; for
+  // a run without per-tensor bounds, norm_tolerance(o) for every tensor.
+  double bound(const std::string& tensor, int step, int tp) const;
+  // The largest bound of the run (every tensor, step and TP degree).
+  double largest() const { return largest_; }
+  // The first step at which some tensor's bound at some TP degree is at least `x`; 0 when
+  // none is. A norm-wise relative bound of 1 or more is a check that cannot fail.
+  int first_step_with_bound_at_least(double x) const;
+
+  // The model's inputs, for tests and the report.
+  double storage_roundoff() const { return u_store_; }        // u_s: 2^-8 bf16, 2^-24 f32
+  double accumulation_roundoff() const { return u_acc_; }     // u_a: 2^-24 (f32 sums)
+  double reduction_length() const { return k_max_; }          // K
+  int depth(const std::string& tensor) const;                 // i: 1 for the first tensor
+  int sums_before(const std::string& tensor) const;           // c(i)
+
+ private:
+  struct Param {
+    std::string name;
+    int grad_depth = 0;        // depth of its gradient
+    double lr_over_rms = 0.0;  // lr / RMS of its initial values
+  };
+  // rho(i, s) of (4) for a tensor at depth i after `bf16_sums` collective sums that has
+  // read the weights `reads` (indices into params_, once per read).
+  double chain(int i, int bf16_sums, const std::vector<std::size_t>& reads, int step,
+               int tp_index) const;
+  const std::vector<std::size_t>& reads(const std::string& tensor) const;
+  void build_weights(int tp_index);
+  void build_reads(ModelKind model, const std::vector<std::string>& order);
+
+  bool per_tensor_ = false;
+  double uniform_ = 0.0;  // the bound of a run without per-tensor bounds
+  double u_store_ = 0.0, u_acc_ = 0.0, k_max_ = 0.0;
+  bool adam_ = true, resync_ = false;
+  int steps_ = 1, max_depth_ = 1, max_sums_ = 0;
+  std::vector<int> tp_;  // the run's TP degrees
+  std::unordered_map<std::string, int> depth_;      // tensor -> i
+  std::unordered_map<std::string, int> bf16_sums_;  // tensor -> collective sums up to it
+  // tensor -> the weights read before it (params_ indices, once per read); a tensor not
+  // in the map, and the deepest, has read all_reads_: every weight in forward and backward
+  std::unordered_map<std::string, std::vector<std::size_t>> reads_;
+  std::vector<std::size_t> all_reads_;
+  std::unordered_map<std::string, std::size_t> param_;  // parameter -> index in params_
+  std::vector<Param> params_;
+  // weight_err_[tp_index][s][p]: the relative error of parameter p's bf16 value after
+  // step s (s = 0: the initial cast), and its largest over p in weight_max_[tp_index][s].
+  std::vector<std::vector<std::vector<double>>> weight_err_;
+  std::vector<std::vector<double>> weight_max_;
+  double largest_ = 0.0;
+};
+
+}  // namespace tpsim

@@ -1,0 +1,544 @@
+#include "verify/report/profile_report.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <unistd.h>
+
+#include "sharded/tp_invariant.h"
+#include "verify/setup/inputs.h"
+#include "verify/setup/memory_check.h"
+#include "verify/setup/tp_invariant_comm.h"
+
+namespace tpsim {
+
+double model_flops_per_step(const RunOptions& o) {
+  if (o.model == ModelKind::Mlp)
+    return 6.0 * static_cast<double>(o.mlp.batch) *
+           static_cast<double>(o.mlp.in * o.mlp.hidden + o.mlp.hidden * o.mlp.out);
+  const double N = static_cast<double>(o.batch_size * o.seq_len), H = static_cast<double>(o.gpt.hidden);
+  const double L = static_cast<double>(o.gpt.layers), T = static_cast<double>(o.seq_len);
+  const double V = static_cast<double>(o.gpt.vocab_size);
+  return 3.0 * (L * (24.0 * N * H * H + 4.0 * N * T * H) + 2.0 * N * H * V);
+}
+
+namespace {
+
+std::string f(const char* fm, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fm, v);
+  return buf;
+}
+std::string mib(std::int64_t bytes) { return f("%.3f", static_cast<double>(bytes) / 1048576.0); }
+
+// A fixed-width text table: the first column left-aligned, the others right-aligned.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
+  void row(std::vector<std::string> r) { rows_.push_back(std::move(r)); }
+  void print(std::ostream& os) const {
+    std::vector<std::size_t> w;
+    for (const auto& r : rows_)
+      for (std::size_t i = 0; i < r.size(); ++i) {
+        if (w.size() <= i) w.push_back(0);
+        w[i] = std::max(w[i], r[i].size());
+      }
+    for (const auto& r : rows_) {
+      os << "  ";
+      for (std::size_t i = 0; i < r.size(); ++i) {
+        const std::string pad(w[i] - r[i].size(), ' ');
+        os << (i == 0 ? r[i] + pad : "  " + pad + r[i]);
+      }
+      os << "\n";
+    }
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+// One rank's averages over the steps that count: steps 2.. when there are several (step 1
+// allocates Adam's state and warms the caches), else step 1.
+struct StepStats {
+  double step_s = 0, compute_s = 0, comm_s = 0;
+  std::array<double, kNumOpClasses> class_s{};
+  std::array<std::int64_t, kNumCollectiveKinds> coll_bytes{}, coll_count{};
+  std::int64_t comm_bytes = 0;
+  double flops_executed = 0;
+  int steps = 0;
+};
+
+StepStats step_stats(const RankProfile& r) {
+  StepStats s;
+  const std::size_t first = r.steps.size() > 1 ? 1 : 0;
+  for (std::size_t i = first; i < r.steps.size(); ++i) {
+    const auto [b, e] = r.steps[i];
+    ++s.steps;
+    s.step_s += static_cast<double>(e - b) * 1e-9;
+    for (const auto& o : r.ops) {
+      if (o.t_begin_ns < b || o.t_begin_ns > e) continue;
+      const double d = static_cast<double>(o.t_end_ns - o.t_begin_ns) * 1e-9;
+      s.compute_s += d;
+      s.class_s[static_cast<std::size_t>(o.cls)] += d;
+      s.flops_executed += o.flops;
+    }
+    for (const auto& c : r.collectives) {
+      if (c.t_begin_ns < b || c.t_begin_ns > e) continue;
+      s.comm_s += static_cast<double>(c.t_end_ns - c.t_begin_ns) * 1e-9;
+      s.coll_bytes[static_cast<std::size_t>(c.kind)] += c.bytes;
+      s.coll_count[static_cast<std::size_t>(c.kind)] += 1;
+      s.comm_bytes += c.bytes;
+    }
+  }
+  if (s.steps > 0) {
+    const double n = s.steps;
+    s.step_s /= n;
+    s.compute_s /= n;
+    s.comm_s /= n;
+    for (auto& c : s.class_s) c /= n;
+    for (auto& c : s.coll_bytes) c /= s.steps;
+    for (auto& c : s.coll_count) c /= s.steps;
+    s.comm_bytes /= s.steps;
+    s.flops_executed /= n;
+  }
+  return s;
+}
+
+// "h.3.ln1.weight" -> "h.*.ln1.weight", so a list of replicated tensors stays short.
+std::string layer_pattern(const std::string& name) {
+  if (!name.starts_with("h.")) return name;
+  const auto dot = name.find('.', 2);
+  return dot == std::string::npos ? name : "h.*" + name.substr(dot);
+}
+
+// The measured-vs-predicted comparison of one rank, tag by tag; every line is a
+// difference the model does not explain.
+std::vector<std::string> unexplained(const RankProfile& r, const GptMemoryPrediction& p) {
+  std::vector<std::string> out;
+  std::set<std::string> predicted;
+  for (const auto& [tag, why] : p.unmodelled) predicted.insert(tag);  // reported apart
+  for (const auto& t : p.tensors) {
+    predicted.insert(t.tag);
+    auto it = r.tags.find(t.tag);
+    const std::int64_t m = it == r.tags.end() ? 0 : it->second.current;
+    if (m != t.bytes || (it != r.tags.end() && it->second.category != t.category))
+      out.push_back("rank " + std::to_string(r.rank) + ": " + t.tag + " (" +
+                    mem_category_name(t.category) + ") measured " + std::to_string(m) +
+                    " B, predicted " + std::to_string(t.bytes) + " B");
+  }
+  for (const auto& [tag, tb] : r.tags)
+    if (tb.current != 0 && !predicted.count(tag))
+      out.push_back("rank " + std::to_string(r.rank) + ": " + tag + " (" +
+                    mem_category_name(tb.category) + ") " + std::to_string(tb.current) +
+                    " B not in the model");
+  return out;
+}
+
+nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
+  using nlohmann::json;
+  json j = {{"tp", run.tp}, {"model_flops_per_step", run.model_flops_per_step}};
+  json ranks = json::array();
+  for (const auto& r : run.ranks) {
+    const StepStats s = step_stats(r);
+    json mem = json::object(), peak = json::object();
+    for (int c = 0; c < kNumMemCategories; ++c) {
+      mem[mem_category_name(static_cast<MemCategory>(c))] = r.current[static_cast<std::size_t>(c)];
+      peak[mem_category_name(static_cast<MemCategory>(c))] = r.peak[static_cast<std::size_t>(c)];
+    }
+    json cls = json::object();
+    for (int c = 0; c < kNumOpClasses; ++c)
+      cls[op_class_name(static_cast<OpClass>(c))] = s.class_s[static_cast<std::size_t>(c)];
+    json coll = json::object();
+    for (int k = 0; k < kNumCollectiveKinds; ++k)
+      coll[collective_name(static_cast<CollectiveKind>(k))] = {
+          {"count", s.coll_count[static_cast<std::size_t>(k)]},
+          {"bytes", s.coll_bytes[static_cast<std::size_t>(k)]}};
+    ranks.push_back({{"rank", r.rank}, {"memory", mem}, {"peak", peak},
+                     {"peak_total", r.peak_total}, {"step_seconds", s.step_s},
+                     {"compute_seconds", s.compute_s}, {"comm_seconds", s.comm_s},
+                     {"comm_bytes_per_step", s.comm_bytes}, {"collectives_per_step", coll},
+                     {"op_class_seconds", cls},
+                     {"flops_executed_per_step", s.flops_executed}});
+  }
+  j["ranks"] = ranks;
+  if (o.tp_invariant) {
+    const TpInvariantComm c = predict_tp_invariant_comm(o, run.tp);
+    auto vol = [](const CollectiveVolume& v) {
+      return json{{"count", v.count}, {"bytes", v.bytes}};
+    };
+    j["tp_invariant_comm_predicted"] = {{"added_all_gather", vol(c.added_all_gather)},
+                                        {"removed_all_reduce", vol(c.removed_all_reduce)},
+                                        {"removed_reduce_scatter", vol(c.removed_reduce_scatter)}};
+  }
+  if (run.predicted) {
+    json pred = json::object();
+    for (int c = 0; c < kNumMemCategories; ++c)
+      pred[mem_category_name(static_cast<MemCategory>(c))] =
+          run.predicted->bytes(static_cast<MemCategory>(c));
+    j["predicted"] = pred;
+    j["predicted_layer_activation_bytes"] = layer_activation_bytes_formula(run.query);
+    std::size_t bad = 0;
+    for (const auto& r : run.ranks) bad += unexplained(r, *run.predicted).size();
+    j["unexplained_differences"] = bad;
+  }
+  return j;
+}
+
+}  // namespace
+
+void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& run) {
+  const int t = run.tp;
+  const auto& ranks = run.ranks;
+  std::vector<std::string> rank_cols;
+  for (const auto& r : ranks) rank_cols.push_back("rank " + std::to_string(r.rank));
+
+  os << "\n== tp " << t << ": " << model_name(o.model) << ", " << dtype_name(o.dtype);
+  if (o.model == ModelKind::Gpt)
+    os << ", H " << o.gpt.hidden << ", A " << o.gpt.heads << ", L " << o.gpt.layers << ", V "
+       << o.gpt.vocab_size << ", batch " << o.batch_size << " x seq " << o.seq_len
+       << (o.loss_parallel ? ", loss parallel" : "")
+       << (o.sequence_parallel ? ", sequence parallel" : "")
+       << (o.tp_invariant ? ", tp-invariant" : "");
+  os << ", " << o.steps << " steps ==\n";
+
+  // ---- memory by category ----
+  os << "\nmemory per rank, MiB, at the end of the run (peak over the run in parentheses)\n";
+  {
+    std::vector<std::string> h = {"category"};
+    if (run.predicted) h.push_back("predicted");
+    for (const auto& c : rank_cols) h.push_back(c);
+    Table tb(h);
+    std::int64_t pred_total = 0;
+    for (int c = 0; c < kNumMemCategories; ++c) {
+      const auto cat = static_cast<MemCategory>(c);
+      std::vector<std::string> row = {mem_category_name(cat)};
+      if (run.predicted) {
+        pred_total += run.predicted->bytes(cat);
+        row.push_back(mib(run.predicted->bytes(cat)));
+      }
+      for (const auto& r : ranks)
+        row.push_back(mib(r.current[static_cast<std::size_t>(c)]) + " (" +
+                      mib(r.peak[static_cast<std::size_t>(c)]) + ")");
+      tb.row(row);
+    }
+    std::vector<std::string> row = {"total"};
+    if (run.predicted) row.push_back(mib(pred_total));
+    for (const auto& r : ranks) {
+      std::int64_t cur = 0;
+      for (auto v : r.current) cur += v;
+      row.push_back(mib(cur) + " (" + mib(r.peak_total) + ")");
+    }
+    tb.row(row);
+    tb.print(os);
+  }
+
+  // ---- replicated parameters ----
+  if (t > 1) {
+    std::vector<std::string> names;
+    std::int64_t bytes = 0;
+    const auto& r0 = ranks.front();
+    for (const auto& spec : param_specs(o)) {
+      auto it = r0.tags.find(spec.name);
+      const auto full = shape_numel(spec.shape) * static_cast<std::int64_t>(dtype_size(o.dtype));
+      if (it != r0.tags.end() && it->second.current == full) {
+        bytes += full;
+        const std::string pat = layer_pattern(spec.name);
+        if (std::find(names.begin(), names.end(), pat) == names.end()) names.push_back(pat);
+      }
+    }
+    os << "replicated on every rank (not split by tp, so not 1/" << t << "): ";
+    for (std::size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
+    if (names.empty()) os << "none";
+    os << " = " << mib(bytes) << " MiB of parameters per rank (as much again for gradients and "
+       << "twice for Adam)\n";
+  }
+
+  // ---- activations per layer, measured vs predicted ----
+  if (run.predicted) {
+    const auto& p = *run.predicted;
+    os << "\nactivations saved for backward, bytes per rank: measured (ledger) vs predicted "
+          "(model)\n";
+    std::vector<std::string> h = {"where", "predicted"};
+    for (const auto& c : rank_cols) h.push_back(c);
+    Table tb(h);
+    for (int l = 0; l < static_cast<int>(o.gpt.layers); ++l) {
+      std::vector<std::string> row = {"h." + std::to_string(l),
+                                      std::to_string(p.layer_activation_bytes(l))};
+      for (const auto& r : ranks) {
+        std::int64_t m = 0;
+        const std::string pre = "h." + std::to_string(l) + ".";
+        for (const auto& [tag, tbb] : r.tags)
+          if (tag.starts_with(pre) && tbb.category == MemCategory::Activation) m += tbb.current;
+        row.push_back(std::to_string(m));
+      }
+      tb.row(row);
+    }
+    std::vector<std::string> row = {"embedding, ln_f, logits, ce",
+                                    std::to_string(p.outside_activation_bytes())};
+    for (const auto& r : ranks) {
+      std::int64_t m = 0;
+      for (const auto& [tag, tbb] : r.tags)
+        if (!tag.starts_with("h.") && tbb.category == MemCategory::Activation) m += tbb.current;
+      row.push_back(std::to_string(m));
+    }
+    tb.row(row);
+    tb.print(os);
+    os << "  per layer, formula " << layer_activation_formula_text(run.query) << " with s "
+       << o.seq_len << ", b " << o.batch_size << ", h " << o.gpt.hidden << ", a " << o.gpt.heads
+       << ", t " << t << " = " << layer_activation_bytes_formula(run.query) << " B\n";
+    if (o.sequence_parallel)
+      os << "  (sequence parallel saves only local LN outputs; the gathered [N,H] input of "
+            "q/k/v and ffn1 is a shared temporary, gathered again in backward)\n";
+    // The logits: the one tensor loss parallel exists to shrink.
+    std::int64_t logits = 0, largest = 0;
+    for (const auto& r : ranks) {
+      if (auto it = r.tags.find("logits"); it != r.tags.end())
+        logits = std::max(logits, it->second.peak);
+      for (const auto& e : r.memory)
+        if (e.category == MemCategory::Activation || e.category == MemCategory::Temporary ||
+            e.category == MemCategory::CommBuffer)
+          largest = std::max(largest, e.delta);
+    }
+    const std::int64_t full = o.batch_size * o.seq_len * o.gpt.vocab_size *
+                              static_cast<std::int64_t>(dtype_size(o.dtype));
+    os << "  logits per rank: peak " << mib(logits) << " MiB; full-vocabulary logits B*T*V would "
+       << "be " << mib(full) << " MiB (" << f("%.2f", static_cast<double>(full) / std::max<std::int64_t>(1, logits))
+       << "x);\n  largest activation, temporary or comm allocation on any rank " << mib(largest) << " MiB\n";
+
+    std::vector<std::string> bad;
+    for (const auto& r : ranks)
+      for (auto& line : unexplained(r, p)) bad.push_back(std::move(line));
+    if (bad.empty()) {
+      os << "  every tensor of every rank equals the model, byte for byte\n";
+    } else {
+      os << "  DIFFERENCES the model does not explain (a bug in the model or the ledger):\n";
+      for (const auto& b : bad) os << "    " << b << "\n";
+    }
+    for (const auto& [tag, why] : p.unmodelled) {
+      std::int64_t most = 0;
+      for (const auto& r : ranks)
+        if (auto it = r.tags.find(tag); it != r.tags.end()) most = std::max(most, it->second.current);
+      if (most == 0) continue;  // e.g. at tp 8 every tile is a whole shard, copied nowhere
+      os << "  not in the model: " << tag << " (" << why << "), " << most
+         << " B on the rank that holds most\n";
+    }
+    // Peaks above the steady state: what existed only for a moment, and why.
+    const auto& r0 = ranks.front();
+    std::vector<std::string> transient;
+    for (const auto& [tag, tbb] : r0.tags) {
+      if (tbb.peak <= tbb.current) continue;
+      // Where it was allocated: the op (or phase) label of its last allocation.
+      std::string where;
+      for (const auto& e : r0.memory)
+        if (e.tag == tag && e.delta > 0) where = e.op;
+      if (where.starts_with("step ")) where = where.substr(where.find(' ', 5) + 1);
+      transient.push_back(tag + " +" + std::to_string(tbb.peak - tbb.current) + " B (" +
+                          (tbb.current > 0 ? "replaced while alive" : "freed") +
+                          (where.empty() ? "" : ", in " + where) + ")");
+    }
+    if (!transient.empty()) {
+      os << "  peaks above the end-of-run bytes, rank 0 (the peaks per category include them):\n";
+      for (const auto& line : transient) os << "    " << line << "\n";
+      os << "    (scratch freed inside an op is the backend's own)\n";
+    }
+  }
+
+  // ---- time per rank ----
+  std::vector<StepStats> st;
+  for (const auto& r : ranks) st.push_back(step_stats(r));
+  const int counted = st.empty() ? 0 : st.front().steps;
+  os << "\ntime per step, ms (mean over " << counted << " step" << (counted == 1 ? "" : "s")
+     << (o.steps > 1 ? ", step 1 left out: it warms up, and allocates Adam's state" : "")
+     << ")\n";
+  {
+    std::vector<std::string> h = {"op class"};
+    for (const auto& c : rank_cols) h.push_back(c);
+    Table tb(h);
+    for (int c = 0; c < kNumOpClasses; ++c) {
+      bool any = false;  // an op class this model never uses is left out
+      for (const auto& s : st) any |= s.class_s[static_cast<std::size_t>(c)] > 0;
+      if (!any) continue;
+      std::vector<std::string> row = {op_class_name(static_cast<OpClass>(c))};
+      for (const auto& s : st) row.push_back(f("%.2f", s.class_s[static_cast<std::size_t>(c)] * 1e3));
+      tb.row(row);
+    }
+    auto add = [&](const char* name, auto get) {
+      std::vector<std::string> row = {name};
+      for (const auto& s : st) row.push_back(get(s));
+      tb.row(row);
+    };
+    add("= compute", [](const StepStats& s) { return f("%.2f", s.compute_s * 1e3); });
+    add("communication", [](const StepStats& s) { return f("%.2f", s.comm_s * 1e3); });
+    add("other (host)", [](const StepStats& s) {
+      return f("%.2f", (s.step_s - s.compute_s - s.comm_s) * 1e3);
+    });
+    add("step", [](const StepStats& s) { return f("%.2f", s.step_s * 1e3); });
+    add("comm share", [](const StepStats& s) {
+      return f("%.1f%%", s.step_s > 0 ? 100.0 * s.comm_s / s.step_s : 0.0);
+    });
+    tb.print(os);
+    if (t > 1)
+      os << "  (ranks are threads sharing this machine's cores: a collective's time includes "
+            "waiting for the slowest rank)\n";
+  }
+
+  // ---- communication per rank ----
+  if (t > 1) {
+    os << "\ncollectives per rank per step: count / bytes of the tensor argument\n";
+    std::vector<std::string> h = {"collective"};
+    for (const auto& c : rank_cols) h.push_back(c);
+    Table tb(h);
+    for (int k = 0; k < kNumCollectiveKinds; ++k) {
+      bool any = false;
+      for (const auto& s : st) any |= s.coll_count[static_cast<std::size_t>(k)] > 0;
+      if (!any) continue;
+      std::vector<std::string> row = {collective_name(static_cast<CollectiveKind>(k))};
+      for (const auto& s : st)
+        row.push_back(std::to_string(s.coll_count[static_cast<std::size_t>(k)]) + " / " +
+                      std::to_string(s.coll_bytes[static_cast<std::size_t>(k)]));
+      tb.row(row);
+    }
+    tb.print(os);
+    if (o.tp_invariant) {
+      const TpInvariantComm c = predict_tp_invariant_comm(o, t);
+      auto vol = [](const CollectiveVolume& v) {
+        return std::to_string(v.count) + " / " + std::to_string(v.bytes);
+      };
+      os << "  tp-invariant, predicted per rank per step: all_gather of canonical partials +"
+         << vol(c.added_all_gather) << " B, in place of the plain run's all_reduce -"
+         << vol(c.removed_all_reduce) << " B";
+      if (c.removed_reduce_scatter.count > 0)
+        os << " and reduce_scatter -" << vol(c.removed_reduce_scatter) << " B";
+      os << "\n  (each split reduction of S bytes moves its " << kCanonicalChunks << "/" << t
+         << " partials: on the wire 8(t-1)/t·S instead of 2(t-1)/t·S, 4x at every t)\n";
+    }
+  }
+
+  // ---- FLOPs ----
+  double step_s = 0, executed = 0;
+  for (const auto& s : st) {
+    step_s = std::max(step_s, s.step_s);
+    executed += s.flops_executed;
+  }
+  os << "\nFLOPs per step: model " << f("%.4g", run.model_flops_per_step)
+     << (o.model == ModelKind::Gpt ? " (72·B·T·L·H²·(1 + T/6H + V/12HL), Narayanan et al. 2021)"
+                                   : " (6·B·(in·hidden + hidden·out))")
+     << "; executed by all ranks' GEMMs and attention "
+     << f("%.4g", executed) << " ("
+     << f("%.3f", run.model_flops_per_step > 0 ? executed / run.model_flops_per_step : 0.0)
+     << "x";
+  if (o.model == ModelKind::Gpt && !o.loss_parallel && t > 1)
+    os << ": every rank computes the whole LM head without --loss-parallel";
+  os << ")\n  achieved: "
+     << f("%.2f", step_s > 0 ? run.model_flops_per_step / step_s * 1e-9 : 0.0)
+     << " GFLOP/s (model FLOPs / the slowest rank's step time)\n";
+}
+
+void print_memory_prediction(const RunOptions& o, std::ostream& os) {
+  const double phys = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                      static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  os << "predicted by the analytical model (nothing run): gpt, " << dtype_name(o.dtype) << ", H "
+     << o.gpt.hidden << ", A " << o.gpt.heads << ", L " << o.gpt.layers << ", V "
+     << o.gpt.vocab_size << ", batch " << o.batch_size << " x seq " << o.seq_len
+     << (o.loss_parallel ? ", loss parallel" : "") << (o.sequence_parallel ? ", sequence parallel" : "")
+     << (o.tp_invariant ? ", tp-invariant" : "") << "\n";
+  std::vector<std::string> h = {"per rank, MiB"};
+  for (int tp : o.tp) h.push_back("tp " + std::to_string(tp));
+  Table tb(h);
+  std::vector<GptMemoryPrediction> preds;
+  std::vector<GptMemoryQuery> qs;
+  for (int tp : o.tp) {
+    qs.push_back(memory_query(o, tp, true));
+    preds.push_back(predict_gpt_memory(qs.back()));
+  }
+  for (int c = 0; c < kNumMemCategories; ++c) {
+    const auto cat = static_cast<MemCategory>(c);
+    std::vector<std::string> row = {mem_category_name(cat)};
+    for (const auto& p : preds) row.push_back(mib(p.bytes(cat)));
+    tb.row(row);
+  }
+  auto add = [&](const char* name, auto get) {
+    std::vector<std::string> row = {name};
+    for (std::size_t i = 0; i < preds.size(); ++i) row.push_back(get(i));
+    tb.row(row);
+  };
+  add("activations per layer", [&](std::size_t i) { return mib(layer_activation_bytes_formula(qs[i])); });
+  add("logits", [&](std::size_t i) {
+    for (const auto& t : preds[i].tensors)
+      if (t.tag == "logits") return mib(t.bytes);
+    return std::string("-");
+  });
+  add("total per rank", [&](std::size_t i) { return mib(preds[i].total()); });
+  add("all ranks (one process)", [&](std::size_t i) {
+    return mib(preds[i].total() * o.tp[i]);
+  });
+  tb.print(os);
+  for (std::size_t i = 0; i < preds.size(); ++i) {
+    const double all = static_cast<double>(preds[i].total()) * o.tp[i];
+    os << "  tp " << o.tp[i] << ": " << f("%.1f", all / 1073741824.0) << " GiB for all ranks vs "
+       << f("%.1f", phys / 1073741824.0) << " GiB of memory here: "
+       << (all < 0.9 * phys ? "fits" : "does not fit") << "; per rank on a device of its own: "
+       << f("%.1f", static_cast<double>(preds[i].total()) / 1073741824.0) << " GiB\n";
+  }
+  os << "  model FLOPs per step " << f("%.4g", model_flops_per_step(o))
+     << " (72·B·T·L·H²·(1 + T/6H + V/12HL))\n";
+}
+
+void print_profile_comparison(std::ostream& os, const ProfileResult& result) {
+  os << "\n== comparison, per rank (the largest over ranks) ==\n";
+  std::vector<std::string> h = {""};
+  for (const auto& r : result.runs) h.push_back("tp " + std::to_string(r.tp));
+  Table tb(h);
+  auto row = [&](const char* name, auto get) {
+    std::vector<std::string> rr = {name};
+    for (const auto& r : result.runs) {
+      double v = 0;
+      for (const auto& rk : r.ranks) v = std::max(v, get(rk));
+      rr.push_back(f("%.3f", v));
+    }
+    tb.row(rr);
+  };
+  auto cat = [](MemCategory c) {
+    return [c](const RankProfile& r) {
+      return static_cast<double>(r.current[static_cast<std::size_t>(c)]) / 1048576.0;
+    };
+  };
+  row("parameters MiB", cat(MemCategory::Parameter));
+  row("gradients MiB", cat(MemCategory::Gradient));
+  row("optimizer MiB", cat(MemCategory::OptimizerState));
+  row("activations MiB", cat(MemCategory::Activation));
+  row("temporaries MiB", cat(MemCategory::Temporary));
+  row("logits MiB", [](const RankProfile& r) {
+    auto it = r.tags.find("logits");
+    return it == r.tags.end() ? 0.0 : static_cast<double>(it->second.peak) / 1048576.0;
+  });
+  row("peak total MiB", [](const RankProfile& r) {
+    return static_cast<double>(r.peak_total) / 1048576.0;
+  });
+  row("step ms", [](const RankProfile& r) { return step_stats(r).step_s * 1e3; });
+  row("compute ms", [](const RankProfile& r) { return step_stats(r).compute_s * 1e3; });
+  row("communication ms", [](const RankProfile& r) { return step_stats(r).comm_s * 1e3; });
+  row("comm MiB per step", [](const RankProfile& r) {
+    return static_cast<double>(step_stats(r).comm_bytes) / 1048576.0;
+  });
+  std::vector<std::string> gf = {"GFLOP/s (model)"};
+  for (const auto& r : result.runs) {
+    double s = 0;
+    for (const auto& rk : r.ranks) s = std::max(s, step_stats(rk).step_s);
+    gf.push_back(f("%.2f", s > 0 ? r.model_flops_per_step / s * 1e-9 : 0.0));
+  }
+  tb.row(gf);
+  tb.print(os);
+}
+
+std::string profile_json(const RunOptions& o, const ProfileResult& result) {
+  nlohmann::json j = {{"tool", "tpsim"}, {"command", "profile"}, {"model", model_name(o.model)},
+                      {"dtype", dtype_name(o.dtype)}, {"steps", o.steps},
+                      {"tp_invariant", o.tp_invariant},
+                      {"tp", nlohmann::json::array()}};
+  for (const auto& r : result.runs) j["tp"].push_back(tp_json(o, r));
+  return j.dump(2) + "\n";
+}
+
+}  // namespace tpsim

@@ -1,0 +1,36 @@
+// The inputs a run shares between the reference and every TP degree: the batch and,
+// with --load, the starting weights.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "sharded/sharded_model.h"
+#include "verify/setup/run_options.h"
+
+namespace tpsim {
+
+struct RunInputs {
+  MlpBatch mlp_batch;
+  GptBatch gpt_batch;
+  std::map<std::string, std::vector<double>> loaded;  // empty: seeded init
+};
+
+// Builds the batch (seeded or --data) and loads --load weights, checked against the config.
+RunInputs prepare_inputs(const RunOptions& o);
+
+std::vector<ParamSpec> param_specs(const RunOptions& o);
+
+// The ids a boundary batch must hold for this run: 0, V-1, and the first and last real id
+// of every vocabulary shard at every TP degree of the run (as loss parallel pads and
+// splits the vocabulary), ascending.
+std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o);
+
+// The sharded model of `o.model` for one rank.
+std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
+                                                 Backend& be, Communicator& comm);
+
+}  // namespace tpsim

@@ -1,0 +1,32 @@
+#include "verify/setup/run_options.h"
+
+namespace tpsim {
+
+const char* model_name(ModelKind m) { return m == ModelKind::Mlp ? "mlp" : "gpt"; }
+const char* batch_kind_name(BatchKind b) { return b == BatchKind::Random ? "random" : "boundary"; }
+
+void check_tp_degree(const RunOptions& o, int tp) {
+  const std::string t = std::to_string(tp);
+  if (tp < 1) throw UsageError("--tp: degree " + t + " must be at least 1");
+  if (o.model == ModelKind::Mlp) {
+    if (o.mlp.hidden % tp != 0)
+      throw UsageError("--tp " + t + ": does not divide the MLP's hidden size " +
+                       std::to_string(o.mlp.hidden));
+    return;
+  }
+  const auto& g = o.gpt;
+  if (g.heads % tp != 0)
+    throw UsageError("--tp " + t + ": does not divide --heads " + std::to_string(g.heads) +
+                     " (each rank owns whole heads)");
+  // Without --data the batch is B x T; a --data batch is checked by the model.
+  const std::int64_t tokens = o.batch_size * o.seq_len;
+  if (o.sequence_parallel && o.data_path.empty() && tokens % tp != 0)
+    throw UsageError("--sequence-parallel: batch x sequence = " + std::to_string(tokens) +
+                     " tokens do not split evenly over tp " + t +
+                     " (no padding: choose a divisible --batch-size/--seq-len)");
+  if ((4 * g.hidden) % tp != 0)
+    throw UsageError("--tp " + t + ": does not divide the MLP width 4*--hidden = " +
+                     std::to_string(4 * g.hidden));
+}
+
+}  // namespace tpsim

@@ -1,0 +1,178 @@
+#include "verify/setup/validate.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "io/atomic_file.h"
+#include "sharded/gpt.h"
+#include "sharded/tp_invariant.h"
+
+namespace tpsim {
+
+namespace {
+
+// The largest sizes tpsim accepts. Each is far beyond what fits in memory (the memory
+// check refuses those); the bounds keep every product of sizes inside 64 bits.
+constexpr std::int64_t kMaxSteps = 1'000'000;
+constexpr std::int64_t kMaxBatch = 1 << 24;
+constexpr std::int64_t kMaxVocab = std::int64_t{1} << 31;
+constexpr std::int64_t kMaxBlock = 1 << 24;
+constexpr std::int64_t kMaxHidden = 1 << 20;
+constexpr std::int64_t kMaxLayers = 1 << 16;
+constexpr std::int64_t kMaxVocabMultiple = 1 << 20;
+constexpr double kMaxTimeout = 1e6;  // seconds; ThreadCommGroup's bound
+// Values one rank of the model may hold: 2^50 doubles are 8 PiB. The memory model and
+// the shard arithmetic count bytes in int64; below this bound they cannot overflow.
+constexpr double kMaxValues = 1125899906842624.0;
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+void check_int(const std::string& flag, std::int64_t v, std::int64_t lo, std::int64_t hi) {
+  if (v < lo || v > hi)
+    throw UsageError(flag + " " + std::to_string(v) + ": out of range (allowed " +
+                     std::to_string(lo) + " to " + std::to_string(hi) + ")");
+}
+
+// A finite float above `lo` (or at it, when `lo_ok`).
+void check_float(const std::string& flag, double v, double lo, bool lo_ok, double hi) {
+  if (!std::isfinite(v))
+    throw UsageError(flag + " " + num(v) + ": not a finite number");
+  if (v < lo || (v == lo && !lo_ok) || v > hi)
+    throw UsageError(flag + " " + num(v) + ": out of range (allowed " + (lo_ok ? "" : "above ") +
+                     num(lo) + (std::isinf(hi) ? std::string(" and up") : " to " + num(hi)) + ")");
+}
+
+// An estimate of the values the whole model holds at TP 1 (parameters, gradients, Adam's
+// two moments, and the activations a step keeps), in floating point so that it cannot
+// overflow whatever the sizes.
+double gpt_values(const RunOptions& o) {
+  const auto& g = o.gpt;
+  const double V = static_cast<double>(g.vocab_size), H = static_cast<double>(g.hidden);
+  const double L = static_cast<double>(g.layers), A = static_cast<double>(g.heads);
+  const double B = static_cast<double>(o.batch_size), T = static_cast<double>(o.seq_len);
+  const double params = V * H + static_cast<double>(g.block_size) * H + L * (12 * H * H + 2 * H);
+  const double acts = L * (16 * B * T * H + A * T * T * B) + 2 * B * T * V;
+  return 4 * params + acts;
+}
+
+}  // namespace
+
+std::int64_t parse_int_flag(const std::string& flag, const std::string& text, std::int64_t lo,
+                            std::int64_t hi) {
+  std::int64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, v);
+  if (ec == std::errc::result_out_of_range)
+    throw UsageError(flag + " " + text + ": out of range (allowed " + std::to_string(lo) + " to " +
+                     std::to_string(hi) + ")");
+  if (text.empty() || ec != std::errc() || p != end)
+    throw UsageError(flag + " '" + text + "': not a whole number");
+  check_int(flag, v, lo, hi);
+  return v;
+}
+
+std::vector<int> parse_tp_list(const std::string& s) {
+  if (s.empty()) throw UsageError("--tp '': empty list (expected e.g. 1,2,4,8)");
+  std::vector<int> out;
+  std::size_t start = 0;
+  while (true) {
+    const auto end = s.find(',', start);
+    const std::string item = s.substr(start, end == std::string::npos ? end : end - start);
+    if (item.empty())
+      throw UsageError("--tp '" + s + "': an empty item (expected e.g. 1,2,4,8)");
+    out.push_back(static_cast<int>(parse_int_flag("--tp", item, 1, kMaxRanks)));
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  if (out.size() > static_cast<std::size_t>(kMaxTpListLength))
+    throw UsageError("--tp: " + std::to_string(out.size()) + " degrees (allowed at most " +
+                     std::to_string(kMaxTpListLength) + ")");
+  return out;
+}
+
+FaultTarget fault_target(const RunOptions& o) {
+  FaultTarget run;
+  run.gpt = o.model == ModelKind::Gpt;
+  run.loss_parallel = o.loss_parallel;
+  run.sequence_parallel = o.sequence_parallel;
+  run.f64 = o.dtype == DType::F64;
+  GptParallelism par;
+  par.loss_parallel = o.loss_parallel;
+  par.make_vocab_divisible_by = o.make_vocab_divisible_by;
+  par.tp_invariant = o.tp_invariant;
+  for (int t : o.tp) {
+    run.max_tp = std::max(run.max_tp, t);
+    run.padded = run.padded || (run.gpt && padded_vocab(o.gpt, par, t) > o.gpt.vocab_size);
+  }
+  return run;
+}
+
+namespace {
+
+// The TP-invariant mode's rules (sharded/tp_invariant.h): kCanonicalChunks chunks of every
+// split extent, the same at every degree.
+void check_tp_invariant(const RunOptions& o) {
+  const int C = kCanonicalChunks;
+  if (o.model != ModelKind::Gpt) throw UsageError("--tp-invariant: applies to --model gpt");
+  for (int t : o.tp)
+    if (C % t != 0)
+      throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
+                       std::to_string(C) + ", the number of canonical chunks");
+  if (o.gpt.hidden % C != 0)
+    throw UsageError("--tp-invariant: --hidden " + std::to_string(o.gpt.hidden) +
+                     " is not a multiple of " + std::to_string(C) + " (the canonical chunks)");
+  if (!o.dump_dir.empty())  // its vocabulary padding (8·M at every t) is no layout the format names
+    throw UsageError("--tp-invariant: --dump is not supported (docs/dump-format.md has no "
+                     "layout for the mode's canonical vocabulary padding)");
+  const std::int64_t tokens = o.batch_size * o.seq_len;
+  if (o.sequence_parallel && tokens % C != 0)
+    throw UsageError("--tp-invariant --sequence-parallel: batch x sequence = " +
+                     std::to_string(tokens) + " tokens is not a multiple of " +
+                     std::to_string(C) + " (the canonical token chunks)");
+}
+
+}  // namespace
+
+void validate_run_options(const RunOptions& o) {
+  for (int t : o.tp) check_int("--tp", t, 1, kMaxRanks);
+  check_int("--steps", o.steps, 1, kMaxSteps);
+  check_float("--lr", o.lr, 0, false, std::numeric_limits<double>::infinity());
+  check_float("--weight-decay", o.adam.weight_decay, 0, true,
+              std::numeric_limits<double>::infinity());
+  check_float("--timeout", o.timeout_s, 0, false, kMaxTimeout);
+  check_int("--batch-size", o.model == ModelKind::Mlp ? o.mlp.batch : o.batch_size, 1, kMaxBatch);
+  if (o.model == ModelKind::Mlp && (o.loss_parallel || o.sequence_parallel))
+    throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
+
+  const auto& g = o.gpt;
+  check_int("--vocab-size", g.vocab_size, 2, kMaxVocab);
+  check_int("--block-size", g.block_size, 1, kMaxBlock);
+  check_int("--hidden", g.hidden, 1, kMaxHidden);
+  check_int("--heads", g.heads, 1, g.hidden);
+  check_int("--layers", g.layers, 0, kMaxLayers);
+  check_int("--seq-len", o.seq_len, 2, g.block_size);
+  check_int("--make-vocab-divisible-by", o.make_vocab_divisible_by, 1, kMaxVocabMultiple);
+  if (g.hidden % g.heads != 0)
+    throw UsageError("--hidden " + std::to_string(g.hidden) + " is not divisible by --heads " +
+                     std::to_string(g.heads));
+  if (o.model == ModelKind::Gpt && gpt_values(o) > kMaxValues)
+    throw UsageError("--vocab-size " + std::to_string(g.vocab_size) + ", --hidden " +
+                     std::to_string(g.hidden) + ", --layers " + std::to_string(g.layers) +
+                     ", --batch-size " + std::to_string(o.batch_size) + ", --seq-len " +
+                     std::to_string(o.seq_len) + ": the model would hold about " +
+                     num(gpt_values(o)) + " values (allowed at most " + num(kMaxValues) + ")");
+
+  if (o.tp_invariant) check_tp_invariant(o);
+
+  if (!o.json_path.empty()) check_writable(o.json_path, "--json");
+  if (!o.html_path.empty()) check_writable(o.html_path, "--html");
+  if (!o.save_final.empty()) check_writable(o.save_final, "--save-final");
+}
+
+}  // namespace tpsim
