@@ -1,4 +1,4 @@
-// The TP-invariant mode's reductions (docs: README, "TP-invariant mode"). Every reduction
+// The TP-invariant mode's reductions (docs/tp-invariant.md). Every reduction
 // whose extent tensor parallelism splits (a row-parallel GEMM's inner dimension, a
 // column-parallel input gradient's, the vocabulary of a vocab-parallel softmax, the tokens
 // of a sequence-parallel replicated gradient) is cut into kCanonicalChunks chunks, the

@@ -2,7 +2,7 @@
 // CPU. A TEST INSTRUMENT, not a GPU: it checks what a device would leave undefined or
 // report late (handles, ranges, launch limits, barriers, stream order) and says so.
 //
-// Semantics (see cuda_emu/README section in the project README):
+// Semantics (see docs/cuda.md, "The CUDA emulator"):
 //  - device memory is host memory (mmap) in a registry, with a guard page after each
 //    allocation; copies are range-checked against the registry;
 //  - streams are FIFO queues run lazily, by the thread that synchronises, queries or

@@ -1,5 +1,5 @@
 // Errors as exceptions that say what failed, where, and why. Library code never exits;
-// the CLI maps each class to a documented exit code (see README, "Exit codes").
+// the CLI maps each class to a documented exit code (README.md, "Exit codes").
 #pragma once
 
 #include <stdexcept>

@@ -20,7 +20,7 @@ struct MlpConfig {
   std::int64_t out = 128;
 };
 
-// The seed's GPT (see README "The GPT model").
+// The seed's GPT (see docs/models.md, "The models").
 struct GptConfig {
   std::int64_t vocab_size = 50257;
   std::int64_t block_size = 1024;

@@ -130,7 +130,7 @@ TEST_CASE("cuda: verify --tp-invariant is bit for bit at tp 1,2,4,8 in f32 and b
 }
 
 // The bit comparison with TP 1 fails on a fault that only acts at t > 1 and that f32's
-// tolerance cannot see in plain mode (README: it moves the loss by 3e-6).
+// tolerance cannot see in plain mode (bench/RESULTS.md, history: it moves the loss by 3e-6).
 TEST_CASE("cuda: verify --tp-invariant catches gpt-local-softmax-scale by its bits",
           "[cuda][tp-invariant]") {
   TPSIM_REQUIRE_CUDA();

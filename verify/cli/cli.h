@@ -1,4 +1,4 @@
-// The tpsim command line: train, verify (and later profile). Maps errors to exit codes:
+// The tpsim command line: train, verify, profile and check. Maps errors to exit codes:
 // 0 pass, 1 verify mismatch, 2 bad input or usage, 3 runtime failure.
 #pragma once
 

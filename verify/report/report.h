@@ -1,4 +1,4 @@
-// verify's human table and its JSON report (schema in README, "verify --json").
+// verify's human table and its JSON report (schema in docs/verify.md, "Reports").
 #pragma once
 
 #include <iosfwd>
