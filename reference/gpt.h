@@ -41,6 +41,8 @@ class Gpt {
   const ParamSet<S>& grads() const { return grads_; }
   const GptConfig& config() const { return config_; }
   std::int64_t adam_steps() const { return adam_.steps(); }
+  // The optimizer's state after the last step (its moments), for the update's error model.
+  const Adam<S>& optimizer() const { return adam_; }
   // Replaces the parameters (checked against gpt_param_specs); keeps the Adam state.
   void set_params(ParamSet<S> params);
 

@@ -53,9 +53,9 @@ S Mlp<S>::forward_backward(const MlpBatch& batch) {
   const Matrix<S> dy = diff * static_cast<S>(2.0 / n);  // [R, out]
   // fc2 backward: dW2 = dy^T h, dh = dy W2
   dw2.noalias() = dy.transpose() * h_;  // [out, hidden]
-  Matrix<S> dh = dy * w2;               // [R, hidden]
+  dh_out_.noalias() = dy * w2;  // [R, hidden]
   // relu backward: the gradient passes where the input was > 0 (0 at the kink, as torch)
-  dh = (h_pre_.array() > S(0)).select(dh, S(0));
+  const Matrix<S> dh = (h_pre_.array() > S(0)).select(dh_out_, S(0));  // [R, hidden]
   // fc1 backward: dW1 = dh^T x; dx = dh W1, which verify checks because f's backward
   // all-reduce (tensor parallelism's) shows only there in this model
   dw1.noalias() = dh.transpose() * x_;  // [hidden, in]

@@ -24,6 +24,10 @@ class Mlp {
   const Matrix<S>& input_grad() const { return dx_; }
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
+  // What the verifier's error model of relu's kink reads (verify/engine/tolerance.cpp).
+  const Matrix<S>& input() const { return x_; }
+  const Matrix<S>& pre_activation() const { return h_pre_; }
+  const Matrix<S>& relu_output_grad() const { return dh_out_; }
   void set_params(ParamSet<S> params);  // checked against mlp_param_specs
 
  private:
@@ -34,6 +38,7 @@ class Mlp {
   Matrix<S> h_pre_;   // [rows, hidden]   fc1 output, saved for relu backward
   Matrix<S> h_;       // [rows, hidden]   relu output, saved for fc2's weight gradient
   Matrix<S> y_;       // [rows, out]      the model output
+  Matrix<S> dh_out_;  // [rows, hidden]   gradient at relu's output, before its mask
   Matrix<S> dx_;      // [rows, in]       gradient of the loss with respect to x
 };
 

@@ -257,22 +257,34 @@ const std::string kGpt =
     "verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 --tp 1,2,4,8 --steps 2 ";
 }  // namespace
 
-TEST_CASE("verify --dtype bf16 warns from the step whose bounds cannot fail", "[bf16][cli]") {
+TEST_CASE("verify --dtype bf16: no check that cannot fail by default; --free-running warns and counts them",
+          "[bf16][cli]") {
   const std::string base = "verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 "
                            "--tp 1,2 --steps 5 --json ";
   const std::string json = temp_path("bf16-vacuous.json");
-  const auto r = run_tpsim(base + json);
+  // Free-running weights: from some step on the bounds reach 1, checks that cannot fail.
+  const auto r = run_tpsim(base + json + " --free-running");
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
-  const int from = read_json(json)["vacuous_from_step"];
+  const auto jf = read_json(json);
+  const int from = jf["vacuous_from_step"];
   CHECK(from >= 2);  // step 1's bounds are all far below 1 (largest ~0.1)
   CHECK(r.out.find("warning: from step " + std::to_string(from) + " on some bounds are 1 or more") !=
         std::string::npos);
-  const auto rs = run_tpsim(base + json + " --resync");
+  CHECK(jf["real_checks"].get<std::int64_t>() < jf["checks"].get<std::int64_t>());
+  CHECK(r.out.find(" of them no check (a bound of 1 or more)") != std::string::npos);
+  // The default restarts every step from the reference's weights: every check is real.
+  const auto rs = run_tpsim(base + json);
   INFO(rs.out);
   REQUIRE(rs.exit_code == 0);
-  CHECK(read_json(json)["vacuous_from_step"] == 0);
+  const auto jd = read_json(json);
+  CHECK(jd["resync"] == true);
+  CHECK(jd["vacuous_from_step"] == 0);
+  CHECK(jd["real_checks"] == jd["checks"]);
   CHECK(rs.out.find("warning: from step") == std::string::npos);
+  CHECK(rs.out.find("checks, all real") != std::string::npos);
+  // --resync and --free-running contradict each other.
+  CHECK(run_tpsim(base + json + " --free-running --resync").exit_code == 2);
 }
 
 TEST_CASE("verify --dtype bf16: tp 1,2,4,8 in every mode, every tensor within its bound",

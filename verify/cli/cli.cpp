@@ -31,6 +31,7 @@ struct RawFlags {
   std::string comm = "auto";
   std::string batch;   // empty: verify boundary, train and profile random
   std::string preset;  // gpt: seed (the defaults) or small (the sweep's)
+  bool free_running = false;  // verify: f32 and bf16 steps not restarted from the reference
 };
 
 // Flags that describe one configuration. Without --model, verify runs the default sweep,
@@ -134,6 +135,13 @@ void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, boo
   o.fault = parse_fault(raw.fault);
   o.device.backend = parse_backend_kind(raw.backend);
   o.device.comm = parse_comm_kind(raw.comm);
+  if (verify && raw.free_running && o.resync)
+    throw UsageError("--resync and --free-running exclude each other");
+  // In low precision a free-running trajectory leaves the reference within a few steps
+  // (tolerance.cpp, "The update"): its bounds reach 1 and check nothing. So f32 and bf16
+  // check every step from the reference's weights unless asked not to; f64 drifts by
+  // reassociation only and runs free.
+  if (verify && o.dtype != DType::F64 && !raw.free_running) o.resync = true;
   validate_run_options(o);
 }
 
@@ -192,7 +200,11 @@ Examples:
   add_tp_invariant_flag(*verify, o, "; each degree is then also compared with tp 1 bit for bit");
   verify->add_flag("--resync", o.resync,
                    "copy the reference weights into the shards before each step, so one "
-                   "step's error is told from drift");
+                   "step's error is told from drift (the default for f32 and bf16)");
+  verify->add_flag("--free-running", raw.free_running,
+                   "f32 and bf16: let the sharded weights run free instead of restarting each "
+                   "step from the reference's; the bounds grow with the weights' error, and "
+                   "a bound of 1 or more is reported as no check");
   verify->add_option("--inject-fault", raw.fault,
                      "break the sharded model on purpose to see verify catch it "
                      "(--list-faults names them)");

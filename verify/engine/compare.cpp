@@ -79,7 +79,9 @@ class Scan {
     const double rn = std::sqrt(ref2_);
     c_.rel_err = rn > 0 ? dn / rn : dn;
     c_.reference_rms = n_ > 0 ? rn / std::sqrt(static_cast<double>(n_)) : 0.0;
+    ref_norm_ = rn;
   }
+  double reference_norm() const { return ref_norm_; }
 
  private:
   // a[0..len) against ref[0..len) (or 0), flat indices k0.., all within one profile bin.
@@ -135,12 +137,12 @@ class Scan {
   std::int64_t n_;
   std::int64_t bin_ = 0, next_bin_ = 0;
   // Plain double sums: the norms need a few correct digits, not the last one.
-  double diff2_ = 0, ref2_ = 0, best_ = -1;
+  double diff2_ = 0, ref2_ = 0, best_ = -1, ref_norm_ = 0;
   std::int64_t worst_local_ = -1;
 };
 
 Comparison compare_view(const ObservationView& obs, const double* reference_full,
-                        std::size_t reference_size, double tolerance) {
+                        std::size_t reference_size, double tolerance, double allowance) {
   Comparison c = header(obs);
   c.tolerance = tolerance;
   if (static_cast<std::int64_t>(reference_size) != shape_numel(obs.spec.full_shape))
@@ -177,16 +179,23 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
     }
   }
   scan.finish(s);
-  c.pass = c.rel_err <= tolerance;  // false for NaN
+  c.tolerance = with_allowance(tolerance, allowance, scan.reference_norm());
+  c.pass = c.rel_err <= c.tolerance;  // false for NaN
   return c;
 }
 
 }  // namespace
 
+double with_allowance(double tolerance, double allowance, double reference_norm) {
+  if (allowance <= 0) return tolerance;
+  // A zero reference: rel_err is then the absolute ‖a−b‖ (see compare.h), held to both.
+  return reference_norm > 0 ? tolerance + allowance / reference_norm : tolerance + allowance;
+}
+
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
-                                double tolerance) {
+                                double tolerance, double allowance) {
   return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
-                      reference_full.size(), tolerance);
+                      reference_full.size(), tolerance, allowance);
 }
 
 Comparison compare_replica(const Observation& obs, const Observation& rank0) {
@@ -210,7 +219,7 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0) {
       c.reference_at_worst = rank0.values[0];
     }
   } else {
-    c = compare_view({obs.name, whole, obs.values}, rank0.values.data(), rank0.values.size(), 0.0);
+    c = compare_view({obs.name, whole, obs.values}, rank0.values.data(), rank0.values.size(), 0.0, 0.0);
   }
   c.shard = obs.spec.shard_str();
   c.rank = obs.spec.rank;
@@ -221,7 +230,7 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0) {
 }
 
 Comparison compare_bitwise(const Observation& obs, const std::vector<double>& tp1_full) {
-  Comparison c = compare_view({obs.name, obs.spec, obs.values}, tp1_full.data(), tp1_full.size(), 0.0);
+  Comparison c = compare_view({obs.name, obs.spec, obs.values}, tp1_full.data(), tp1_full.size(), 0.0, 0.0);
   c.what = kInvariantCheck;
   c.pass = true;
   const auto n = static_cast<std::int64_t>(obs.values.size());

@@ -58,12 +58,23 @@ struct Comparison {
 // other pairing differs with distance infinity and fails: a finite value against a
 // non-finite one, NaN against an infinity, +inf against -inf. Only finite reference values
 // count in the norm of the reference.
+//
+// `allowance`: an absolute error norm allowed beside the relative tolerance (an updated
+// weight's error from the optimizer, verify/engine/tolerance.cpp): the block passes when
+// ‖a−b‖ <= tolerance·‖b‖ + allowance, and Comparison::tolerance is the block's own
+// relative bound, tolerance + allowance/‖b‖, so that a small shard of a tensor whose error
+// sits in few elements is held to what the whole tensor's allowance permits it.
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
-                                double tolerance);
+                                double tolerance, double allowance = 0.0);
 inline Comparison compare_to_reference(const Observation& obs,
-                                       const std::vector<double>& reference_full, double tolerance) {
-  return compare_to_reference(obs, std::span<const double>(reference_full), tolerance);
+                                       const std::vector<double>& reference_full, double tolerance,
+                                       double allowance = 0.0) {
+  return compare_to_reference(obs, std::span<const double>(reference_full), tolerance, allowance);
 }
+
+// The relative bound that `allowance` makes of `tolerance` for a block whose reference
+// norm is `reference_norm` (for a zero norm, where rel_err is absolute, their sum).
+double with_allowance(double tolerance, double allowance, double reference_norm);
 
 // --tp-invariant: a shard against the same block of tp 1's full tensor, bit for bit
 // (tolerance 0). `worst` is the first element whose bits differ (in the shard's order), not

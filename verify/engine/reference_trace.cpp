@@ -1,7 +1,10 @@
 #include "verify/engine/reference_trace.h"
 
+#include <cmath>
+
 #include "reference/gpt.h"
 #include "reference/mlp.h"
+#include "verify/engine/tolerance.h"
 
 namespace tpsim {
 
@@ -46,9 +49,111 @@ ref::ParamSet<double> start_params(const std::vector<ParamSpec>& specs, const Ru
   return ps;
 }
 
+double norm(const ref::Matrix<double>& m) { return m.norm(); }
+
+// The unit roundoff of a dtype's storage, and of its accumulation.
+double storage_roundoff(DType d) {
+  return d == DType::BF16 ? kBf16UnitRoundoff : d == DType::F32 ? 0x1.0p-24 : 0x1.0p-53;
+}
+double accumulation_roundoff(DType d) { return d == DType::F64 ? 0x1.0p-53 : 0x1.0p-24; }
+
+// tolerance.cpp's "The ReLU's kink" for the MLP: z = x W1ᵀ computed from inputs with
+// relative errors u_x and u_w (w_carried more for weights that ran free), K = in terms
+// accumulated, errors of random sign: |δz| ~ e = κ·sqrt(u_x² + u_w² + K·u_a²)·sqrt(Σ_k
+// x_k² W1_k²). Where |z| <= e the sharded mask may differ, and the flipped element's
+// contribution moves fc1's weight gradient (row h by dh·x_b) and the input gradient
+// (row b by dh·W1_h); independent flips add in quadrature.
+void relu_kink_allowance(const ref::Mlp<double>& m, const RunOptions& o, double w_carried,
+                         RefStep& st) {
+  const ref::Matrix<double>& x = m.input();                  // [R, in]
+  const ref::Matrix<double>& w1 = m.params().at("fc1.weight");  // [hidden, in]
+  const ref::Matrix<double>& z = m.pre_activation();          // [R, hidden]
+  const ref::Matrix<double>& dh = m.relu_output_grad();       // [R, hidden]
+  const double us = storage_roundoff(o.dtype), ua = accumulation_roundoff(o.dtype);
+  const double uw = us + (o.dtype == DType::BF16 ? ua : 0.0) + w_carried;
+  const double u_in = 2.0 * std::sqrt(us * us + uw * uw + static_cast<double>(x.cols()) * ua * ua);
+  const ref::Matrix<double> e =
+      u_in * (x.cwiseAbs2() * w1.cwiseAbs2().transpose()).cwiseSqrt();  // [R, hidden]
+  const Eigen::VectorXd x_norm2 = x.rowwise().squaredNorm();   // [R]
+  const Eigen::VectorXd w_norm2 = w1.rowwise().squaredNorm();  // [hidden]
+  Eigen::VectorXd row_w(w1.rows()), row_x(x.rows());
+  row_w.setZero();
+  row_x.setZero();
+  for (Eigen::Index b = 0; b < z.rows(); ++b)
+    for (Eigen::Index h = 0; h < z.cols(); ++h)
+      if (std::abs(z(b, h)) <= e(b, h)) {
+        row_w(h) += dh(b, h) * dh(b, h) * x_norm2(b);
+        row_x(b) += dh(b, h) * dh(b, h) * w_norm2(h);
+      }
+  const double a_w = std::sqrt(row_w.sum()), a_x = std::sqrt(row_x.sum());
+  st.kink_allowance["fc1.weight.grad"] = a_w;
+  st.kink_allowance["x.grad"] = a_x;
+  if (o.dtype == DType::BF16) st.kink_allowance["fc1.weight"] = o.lr * a_w;
+}
+
+// The bounds of tolerance.cpp's "The update", step by step: the weights' absolute errors
+// (A_p) carried from step to step unless every step starts from the reference's weights.
+class OwnBounds {
+ public:
+  explicit OwnBounds(const RunOptions& o)
+      : on_(o.dtype != DType::BF16), resync_(o.resync), base_(norm_tolerance(o)),
+        adam_(o.adam), lr_(o.lr) {}
+
+  // Before the step's update: the gradients' bound at this step.
+  void begin(RefStep& st) {
+    if (!on_) return;
+    st.carried = resync_ ? 0.0 : carried_;
+  }
+  // After the update, from the gradients, the new weights and (GPT) Adam's moments.
+  template <class Model>
+  void finish(RefStep& st, const Model& model) {
+    if (!on_) return;
+    const double grad_bound = base_ + st.carried;
+    std::vector<double> relative;
+    for (const auto& [name, w] : model.params()) {
+      const ref::Matrix<double>& g = model.grads().at(name);
+      const auto n = static_cast<std::size_t>(g.size());
+      const double e = n ? grad_bound * norm(g) / std::sqrt(static_cast<double>(n)) : 0.0;
+      double update = 0.0;
+      if constexpr (requires { model.optimizer(); }) {
+        const auto& opt = model.optimizer();
+        const ref::Matrix<double>& m = opt.first_moment().at(name);
+        const ref::Matrix<double>& v = opt.second_moment().at(name);
+        update = adam_update_error({m.data(), n}, {v.data(), n}, adam_, opt.steps(), e);
+      } else {
+        const auto kink = st.kink_allowance.find(name + ".grad");
+        update = sgd_update_error(lr_, e, n) +
+                 (kink == st.kink_allowance.end() ? 0.0 : lr_ * kink->second);
+      }
+      double& a = carried_abs_[name];
+      a = (resync_ ? 0.0 : a) + update;
+      const double wn = norm(w);
+      st.update_allowance[name] = a;
+      relative.push_back(a == 0.0 ? 0.0 : wn > 0 ? a / wn : INFINITY);
+    }
+    carried_ = carried_weight_error(relative);
+  }
+  // The relative error `param` carries into the next step (0 when steps restart from the
+  // reference's weights, and for bf16, whose model carries its own).
+  double carried_relative(const std::string& param, const ref::Matrix<double>& w) const {
+    if (!on_ || resync_) return 0.0;
+    const auto it = carried_abs_.find(param);
+    const double wn = w.norm();
+    return it == carried_abs_.end() || wn == 0 ? 0.0 : it->second / wn;
+  }
+
+ private:
+  bool on_, resync_;
+  double base_;
+  AdamConfig adam_;
+  double lr_;
+  double carried_ = 0.0;                       // for the next step
+  std::map<std::string, double> carried_abs_;  // A_p
+};
+
 template <class Model, class Batch, class Update>
-void trace(Model& model, const Batch& batch, int steps, const char* output_name, Update&& update,
-           RefStorage storage, const std::function<RefStep&(int)>& slot,
+void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
+           const char* output_name, Update&& update, OwnBounds& bounds, RefStorage storage, const std::function<RefStep&(int)>& slot,
            const std::function<void(int)>& published) {
   for (int s = 1; s <= steps; ++s) {
     // In place, step s-1's readers must be done before the model overwrites what they view.
@@ -65,7 +170,11 @@ void trace(Model& model, const Batch& batch, int steps, const char* output_name,
     if constexpr (requires { model.input_grad(); }) w.put("x.grad", model.input_grad());
     if constexpr (requires { model.points(); }) w.put_params(model.points(), "");
     w.put_params(model.grads(), ".grad");
+    if constexpr (requires { model.pre_activation(); })
+      relu_kink_allowance(model, o, bounds.carried_relative("fc1.weight", model.params().at("fc1.weight")), *st);
+    bounds.begin(*st);
     update(model);
+    bounds.finish(*st, model);
     w.put_params(model.params(), "");
     w.finish();
     published(s);
@@ -81,14 +190,16 @@ void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<void(int step)>& published) {
   const auto specs = param_specs(o);
   auto params = start_params(specs, in, o.seed);
+  OwnBounds bounds(o);
   if (o.model == ModelKind::Mlp) {
     ref::Mlp<double> m(o.mlp, std::move(params));
-    trace(m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, storage, slot,
+    trace(o, m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, bounds, storage, slot,
           published);
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params));
     g.record_points(true);
-    trace(g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); }, storage, slot,
+    trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); }, bounds,
+          storage, slot,
           published);
   }
 }

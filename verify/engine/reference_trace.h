@@ -22,6 +22,19 @@ struct RefStep {
   // optimizer step: views of `copies`, or in place of the reference model's own storage.
   std::map<std::string, TensorView> tensors;
   TensorMap copies;  // RefStorage::Copies: the step's own copy of every tensor
+  // f32 and f64 (tolerance.cpp, "The update"), from this step's own values: each updated
+  // parameter's absolute error norm allowed beside the uniform tolerance (the optimizer's,
+  // and with free-running weights what the steps before carried), and what the weights'
+  // relative errors carried into this step add to every other tensor's bound (0 when the
+  // step starts from the reference's weights). Empty and 0 for bf16, whose ToleranceModel
+  // carries the weights itself.
+  std::map<std::string, double> update_allowance;
+  double carried = 0.0;
+  // Every dtype (tolerance.cpp, "The ReLU's kink"): the MLP's gradients downstream of relu
+  // ("fc1.weight.grad", "x.grad") and, through SGD, "fc1.weight" (bf16; f32 and f64 fold
+  // it into update_allowance) may differ by what a pre-activation within its error of zero
+  // switches on or off: an absolute allowance each.
+  std::map<std::string, double> kink_allowance;
 };
 
 // How a step reaches its readers.

@@ -32,6 +32,10 @@ struct TpResult {
   double max_rel_err = 0.0;         // over every reference and reassembled comparison
   double max_err_over_tol = 0.0;    // the same, as a multiple of each one's tolerance
   std::int64_t comparisons = 0;     // tensors x shards x steps compared, every check
+  // Reference comparisons whose bound was 1 or more (a relative error of 100%): they
+  // cannot fail, so they are reported as no check; and the first step that had one (0: none).
+  std::int64_t no_checks = 0;
+  int first_no_check_step = 0;
   std::vector<Comparison> failures; // every failing comparison, in (step, order, rank) order
   std::vector<Comparison> worst;    // per tensor, the worst comparison over steps and shards
   std::vector<TensorSteps> per_step;  // per tensor in the order first checked (step 1's order)
@@ -47,6 +51,24 @@ struct VerifyReport {
   double tolerance = 0.0;  // the one tolerance, or with per-tensor bounds the largest
   bool per_tensor_bounds = false;  // bf16: each comparison's tolerance is its own bound
   int vacuous_from_step = 0;  // the first step with a bound >= 1, which cannot fail; 0: none
+  // Every comparison, and those that were real checks (bound under 1), over every degree.
+  std::int64_t checks() const {
+    std::int64_t n = 0;
+    for (const auto& t : results) n += t.comparisons;
+    return n;
+  }
+  std::int64_t real_checks() const {
+    std::int64_t n = checks();
+    for (const auto& t : results) n -= t.no_checks;
+    return n;
+  }
+  // After the run: the first step at which a check was no check, as the comparisons found.
+  void note_no_checks() {
+    for (const auto& t : results)
+      if (t.first_no_check_step > 0 &&
+          (vacuous_from_step == 0 || t.first_no_check_step < vacuous_from_step))
+        vacuous_from_step = t.first_no_check_step;
+  }
   std::vector<double> reference_losses;
   double reference_seconds = 0.0;
   std::vector<TpResult> results;

@@ -14,13 +14,14 @@ Comparison StepChecker::reference_check(const Observation& o) const {
   const TensorView loss_value(&ref_.loss, 1);
   if (o.name == "loss") full = &loss_value;
   if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
-  return compare_to_reference(o, *full, tolerance_of(o.name));
+  return compare_to_reference(o, *full, tolerance_of(o.name), allowance_of(o.name));
 }
 
 void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
   for (const auto& o : obs) {
     if (defer_ && o.spec.replicated() && o.name != "loss") {
-      if (ref_.tensors.find(o.name) == ref_.tensors.end())
+      const auto ref = ref_.tensors.find(o.name);
+      if (ref == ref_.tensors.end())
         throw Error("verify: the reference has no tensor '" + o.name + "'");
       Comparison c;  // compare_to_reference's header; the numbers come in check_replicas
       c.tensor = o.name;
@@ -28,7 +29,10 @@ void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
       c.rank = o.spec.rank;
       c.tp = o.spec.world;
       c.full_shape = o.spec.full_shape;
-      c.tolerance = tolerance_of(o.name);
+      double norm2 = 0.0;  // a replica is the whole tensor
+      if (allowance_of(o.name) > 0)
+        for (double b : ref->second) norm2 += std::isfinite(b) ? b * b : 0.0;
+      c.tolerance = with_allowance(tolerance_of(o.name), allowance_of(o.name), std::sqrt(norm2));
       c.sharded_finite =
           all_finite_f64(o.values.data(), static_cast<std::int64_t>(o.values.size()));
       stamp(c, phase);
@@ -62,7 +66,9 @@ void StepChecker::check_reassembled(const std::string& name, const Shape& shape,
   Comparison c;
   const Comparison* same =
       values.is_view() ? checked_in_place(name, values.data(), values.size(), phase) : nullptr;
-  if (same && same->full_shape == shape && same->tolerance == tolerance_of(name)) {
+  // (With an allowance the tolerance is the block's own, and the block is the same.)
+  if (same && same->full_shape == shape &&
+      (allowance_of(name) > 0 || same->tolerance == tolerance_of(name))) {
     // A replicated tensor "reassembles" to this rank's own copy, which check() has compared
     // with the same reference tensor in this step, read where it lies, and which nothing
     // has written since: the whole-tensor scan would find the same numbers (wte: 13M
@@ -73,7 +79,7 @@ void StepChecker::check_reassembled(const std::string& name, const Shape& shape,
     c.tp = 1;
   } else {
     Observation obs{name, replicate(ParamSpec{name, shape, {}}, 0, 1), std::move(values)};
-    c = compare_to_reference(obs, it->second, tolerance_of(name));
+    c = compare_to_reference(obs, it->second, tolerance_of(name), allowance_of(name));
   }
   c.what = kReassembledCheck;
   c.shard = "reassembled from " + std::to_string(tp) + " rank" + (tp > 1 ? "s" : "");
@@ -158,7 +164,20 @@ void StepChecker::check_bitwise(const std::vector<Observation>& obs, const Tenso
 }
 
 double StepChecker::tolerance_of(const std::string& tensor) const {
-  return bounds_ ? bounds_->bound(tensor, step_, world_) : tol_;
+  if (bounds_) return bounds_->bound(tensor, step_, world_);
+  // An updated weight carries its error in its allowance; everything else is computed
+  // from weights that carry ref_.carried.
+  if (ref_.update_allowance.count(tensor)) return tol_;
+  return tol_ + ref_.carried;
+}
+
+double StepChecker::allowance_of(const std::string& tensor) const {
+  double a = 0.0;
+  if (const auto it = ref_.update_allowance.find(tensor); it != ref_.update_allowance.end())
+    a += it->second;
+  if (const auto it = ref_.kink_allowance.find(tensor); it != ref_.kink_allowance.end())
+    a += it->second;
+  return a;
 }
 
 void StepChecker::stamp(Comparison& c, Phase phase) {
@@ -231,6 +250,11 @@ void StepFolder::fold(const Comparison& c) {
   if (c.what != kReplicaCheck && c.what != kInvariantCheck) {
     r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
     if (c.tolerance > 0) r_.max_err_over_tol = std::max(r_.max_err_over_tol, c.rel_err / c.tolerance);
+    if (c.tolerance >= 1) {
+      r_.no_checks += 1;
+      if (r_.first_no_check_step == 0 || c.step < r_.first_no_check_step)
+        r_.first_no_check_step = c.step;
+    }
   }
   if (!c.pass) {
     r_.pass = false;

@@ -72,6 +72,7 @@ class StepChecker {
     bool done = false;
   };
   double tolerance_of(const std::string& tensor) const;
+  double allowance_of(const std::string& tensor) const;  // compare.h's, for an updated weight
   const RefStep& ref_;
   double tol_;
   const ToleranceModel* bounds_ = nullptr;

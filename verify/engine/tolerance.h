@@ -1,6 +1,8 @@
 // How far a sharded tensor may be from the float64 reference, norm-wise, and why.
 #pragma once
 
+#include <cstdint>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -19,6 +21,19 @@ inline constexpr double kF64Tolerance = 1e-10;
 // The norm-wise tolerance for this run: f64 and f32 one for every tensor (see
 // tolerance.cpp for the float32 error model); bf16 the largest of its per-tensor bounds.
 double norm_tolerance(const RunOptions& o);
+
+// The optimizer's share of an updated weight's error, from the reference's own values
+// (tolerance.cpp, "The update"): the norm of the largest change of this step's update
+// that gradient errors of at most `e` per element, at this step and every step before,
+// can make. Adam: m and v are the reference's moments after step `t` (from 1), element by
+// element; SGD: lr·e·sqrt(n).
+double adam_update_error(std::span<const double> m, std::span<const double> v,
+                         const AdamConfig& c, std::int64_t t, double e);
+double sgd_update_error(double lr, double e, std::size_t n);
+// What the weights' relative errors (each parameter's, after the step before) add to the
+// norm-wise bound of every tensor of the next step: each weight is read in forward and in
+// backward, and the chain's condition is allowed a factor 2 (tolerance.cpp).
+double carried_weight_error(std::span<const double> relative_weight_errors);
 
 // Per-tensor bounds for a bf16 run, from the error model written out in tolerance.cpp:
 // each tensor's bound grows with its depth in the step (forward, then backward), with the
