@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command: set up, build, and run the whole test suite:
 #   1. every Catch2 test under ctest (Release build), and the --html page rendered by Chromium;
-#   2. the communicator and rank tests again under ThreadSanitizer;
+#   2. a slice of the false-alarm sweep (clean randomized verify runs that must pass);
+#      the communicator and rank tests again under ThreadSanitizer;
 #   3. the safetensors reader under libFuzzer with ASan/UBSan, for a bounded time;
 #   4. the CUDA path on the CPU emulator (scripts/emu_test.sh; no GPU, no nvcc needed).
 set -euo pipefail
@@ -12,6 +13,14 @@ jobs=$(nproc)
 
 echo "== ctest (Release)"
 ctest --test-dir build --output-on-failure -j "$jobs"
+
+# A slice of the false-alarm sweep (scripts/false_alarm_sweep.py; the full 1,000 runs are
+# recorded in bench/RESULTS.md): clean randomized configurations that must all PASS with
+# every check real. Seeded by the commit, so a failure reproduces with the printed seed.
+seed=$(( 0x$(git rev-parse --short=7 HEAD 2>/dev/null || echo 1) % 1000000 ))
+echo "== false-alarm sweep: a ${FALSE_ALARM_SECONDS:-90} s slice, seed $seed"
+python3 scripts/false_alarm_sweep.py build/tpsim --seed "$seed" --count 1000 \
+  --seconds "${FALSE_ALARM_SECONDS:-90}" --jobs "$jobs"
 
 echo "== ThreadSanitizer: communicator, mappings and ranks"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPSIM_SANITIZE=thread \

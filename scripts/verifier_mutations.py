@@ -15,8 +15,13 @@ import tempfile
 
 MUTATIONS = [
     ("the replica compared with itself", "verify/commands/verify_run.cpp",
-     "check.check_replicas(slot, replica_slots[0], phases)",
-     "check.check_replicas(slot, slot, phases)", "[faults]"),
+     "check.check_replicas(slot, replica_slots[0], phases, &found[0].step)",
+     "check.check_replicas(slot, slot, phases, &found[0].step)", "[faults]"),
+    ("an updated weight's allowance loosened a thousandfold", "verify/engine/step_checks.cpp",
+     "    a += it->second;\n  if (const auto it = ref_.kink_allowance",
+     "    a += 1000 * it->second;\n  if (const auto it = ref_.kink_allowance", "[update]"),
+    ("a bound of 1 or more counted as a real check", "verify/engine/step_checks.cpp",
+     "if (c.tolerance >= 1) {", "if (false) {", "[update]"),
     ("float64 tolerance loosened tenfold", "verify/engine/tolerance.h",
      "kF64Tolerance = 1e-10", "kF64Tolerance = 1e-9", "[tolerance]"),
     ("float32 tolerance loosened tenfold", "verify/engine/tolerance.cpp",

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""The false-alarm sweep: many clean (fault-free) `tpsim verify` runs over randomized small
+configurations, every model, mode and dtype, --tp-invariant on and off, TP 1, 2, 3, 4, 8
+where the heads allow, lr up to 0.03, up to 5 steps, both batch kinds. A verifier must
+never fail correct code, so every run must PASS with every check real (no bound of 1 or
+more); the sweep prints each false alarm with its command, and the closest margin: the
+largest measured/bound of any passing run, i.e. how near a clean run came to failing.
+
+Usage: scripts/false_alarm_sweep.py TPSIM_BINARY [--count N] [--seconds S] [--seed K]
+                                    [--jobs J] [--out FILE.jsonl]
+  --count N    configurations to run (default 1000)
+  --seconds S  stop starting new runs after S seconds (CI's slice; default: no limit)
+  --seed K     the sample (default 1); the same seed and count run the same commands
+  --out FILE   one JSON line per run (command, exit code, margin, checks, seconds)
+Exit 0: no false alarm, every check real; 1: a false alarm, a run that was no check, or a
+runtime failure (each printed with its command); 2: usage.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import concurrent.futures as cf
+
+
+def gpt_config(rng, invariant):
+    heads = rng.choice([8, 12, 16])
+    head_dim = rng.choice([d for d in (2, 4, 6, 8, 12) if 32 <= heads * d <= 192])
+    hidden = heads * head_dim
+    sp = rng.random() < 0.5
+    lp = rng.random() < 0.5
+    boundary = rng.random() < 0.5
+    # A degree must divide the heads (and so the hidden and 4H sizes); --tp-invariant's
+    # canonical chunks (8) too.
+    ok = [t for t in (2, 3, 4, 8) if heads % t == 0 and (not invariant or 8 % t == 0)]
+    degrees = [1] + sorted(rng.sample(ok, rng.randint(1, len(ok))))
+    seq, batch = rng.randint(16, 48), rng.randint(1, 4)
+    # The sizes the CLI requires: a boundary batch holds 0, V-1 and every shard's first and
+    # last id in its labels; sequence parallelism splits the batch's tokens evenly (in
+    # --tp-invariant's 8 chunks too). Grow the sequence (up to 64), then the batch.
+    while True:
+        tokens = batch * seq
+        short = boundary and batch * (seq - 1) < 2 + 2 * sum(degrees)
+        uneven = sp and any(tokens % t for t in degrees + ([8] if invariant else []))
+        if not short and not uneven:
+            break
+        if seq < 64:
+            seq += 1
+        else:
+            seq, batch = 16, batch + 1
+    args = ["--model", "gpt", "--vocab-size", str(rng.randint(101, 2053)),
+            "--block-size", "64", "--hidden", str(hidden), "--heads", str(heads),
+            "--layers", str(rng.randint(1, 3)), "--batch-size", str(batch),
+            "--seq-len", str(seq), "--batch", "boundary" if boundary else "random"]
+    if lp:
+        args.append("--loss-parallel")
+    if sp:
+        args.append("--sequence-parallel")
+    return args, degrees
+
+
+def mlp_config(rng, invariant):
+    return ["--model", "mlp"], [1] + sorted(rng.sample([2, 4, 8], rng.randint(1, 3)))
+
+
+def config(seed, index):
+    rng = random.Random(seed * 1_000_003 + index)
+    gpt = rng.random() < 0.85
+    invariant = gpt and rng.random() < 0.4  # the MLP has no TP-invariant mode
+    args, degrees = (gpt_config if gpt else mlp_config)(rng, invariant)
+    args += ["--tp", ",".join(map(str, degrees)),
+             "--dtype", rng.choice(["f64", "f32", "bf16"]),
+             "--steps", str(rng.randint(2, 5)),
+             "--lr", f"{10 ** rng.uniform(-3, -1.5229):.4g}",  # 0.001 .. 0.03
+             "--seed", str(rng.randint(0, 999_999))]
+    if invariant:
+        args.append("--tp-invariant")
+    return args
+
+
+def run_one(binary, args, timeout):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "r.json")
+        t0 = time.time()
+        try:
+            p = subprocess.run([binary, "verify", *args, "--json", path], capture_output=True,
+                               text=True, timeout=timeout)
+            code, out = p.returncode, p.stdout + p.stderr
+        except subprocess.TimeoutExpired:
+            code, out = 124, f"timed out after {timeout} s"
+        seconds = time.time() - t0
+        rec = {"command": "tpsim verify " + " ".join(args), "exit": code, "seconds": round(seconds, 2)}
+        if os.path.exists(path):
+            with open(path) as fh:
+                j = json.load(fh)
+            rec["margin"] = max((t["max_err_over_tolerance"] for t in j["tp"]), default=0.0)
+            rec["checks"] = j.get("checks")
+            rec["real_checks"] = j.get("real_checks")
+        if code != 0:
+            rec["verdict"] = [l for l in out.splitlines() if l.startswith(("verify:", "tpsim:"))][-3:]
+        return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("binary")
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--seconds", type=float, default=0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--timeout", type=float, default=300)
+    a = ap.parse_args()
+
+    t0 = time.time()
+    records, next_index = [], 0
+
+    def next_args():
+        nonlocal next_index
+        if next_index >= a.count or (a.seconds and time.time() - t0 > a.seconds):
+            return None
+        next_index += 1
+        return config(a.seed, next_index - 1)
+
+    out = open(a.out, "w") if a.out else None
+    with cf.ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        running = set()
+        while True:
+            while len(running) < a.jobs:
+                args = next_args()
+                if args is None:
+                    break
+                running.add(pool.submit(run_one, a.binary, args, a.timeout))
+            if not running:
+                break
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            done = next(iter(finished))
+            running.discard(done)
+            rec = done.result()
+            records.append(rec)
+            if out:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+
+    usage = [r for r in records if r["exit"] == 2]      # a configuration the CLI refuses
+    alarms = [r for r in records if r["exit"] == 1]
+    broken = [r for r in records if r["exit"] not in (0, 1, 2)]
+    vacuous = [r for r in records if r["exit"] == 0 and r.get("real_checks") != r.get("checks")]
+    passed = [r for r in records if r["exit"] == 0]
+    for what, rs in (("FALSE ALARM", alarms), ("RUNTIME FAILURE", broken),
+                     ("NOT EVERY CHECK REAL", vacuous), ("REFUSED (exit 2)", usage)):
+        for r in rs:
+            print(f"{what}: {r['command']}")
+            for line in r.get("verdict", []):
+                print(f"    {line}")
+    closest = max(passed, key=lambda r: r.get("margin", 0.0), default=None)
+    margins = sorted(r.get("margin", 0.0) for r in passed)
+    print(f"false_alarm_sweep: seed {a.seed}, {len(records)} runs in {time.time() - t0:.0f} s: "
+          f"{len(passed)} passed, {len(alarms)} false alarms, {len(broken)} runtime failures, "
+          f"{len(vacuous)} with a check that was no check, {len(usage)} refused")
+    if closest:
+        pct = lambda q: margins[min(len(margins) - 1, int(q * len(margins)))]
+        print(f"false_alarm_sweep: measured/bound: median {pct(0.5):.3g}, 99th percentile "
+              f"{pct(0.99):.3g}, closest {closest['margin']:.3g} ({closest['command']})")
+    return 1 if alarms or broken or vacuous or usage else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
