@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -62,7 +63,11 @@ struct StFile {
 
 // Parses a whole file held in memory. `source` names it in error messages.
 StFile parse_safetensors(const unsigned char* data, std::size_t size, const std::string& source);
-StFile read_safetensors(const std::string& path);
+// Called for every tensor of the header, after the header's own checks and before any
+// tensor's bytes are read or allocated; it throws to refuse the file (a dump's reader
+// checks each declared shape against the layout here).
+using EntryCheck = std::function<void(const std::string& name, DType dtype, const Shape& shape)>;
+StFile read_safetensors(const std::string& path, const EntryCheck& check = {});
 
 // Tensors in name order, contiguous from offset 0, no gaps; the header is padded with
 // spaces so that the data buffer starts 8-byte aligned, as the reference writer does.
