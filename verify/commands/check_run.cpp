@@ -5,6 +5,8 @@
 #include <tuple>
 
 #include "io/checkpoint.h"
+#include "io/untrusted_text.h"
+#include "verify/dump/dump_files.h"
 #include "verify/dump/dump_reader.h"
 #include "verify/dump/dump_writer.h"
 #include "verify/dump/name_maps.h"
@@ -60,7 +62,7 @@ RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const Gp
     validate_run_options(o);
     check_tp_degree(o, m.world_size);
   } catch (const UsageError& e) {
-    throw UsageError(manifest_file(c.dumps) + ": the run it describes cannot be checked: " +
+    throw UsageError(quote_text(manifest_file(c.dumps)) + ": the run it describes cannot be checked: " +
                      e.what());
   }
   return o;
@@ -68,11 +70,24 @@ RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const Gp
 
 CheckResult run_check(const CheckOptions& c) {
   const auto t0 = std::chrono::steady_clock::now();
-  const DumpManifest m = read_manifest(manifest_file(c.dumps));
+  const DumpManifest m = read_manifest(c.dumps);
   CheckResult res;
   RunOptions& o = res.run;
   if (c.load.empty()) throw UsageError("check: --load W.safetensors (the initial weights) is required");
   if (c.data.empty()) throw UsageError("check: --data D.safetensors (the batch) is required");
+  // The command line names --load and --data, but a link inside the dump directory is the
+  // dump's: each must resolve to a regular file, inside the dump directory if named there,
+  // no larger than the manifest's model can need (docs/check-threat-model.md).
+  constexpr std::uint64_t kSlack = 1 << 16, kPerTensor = 1024, kMaxSequences = 1 << 16;
+  check_input_file(c.data, c.dumps,
+                   16 * static_cast<std::uint64_t>(m.config.block_size) * kMaxSequences + kSlack,
+                   "--data");
+  {
+    std::uint64_t numel = static_cast<std::uint64_t>(m.config.vocab_size * m.config.hidden);  // a tied head
+    const auto specs = gpt_param_specs(m.config);
+    for (const auto& p : specs) numel += static_cast<std::uint64_t>(shape_numel(p.shape));
+    check_input_file(c.load, c.dumps, 8 * numel + kPerTensor * (specs.size() + 1) + kSlack, "--load");
+  }
   o = run_options_of(m, c, load_gpt_batch(c.data));
 
   // The inputs as verify reads them; the weights renamed from the dump's convention first.

@@ -1,11 +1,16 @@
 #include "verify/dump/dump_reader.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <set>
 
+#include "verify/setup/tensor_order.h"
+
 #include "io/safetensors.h"
+#include "io/untrusted_text.h"
+#include "verify/dump/dump_files.h"
 #include "verify/dump/dump_writer.h"
 #include "verify/dump/name_maps.h"
 
@@ -17,20 +22,19 @@ namespace {
 void check_rank_files(const std::string& dir, int world) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec))
-    throw UsageError("--dumps " + dir + ": not a directory");
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string f = e.path().filename().string();
+    throw UsageError("--dumps " + quote_text(dir) + ": not a directory");
+  std::filesystem::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string f = it->path().filename().string();
     if (!f.starts_with("rank") || !f.ends_with(".safetensors")) continue;
     bool known = false;
     for (int r = 0; r < world && !known; ++r) known = f == "rank" + std::to_string(r) + ".safetensors";
     if (!known)
-      throw UsageError(e.path().string() + ": a rank file the manifest does not know (world_size " +
-                       std::to_string(world) + ": rank0 .. rank" + std::to_string(world - 1) + ")");
+      throw UsageError(quote_text(it->path().string()) + ": a rank file the manifest does not know "
+                       "(world_size " + std::to_string(world) + ": rank0 .. rank" +
+                       std::to_string(world - 1) + ")");
   }
-  for (int r = 0; r < world; ++r)
-    if (!std::filesystem::exists(rank_file(dir, r), ec))
-      throw UsageError(rank_file(dir, r) + ": missing: rank " + std::to_string(r) + " of world_size " +
-                       std::to_string(world) + " wrote no file");
+  if (ec) throw UsageError("--dumps " + quote_text(dir) + ": cannot list the directory: " + ec.message());
 }
 
 // Reads one rank's file and places each tensor.
@@ -68,10 +72,10 @@ class RankReader {
 
  private:
   [[noreturn]] void fail(const std::string& tensor, const std::string& why) const {
-    throw UsageError(source_ + ": " + quoted(tensor) + ": " + why + " (rank " +
+    throw UsageError(source_ + ": " + quote_text(tensor) + ": " + why + " (rank " +
                      std::to_string(rank_) + ")");
   }
-  static std::string quoted(const std::string& n) { return st::quote_name(n); }
+  static std::string quote_text(const std::string& n) { return tpsim::quote_text(n); }
 
   std::int64_t step_of(const std::string& full) const {
     const auto slash = full.find('/');
@@ -112,30 +116,59 @@ class RankReader {
     return split(p, l.split_dim, rank_, m_.world_size, padded);
   }
 
-  void place(const std::string& full, const std::string& name, const st::StTensor& t,
-             RankStep& rs) {
-    std::optional<ShardSpec> spec;
-    std::vector<Observation>* phase = nullptr;
+  enum class Where { Forward, Backward, Update };
+  struct Placed {
+    ShardSpec spec;
+    Where where;
+    std::string base;  // the parameter or point whose layout it has
+  };
+
+  // Where tensor `name` (without step{s}/) of this rank belongs and the shard it must
+  // be; `full` names it in the refusal of an unknown name.
+  Placed placed(const std::string& full, const std::string& name) const {
     std::string base = name;
-    if (name == "loss") {
-      spec = replicate(ParamSpec{name, {1}, {}}, rank_, m_.world_size);
-      phase = &rs.forward;
-    } else if (name.starts_with("act/")) {
+    if (name == "loss") return {replicate(ParamSpec{name, {1}, {}}, rank_, m_.world_size), Where::Forward, base};
+    const bool grad = name.ends_with(".grad");
+    if (grad) base = name.substr(0, name.size() - 5);
+    if (name.starts_with("act/")) {
       auto d = gpt_point_shard(name, m_.config, m_.parallel, tokens_, rank_, m_.world_size);
       if (!d) fail(full, "unknown activation point (docs/dump-format.md lists them)");
-      if (name.ends_with(".grad")) base = name.substr(0, name.size() - 5);
-      spec = layout(name, base, *d);
-      phase = name.ends_with(".grad") ? &rs.backward : &rs.forward;
-    } else {
-      const bool grad = name.ends_with(".grad");
-      if (grad) base = name.substr(0, name.size() - 5);
-      auto it = params_.find(base);
-      if (it == params_.end()) fail(full, "unknown tensor name: no parameter " + quoted(base));
-      ShardSpec d = gpt_param_shard(it->second, m_.config, m_.parallel, rank_, m_.world_size);
-      d.name = name;
-      spec = layout(name, base, d);
-      phase = grad ? &rs.backward : &rs.update;
+      return {layout(name, base, *d), grad ? Where::Backward : Where::Forward, base};
     }
+    auto it = params_.find(base);
+    if (it == params_.end()) fail(full, "unknown tensor name: no parameter " + quote_text(base));
+    ShardSpec d = gpt_param_shard(it->second, m_.config, m_.parallel, rank_, m_.world_size);
+    d.name = name;
+    return {layout(name, base, d), grad ? Where::Backward : Where::Update, base};
+  }
+
+ public:
+  // Bytes of every tensor one step of this rank may hold (all points, F64), of the ones
+  // it must hold (loss, parameters, gradients; F32), and of the largest one.
+  struct Budget {
+    std::uint64_t most = 0, least = 0, largest = 0, count = 0;
+  };
+  Budget budget(const std::vector<std::string>& order) const {
+    Budget b;
+    for (const auto& n : order) {
+      const auto numel = static_cast<std::uint64_t>(shape_numel(placed(n, n).spec.local_shape()));
+      b.most += 8 * numel;
+      if (!n.starts_with("act/")) b.least += 4 * numel;
+      b.largest = std::max(b.largest, 8 * numel);
+      ++b.count;
+    }
+    return b;
+  }
+
+ private:
+  void place(const std::string& full, const std::string& name, const st::StTensor& t,
+             RankStep& rs) {
+    const Placed p = placed(full, name);
+    const std::optional<ShardSpec> spec = p.spec;
+    const std::string& base = p.base;
+    std::vector<Observation>* phase = p.where == Where::Forward    ? &rs.forward
+                                      : p.where == Where::Backward ? &rs.backward
+                                                                   : &rs.update;
     const Shape want = spec->local_shape();
     const bool scalar_loss = name == "loss" && t.shape.empty();
     if (t.shape != want && !scalar_loss)
@@ -160,14 +193,41 @@ class RankReader {
 
 DumpSteps read_dump(const std::string& dir, const DumpManifest& m, std::int64_t tokens) {
   check_rank_files(dir, m.world_size);
+  const auto layouts = layouts_in_tpsim_names(m);
+  const auto order = gpt_tensor_order(m.config);
+  // Every rank file checked and sized against what the manifest implies before anything
+  // is allocated for its steps: a manifest cannot claim more steps than the files hold,
+  // and a file cannot be larger than the steps need (a sparse file declaring terabytes).
+  constexpr std::uint64_t kHeaderPerTensor = 1024, kHeaderSlack = 1 << 16;
+  const auto steps = static_cast<std::uint64_t>(m.steps);
+  std::vector<std::uint64_t> largest(static_cast<std::size_t>(m.world_size));
+  for (int r = 0; r < m.world_size; ++r) {
+    const std::string name = "rank" + std::to_string(r) + ".safetensors";
+    const auto b = RankReader(m, tokens, r, name, layouts).budget(order);
+    const std::uint64_t cap = steps * (b.most + b.count * kHeaderPerTensor) + kHeaderSlack;
+    const std::uint64_t size = check_dump_file(dir, name, cap, "rank " + std::to_string(r) +
+                                               " of world_size " + std::to_string(m.world_size) +
+                                               " wrote no file");
+    if (size < steps * b.least)
+      throw UsageError(quote_text(manifest_file(dir)) + ": steps: " + std::to_string(m.steps) +
+                       " steps need at least " + std::to_string(steps * b.least) + " bytes in " +
+                       name + ", which holds " + std::to_string(size));
+    largest[static_cast<std::size_t>(r)] = 3 * b.largest;  // a fused q/k/v shard is 3 of them
+  }
   DumpSteps out(static_cast<std::size_t>(m.steps),
                 std::vector<RankStep>(static_cast<std::size_t>(m.world_size)));
-  const auto layouts = layouts_in_tpsim_names(m);
   for (int r = 0; r < m.world_size; ++r) {
-    const std::string path = rank_file(dir, r);
-    st::StFile file = st::read_safetensors(path);
-    to_tpsim_names(file, m, r, path);
-    RankReader(m, tokens, r, path, layouts).read(file, out);
+    const std::string path = rank_file(dir, r), source = quote_text(path);
+    const std::uint64_t most = largest[static_cast<std::size_t>(r)];
+    st::StFile file = st::read_safetensors(path, [&](const std::string& n, DType dt, const Shape& sh) {
+      const auto bytes = static_cast<std::uint64_t>(shape_numel(sh)) * dtype_size(dt);
+      if (bytes > most)
+        throw UsageError(source + ": " + quote_text(n) + ": declares " + std::to_string(bytes) +
+                         " bytes, more than any tensor of this model on rank " +
+                         std::to_string(r) + " (" + std::to_string(most) + "); refused unread");
+    });
+    to_tpsim_names(file, m, r, source);
+    RankReader(m, tokens, r, source, layouts).read(file, out);
   }
   return out;
 }

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "core/errors.h"
+#include "io/untrusted_text.h"
 #include "verify/setup/tensor_order.h"
 
 namespace tpsim {
@@ -86,6 +87,15 @@ void rename_all(st::StFile& file, const NameTable& t, const DumpManifest& m, std
                 const std::string& source, const std::string& whose, bool stepped) {
   st::StFile out;
   out.metadata = file.metadata;
+  std::map<std::string, std::string> origin;  // tpsim name -> the file's name it came from
+  // Two of the file's tensors that become one tpsim tensor: neither may silently win.
+  auto put = [&](const std::string& to, const std::string& from, st::StTensor&& tensor) {
+    auto [it, fresh] = origin.emplace(to, from);
+    if (!fresh)
+      throw UsageError(source + ": " + st::quote_name(from) + " and " + st::quote_name(it->second) +
+                       " are both " + st::quote_name(to) + "; two sources for one tensor, refused");
+    out.tensors[to] = std::move(tensor);
+  };
   const std::int64_t H = m.config.hidden, d = m.config.head_dim();
   for (auto& [full, tensor] : file.tensors) {
     const auto slash = stepped ? full.find('/') : std::string::npos;
@@ -95,7 +105,7 @@ void rename_all(st::StFile& file, const NameTable& t, const DumpManifest& m, std
     const std::string base = grad ? name.substr(0, name.size() - 5) : name;
     const std::string suffix = grad ? ".grad" : "";
     if (auto it = t.to_tpsim.find(base); it != t.to_tpsim.end()) {
-      out.tensors[prefix + it->second + suffix] = std::move(tensor);
+      put(prefix + it->second + suffix, full, std::move(tensor));
     } else if (auto f = t.fused.find(base); f != t.fused.end()) {
       const Shape want{3 * heads * d, H};
       if (tensor.shape != want)
@@ -105,10 +115,15 @@ void rename_all(st::StFile& file, const NameTable& t, const DumpManifest& m, std
       auto qkv = split_fused(tensor, m.names, heads, d);
       const std::string h = "h." + std::to_string(f->second) + ".attn.";
       const char* parts[] = {"q_proj.weight", "k_proj.weight", "v_proj.weight"};
-      for (std::size_t i = 0; i < 3; ++i)
-        out.tensors[prefix + h + parts[i] + suffix] = std::move(qkv[i]);
+      for (std::size_t i = 0; i < 3; ++i) put(prefix + h + parts[i] + suffix, full, std::move(qkv[i]));
+    } else if (name == "loss" || name.starts_with("act/")) {
+      put(full, full, std::move(tensor));  // tpsim's names in every convention
     } else {
-      out.tensors[full] = std::move(tensor);  // act/ points, loss, or unknown: the reader judges
+      // A dump that declares a convention holds that convention's names only: a tpsim
+      // name passed through would be a second, unchecked source for a renamed tensor.
+      throw UsageError(source + ": " + st::quote_name(full) + ": not a " +
+                       convention_name(m.names) + " parameter name (the manifest's \"names\"; "
+                       "docs/dump-format.md lists them)");
     }
   }
   file = std::move(out);
@@ -136,14 +151,14 @@ std::map<std::string, DumpLayout> layouts_in_tpsim_names(const DumpManifest& m) 
   std::map<std::string, DumpLayout> out;
   for (const auto& [name, layout] : m.layouts) {
     if (t.fused.count(name))
-      throw UsageError("manifest.json: layouts." + name + ": a fused q/k/v tensor's layout is "
+      throw UsageError("manifest.json: layouts." + escaped(name) + ": a fused q/k/v tensor's layout is "
                        "fixed by the " + std::string(convention_name(m.names)) +
                        " convention and may not be given");
     std::string tpsim = name;
     if (auto it = t.to_tpsim.find(name); it != t.to_tpsim.end()) tpsim = it->second;
     if (std::find(order.begin(), order.end(), tpsim) == order.end() || tpsim == "loss" ||
         tpsim.ends_with(".grad"))
-      throw UsageError("manifest.json: layouts." + name + ": no such tensor in a " +
+      throw UsageError("manifest.json: layouts." + escaped(name) + ": no such tensor in a " +
                        convention_name(m.names) + "-named dump (a gradient takes its "
                        "parameter's layout)");
     out[tpsim] = layout;
