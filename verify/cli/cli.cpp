@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "io/atomic_file.h"
+#include "io/untrusted_text.h"
 #include "verify/commands/check_run.h"
 #include "verify/report/html_report.h"
 #include "verify/commands/profile_run.h"
@@ -137,13 +138,34 @@ void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, boo
   validate_run_options(o);
 }
 
-// The command as typed, for the HTML page's header (arguments with spaces quoted).
+// The command as typed, for the HTML page's header, quoted for a POSIX shell so that a
+// pasted line runs exactly this command: a word of safe characters as it is, anything else
+// in single quotes (a ' inside as '\''), and a word holding control bytes as $'...' with
+// \xNN escapes (so no byte of it reaches the page raw).
+std::string shell_word(const std::string& a) {
+  static const std::string kSafe =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_@%+=:,./-";
+  if (!a.empty() && a.find_first_not_of(kSafe) == std::string::npos) return a;
+  bool control = false;
+  for (char ch : a) control = control || static_cast<unsigned char>(ch) < 0x20 || ch == 0x7F;
+  std::string out = control ? "$'" : "'";
+  for (char ch : a) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (control && (c < 0x20 || c == 0x7F || c == '\\' || c == '\'')) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += std::string("\\x") + kHex[c >> 4] + kHex[c & 15];
+    } else if (!control && c == '\'') {
+      out += "'\\''";
+    } else {
+      out += ch;
+    }
+  }
+  return out + "'";
+}
+
 std::string command_line(int argc, char** argv) {
   std::string s = "tpsim";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    s += " " + (a.find_first_of(" \t'\"") == std::string::npos ? a : "'" + a + "'");
-  }
+  for (int i = 1; i < argc; ++i) s += " " + shell_word(argv[i]);
   return s;
 }
 
@@ -274,11 +296,14 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       if (!chk.json.empty()) check_writable(chk.json, "--json");
       if (!chk.html.empty()) check_writable(chk.html, "--html");
       const CheckResult r = run_check(chk);
-      print_check_report(std::cout, chk.dumps, r.run, r.report);
-      if (!chk.json.empty()) write_json(chk.json, check_json(chk.dumps, r.run, r.report));
+      // The directory as the reports show it: escaped and cut (it may hold any byte).
+      const std::string dumps = escaped(chk.dumps);
+      // --json -: the JSON is standard output, so the text report goes to stderr.
+      print_check_report(chk.json == "-" ? std::cerr : std::cout, dumps, r.run, r.report);
+      if (!chk.json.empty()) write_json(chk.json, check_json(dumps, r.run, r.report));
       if (!chk.html.empty())
         write_html_report(chk.html,
-                          {"tpsim check", command_line(argc, argv), check_config_line(chk.dumps, r.run),
+                          {"tpsim check", command_line(argc, argv), check_config_line(dumps, r.run),
                            tolerance_rule(r.report.tolerance, r.report.per_tensor_bounds),
                            check_verdict(r.report)},
                           r.report);
