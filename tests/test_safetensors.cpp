@@ -455,3 +455,23 @@ TEST_CASE("safetensors: a duplicate among 40,000 entries is still found", "[io]"
               R"(":{"dtype":"F32","shape":[0],"data_offsets":[0,0]})";
   REQUIRE_PARSE_ERROR(make_file(header + "}"), "header: duplicate tensor name 't0'");
 }
+
+TEST_CASE("safetensors: read_safetensors shows every entry to the check before reading", "[io]") {
+  StFile f;
+  f.tensors["a"] = st_from_f64({2}, {1, 2}, DType::F64);
+  f.tensors["b"] = st_from_f64({3}, {1, 2, 3}, DType::F32);
+  const std::string path = "/tmp/tpsim-entry-check-" + std::to_string(getpid()) + ".safetensors";
+  write_safetensors(path, f);
+  std::vector<std::string> seen;
+  const StFile back = read_safetensors(path, [&](const std::string& n, DType, const Shape& s) {
+    seen.push_back(n + shape_str(s));
+  });
+  CHECK(back == f);
+  CHECK(seen == std::vector<std::string>{"a[2]", "b[3]"});
+  // A check that refuses stops the read with its error.
+  CHECK_THROWS_WITH(read_safetensors(path, [](const std::string& n, DType, const Shape&) {
+                      if (n == "b") throw UsageError("refused b");
+                    }),
+                    "refused b");
+  std::filesystem::remove(path);
+}

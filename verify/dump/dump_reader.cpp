@@ -46,7 +46,7 @@ class RankReader {
     for (const auto& p : gpt_param_specs(m.config)) params_.emplace(p.name, p);
   }
 
-  void read(const st::StFile& file, DumpSteps& out) {
+  void read(const st::StFile& file, DumpSteps& out) const {
     std::vector<std::set<std::string>> seen(static_cast<std::size_t>(m_.steps));
     for (const auto& [full_name, t] : file.tensors) {
       const std::int64_t step = step_of(full_name);
@@ -144,9 +144,9 @@ class RankReader {
 
  public:
   // Bytes of every tensor one step of this rank may hold (all points, F64), of the ones
-  // it must hold (loss, parameters, gradients; F32), and of the largest one.
+  // it must hold (loss, parameters, gradients; F32).
   struct Budget {
-    std::uint64_t most = 0, least = 0, largest = 0, count = 0;
+    std::uint64_t most = 0, least = 0, count = 0;
   };
   Budget budget(const std::vector<std::string>& order) const {
     Budget b;
@@ -154,7 +154,6 @@ class RankReader {
       const auto numel = static_cast<std::uint64_t>(shape_numel(placed(n, n).spec.local_shape()));
       b.most += 8 * numel;
       if (!n.starts_with("act/")) b.least += 4 * numel;
-      b.largest = std::max(b.largest, 8 * numel);
       ++b.count;
     }
     return b;
@@ -162,25 +161,39 @@ class RankReader {
 
  private:
   void place(const std::string& full, const std::string& name, const st::StTensor& t,
-             RankStep& rs) {
-    const Placed p = placed(full, name);
-    const std::optional<ShardSpec> spec = p.spec;
-    const std::string& base = p.base;
+             RankStep& rs) const {
+    const Placed p = checked(full, name, t.dtype, t.shape);
     std::vector<Observation>* phase = p.where == Where::Forward    ? &rs.forward
                                       : p.where == Where::Backward ? &rs.backward
                                                                    : &rs.update;
-    const Shape want = spec->local_shape();
-    const bool scalar_loss = name == "loss" && t.shape.empty();
-    if (t.shape != want && !scalar_loss)
-      fail(full, "shape " + shape_str(t.shape) + " is not rank " + std::to_string(rank_) +
-                     "'s shard " + shape_str(want) + " of " + shape_str(spec->full_shape) + " (" +
-                     spec->shard_str() + (layouts_.count(base) ? ", as the manifest lays it out)"
-                                                                : ", the default layout)"));
-    if (t.dtype != DType::F32 && t.dtype != DType::F64)
-      fail(full, std::string("dtype ") + st::st_dtype_name(t.dtype) + ": expected F32 or F64");
-    phase->push_back(Observation{name, *spec, ObservedValues(t.to_f64())});
+    phase->push_back(Observation{name, p.spec, ObservedValues(t.to_f64())});
   }
 
+  // Where `full` (= "step{s}/" + name) belongs, after its dtype and shape are checked
+  // against its shard.
+  Placed checked(const std::string& full, const std::string& name, DType dtype,
+                 const Shape& shape) const {
+    Placed p = placed(full, name);
+    const Shape want = p.spec.local_shape();
+    const bool scalar_loss = name == "loss" && shape.empty();
+    if (shape != want && !scalar_loss)
+      fail(full, "shape " + shape_str(shape) + " is not rank " + std::to_string(rank_) +
+                     "'s shard " + shape_str(want) + " of " + shape_str(p.spec.full_shape) + " (" +
+                     p.spec.shard_str() + (layouts_.count(p.base) ? ", as the manifest lays it out)"
+                                                                  : ", the default layout)"));
+    if (dtype != DType::F32 && dtype != DType::F64)
+      fail(full, std::string("dtype ") + st::st_dtype_name(dtype) + ": expected F32 or F64");
+    return p;
+  }
+
+ public:
+  // A tensor the file's header declares, in tpsim's name, checked before it is read.
+  void check_declared(const std::string& full, DType dtype, const Shape& shape) const {
+    (void)step_of(full);
+    (void)checked(full, full.substr(full.find('/') + 1), dtype, shape);
+  }
+
+ private:
   const DumpManifest& m_;
   std::int64_t tokens_;
   int rank_;
@@ -200,7 +213,6 @@ DumpSteps read_dump(const std::string& dir, const DumpManifest& m, std::int64_t 
   // and a file cannot be larger than the steps need (a sparse file declaring terabytes).
   constexpr std::uint64_t kHeaderPerTensor = 1024, kHeaderSlack = 1 << 16;
   const auto steps = static_cast<std::uint64_t>(m.steps);
-  std::vector<std::uint64_t> largest(static_cast<std::size_t>(m.world_size));
   for (int r = 0; r < m.world_size; ++r) {
     const std::string name = "rank" + std::to_string(r) + ".safetensors";
     const auto b = RankReader(m, tokens, r, name, layouts).budget(order);
@@ -212,22 +224,26 @@ DumpSteps read_dump(const std::string& dir, const DumpManifest& m, std::int64_t 
       throw UsageError(quote_text(manifest_file(dir)) + ": steps: " + std::to_string(m.steps) +
                        " steps need at least " + std::to_string(steps * b.least) + " bytes in " +
                        name + ", which holds " + std::to_string(size));
-    largest[static_cast<std::size_t>(r)] = 3 * b.largest;  // a fused q/k/v shard is 3 of them
   }
   DumpSteps out(static_cast<std::size_t>(m.steps),
                 std::vector<RankStep>(static_cast<std::size_t>(m.world_size)));
   for (int r = 0; r < m.world_size; ++r) {
     const std::string path = rank_file(dir, r), source = quote_text(path);
-    const std::uint64_t most = largest[static_cast<std::size_t>(r)];
+    const RankReader reader(m, tokens, r, source, layouts);
+    const NameResolver names(m, m.config.heads / m.world_size, true, source,
+                             "rank " + std::to_string(r) + "'s");
+    // Every declared tensor's name, dtype and shape checked before any is allocated.
     st::StFile file = st::read_safetensors(path, [&](const std::string& n, DType dt, const Shape& sh) {
-      const auto bytes = static_cast<std::uint64_t>(shape_numel(sh)) * dtype_size(dt);
-      if (bytes > most)
-        throw UsageError(source + ": " + quote_text(n) + ": declares " + std::to_string(bytes) +
-                         " bytes, more than any tensor of this model on rank " +
-                         std::to_string(r) + " (" + std::to_string(most) + "); refused unread");
+      const NameResolver::Target t = names.resolve(n);
+      if (t.fused) {
+        names.check_fused(n, t, sh);
+        for (const auto& q : t.names) reader.check_declared(q, dt, {sh[0] / 3, sh[1]});
+      } else {
+        reader.check_declared(t.names[0], dt, sh);
+      }
     });
     to_tpsim_names(file, m, r, source);
-    RankReader(m, tokens, r, source, layouts).read(file, out);
+    reader.read(file, out);
   }
   return out;
 }

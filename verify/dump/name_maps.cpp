@@ -13,15 +13,8 @@ namespace tpsim {
 
 namespace {
 
-// A convention's parameter names: the renamed ones, and the fused q/k/v one per block.
-struct NameTable {
-  std::map<std::string, std::string> to_tpsim;  // foreign -> tpsim, one tensor each
-  std::map<std::string, std::int64_t> fused;    // foreign fused q/k/v -> block index
-  std::string tied_head;                        // the tied LM head, not dumped
-};
-
-NameTable table_of(const DumpManifest& m) {
-  NameTable t;
+ConventionNames table_of(const DumpManifest& m) {
+  ConventionNames t;
   const std::int64_t L = m.config.layers;
   auto h = [](std::int64_t i) { return "h." + std::to_string(i) + "."; };
   if (m.names == NameConvention::Nanogpt) {
@@ -81,10 +74,9 @@ std::array<st::StTensor, 3> split_fused(const st::StTensor& t, NameConvention na
   return out;
 }
 
-// Renames (and splits) every tensor of `file` named `prefix` + a convention name +
-// optional ".grad"; `heads` is the number of heads a fused tensor holds.
-void rename_all(st::StFile& file, const NameTable& t, const DumpManifest& m, std::int64_t heads,
-                const std::string& source, const std::string& whose, bool stepped) {
+// Renames (and splits) every tensor of `file` as `names` resolves it.
+void rename_all(st::StFile& file, const NameResolver& names, const DumpManifest& m,
+                std::int64_t heads, const std::string& source) {
   st::StFile out;
   out.metadata = file.metadata;
   std::map<std::string, std::string> origin;  // tpsim name -> the file's name it came from
@@ -96,57 +88,73 @@ void rename_all(st::StFile& file, const NameTable& t, const DumpManifest& m, std
                        " are both " + st::quote_name(to) + "; two sources for one tensor, refused");
     out.tensors[to] = std::move(tensor);
   };
-  const std::int64_t H = m.config.hidden, d = m.config.head_dim();
   for (auto& [full, tensor] : file.tensors) {
-    const auto slash = stepped ? full.find('/') : std::string::npos;
-    const std::string prefix = slash == std::string::npos ? "" : full.substr(0, slash + 1);
-    std::string name = full.substr(prefix.size());
-    const bool grad = name.ends_with(".grad");
-    const std::string base = grad ? name.substr(0, name.size() - 5) : name;
-    const std::string suffix = grad ? ".grad" : "";
-    if (auto it = t.to_tpsim.find(base); it != t.to_tpsim.end()) {
-      put(prefix + it->second + suffix, full, std::move(tensor));
-    } else if (auto f = t.fused.find(base); f != t.fused.end()) {
-      const Shape want{3 * heads * d, H};
-      if (tensor.shape != want)
-        throw UsageError(source + ": " + st::quote_name(full) + ": shape " +
-                         shape_str(tensor.shape) + " is not " + whose + " fused q/k/v " +
-                         shape_str(want) + " (" + convention_name(m.names) + " layout)");
-      auto qkv = split_fused(tensor, m.names, heads, d);
-      const std::string h = "h." + std::to_string(f->second) + ".attn.";
-      const char* parts[] = {"q_proj.weight", "k_proj.weight", "v_proj.weight"};
-      for (std::size_t i = 0; i < 3; ++i) put(prefix + h + parts[i] + suffix, full, std::move(qkv[i]));
-    } else if (name == "loss" || name.starts_with("act/")) {
-      put(full, full, std::move(tensor));  // tpsim's names in every convention
-    } else {
-      // A dump that declares a convention holds that convention's names only: a tpsim
-      // name passed through would be a second, unchecked source for a renamed tensor.
-      throw UsageError(source + ": " + st::quote_name(full) + ": not a " +
-                       convention_name(m.names) + " parameter name (the manifest's \"names\"; "
-                       "docs/dump-format.md lists them)");
+    const NameResolver::Target t = names.resolve(full);
+    if (!t.fused) {
+      put(t.names[0], full, std::move(tensor));
+      continue;
     }
+    names.check_fused(full, t, tensor.shape);
+    auto qkv = split_fused(tensor, m.names, heads, m.config.head_dim());
+    for (std::size_t i = 0; i < 3; ++i) put(t.names[i], full, std::move(qkv[i]));
   }
   file = std::move(out);
 }
 
 }  // namespace
 
+NameResolver::NameResolver(const DumpManifest& m, std::int64_t heads, bool stepped,
+                           std::string source, std::string whose)
+    : m_(m), names_(table_of(m)), heads_(heads), stepped_(stepped), source_(std::move(source)),
+      whose_(std::move(whose)) {}
+
+NameResolver::Target NameResolver::resolve(const std::string& full) const {
+  if (m_.names == NameConvention::Tpsim) return {{full}, std::nullopt, -1};
+  const auto slash = stepped_ ? full.find('/') : std::string::npos;
+  const std::string prefix = slash == std::string::npos ? "" : full.substr(0, slash + 1);
+  const std::string name = full.substr(prefix.size());
+  const bool grad = name.ends_with(".grad");
+  const std::string base = grad ? name.substr(0, name.size() - 5) : name;
+  const std::string suffix = grad ? ".grad" : "";
+  if (auto it = names_.to_tpsim.find(base); it != names_.to_tpsim.end())
+    return {{prefix + it->second + suffix}, std::nullopt, -1};
+  if (auto f = names_.fused.find(base); f != names_.fused.end()) {
+    const std::string h = prefix + "h." + std::to_string(f->second) + ".attn.";
+    return {{h + "q_proj.weight" + suffix, h + "k_proj.weight" + suffix, h + "v_proj.weight" + suffix},
+            Shape{3 * heads_ * m_.config.head_dim(), m_.config.hidden},
+            f->second};
+  }
+  if (name == "loss" || name.starts_with("act/")) return {{full}, std::nullopt, -1};  // every convention's
+  // A dump that declares a convention holds that convention's names only: a tpsim name
+  // passed through would be a second, unchecked source for a renamed tensor.
+  throw UsageError(source_ + ": " + st::quote_name(full) + ": not a " + convention_name(m_.names) +
+                   " parameter name (the manifest's \"names\"; docs/dump-format.md lists them)");
+}
+
+void NameResolver::check_fused(const std::string& full, const Target& t, const Shape& shape) const {
+  if (t.fused && shape != *t.fused)
+    throw UsageError(source_ + ": " + st::quote_name(full) + ": shape " + shape_str(shape) +
+                     " is not " + whose_ + " fused q/k/v " + shape_str(*t.fused) + " (" +
+                     convention_name(m_.names) + " layout)");
+}
+
 void to_tpsim_names(st::StFile& rank_file, const DumpManifest& m, int rank,
                     const std::string& source) {
   if (m.names == NameConvention::Tpsim) return;
-  rename_all(rank_file, table_of(m), m, m.config.heads / m.world_size, source,
-             "rank " + std::to_string(rank) + "'s", true);
+  const std::int64_t heads = m.config.heads / m.world_size;
+  rename_all(rank_file, NameResolver(m, heads, true, source, "rank " + std::to_string(rank) + "'s"),
+             m, heads, source);
 }
 
 void weights_to_tpsim_names(st::StFile& weights, const DumpManifest& m, const std::string& source) {
   if (m.names == NameConvention::Tpsim) return;
-  const NameTable t = table_of(m);
-  weights.tensors.erase(t.tied_head);
-  rename_all(weights, t, m, m.config.heads, source, "the full", false);
+  const NameResolver names(m, m.config.heads, false, source, "the full");
+  weights.tensors.erase(names.names().tied_head);
+  rename_all(weights, names, m, m.config.heads, source);
 }
 
 std::map<std::string, DumpLayout> layouts_in_tpsim_names(const DumpManifest& m) {
-  const NameTable t = table_of(m);
+  const ConventionNames t = table_of(m);
   const auto order = gpt_tensor_order(m.config);
   std::map<std::string, DumpLayout> out;
   for (const auto& [name, layout] : m.layouts) {
