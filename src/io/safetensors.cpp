@@ -487,39 +487,51 @@ StFile parse_safetensors(const unsigned char* data, std::size_t size, const std:
   return file;
 }
 
-StFile read_safetensors(const std::string& path, const EntryCheck& check) {
+StReader::StReader(std::string path, const EntryCheck& check) : path_(std::move(path)) {
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec))
-    fail(path, std::filesystem::exists(path, ec) ? "not a regular file" : "no such file");
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) fail(path, "cannot read its size: " + ec.message());
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
-  // Read only what the header describes, each length checked before it is trusted: a
-  // hostile length costs nothing, and weights are read tensor by tensor, never the file
-  // at once.
-  auto read_at = [&](std::uint64_t offset, unsigned char* dst, std::uint64_t count) {
-    in.seekg(static_cast<std::streamoff>(offset));
-    in.read(reinterpret_cast<char*>(dst), static_cast<std::streamsize>(count));
-    if (!in || static_cast<std::uint64_t>(in.gcount()) != count)
-      fail(path, "read " + std::to_string(in.gcount()) + " of " + std::to_string(count) +
-                     " bytes at file byte " + std::to_string(offset));
-  };
+  if (!std::filesystem::is_regular_file(path_, ec))
+    fail(path_, std::filesystem::exists(path_, ec) ? "not a regular file" : "no such file");
+  const auto size = std::filesystem::file_size(path_, ec);
+  if (ec) fail(path_, "cannot read its size: " + ec.message());
+  in_.open(path_, std::ios::binary);
+  if (!in_) fail(path_, std::string("cannot open: ") + std::strerror(errno));
   std::array<unsigned char, 8> first8{};
   if (size >= 8) read_at(0, first8.data(), 8);
-  const std::uint64_t n = header_length(first8.data(), size, path);
+  const std::uint64_t n = header_length(first8.data(), size, path_);
   std::vector<unsigned char> text(static_cast<std::size_t>(n));
   read_at(8, text.data(), n);
-  Header h = parse_header(text.data(), n, size, path);
+  Header h = parse_header(text.data(), n, size, path_);
   if (check)
     for (const Entry& e : h.entries) check(e.name, e.dtype, e.shape);
+  metadata_ = std::move(h.metadata);
+  entries_.reserve(h.entries.size());
+  for (Entry& e : h.entries)
+    entries_.push_back({std::move(e.name), e.dtype, std::move(e.shape), h.data_start + e.begin,
+                        e.end - e.begin});
+}
+
+// Read only what the header describes, each length checked before it is trusted: a hostile
+// length costs nothing, and tensors are read one by one, never the file at once.
+void StReader::read_at(std::uint64_t offset, unsigned char* dst, std::uint64_t count) {
+  in_.clear();
+  in_.seekg(static_cast<std::streamoff>(offset));
+  in_.read(reinterpret_cast<char*>(dst), static_cast<std::streamsize>(count));
+  if (!in_ || static_cast<std::uint64_t>(in_.gcount()) != count)
+    fail(path_, "read " + std::to_string(in_.gcount()) + " of " + std::to_string(count) +
+                    " bytes at file byte " + std::to_string(offset));
+}
+
+StTensor StReader::read(const StEntry& e) {
+  StTensor t{e.dtype, e.shape, std::vector<unsigned char>(static_cast<std::size_t>(e.nbytes))};
+  read_at(e.offset, t.bytes.data(), e.nbytes);
+  return t;
+}
+
+StFile read_safetensors(const std::string& path, const EntryCheck& check) {
+  StReader r(path, check);
   StFile file;
-  file.metadata = std::move(h.metadata);
-  for (const Entry& e : h.entries) {
-    StTensor t{e.dtype, e.shape, std::vector<unsigned char>(static_cast<std::size_t>(e.end - e.begin))};
-    read_at(h.data_start + e.begin, t.bytes.data(), e.end - e.begin);
-    file.tensors.emplace(e.name, std::move(t));
-  }
+  file.metadata = r.metadata();
+  for (const StEntry& e : r.entries()) file.tensors.emplace(e.name, r.read(e));
   return file;
 }
 

@@ -95,8 +95,9 @@ CheckResult run_check(const CheckOptions& c) {
   st::StFile w = st::read_safetensors(c.load);
   weights_to_tpsim_names(w, m, c.load);
   in.loaded = weights_from_st(w, param_specs(o), c.load);
-  // Every shard is read and placed before the reference spends its time.
-  DumpSteps dump = read_dump(c.dumps, m, in.gpt_batch.B * in.gpt_batch.T);
+  // Every file, header entry and required tensor is checked before the reference spends
+  // its time; the tensors themselves are read one step of every rank at a time.
+  DumpReader dump(c.dumps, m, in.gpt_batch.B * in.gpt_batch.T);
 
   VerifyReport& rep = res.report;
   rep.tolerance = norm_tolerance(o);
@@ -115,7 +116,8 @@ CheckResult run_check(const CheckOptions& c) {
       [&](int step) {
         ref_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - ref_t0).count();
         rep.reference_losses.push_back(ref.loss);
-        std::vector<RankStep>& ranks = dump[static_cast<std::size_t>(step - 1)];
+        std::vector<RankStep> ranks;
+        for (int r = 0; r < world; ++r) ranks.push_back(dump.read(step, r));
         for (int r = 0; r < world; ++r) {
           RankStep& rs = ranks[static_cast<std::size_t>(r)];
           std::vector<Comparison> found;

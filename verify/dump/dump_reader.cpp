@@ -46,14 +46,22 @@ class RankReader {
     for (const auto& p : gpt_param_specs(m.config)) params_.emplace(p.name, p);
   }
 
-  void read(const st::StFile& file, DumpSteps& out) const {
-    std::vector<std::set<std::string>> seen(static_cast<std::size_t>(m_.steps));
-    for (const auto& [full_name, t] : file.tensors) {
-      const std::int64_t step = step_of(full_name);
-      const std::string name = full_name.substr(full_name.find('/') + 1);
-      RankStep& rs = out[static_cast<std::size_t>(step - 1)][static_cast<std::size_t>(rank_)];
-      place(full_name, name, t, rs);
-      seen[static_cast<std::size_t>(step - 1)].insert(name);
+  // The file's entries by step (indices into `entries`), each resolved to tpsim's names;
+  // UsageError for a step past the manifest's, a tensor named twice, or a required tensor
+  // missing from any step.
+  std::vector<std::vector<std::size_t>> index(const std::vector<st::StEntry>& entries,
+                                              const NameResolver& names) const {
+    std::vector<std::vector<std::size_t>> by_step(static_cast<std::size_t>(m_.steps));
+    std::vector<std::map<std::string, std::string>> seen(static_cast<std::size_t>(m_.steps));
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      for (const auto& full : names.resolve(entries[i].name).names) {
+        const auto s = static_cast<std::size_t>(step_of(full) - 1);
+        auto [it, fresh] = seen[s].emplace(full.substr(full.find('/') + 1), entries[i].name);
+        if (!fresh)
+          fail(full, "given twice, by " + quote_text(entries[i].name) + " and " +
+                         quote_text(it->second) + "; two sources for one tensor, refused");
+        if (by_step[s].empty() || by_step[s].back() != i) by_step[s].push_back(i);
+      }
     }
     for (std::int64_t s = 1; s <= m_.steps; ++s) {
       const auto& have = seen[static_cast<std::size_t>(s - 1)];
@@ -68,6 +76,19 @@ class RankReader {
         need(n);
       }
     }
+    return by_step;
+  }
+
+  // The tensors of one step, read from the file and placed.
+  RankStep read(st::StReader& file, const NameResolver& names,
+                const std::vector<std::size_t>& entries) const {
+    RankStep rs;
+    for (std::size_t i : entries) {
+      const st::StEntry& e = file.entries()[i];
+      for (auto& [full, t] : names.rename(e.name, file.read(e)))
+        place(full, full.substr(full.find('/') + 1), t, rs);
+    }
+    return rs;
   }
 
  private:
@@ -204,18 +225,42 @@ class RankReader {
 
 }  // namespace
 
-DumpSteps read_dump(const std::string& dir, const DumpManifest& m, std::int64_t tokens) {
+struct DumpReader::Rank {
+  Rank(const DumpManifest& m, std::int64_t tokens, int r, const std::string& path,
+       const std::map<std::string, DumpLayout>& layouts)
+      : source(quote_text(path)),
+        placer(m, tokens, r, source, layouts),
+        names(m, m.config.heads / m.world_size, true, source, "rank " + std::to_string(r) + "'s"),
+        // Every declared tensor's name, dtype and shape checked before any is allocated.
+        file(path, [this](const std::string& n, DType dt, const Shape& sh) {
+          const NameResolver::Target t = names.resolve(n);
+          if (t.fused) {
+            names.check_fused(n, t, sh);
+            for (const auto& q : t.names) placer.check_declared(q, dt, {sh[0] / 3, sh[1]});
+          } else {
+            placer.check_declared(t.names[0], dt, sh);
+          }
+        }),
+        by_step(placer.index(file.entries(), names)) {}
+  std::string source;
+  RankReader placer;
+  NameResolver names;
+  st::StReader file;
+  std::vector<std::vector<std::size_t>> by_step;
+};
+
+DumpReader::DumpReader(const std::string& dir, const DumpManifest& m, std::int64_t tokens)
+    : layouts_(layouts_in_tpsim_names(m)) {
   check_rank_files(dir, m.world_size);
-  const auto layouts = layouts_in_tpsim_names(m);
   const auto order = gpt_tensor_order(m.config);
-  // Every rank file checked and sized against what the manifest implies before anything
-  // is allocated for its steps: a manifest cannot claim more steps than the files hold,
-  // and a file cannot be larger than the steps need (a sparse file declaring terabytes).
+  // Every rank file checked and sized against what the manifest implies before any is
+  // read: a manifest cannot claim more steps than the files hold, and a file cannot be
+  // larger than the steps need (a sparse file declaring terabytes).
   constexpr std::uint64_t kHeaderPerTensor = 1024, kHeaderSlack = 1 << 16;
   const auto steps = static_cast<std::uint64_t>(m.steps);
   for (int r = 0; r < m.world_size; ++r) {
     const std::string name = "rank" + std::to_string(r) + ".safetensors";
-    const auto b = RankReader(m, tokens, r, name, layouts).budget(order);
+    const auto b = RankReader(m, tokens, r, name, layouts_).budget(order);
     const std::uint64_t cap = steps * (b.most + b.count * kHeaderPerTensor) + kHeaderSlack;
     const std::uint64_t size = check_dump_file(dir, name, cap, "rank " + std::to_string(r) +
                                                " of world_size " + std::to_string(m.world_size) +
@@ -225,27 +270,16 @@ DumpSteps read_dump(const std::string& dir, const DumpManifest& m, std::int64_t 
                        " steps need at least " + std::to_string(steps * b.least) + " bytes in " +
                        name + ", which holds " + std::to_string(size));
   }
-  DumpSteps out(static_cast<std::size_t>(m.steps),
-                std::vector<RankStep>(static_cast<std::size_t>(m.world_size)));
-  for (int r = 0; r < m.world_size; ++r) {
-    const std::string path = rank_file(dir, r), source = quote_text(path);
-    const RankReader reader(m, tokens, r, source, layouts);
-    const NameResolver names(m, m.config.heads / m.world_size, true, source,
-                             "rank " + std::to_string(r) + "'s");
-    // Every declared tensor's name, dtype and shape checked before any is allocated.
-    st::StFile file = st::read_safetensors(path, [&](const std::string& n, DType dt, const Shape& sh) {
-      const NameResolver::Target t = names.resolve(n);
-      if (t.fused) {
-        names.check_fused(n, t, sh);
-        for (const auto& q : t.names) reader.check_declared(q, dt, {sh[0] / 3, sh[1]});
-      } else {
-        reader.check_declared(t.names[0], dt, sh);
-      }
-    });
-    to_tpsim_names(file, m, r, source);
-    reader.read(file, out);
-  }
-  return out;
+  // Then every header, whole: names, shapes and required tensors of every step.
+  for (int r = 0; r < m.world_size; ++r)
+    ranks_.push_back(std::make_unique<Rank>(m, tokens, r, rank_file(dir, r), layouts_));
+}
+
+DumpReader::~DumpReader() = default;
+
+RankStep DumpReader::read(std::int64_t step, int rank) {
+  Rank& r = *ranks_.at(static_cast<std::size_t>(rank));
+  return r.placer.read(r.file, r.names, r.by_step.at(static_cast<std::size_t>(step - 1)));
 }
 
 }  // namespace tpsim

@@ -75,29 +75,20 @@ std::array<st::StTensor, 3> split_fused(const st::StTensor& t, NameConvention na
 }
 
 // Renames (and splits) every tensor of `file` as `names` resolves it.
-void rename_all(st::StFile& file, const NameResolver& names, const DumpManifest& m,
-                std::int64_t heads, const std::string& source) {
+void rename_all(st::StFile& file, const NameResolver& names, const std::string& source) {
   st::StFile out;
   out.metadata = file.metadata;
   std::map<std::string, std::string> origin;  // tpsim name -> the file's name it came from
-  // Two of the file's tensors that become one tpsim tensor: neither may silently win.
-  auto put = [&](const std::string& to, const std::string& from, st::StTensor&& tensor) {
-    auto [it, fresh] = origin.emplace(to, from);
-    if (!fresh)
-      throw UsageError(source + ": " + st::quote_name(from) + " and " + st::quote_name(it->second) +
-                       " are both " + st::quote_name(to) + "; two sources for one tensor, refused");
-    out.tensors[to] = std::move(tensor);
-  };
-  for (auto& [full, tensor] : file.tensors) {
-    const NameResolver::Target t = names.resolve(full);
-    if (!t.fused) {
-      put(t.names[0], full, std::move(tensor));
-      continue;
+  for (auto& [full, tensor] : file.tensors)
+    for (auto& [to, t] : names.rename(full, std::move(tensor))) {
+      // Two of the file's tensors that become one tpsim tensor: neither may silently win.
+      auto [it, fresh] = origin.emplace(to, full);
+      if (!fresh)
+        throw UsageError(source + ": " + st::quote_name(full) + " and " +
+                         st::quote_name(it->second) + " are both " + st::quote_name(to) +
+                         "; two sources for one tensor, refused");
+      out.tensors[to] = std::move(t);
     }
-    names.check_fused(full, t, tensor.shape);
-    auto qkv = split_fused(tensor, m.names, heads, m.config.head_dim());
-    for (std::size_t i = 0; i < 3; ++i) put(t.names[i], full, std::move(qkv[i]));
-  }
   file = std::move(out);
 }
 
@@ -138,19 +129,33 @@ void NameResolver::check_fused(const std::string& full, const Target& t, const S
                      convention_name(m_.names) + " layout)");
 }
 
+std::vector<std::pair<std::string, st::StTensor>> NameResolver::rename(const std::string& full,
+                                                                       st::StTensor&& t) const {
+  const Target target = resolve(full);
+  std::vector<std::pair<std::string, st::StTensor>> out;
+  if (!target.fused) {
+    out.emplace_back(target.names[0], std::move(t));
+    return out;
+  }
+  check_fused(full, target, t.shape);
+  auto qkv = split_fused(t, m_.names, heads_, m_.config.head_dim());
+  for (std::size_t i = 0; i < 3; ++i) out.emplace_back(target.names[i], std::move(qkv[i]));
+  return out;
+}
+
 void to_tpsim_names(st::StFile& rank_file, const DumpManifest& m, int rank,
                     const std::string& source) {
   if (m.names == NameConvention::Tpsim) return;
   const std::int64_t heads = m.config.heads / m.world_size;
   rename_all(rank_file, NameResolver(m, heads, true, source, "rank " + std::to_string(rank) + "'s"),
-             m, heads, source);
+             source);
 }
 
 void weights_to_tpsim_names(st::StFile& weights, const DumpManifest& m, const std::string& source) {
   if (m.names == NameConvention::Tpsim) return;
   const NameResolver names(m, m.config.heads, false, source, "the full");
   weights.tensors.erase(names.names().tied_head);
-  rename_all(weights, names, m, m.config.heads, source);
+  rename_all(weights, names, source);
 }
 
 std::map<std::string, DumpLayout> layouts_in_tpsim_names(const DumpManifest& m) {

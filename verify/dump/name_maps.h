@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/safetensors.h"
@@ -41,6 +42,10 @@ class NameResolver {
   Target resolve(const std::string& full) const;
   // UsageError unless `shape` is what a fused tensor of `t` must be.
   void check_fused(const std::string& full, const Target& t, const Shape& shape) const;
+  // The tensor `full` of the file as the tensors it becomes in tpsim's names (a fused
+  // one split into this rank's q, k and v shards).
+  std::vector<std::pair<std::string, st::StTensor>> rename(const std::string& full,
+                                                           st::StTensor&& t) const;
   const ConventionNames& names() const { return names_; }
 
  private:
