@@ -323,7 +323,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       if (raw.steps.empty()) raw.steps = "2";
       finish_options(o, raw, DType::F64, true);
       const SweepReport r = run_sweep(default_sweep(o));
-      print_sweep_report(std::cout, o, r);
+      print_sweep_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
       if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
       return r.pass ? kExitOk : kExitMismatch;
     }
@@ -341,7 +341,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     finish_options(o, raw, DType::F64, true);
     check_fault_applies(o.fault, fault_target(o));
     const VerifyReport r = run_verify(o);
-    print_verify_report(std::cout, o, r);
+    print_verify_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
     if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);
     if (!o.html_path.empty())
       write_html_report(o.html_path,
