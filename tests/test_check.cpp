@@ -621,3 +621,31 @@ TEST_CASE("train --dump into a directory: an old dump's rank files go, a non-dum
   CHECK(t.out.find("not empty and holds no dump") != std::string::npos);
   CHECK(std::filesystem::exists(other + "/notes.txt"));
 }
+
+TEST_CASE("check judges each step from the producer's weights of the step before",
+          "[check][cli]") {
+  // tpsim's own f64 dump of a tiny model: free-running, correct code drifts past the 1e-10
+  // bound by step ~130 (issue 36, case 11); judged step by step it passes.
+  const std::string dir = temp_path("long-run");
+  std::filesystem::remove_all(dir);
+  auto r = run_tpsim("train --model gpt --preset small --hidden 8 --heads 2 --tp 2 --dtype f64 "
+                     "--steps 200 --dump " + dir);
+  REQUIRE(r.exit_code == 0);
+  r = check(dir);
+  INFO(r.out);
+  CHECK(r.exit_code == 0);
+  r = check(dir, "--free-running");
+  CHECK(r.exit_code == 1);
+  // A wrong update is still caught at its own step, not absorbed by the rebasing.
+  auto f = st::read_safetensors(rank_path(dir, 1));
+  auto& t = f.tensors.at("step150/h.0.mlp.ffn1.weight");
+  auto v = t.to_f64();
+  v[0] += 1e-3;
+  t = st::st_from_f64(t.shape, v, t.dtype);
+  st::write_safetensors(rank_path(dir, 1), f);
+  r = check(dir, "--json " + dir + "/report.json");
+  REQUIRE(r.exit_code == 1);
+  const auto j = read_json(dir + "/report.json")["first_failure"];
+  CHECK(j["tensor"] == "h.0.mlp.ffn1.weight");
+  CHECK(j["step"] == 150);
+}

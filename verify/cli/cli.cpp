@@ -266,6 +266,10 @@ Examples:
   check->add_option("--data", chk.data, "the batch: input_ids I64 [B,T], labels I64 [B,T-1]")
       ->required();
   check->add_option("--json", chk.json, "write a machine-readable report here");
+  check->add_flag("--free-running", chk.free_running,
+                  "run the reference on its own trajectory from the initial weights (errors "
+                  "compound over steps) instead of starting each step from the dump's weights "
+                  "of the step before");
   check->add_option("--html", chk.html,
                     "write a self-contained HTML page: losses, a tensor-by-step error heatmap, the "
                     "first failure's shards side by side");

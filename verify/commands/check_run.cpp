@@ -41,6 +41,20 @@ void check_replicas(StepChecker& check, const RankStep& mine, const RankStep& ra
   check.check_replicas(a, b, phases);
 }
 
+// The producer's full parameters after a step, from every rank's shards of them (a
+// replicated one from rank 0; check_replicas holds the others to it).
+TensorMap producer_params(const std::vector<RankStep>& ranks) {
+  TensorMap full;
+  for (const RankStep& rs : ranks)
+    for (const auto& ob : rs.update) {
+      if (ob.spec.replicated() && ob.spec.rank != 0) continue;
+      auto& v = full[ob.name];
+      v.resize(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)));
+      place_shard(v, std::span<const double>(ob.values.data(), ob.values.size()), ob.spec);
+    }
+  return full;
+}
+
 }  // namespace
 
 RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const GptBatch& batch) {
@@ -109,6 +123,7 @@ CheckResult run_check(const CheckOptions& c) {
   StepFolder folder(world, tpr);
   const auto order = gpt_tensor_order(o.gpt);
   RefStep ref;
+  TensorMap producer;  // the producer's weights after the last step checked
   double ref_seconds = 0;
   auto ref_t0 = std::chrono::steady_clock::now();
   run_reference(
@@ -135,8 +150,10 @@ CheckResult run_check(const CheckOptions& c) {
           if (r != 0) check_replicas(check, rs, ranks[0]);
           folder.hand_in(step, std::move(found));
         }
+        if (!c.free_running) producer = producer_params(ranks);
         ref_t0 = std::chrono::steady_clock::now();
-      });
+      },
+      [&](int step) -> const TensorMap* { return step > 1 && !c.free_running ? &producer : nullptr; });
   rep.reference_seconds = ref_seconds;
   tpr.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   rep.pass = tpr.pass;

@@ -49,10 +49,23 @@ ref::ParamSet<double> start_params(const std::vector<ParamSpec>& specs, const Ru
 template <class Model, class Batch, class Update>
 void trace(Model& model, const Batch& batch, int steps, const char* output_name, Update&& update,
            RefStorage storage, const std::function<RefStep&(int)>& slot,
-           const std::function<void(int)>& published) {
+           const std::function<void(int)>& published, const RebaseFn& rebase) {
   for (int s = 1; s <= steps; ++s) {
     // In place, step s-1's readers must be done before the model overwrites what they view.
     RefStep* st = storage == RefStorage::InPlace ? &slot(s) : nullptr;
+    if constexpr (requires { model.set_params(model.params()); })
+      if (const TensorMap* start = rebase ? rebase(s) : nullptr) {
+        auto ps = model.params();
+        for (auto& [name, m] : ps) {
+          auto it = start->find(name);
+          if (it == start->end()) continue;
+          if (it->second.size() != static_cast<std::size_t>(m.size()))
+            throw Error("run_reference: rebase of " + name + " with " +
+                        std::to_string(it->second.size()) + " values, not " + std::to_string(m.size()));
+          std::copy(it->second.begin(), it->second.end(), m.data());
+        }
+        model.set_params(std::move(ps));
+      }
     const double loss = model.forward_backward(batch);
     if (!st) st = &slot(s);
     st->step = s;
@@ -78,18 +91,18 @@ void trace(Model& model, const Batch& batch, int steps, const char* output_name,
 
 void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
-                   const std::function<void(int step)>& published) {
+                   const std::function<void(int step)>& published, const RebaseFn& rebase) {
   const auto specs = param_specs(o);
   auto params = start_params(specs, in, o.seed);
   if (o.model == ModelKind::Mlp) {
     ref::Mlp<double> m(o.mlp, std::move(params));
     trace(m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, storage, slot,
-          published);
+          published, rebase);
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params));
     g.record_points(true);
     trace(g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); }, storage, slot,
-          published);
+          published, rebase);
   }
 }
 
