@@ -219,7 +219,7 @@ TEST_CASE("a hostile safetensors header is refused without reading the file", "[
   expect_one_line(r, 2, "header length 150000000 exceeds the limit of 100000000 bytes");
 }
 
-TEST_CASE("--json - is standard output: the JSON alone, the text report on stderr", "[cli][io]") {
+TEST_CASE("verify with --json - : stdout is the JSON alone, the text report on stderr", "[cli][io]") {
   const std::string out = temp_path("verify-stdout.json"), err = temp_path("verify-stderr.txt");
   const int rc = std::system((std::string(TPSIM_BINARY) + " verify --model mlp --tp 1,2 --steps 1 --json - > " +
                               out + " 2> " + err).c_str());
