@@ -3,6 +3,7 @@
 // not at all; a diverged run exits 3 and names where.
 #include <catch2/catch.hpp>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -216,4 +217,16 @@ TEST_CASE("a hostile safetensors header is refused without reading the file", "[
   const auto r = run_tpsim("verify --model mlp --tp 1 --load " + path, "ulimit -v 2000000;");
   std::filesystem::remove(path);
   expect_one_line(r, 2, "header length 150000000 exceeds the limit of 100000000 bytes");
+}
+
+TEST_CASE("verify with --json - : stdout is the JSON alone, the text report on stderr", "[cli][io]") {
+  const std::string out = temp_path("verify-stdout.json"), err = temp_path("verify-stderr.txt");
+  const int rc = std::system((std::string(TPSIM_BINARY) + " verify --model mlp --tp 1,2 --steps 1 --json - > " +
+                              out + " 2> " + err).c_str());
+  REQUIRE(rc == 0);
+  std::ifstream f(out);
+  CHECK(nlohmann::json::parse(f)["pass"] == true);
+  std::ifstream e(err);
+  const std::string text{std::istreambuf_iterator<char>(e), {}};
+  CHECK(text.find("PASS") != std::string::npos);
 }

@@ -2,6 +2,16 @@
 // mix: the bytes go to a temporary file in the target's directory, every write and the
 // close are checked, the data is fsynced, and only then is it renamed over the target.
 // Used for every file tpsim writes (weights, JSON reports, traces, plots).
+//
+// Outputs go where the user said and nowhere else (docs/check-threat-model.md):
+//  - "-" is standard output, written in place;
+//  - a character device (/dev/null, a terminal) or a FIFO is written in place: opened for
+//    writing at commit, never replaced by a rename;
+//  - a symlink is followed (every level), and its final target is replaced atomically,
+//    with the temporary file in the target's directory; the link stays a link;
+//  - anything else that exists and is not a regular file (a directory, a socket, a block
+//    device) is refused when the AtomicFile is made, so check_writable refuses it before
+//    a run.
 #pragma once
 
 #include <cstddef>
@@ -29,7 +39,11 @@ class AtomicFile {
 
  private:
   [[noreturn]] void fail(const std::string& what, int err) const;
+  void write_fd(const void* data, std::size_t n);
   std::string path_, flag_, temp_;
+  std::string target_;     // path_ with every link followed: what is replaced or written
+  bool in_place_ = false;  // stdout, a character device or a FIFO: written, not replaced
+  std::string buffer_;     // in place: the bytes, written at commit
   int fd_ = -1;
   bool committed_ = false;
 };

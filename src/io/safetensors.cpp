@@ -11,11 +11,12 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
 #include <string_view>
 #include <tuple>
 
 #include "io/atomic_file.h"
+#include "io/strict_json.h"
+#include "io/untrusted_text.h"
 
 namespace tpsim::st {
 
@@ -28,36 +29,17 @@ namespace {
 using json = nlohmann::json;
 
 // ---------------------------------------------------------------------------------------
-// Messages. Names and strings come from the file: escape control bytes so the message
-// stays on one line, and cut long ones so a hostile header cannot flood a log.
+// Messages. Names and strings come from the file: quote_text() escapes control bytes and
+// invalid UTF-8 so the message stays on one line, and cuts long ones so a hostile header
+// cannot flood a log. `source` is a path: escaped (it may hold control bytes), not quoted.
 
-// `ascii` escapes every non-ASCII byte too, for text that may not be valid UTF-8.
 std::string hex_byte(unsigned char c) {
   static constexpr char kHex[] = "0123456789abcdef";
   return std::string("0x") + kHex[c >> 4] + kHex[c & 15];
 }
 
-std::string printable(std::string_view s, std::size_t limit = 80, bool ascii = false) {
-  bool cut = s.size() > limit;
-  if (cut) {
-    std::size_t n = limit;
-    while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;  // UTF-8 boundary
-    s = s.substr(0, n);
-  }
-  std::string out;
-  for (char ch : s) {
-    auto c = static_cast<unsigned char>(ch);
-    if (c < 0x20 || c == 0x7F || (ascii && c >= 0x80)) {
-      out += "\\x" + hex_byte(c).substr(2);
-    } else {
-      out += ch;
-    }
-  }
-  return cut ? out + "..." : out;
-}
-
 [[noreturn]] void fail(const std::string& source, const std::string& what) {
-  throw UsageError(source + ": " + what);
+  throw UsageError(escaped(source) + ": " + what);
 }
 
 [[noreturn]] void fail_tensor(const std::string& source, const std::string& name,
@@ -66,7 +48,7 @@ std::string printable(std::string_view s, std::size_t limit = 80, bool ascii = f
 }
 
 // "a JSON array" for containers; the value itself for scalars (short by construction,
-// strings are cut by printable).
+// strings are cut by quote_name).
 std::string describe(const json& v) {
   if (v.is_string()) return "the string " + quote_name(v.get_ref<const std::string&>());
   if (v.is_structured()) return std::string("a JSON ") + v.type_name();
@@ -142,57 +124,11 @@ std::optional<Extent> extent_of(const Shape& shape, DType dtype) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Header JSON. nlohmann keeps the last of duplicated keys silently; the parser callback
-// sees every key as it is read, so it rejects duplicates (at any level) there. It also
-// rejects nesting deeper than the format ever needs (root -> entry -> shape), which bounds
-// the work a hostile header can cause before the structural checks run.
+// Header JSON, parsed by parse_json_strict: linear in the header, duplicate keys (at any
+// level) refused, and nesting deeper than the format ever needs (root -> entry -> shape)
+// refused at the first bracket too many.
 
-class HeaderGuard {
- public:
-  explicit HeaderGuard(const std::string& source) : source_(source) {}
-
-  bool on_event(int depth, json::parse_event_t event, const json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-        check_depth(depth);
-        seen_.emplace_back();
-        break;
-      case json::parse_event_t::array_start:
-        check_depth(depth);
-        break;
-      case json::parse_event_t::object_end:
-        if (!seen_.empty()) seen_.pop_back();
-        break;
-      case json::parse_event_t::key:
-        on_key(depth, parsed.get_ref<const std::string&>());
-        break;
-      default:
-        break;
-    }
-    return true;  // keep every value; the structural checks come after parsing
-  }
-
- private:
-  static constexpr int kMaxDepth = 3;  // {"name": {"shape": [1]}} opens containers at 0,1,2
-
-  void check_depth(int depth) const {
-    if (depth < kMaxDepth) return;
-    fail(source_, "header: the value of " + quote_name(top_key_) +
-                      " nests JSON deeper than safetensors allows");
-  }
-
-  void on_key(int depth, const std::string& key) {
-    if (seen_.empty()) return;  // cannot happen: keys live in objects
-    if (depth == 1) top_key_ = key;
-    if (seen_.back().insert(key).second) return;
-    if (depth == 1) fail(source_, "header: duplicate tensor name " + quote_name(key));
-    fail(source_, "header: duplicate key " + quote_name(key) + " inside " + quote_name(top_key_));
-  }
-
-  const std::string& source_;
-  std::vector<std::set<std::string>> seen_;  // keys read so far, one set per open object
-  std::string top_key_;                      // the tensor name (or __metadata__) being read
-};
+constexpr int kMaxDepth = 3;  // {"name": {"shape": [1]}}
 
 json parse_header_json(const unsigned char* text, std::size_t n, const std::string& source) {
   // Valid JSON may start with whitespace or a byte-order mark, but safetensors writers
@@ -201,26 +137,26 @@ json parse_header_json(const unsigned char* text, std::size_t n, const std::stri
   if (text[0] != '{')
     fail(source, "header does not start with '{' (file byte 8 is " + hex_byte(text[0]) +
                      "); the header must be a JSON object");
-  HeaderGuard guard(source);
-  json::parser_callback_t cb = [&guard](int depth, json::parse_event_t event, json& parsed) {
-    return guard.on_event(depth, event, parsed);
-  };
   try {
-    return json::parse(text, text + n, cb);
-  } catch (const json::parse_error& e) {
-    // e.byte counts from 1; the header starts at file byte 8.
-    std::string msg = e.what();
-    auto colon = msg.find(": ");
-    std::string reason = colon == std::string::npos ? msg : msg.substr(colon + 2);
-    fail(source, "header is not valid JSON near file byte " + std::to_string(7 + e.byte) +
-                     ": " + printable(reason, 160, true));
-  } catch (const json::exception& e) {
-    // Grammatical JSON that nlohmann cannot represent, e.g. a number beyond double
-    // (out_of_range.406, found by the fuzzer); it carries no byte position.
-    std::string msg = e.what();
-    auto bracket = msg.find("] ");
-    std::string reason = bracket == std::string::npos ? msg : msg.substr(bracket + 2);
-    fail(source, "header is not usable JSON: " + printable(reason, 160, true));
+    return parse_json_strict({reinterpret_cast<const char*>(text), n}, kMaxDepth);
+  } catch (const JsonRefusal& e) {
+    switch (e.kind) {
+      case JsonRefusal::Kind::Duplicate:
+        if (e.depth == 1) fail(source, "header: duplicate tensor name " + quote_name(e.key));
+        fail(source, "header: duplicate key " + quote_name(e.key) + " inside " +
+                         quote_name(e.top_key));
+      case JsonRefusal::Kind::TooDeep:
+        fail(source, "header: the value of " + quote_name(e.top_key) +
+                         " nests JSON deeper than safetensors allows");
+      case JsonRefusal::Kind::Syntax:
+        break;
+    }
+    // e.byte counts from 1; the header starts at file byte 8. A number beyond double is
+    // grammatical JSON that cannot be represented (found by the fuzzer).
+    if (e.reason.find("number overflow") != std::string::npos)
+      fail(source, "header is not usable JSON: " + escaped(e.reason, 160));
+    fail(source, "header is not valid JSON near file byte " + std::to_string(7 + e.byte) + ": " +
+                     escaped(e.reason, 160));
   }
 }
 
@@ -374,8 +310,8 @@ void check_utf8(const std::string& s, const std::string& what) {
   try {
     (void)json(s).dump();
   } catch (const json::exception&) {
-    throw Error("serialize_safetensors: " + what + " '" + printable(s, 80, true) +
-                "' is not valid UTF-8");
+    throw Error("serialize_safetensors: " + what + " " + quote_text(s, 80) +
+                " is not valid UTF-8");
   }
 }
 
@@ -432,7 +368,7 @@ std::size_t checked_count(const Shape& shape, std::size_t values, DType dtype, c
 
 }  // namespace
 
-std::string quote_name(std::string_view name) { return "'" + printable(name) + "'"; }
+std::string quote_name(std::string_view name) { return quote_text(name, 80); }
 
 const char* st_dtype_name(DType d) {
   switch (d) {
@@ -551,37 +487,51 @@ StFile parse_safetensors(const unsigned char* data, std::size_t size, const std:
   return file;
 }
 
-StFile read_safetensors(const std::string& path) {
+StReader::StReader(std::string path, const EntryCheck& check) : path_(std::move(path)) {
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec))
-    fail(path, std::filesystem::exists(path, ec) ? "not a regular file" : "no such file");
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) fail(path, "cannot read its size: " + ec.message());
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
-  // Read only what the header describes, each length checked before it is trusted: a
-  // hostile length costs nothing, and weights are read tensor by tensor, never the file
-  // at once.
-  auto read_at = [&](std::uint64_t offset, unsigned char* dst, std::uint64_t count) {
-    in.seekg(static_cast<std::streamoff>(offset));
-    in.read(reinterpret_cast<char*>(dst), static_cast<std::streamsize>(count));
-    if (!in || static_cast<std::uint64_t>(in.gcount()) != count)
-      fail(path, "read " + std::to_string(in.gcount()) + " of " + std::to_string(count) +
-                     " bytes at file byte " + std::to_string(offset));
-  };
+  if (!std::filesystem::is_regular_file(path_, ec))
+    fail(path_, std::filesystem::exists(path_, ec) ? "not a regular file" : "no such file");
+  const auto size = std::filesystem::file_size(path_, ec);
+  if (ec) fail(path_, "cannot read its size: " + ec.message());
+  in_.open(path_, std::ios::binary);
+  if (!in_) fail(path_, std::string("cannot open: ") + std::strerror(errno));
   std::array<unsigned char, 8> first8{};
   if (size >= 8) read_at(0, first8.data(), 8);
-  const std::uint64_t n = header_length(first8.data(), size, path);
+  const std::uint64_t n = header_length(first8.data(), size, path_);
   std::vector<unsigned char> text(static_cast<std::size_t>(n));
   read_at(8, text.data(), n);
-  Header h = parse_header(text.data(), n, size, path);
+  Header h = parse_header(text.data(), n, size, path_);
+  if (check)
+    for (const Entry& e : h.entries) check(e.name, e.dtype, e.shape);
+  metadata_ = std::move(h.metadata);
+  entries_.reserve(h.entries.size());
+  for (Entry& e : h.entries)
+    entries_.push_back({std::move(e.name), e.dtype, std::move(e.shape), h.data_start + e.begin,
+                        e.end - e.begin});
+}
+
+// Read only what the header describes, each length checked before it is trusted: a hostile
+// length costs nothing, and tensors are read one by one, never the file at once.
+void StReader::read_at(std::uint64_t offset, unsigned char* dst, std::uint64_t count) {
+  in_.clear();
+  in_.seekg(static_cast<std::streamoff>(offset));
+  in_.read(reinterpret_cast<char*>(dst), static_cast<std::streamsize>(count));
+  if (!in_ || static_cast<std::uint64_t>(in_.gcount()) != count)
+    fail(path_, "read " + std::to_string(in_.gcount()) + " of " + std::to_string(count) +
+                    " bytes at file byte " + std::to_string(offset));
+}
+
+StTensor StReader::read(const StEntry& e) {
+  StTensor t{e.dtype, e.shape, std::vector<unsigned char>(static_cast<std::size_t>(e.nbytes))};
+  read_at(e.offset, t.bytes.data(), e.nbytes);
+  return t;
+}
+
+StFile read_safetensors(const std::string& path, const EntryCheck& check) {
+  StReader r(path, check);
   StFile file;
-  file.metadata = std::move(h.metadata);
-  for (const Entry& e : h.entries) {
-    StTensor t{e.dtype, e.shape, std::vector<unsigned char>(static_cast<std::size_t>(e.end - e.begin))};
-    read_at(h.data_start + e.begin, t.bytes.data(), e.end - e.begin);
-    file.tensors.emplace(e.name, std::move(t));
-  }
+  file.metadata = r.metadata();
+  for (const StEntry& e : r.entries()) file.tensors.emplace(e.name, r.read(e));
   return file;
 }
 

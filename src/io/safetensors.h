@@ -14,6 +14,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -62,7 +64,39 @@ struct StFile {
 
 // Parses a whole file held in memory. `source` names it in error messages.
 StFile parse_safetensors(const unsigned char* data, std::size_t size, const std::string& source);
-StFile read_safetensors(const std::string& path);
+// Called for every tensor of the header, after the header's own checks and before any
+// tensor's bytes are read or allocated; it throws to refuse the file (a dump's reader
+// checks each declared shape against the layout here).
+using EntryCheck = std::function<void(const std::string& name, DType dtype, const Shape& shape)>;
+StFile read_safetensors(const std::string& path, const EntryCheck& check = {});
+
+// One tensor as the header declares it: where its bytes are in the file.
+struct StEntry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  std::uint64_t offset;  // file byte of its first element
+  std::uint64_t nbytes;
+};
+
+// A file whose header is read and checked (as read_safetensors does, `check` included)
+// and whose tensors are read one at a time, on demand: a reader of many steps holds one
+// step in memory, not the file.
+class StReader {
+ public:
+  explicit StReader(std::string path, const EntryCheck& check = {});
+  const std::vector<StEntry>& entries() const { return entries_; }  // in file order
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  StTensor read(const StEntry& e);  // e: one of entries()
+  const std::string& path() const { return path_; }
+
+ private:
+  void read_at(std::uint64_t offset, unsigned char* dst, std::uint64_t count);
+  std::string path_;
+  std::ifstream in_;
+  std::vector<StEntry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
 
 // Tensors in name order, contiguous from offset 0, no gaps; the header is padded with
 // spaces so that the data buffer starts 8-byte aligned, as the reference writer does.

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "io/atomic_file.h"
+#include "io/untrusted_text.h"
 #include "verify/commands/check_run.h"
 #include "verify/report/html_report.h"
 #include "verify/commands/profile_run.h"
@@ -145,13 +146,34 @@ void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, boo
   validate_run_options(o);
 }
 
-// The command as typed, for the HTML page's header (arguments with spaces quoted).
+// The command as typed, for the HTML page's header, quoted for a POSIX shell so that a
+// pasted line runs exactly this command: a word of safe characters as it is, anything else
+// in single quotes (a ' inside as '\''), and a word holding control bytes as $'...' with
+// \xNN escapes (so no byte of it reaches the page raw).
+std::string shell_word(const std::string& a) {
+  static const std::string kSafe =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_@%+=:,./-";
+  if (!a.empty() && a.find_first_not_of(kSafe) == std::string::npos) return a;
+  bool control = false;
+  for (char ch : a) control = control || static_cast<unsigned char>(ch) < 0x20 || ch == 0x7F;
+  std::string out = control ? "$'" : "'";
+  for (char ch : a) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (control && (c < 0x20 || c == 0x7F || c == '\\' || c == '\'')) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += std::string("\\x") + kHex[c >> 4] + kHex[c & 15];
+    } else if (!control && c == '\'') {
+      out += "'\\''";
+    } else {
+      out += ch;
+    }
+  }
+  return out + "'";
+}
+
 std::string command_line(int argc, char** argv) {
   std::string s = "tpsim";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    s += " " + (a.find_first_of(" \t'\"") == std::string::npos ? a : "'" + a + "'");
-  }
+  for (int i = 1; i < argc; ++i) s += " " + shell_word(argv[i]);
   return s;
 }
 
@@ -256,6 +278,10 @@ Examples:
   check->add_option("--data", chk.data, "the batch: input_ids I64 [B,T], labels I64 [B,T-1]")
       ->required();
   check->add_option("--json", chk.json, "write a machine-readable report here");
+  check->add_flag("--free-running", chk.free_running,
+                  "run the reference on its own trajectory from the initial weights (errors "
+                  "compound over steps) instead of starting each step from the dump's weights "
+                  "of the step before");
   check->add_option("--html", chk.html,
                     "write a self-contained HTML page: losses, a tensor-by-step error heatmap, the "
                     "first failure's shards side by side");
@@ -286,11 +312,14 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       if (!chk.json.empty()) check_writable(chk.json, "--json");
       if (!chk.html.empty()) check_writable(chk.html, "--html");
       const CheckResult r = run_check(chk);
-      print_check_report(std::cout, chk.dumps, r.run, r.report);
-      if (!chk.json.empty()) write_json(chk.json, check_json(chk.dumps, r.run, r.report));
+      // The directory as the reports show it: escaped and cut (it may hold any byte).
+      const std::string dumps = escaped(chk.dumps);
+      // --json -: the JSON is standard output, so the text report goes to stderr.
+      print_check_report(chk.json == "-" ? std::cerr : std::cout, dumps, r.run, r.report);
+      if (!chk.json.empty()) write_json(chk.json, check_json(dumps, r.run, r.report));
       if (!chk.html.empty())
         write_html_report(chk.html,
-                          {"tpsim check", command_line(argc, argv), check_config_line(chk.dumps, r.run),
+                          {"tpsim check", command_line(argc, argv), check_config_line(dumps, r.run),
                            tolerance_rule(r.report.tolerance, r.report.per_tensor_bounds),
                            check_verdict(r.report)},
                           r.report);
@@ -310,7 +339,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       if (raw.steps.empty()) raw.steps = "2";
       finish_options(o, raw, DType::F64, true);
       const SweepReport r = run_sweep(default_sweep(o));
-      print_sweep_report(std::cout, o, r);
+      print_sweep_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
       if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
       return r.pass ? kExitOk : kExitMismatch;
     }
@@ -328,7 +357,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     finish_options(o, raw, DType::F64, true);
     check_fault_applies(o.fault, fault_target(o));
     const VerifyReport r = run_verify(o);
-    print_verify_report(std::cout, o, r);
+    print_verify_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
     if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);
     if (!o.html_path.empty())
       write_html_report(o.html_path,

@@ -5,6 +5,8 @@
 #include <tuple>
 
 #include "io/checkpoint.h"
+#include "io/untrusted_text.h"
+#include "verify/dump/dump_files.h"
 #include "verify/dump/dump_reader.h"
 #include "verify/dump/dump_writer.h"
 #include "verify/dump/name_maps.h"
@@ -39,6 +41,20 @@ void check_replicas(StepChecker& check, const RankStep& mine, const RankStep& ra
   check.check_replicas(a, b, phases);
 }
 
+// The producer's full parameters after a step, from every rank's shards of them (a
+// replicated one from rank 0; check_replicas holds the others to it).
+TensorMap producer_params(const std::vector<RankStep>& ranks) {
+  TensorMap full;
+  for (const RankStep& rs : ranks)
+    for (const auto& ob : rs.update) {
+      if (ob.spec.replicated() && ob.spec.rank != 0) continue;
+      auto& v = full[ob.name];
+      v.resize(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)));
+      place_shard(v, std::span<const double>(ob.values.data(), ob.values.size()), ob.spec);
+    }
+  return full;
+}
+
 }  // namespace
 
 RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const GptBatch& batch) {
@@ -60,7 +76,7 @@ RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const Gp
     validate_run_options(o);
     check_tp_degree(o, m.world_size);
   } catch (const UsageError& e) {
-    throw UsageError(manifest_file(c.dumps) + ": the run it describes cannot be checked: " +
+    throw UsageError(quote_text(manifest_file(c.dumps)) + ": the run it describes cannot be checked: " +
                      e.what());
   }
   return o;
@@ -68,11 +84,24 @@ RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const Gp
 
 CheckResult run_check(const CheckOptions& c) {
   const auto t0 = std::chrono::steady_clock::now();
-  const DumpManifest m = read_manifest(manifest_file(c.dumps));
+  const DumpManifest m = read_manifest(c.dumps);
   CheckResult res;
   RunOptions& o = res.run;
   if (c.load.empty()) throw UsageError("check: --load W.safetensors (the initial weights) is required");
   if (c.data.empty()) throw UsageError("check: --data D.safetensors (the batch) is required");
+  // The command line names --load and --data, but a link inside the dump directory is the
+  // dump's: each must resolve to a regular file, inside the dump directory if named there,
+  // no larger than the manifest's model can need (docs/check-threat-model.md).
+  constexpr std::uint64_t kSlack = 1 << 16, kPerTensor = 1024, kMaxSequences = 1 << 16;
+  check_input_file(c.data, c.dumps,
+                   16 * static_cast<std::uint64_t>(m.config.block_size) * kMaxSequences + kSlack,
+                   "--data");
+  {
+    std::uint64_t numel = static_cast<std::uint64_t>(m.config.vocab_size * m.config.hidden);  // a tied head
+    const auto specs = gpt_param_specs(m.config);
+    for (const auto& p : specs) numel += static_cast<std::uint64_t>(shape_numel(p.shape));
+    check_input_file(c.load, c.dumps, 8 * numel + kPerTensor * (specs.size() + 1) + kSlack, "--load");
+  }
   o = run_options_of(m, c, load_gpt_batch(c.data));
 
   // The inputs as verify reads them; the weights renamed from the dump's convention first.
@@ -80,8 +109,9 @@ CheckResult run_check(const CheckOptions& c) {
   st::StFile w = st::read_safetensors(c.load);
   weights_to_tpsim_names(w, m, c.load);
   in.loaded = weights_from_st(w, param_specs(o), c.load);
-  // Every shard is read and placed before the reference spends its time.
-  DumpSteps dump = read_dump(c.dumps, m, in.gpt_batch.B * in.gpt_batch.T);
+  // Every file, header entry and required tensor is checked before the reference spends
+  // its time; the tensors themselves are read one step of every rank at a time.
+  DumpReader dump(c.dumps, m, in.gpt_batch.B * in.gpt_batch.T);
 
   VerifyReport& rep = res.report;
   rep.tolerance = norm_tolerance(o);
@@ -93,6 +123,7 @@ CheckResult run_check(const CheckOptions& c) {
   StepFolder folder(world, tpr);
   const auto order = gpt_tensor_order(o.gpt);
   RefStep ref;
+  TensorMap producer;  // the producer's weights after the last step checked
   double ref_seconds = 0;
   auto ref_t0 = std::chrono::steady_clock::now();
   run_reference(
@@ -100,7 +131,8 @@ CheckResult run_check(const CheckOptions& c) {
       [&](int step) {
         ref_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - ref_t0).count();
         rep.reference_losses.push_back(ref.loss);
-        std::vector<RankStep>& ranks = dump[static_cast<std::size_t>(step - 1)];
+        std::vector<RankStep> ranks;
+        for (int r = 0; r < world; ++r) ranks.push_back(dump.read(step, r));
         for (int r = 0; r < world; ++r) {
           RankStep& rs = ranks[static_cast<std::size_t>(r)];
           std::vector<Comparison> found;
@@ -118,8 +150,10 @@ CheckResult run_check(const CheckOptions& c) {
           if (r != 0) check_replicas(check, rs, ranks[0]);
           folder.hand_in(step, std::move(found));
         }
+        if (!c.free_running) producer = producer_params(ranks);
         ref_t0 = std::chrono::steady_clock::now();
-      });
+      },
+      [&](int step) -> const TensorMap* { return step > 1 && !c.free_running ? &producer : nullptr; });
   rep.reference_seconds = ref_seconds;
   tpr.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   rep.pass = tpr.pass;

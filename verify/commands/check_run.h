@@ -17,6 +17,11 @@ struct CheckOptions {
   std::string data;   // --data D.safetensors: the batch
   std::string json;   // --json FILE
   std::string html;   // --html FILE
+  // --free-running: the reference runs its own trajectory from the initial weights, and a
+  // step's error compounds into the next (over hundreds of Adam steps, correct code
+  // drifts past any bound). By default each step starts from the producer's weights of
+  // the step before, so each step is judged on its own.
+  bool free_running = false;
 };
 
 struct CheckResult {

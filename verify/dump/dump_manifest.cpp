@@ -1,16 +1,29 @@
 #include "verify/dump/dump_manifest.h"
 
-#include <fstream>
+#include <filesystem>
 #include <set>
-#include <sstream>
 
 #include "core/errors.h"
+#include "io/strict_json.h"
+#include "io/untrusted_text.h"
+#include "verify/dump/dump_files.h"
 
 namespace tpsim {
 
 namespace {
 
 using nlohmann::json;
+
+// A value from the manifest, for a message: a string quoted, escaped and cut; a
+// container by its type (never serialised: it may be large); a scalar as written.
+std::string describe(const json& v) {
+  if (v.is_string()) return quote_text(v.get_ref<const std::string&>());
+  if (v.is_structured()) return std::string("a JSON ") + v.type_name();
+  return v.dump();
+}
+
+// A key or key path from the manifest, for a message.
+std::string key_text(const std::string& k) { return escaped(k); }
 
 // Reads the fields of one JSON object, each at most once, and refuses keys it was not
 // asked for: a misspelt "sequence_paralel" must not silently default to false.
@@ -21,7 +34,7 @@ class Fields {
     if (!j_.is_object()) fail(where_, "must be a JSON object");
   }
   [[noreturn]] void fail(const std::string& key, const std::string& why) const {
-    throw UsageError(source_ + ": " + key + ": " + why);
+    throw UsageError(source_ + ": " + key_text(key) + ": " + why);
   }
   std::string key(const std::string& k) const { return where_.empty() ? k : where_ + "." + k; }
   const json* get(const std::string& k) {
@@ -35,10 +48,10 @@ class Fields {
     return *v;
   }
   std::int64_t integer(const json& v, const std::string& k, std::int64_t lo, std::int64_t hi) {
-    if (!v.is_number_integer()) fail(key(k), "must be a whole number, got " + v.dump());
+    if (!v.is_number_integer()) fail(key(k), "must be a whole number, got " + describe(v));
     const std::int64_t x = v.get<std::int64_t>();
     if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi))
-      fail(key(k), v.dump() + " is out of range (allowed " + std::to_string(lo) + " to " +
+      fail(key(k), describe(v) + " is out of range (allowed " + std::to_string(lo) + " to " +
                        std::to_string(hi) + ")");
     if (x < lo || x > hi)
       fail(key(k), std::to_string(x) + " is out of range (allowed " + std::to_string(lo) +
@@ -56,21 +69,21 @@ class Fields {
   double number_or(const std::string& k, double dflt, double lo, double hi) {
     const json* v = get(k);
     if (!v) return dflt;
-    if (!v->is_number()) fail(key(k), "must be a number, got " + v->dump());
+    if (!v->is_number()) fail(key(k), "must be a number, got " + describe(*v));
     const double x = v->get<double>();
     if (!(x >= lo && x <= hi))
-      fail(key(k), v->dump() + " is out of range (allowed " + json(lo).dump() + " to " +
+      fail(key(k), describe(*v) + " is out of range (allowed " + json(lo).dump() + " to " +
                        json(hi).dump() + ")");
     return x;
   }
   bool boolean_or(const std::string& k, bool dflt) {
     const json* v = get(k);
     if (!v) return dflt;
-    if (!v->is_boolean()) fail(key(k), "must be true or false, got " + v->dump());
+    if (!v->is_boolean()) fail(key(k), "must be true or false, got " + describe(*v));
     return v->get<bool>();
   }
   std::string string(const json& v, const std::string& k) {
-    if (!v.is_string()) fail(key(k), "must be a string, got " + v.dump());
+    if (!v.is_string()) fail(key(k), "must be a string, got " + describe(v));
     return v.get<std::string>();
   }
   std::string string(const std::string& k) { return string(need(k), k); }
@@ -96,8 +109,8 @@ DumpLayout parse_layout(const json& v, const std::string& name, const std::strin
   const std::string where = "layouts." + name;
   if (v.is_string()) {
     if (v.get<std::string>() != "replicated")
-      throw UsageError(source + ": " + where + ": expected \"replicated\" or {\"split_dim\": d, "
-                       "\"padded\": P}, got " + v.dump());
+      throw UsageError(source + ": " + key_text(where) + ": expected \"replicated\" or "
+                       "{\"split_dim\": d, \"padded\": P}, got " + describe(v));
     return {};
   }
   Fields f(v, where, source);
@@ -122,23 +135,34 @@ const char* convention_name(NameConvention c) {
 DumpManifest parse_manifest(const std::string& text, const std::string& source) {
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw UsageError(source + ": not valid JSON (" + e.what() + ")");
+    // root -> config / optimizer / parallel / layouts -> one layout: 3 levels at most.
+    j = parse_json_strict(text, 3);
+  } catch (const JsonRefusal& e) {
+    const std::string where = e.top_key.empty() ? std::string() : key_text(e.top_key) + ": ";
+    switch (e.kind) {
+      case JsonRefusal::Kind::Duplicate:
+        throw UsageError(source + ": " + where + "duplicate key " + quote_text(e.key) +
+                         " (which one a reader takes is not defined; refused)");
+      case JsonRefusal::Kind::TooDeep:
+        throw UsageError(source + ": " + where + "JSON nested deeper than a manifest has");
+      case JsonRefusal::Kind::Syntax:
+        throw UsageError(source + ": not valid JSON near byte " + std::to_string(e.byte) + ": " +
+                         escaped(e.reason));
+    }
   }
   Fields top(j, "", source);
   if (top.string("format") != "tpsim-dump")
-    top.fail("format", "expected \"tpsim-dump\", got " + top.need("format").dump());
+    top.fail("format", "expected \"tpsim-dump\", got " + describe(top.need("format")));
   const json& version = top.need("version");
   if (!version.is_number_integer() || version.get<std::int64_t>() != kDumpFormatVersion)
-    top.fail("version", version.dump() + " is not a version this tpsim reads (it reads " +
+    top.fail("version", describe(version) + " is not a version this tpsim reads (it reads " +
                             std::to_string(kDumpFormatVersion) + ")");
 
   DumpManifest m;
   m.world_size = static_cast<int>(top.integer("world_size", 1, 64));
   m.steps = top.integer("steps", 1, 1'000'000);
   if (top.string("model") != "gpt")
-    top.fail("model", "expected \"gpt\", got " + top.need("model").dump());
+    top.fail("model", "expected \"gpt\", got " + describe(top.need("model")));
 
   Fields cfg(top.need("config"), "config", source);
   m.config.vocab_size = cfg.integer("vocab_size", 1, kMaxSize);
@@ -153,14 +177,14 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
                                  std::to_string(m.config.hidden));
 
   const std::string dtype = top.string("dtype");
-  if (dtype != "f32" && dtype != "f64") top.fail("dtype", "expected \"f32\" or \"f64\", got \"" +
-                                                              dtype + "\"");
+  if (dtype != "f32" && dtype != "f64") top.fail("dtype", "expected \"f32\" or \"f64\", got " +
+                                                              quote_text(dtype));
   m.dtype = parse_float_dtype(dtype);
 
   if (const json* opt = top.get("optimizer")) {
     Fields f(*opt, "optimizer", source);
     if (f.string("name") != "adam")
-      f.fail("optimizer.name", "expected \"adam\", got " + f.need("name").dump());
+      f.fail("optimizer.name", "expected \"adam\", got " + describe(f.need("name")));
     m.adam.lr = f.number_or("lr", m.adam.lr, 0.0, 1e6);
     m.adam.beta1 = f.number_or("beta1", m.adam.beta1, 0.0, 1.0);
     m.adam.beta2 = f.number_or("beta2", m.adam.beta2, 0.0, 1.0);
@@ -179,7 +203,7 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   if (names == "tpsim") m.names = NameConvention::Tpsim;
   else if (names == "nanogpt") m.names = NameConvention::Nanogpt;
   else if (names == "megatron") m.names = NameConvention::Megatron;
-  else top.fail("names", "expected \"tpsim\", \"nanogpt\" or \"megatron\", got \"" + names + "\"");
+  else top.fail("names", "expected \"tpsim\", \"nanogpt\" or \"megatron\", got " + quote_text(names));
   if (const json* layouts = top.get("layouts")) {
     if (!layouts->is_object()) top.fail("layouts", "must be a JSON object");
     for (const auto& [name, v] : layouts->items()) m.layouts[name] = parse_layout(v, name, source);
@@ -188,12 +212,10 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   return m;
 }
 
-DumpManifest read_manifest(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw UsageError(path + ": cannot be read (a dump directory holds manifest.json)");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return parse_manifest(ss.str(), path);
+DumpManifest read_manifest(const std::string& dir) {
+  const std::string text =
+      read_dump_text(dir, "manifest.json", kMaxManifestBytes, "a dump directory holds manifest.json");
+  return parse_manifest(text, quote_text((std::filesystem::path(dir) / "manifest.json").string()));
 }
 
 nlohmann::json manifest_json(const DumpManifest& m) {

@@ -39,7 +39,9 @@ struct DumpManifest {
 
 // `source` names the file in messages.
 DumpManifest parse_manifest(const std::string& text, const std::string& source);
-DumpManifest read_manifest(const std::string& path);
+// DIR/manifest.json, checked by check_dump_file first (a regular file inside DIR, at most
+// kMaxManifestBytes).
+DumpManifest read_manifest(const std::string& dir);
 nlohmann::json manifest_json(const DumpManifest& m);
 
 }  // namespace tpsim

@@ -1,11 +1,16 @@
 #include "verify/dump/dump_reader.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <set>
 
+#include "verify/setup/tensor_order.h"
+
 #include "io/safetensors.h"
+#include "io/untrusted_text.h"
+#include "verify/dump/dump_files.h"
 #include "verify/dump/dump_writer.h"
 #include "verify/dump/name_maps.h"
 
@@ -17,20 +22,19 @@ namespace {
 void check_rank_files(const std::string& dir, int world) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec))
-    throw UsageError("--dumps " + dir + ": not a directory");
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string f = e.path().filename().string();
+    throw UsageError("--dumps " + quote_text(dir) + ": not a directory");
+  std::filesystem::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string f = it->path().filename().string();
     if (!f.starts_with("rank") || !f.ends_with(".safetensors")) continue;
     bool known = false;
     for (int r = 0; r < world && !known; ++r) known = f == "rank" + std::to_string(r) + ".safetensors";
     if (!known)
-      throw UsageError(e.path().string() + ": a rank file the manifest does not know (world_size " +
-                       std::to_string(world) + ": rank0 .. rank" + std::to_string(world - 1) + ")");
+      throw UsageError(quote_text(it->path().string()) + ": a rank file the manifest does not know "
+                       "(world_size " + std::to_string(world) + ": rank0 .. rank" +
+                       std::to_string(world - 1) + ")");
   }
-  for (int r = 0; r < world; ++r)
-    if (!std::filesystem::exists(rank_file(dir, r), ec))
-      throw UsageError(rank_file(dir, r) + ": missing: rank " + std::to_string(r) + " of world_size " +
-                       std::to_string(world) + " wrote no file");
+  if (ec) throw UsageError("--dumps " + quote_text(dir) + ": cannot list the directory: " + ec.message());
 }
 
 // Reads one rank's file and places each tensor.
@@ -42,14 +46,22 @@ class RankReader {
     for (const auto& p : gpt_param_specs(m.config)) params_.emplace(p.name, p);
   }
 
-  void read(const st::StFile& file, DumpSteps& out) {
-    std::vector<std::set<std::string>> seen(static_cast<std::size_t>(m_.steps));
-    for (const auto& [full_name, t] : file.tensors) {
-      const std::int64_t step = step_of(full_name);
-      const std::string name = full_name.substr(full_name.find('/') + 1);
-      RankStep& rs = out[static_cast<std::size_t>(step - 1)][static_cast<std::size_t>(rank_)];
-      place(full_name, name, t, rs);
-      seen[static_cast<std::size_t>(step - 1)].insert(name);
+  // The file's entries by step (indices into `entries`), each resolved to tpsim's names;
+  // UsageError for a step past the manifest's, a tensor named twice, or a required tensor
+  // missing from any step.
+  std::vector<std::vector<std::size_t>> index(const std::vector<st::StEntry>& entries,
+                                              const NameResolver& names) const {
+    std::vector<std::vector<std::size_t>> by_step(static_cast<std::size_t>(m_.steps));
+    std::vector<std::map<std::string, std::string>> seen(static_cast<std::size_t>(m_.steps));
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      for (const auto& full : names.resolve(entries[i].name).names) {
+        const auto s = static_cast<std::size_t>(step_of(full) - 1);
+        auto [it, fresh] = seen[s].emplace(full.substr(full.find('/') + 1), entries[i].name);
+        if (!fresh)
+          fail(full, "given twice, by " + quote_text(entries[i].name) + " and " +
+                         quote_text(it->second) + "; two sources for one tensor, refused");
+        if (by_step[s].empty() || by_step[s].back() != i) by_step[s].push_back(i);
+      }
     }
     for (std::int64_t s = 1; s <= m_.steps; ++s) {
       const auto& have = seen[static_cast<std::size_t>(s - 1)];
@@ -64,14 +76,27 @@ class RankReader {
         need(n);
       }
     }
+    return by_step;
+  }
+
+  // The tensors of one step, read from the file and placed.
+  RankStep read(st::StReader& file, const NameResolver& names,
+                const std::vector<std::size_t>& entries) const {
+    RankStep rs;
+    for (std::size_t i : entries) {
+      const st::StEntry& e = file.entries()[i];
+      for (auto& [full, t] : names.rename(e.name, file.read(e)))
+        place(full, full.substr(full.find('/') + 1), t, rs);
+    }
+    return rs;
   }
 
  private:
   [[noreturn]] void fail(const std::string& tensor, const std::string& why) const {
-    throw UsageError(source_ + ": " + quoted(tensor) + ": " + why + " (rank " +
+    throw UsageError(source_ + ": " + quote_text(tensor) + ": " + why + " (rank " +
                      std::to_string(rank_) + ")");
   }
-  static std::string quoted(const std::string& n) { return st::quote_name(n); }
+  static std::string quote_text(const std::string& n) { return tpsim::quote_text(n); }
 
   std::int64_t step_of(const std::string& full) const {
     const auto slash = full.find('/');
@@ -112,42 +137,84 @@ class RankReader {
     return split(p, l.split_dim, rank_, m_.world_size, padded);
   }
 
-  void place(const std::string& full, const std::string& name, const st::StTensor& t,
-             RankStep& rs) {
-    std::optional<ShardSpec> spec;
-    std::vector<Observation>* phase = nullptr;
+  enum class Where { Forward, Backward, Update };
+  struct Placed {
+    ShardSpec spec;
+    Where where;
+    std::string base;  // the parameter or point whose layout it has
+  };
+
+  // Where tensor `name` (without step{s}/) of this rank belongs and the shard it must
+  // be; `full` names it in the refusal of an unknown name.
+  Placed placed(const std::string& full, const std::string& name) const {
     std::string base = name;
-    if (name == "loss") {
-      spec = replicate(ParamSpec{name, {1}, {}}, rank_, m_.world_size);
-      phase = &rs.forward;
-    } else if (name.starts_with("act/")) {
+    if (name == "loss") return {replicate(ParamSpec{name, {1}, {}}, rank_, m_.world_size), Where::Forward, base};
+    const bool grad = name.ends_with(".grad");
+    if (grad) base = name.substr(0, name.size() - 5);
+    if (name.starts_with("act/")) {
       auto d = gpt_point_shard(name, m_.config, m_.parallel, tokens_, rank_, m_.world_size);
       if (!d) fail(full, "unknown activation point (docs/dump-format.md lists them)");
-      if (name.ends_with(".grad")) base = name.substr(0, name.size() - 5);
-      spec = layout(name, base, *d);
-      phase = name.ends_with(".grad") ? &rs.backward : &rs.forward;
-    } else {
-      const bool grad = name.ends_with(".grad");
-      if (grad) base = name.substr(0, name.size() - 5);
-      auto it = params_.find(base);
-      if (it == params_.end()) fail(full, "unknown tensor name: no parameter " + quoted(base));
-      ShardSpec d = gpt_param_shard(it->second, m_.config, m_.parallel, rank_, m_.world_size);
-      d.name = name;
-      spec = layout(name, base, d);
-      phase = grad ? &rs.backward : &rs.update;
+      return {layout(name, base, *d), grad ? Where::Backward : Where::Forward, base};
     }
-    const Shape want = spec->local_shape();
-    const bool scalar_loss = name == "loss" && t.shape.empty();
-    if (t.shape != want && !scalar_loss)
-      fail(full, "shape " + shape_str(t.shape) + " is not rank " + std::to_string(rank_) +
-                     "'s shard " + shape_str(want) + " of " + shape_str(spec->full_shape) + " (" +
-                     spec->shard_str() + (layouts_.count(base) ? ", as the manifest lays it out)"
-                                                                : ", the default layout)"));
-    if (t.dtype != DType::F32 && t.dtype != DType::F64)
-      fail(full, std::string("dtype ") + st::st_dtype_name(t.dtype) + ": expected F32 or F64");
-    phase->push_back(Observation{name, *spec, ObservedValues(t.to_f64())});
+    auto it = params_.find(base);
+    if (it == params_.end()) fail(full, "unknown tensor name: no parameter " + quote_text(base));
+    ShardSpec d = gpt_param_shard(it->second, m_.config, m_.parallel, rank_, m_.world_size);
+    d.name = name;
+    return {layout(name, base, d), grad ? Where::Backward : Where::Update, base};
   }
 
+ public:
+  // Bytes of every tensor one step of this rank may hold (all points, F64), of the ones
+  // it must hold (loss, parameters, gradients; F32).
+  struct Budget {
+    std::uint64_t most = 0, least = 0, count = 0;
+  };
+  Budget budget(const std::vector<std::string>& order) const {
+    Budget b;
+    for (const auto& n : order) {
+      const auto numel = static_cast<std::uint64_t>(shape_numel(placed(n, n).spec.local_shape()));
+      b.most += 8 * numel;
+      if (!n.starts_with("act/")) b.least += 4 * numel;
+      ++b.count;
+    }
+    return b;
+  }
+
+ private:
+  void place(const std::string& full, const std::string& name, const st::StTensor& t,
+             RankStep& rs) const {
+    const Placed p = checked(full, name, t.dtype, t.shape);
+    std::vector<Observation>* phase = p.where == Where::Forward    ? &rs.forward
+                                      : p.where == Where::Backward ? &rs.backward
+                                                                   : &rs.update;
+    phase->push_back(Observation{name, p.spec, ObservedValues(t.to_f64())});
+  }
+
+  // Where `full` (= "step{s}/" + name) belongs, after its dtype and shape are checked
+  // against its shard.
+  Placed checked(const std::string& full, const std::string& name, DType dtype,
+                 const Shape& shape) const {
+    Placed p = placed(full, name);
+    const Shape want = p.spec.local_shape();
+    const bool scalar_loss = name == "loss" && shape.empty();
+    if (shape != want && !scalar_loss)
+      fail(full, "shape " + shape_str(shape) + " is not rank " + std::to_string(rank_) +
+                     "'s shard " + shape_str(want) + " of " + shape_str(p.spec.full_shape) + " (" +
+                     p.spec.shard_str() + (layouts_.count(p.base) ? ", as the manifest lays it out)"
+                                                                  : ", the default layout)"));
+    if (dtype != DType::F32 && dtype != DType::F64)
+      fail(full, std::string("dtype ") + st::st_dtype_name(dtype) + ": expected F32 or F64");
+    return p;
+  }
+
+ public:
+  // A tensor the file's header declares, in tpsim's name, checked before it is read.
+  void check_declared(const std::string& full, DType dtype, const Shape& shape) const {
+    (void)step_of(full);
+    (void)checked(full, full.substr(full.find('/') + 1), dtype, shape);
+  }
+
+ private:
   const DumpManifest& m_;
   std::int64_t tokens_;
   int rank_;
@@ -158,18 +225,61 @@ class RankReader {
 
 }  // namespace
 
-DumpSteps read_dump(const std::string& dir, const DumpManifest& m, std::int64_t tokens) {
+struct DumpReader::Rank {
+  Rank(const DumpManifest& m, std::int64_t tokens, int r, const std::string& path,
+       const std::map<std::string, DumpLayout>& layouts)
+      : source(quote_text(path)),
+        placer(m, tokens, r, source, layouts),
+        names(m, m.config.heads / m.world_size, true, source, "rank " + std::to_string(r) + "'s"),
+        // Every declared tensor's name, dtype and shape checked before any is allocated.
+        file(path, [this](const std::string& n, DType dt, const Shape& sh) {
+          const NameResolver::Target t = names.resolve(n);
+          if (t.fused) {
+            names.check_fused(n, t, sh);
+            for (const auto& q : t.names) placer.check_declared(q, dt, {sh[0] / 3, sh[1]});
+          } else {
+            placer.check_declared(t.names[0], dt, sh);
+          }
+        }),
+        by_step(placer.index(file.entries(), names)) {}
+  std::string source;
+  RankReader placer;
+  NameResolver names;
+  st::StReader file;
+  std::vector<std::vector<std::size_t>> by_step;
+};
+
+DumpReader::DumpReader(const std::string& dir, const DumpManifest& m, std::int64_t tokens)
+    : layouts_(layouts_in_tpsim_names(m)) {
   check_rank_files(dir, m.world_size);
-  DumpSteps out(static_cast<std::size_t>(m.steps),
-                std::vector<RankStep>(static_cast<std::size_t>(m.world_size)));
-  const auto layouts = layouts_in_tpsim_names(m);
+  const auto order = gpt_tensor_order(m.config);
+  // Every rank file checked and sized against what the manifest implies before any is
+  // read: a manifest cannot claim more steps than the files hold, and a file cannot be
+  // larger than the steps need (a sparse file declaring terabytes).
+  constexpr std::uint64_t kHeaderPerTensor = 1024, kHeaderSlack = 1 << 16;
+  const auto steps = static_cast<std::uint64_t>(m.steps);
   for (int r = 0; r < m.world_size; ++r) {
-    const std::string path = rank_file(dir, r);
-    st::StFile file = st::read_safetensors(path);
-    to_tpsim_names(file, m, r, path);
-    RankReader(m, tokens, r, path, layouts).read(file, out);
+    const std::string name = "rank" + std::to_string(r) + ".safetensors";
+    const auto b = RankReader(m, tokens, r, name, layouts_).budget(order);
+    const std::uint64_t cap = steps * (b.most + b.count * kHeaderPerTensor) + kHeaderSlack;
+    const std::uint64_t size = check_dump_file(dir, name, cap, "rank " + std::to_string(r) +
+                                               " of world_size " + std::to_string(m.world_size) +
+                                               " wrote no file");
+    if (size < steps * b.least)
+      throw UsageError(quote_text(manifest_file(dir)) + ": steps: " + std::to_string(m.steps) +
+                       " steps need at least " + std::to_string(steps * b.least) + " bytes in " +
+                       name + ", which holds " + std::to_string(size));
   }
-  return out;
+  // Then every header, whole: names, shapes and required tensors of every step.
+  for (int r = 0; r < m.world_size; ++r)
+    ranks_.push_back(std::make_unique<Rank>(m, tokens, r, rank_file(dir, r), layouts_));
+}
+
+DumpReader::~DumpReader() = default;
+
+RankStep DumpReader::read(std::int64_t step, int rank) {
+  Rank& r = *ranks_.at(static_cast<std::size_t>(rank));
+  return r.placer.read(r.file, r.names, r.by_step.at(static_cast<std::size_t>(step - 1)));
 }
 
 }  // namespace tpsim

@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,10 +24,25 @@ struct RankStep {
   std::vector<Observation> update;    // <param> after the optimizer step
 };
 
-// [step - 1][rank]
-using DumpSteps = std::vector<std::vector<RankStep>>;
+// A dump's rank files, checked whole when the reader is made (every file and its size,
+// every header entry's name, dtype and shape against its shard, every required tensor of
+// every step), then read one step of one rank at a time: check holds one step of every
+// rank in memory, whatever the number of steps.
+class DumpReader {
+ public:
+  // `tokens` is the batch's B*T (the activation points' rows); `m` must outlive the reader.
+  DumpReader(const std::string& dir, const DumpManifest& m, std::int64_t tokens);
+  ~DumpReader();
+  DumpReader(const DumpReader&) = delete;
+  DumpReader& operator=(const DumpReader&) = delete;
 
-// `tokens` is the batch's B*T (the activation points' rows).
-DumpSteps read_dump(const std::string& dir, const DumpManifest& m, std::int64_t tokens);
+  // Rank `rank`'s tensors of step `step` (1-based), in tpsim's names.
+  RankStep read(std::int64_t step, int rank);
+
+ private:
+  struct Rank;
+  std::map<std::string, DumpLayout> layouts_;  // in tpsim's names
+  std::vector<std::unique_ptr<Rank>> ranks_;
+};
 
 }  // namespace tpsim

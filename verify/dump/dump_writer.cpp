@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "io/atomic_file.h"
+#include "io/untrusted_text.h"
 
 namespace tpsim {
 
@@ -41,8 +42,42 @@ std::string dump_batch_file(const std::string& dir) {
   return (std::filesystem::path(dir) / "batch.safetensors").string();
 }
 
+namespace {
+
+bool is_rank_file_name(const std::string& f) {
+  if (!f.starts_with("rank") || !f.ends_with(".safetensors")) return false;
+  const std::string digits = f.substr(4, f.size() - 4 - 12);
+  return !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos;
+}
+
+// A directory that already holds something: a dump's rank files go (a new run of another
+// TP degree must not leave rank files its manifest does not know); a directory that is
+// not a dump is refused rather than written into.
+void clear_old_dump(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec) || fs::is_empty(dir, ec)) return;
+  try {
+    (void)read_manifest(dir);
+  } catch (const UsageError& e) {
+    throw UsageError("--dump " + quote_text(dir) + ": the directory is not empty and holds no "
+                     "dump (" + e.what() + "); refusing to write into it");
+  }
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!is_rank_file_name(it->path().filename().string())) continue;
+    fs::remove(it->path(), ec);  // a link is removed, not its target
+    if (ec)
+      throw UsageError("--dump " + quote_text(it->path().string()) +
+                       ": cannot remove the old dump's rank file (" + ec.message() + ")");
+  }
+  if (ec) throw UsageError("--dump " + quote_text(dir) + ": cannot list the directory (" + ec.message() + ")");
+}
+
+}  // namespace
+
 void prepare_dump_dir(const std::string& dir, int tp) {
   std::error_code ec;
+  clear_old_dump(dir);
   std::filesystem::create_directories(dir, ec);
   if (ec) throw UsageError("--dump " + dir + ": cannot create the directory (" + ec.message() + ")");
   for (int r = 0; r < tp; ++r) check_writable(rank_file(dir, r), "--dump");

@@ -6,21 +6,15 @@
 #include <optional>
 
 #include "core/errors.h"
+#include "io/untrusted_text.h"
 #include "verify/setup/tensor_order.h"
 
 namespace tpsim {
 
 namespace {
 
-// A convention's parameter names: the renamed ones, and the fused q/k/v one per block.
-struct NameTable {
-  std::map<std::string, std::string> to_tpsim;  // foreign -> tpsim, one tensor each
-  std::map<std::string, std::int64_t> fused;    // foreign fused q/k/v -> block index
-  std::string tied_head;                        // the tied LM head, not dumped
-};
-
-NameTable table_of(const DumpManifest& m) {
-  NameTable t;
+ConventionNames table_of(const DumpManifest& m) {
+  ConventionNames t;
   const std::int64_t L = m.config.layers;
   auto h = [](std::int64_t i) { return "h." + std::to_string(i) + "."; };
   if (m.names == NameConvention::Nanogpt) {
@@ -80,70 +74,104 @@ std::array<st::StTensor, 3> split_fused(const st::StTensor& t, NameConvention na
   return out;
 }
 
-// Renames (and splits) every tensor of `file` named `prefix` + a convention name +
-// optional ".grad"; `heads` is the number of heads a fused tensor holds.
-void rename_all(st::StFile& file, const NameTable& t, const DumpManifest& m, std::int64_t heads,
-                const std::string& source, const std::string& whose, bool stepped) {
+// Renames (and splits) every tensor of `file` as `names` resolves it.
+void rename_all(st::StFile& file, const NameResolver& names, const std::string& source) {
   st::StFile out;
   out.metadata = file.metadata;
-  const std::int64_t H = m.config.hidden, d = m.config.head_dim();
-  for (auto& [full, tensor] : file.tensors) {
-    const auto slash = stepped ? full.find('/') : std::string::npos;
-    const std::string prefix = slash == std::string::npos ? "" : full.substr(0, slash + 1);
-    std::string name = full.substr(prefix.size());
-    const bool grad = name.ends_with(".grad");
-    const std::string base = grad ? name.substr(0, name.size() - 5) : name;
-    const std::string suffix = grad ? ".grad" : "";
-    if (auto it = t.to_tpsim.find(base); it != t.to_tpsim.end()) {
-      out.tensors[prefix + it->second + suffix] = std::move(tensor);
-    } else if (auto f = t.fused.find(base); f != t.fused.end()) {
-      const Shape want{3 * heads * d, H};
-      if (tensor.shape != want)
-        throw UsageError(source + ": " + st::quote_name(full) + ": shape " +
-                         shape_str(tensor.shape) + " is not " + whose + " fused q/k/v " +
-                         shape_str(want) + " (" + convention_name(m.names) + " layout)");
-      auto qkv = split_fused(tensor, m.names, heads, d);
-      const std::string h = "h." + std::to_string(f->second) + ".attn.";
-      const char* parts[] = {"q_proj.weight", "k_proj.weight", "v_proj.weight"};
-      for (std::size_t i = 0; i < 3; ++i)
-        out.tensors[prefix + h + parts[i] + suffix] = std::move(qkv[i]);
-    } else {
-      out.tensors[full] = std::move(tensor);  // act/ points, loss, or unknown: the reader judges
+  std::map<std::string, std::string> origin;  // tpsim name -> the file's name it came from
+  for (auto& [full, tensor] : file.tensors)
+    for (auto& [to, t] : names.rename(full, std::move(tensor))) {
+      // Two of the file's tensors that become one tpsim tensor: neither may silently win.
+      auto [it, fresh] = origin.emplace(to, full);
+      if (!fresh)
+        throw UsageError(source + ": " + st::quote_name(full) + " and " +
+                         st::quote_name(it->second) + " are both " + st::quote_name(to) +
+                         "; two sources for one tensor, refused");
+      out.tensors[to] = std::move(t);
     }
-  }
   file = std::move(out);
 }
 
 }  // namespace
 
+NameResolver::NameResolver(const DumpManifest& m, std::int64_t heads, bool stepped,
+                           std::string source, std::string whose)
+    : m_(m), names_(table_of(m)), heads_(heads), stepped_(stepped), source_(std::move(source)),
+      whose_(std::move(whose)) {}
+
+NameResolver::Target NameResolver::resolve(const std::string& full) const {
+  if (m_.names == NameConvention::Tpsim) return {{full}, std::nullopt, -1};
+  const auto slash = stepped_ ? full.find('/') : std::string::npos;
+  const std::string prefix = slash == std::string::npos ? "" : full.substr(0, slash + 1);
+  const std::string name = full.substr(prefix.size());
+  const bool grad = name.ends_with(".grad");
+  const std::string base = grad ? name.substr(0, name.size() - 5) : name;
+  const std::string suffix = grad ? ".grad" : "";
+  if (auto it = names_.to_tpsim.find(base); it != names_.to_tpsim.end())
+    return {{prefix + it->second + suffix}, std::nullopt, -1};
+  if (auto f = names_.fused.find(base); f != names_.fused.end()) {
+    const std::string h = prefix + "h." + std::to_string(f->second) + ".attn.";
+    return {{h + "q_proj.weight" + suffix, h + "k_proj.weight" + suffix, h + "v_proj.weight" + suffix},
+            Shape{3 * heads_ * m_.config.head_dim(), m_.config.hidden},
+            f->second};
+  }
+  if (name == "loss" || name.starts_with("act/")) return {{full}, std::nullopt, -1};  // every convention's
+  // A dump that declares a convention holds that convention's names only: a tpsim name
+  // passed through would be a second, unchecked source for a renamed tensor.
+  throw UsageError(source_ + ": " + st::quote_name(full) + ": not a " + convention_name(m_.names) +
+                   " parameter name (the manifest's \"names\"; docs/dump-format.md lists them)");
+}
+
+void NameResolver::check_fused(const std::string& full, const Target& t, const Shape& shape) const {
+  if (t.fused && shape != *t.fused)
+    throw UsageError(source_ + ": " + st::quote_name(full) + ": shape " + shape_str(shape) +
+                     " is not " + whose_ + " fused q/k/v " + shape_str(*t.fused) + " (" +
+                     convention_name(m_.names) + " layout)");
+}
+
+std::vector<std::pair<std::string, st::StTensor>> NameResolver::rename(const std::string& full,
+                                                                       st::StTensor&& t) const {
+  const Target target = resolve(full);
+  std::vector<std::pair<std::string, st::StTensor>> out;
+  if (!target.fused) {
+    out.emplace_back(target.names[0], std::move(t));
+    return out;
+  }
+  check_fused(full, target, t.shape);
+  auto qkv = split_fused(t, m_.names, heads_, m_.config.head_dim());
+  for (std::size_t i = 0; i < 3; ++i) out.emplace_back(target.names[i], std::move(qkv[i]));
+  return out;
+}
+
 void to_tpsim_names(st::StFile& rank_file, const DumpManifest& m, int rank,
                     const std::string& source) {
   if (m.names == NameConvention::Tpsim) return;
-  rename_all(rank_file, table_of(m), m, m.config.heads / m.world_size, source,
-             "rank " + std::to_string(rank) + "'s", true);
+  const std::int64_t heads = m.config.heads / m.world_size;
+  rename_all(rank_file, NameResolver(m, heads, true, source, "rank " + std::to_string(rank) + "'s"),
+             source);
 }
 
 void weights_to_tpsim_names(st::StFile& weights, const DumpManifest& m, const std::string& source) {
   if (m.names == NameConvention::Tpsim) return;
-  const NameTable t = table_of(m);
-  weights.tensors.erase(t.tied_head);
-  rename_all(weights, t, m, m.config.heads, source, "the full", false);
+  const NameResolver names(m, m.config.heads, false, source, "the full");
+  weights.tensors.erase(names.names().tied_head);
+  rename_all(weights, names, source);
 }
 
 std::map<std::string, DumpLayout> layouts_in_tpsim_names(const DumpManifest& m) {
-  const NameTable t = table_of(m);
+  const ConventionNames t = table_of(m);
   const auto order = gpt_tensor_order(m.config);
   std::map<std::string, DumpLayout> out;
   for (const auto& [name, layout] : m.layouts) {
     if (t.fused.count(name))
-      throw UsageError("manifest.json: layouts." + name + ": a fused q/k/v tensor's layout is "
+      throw UsageError("manifest.json: layouts." + escaped(name) + ": a fused q/k/v tensor's layout is "
                        "fixed by the " + std::string(convention_name(m.names)) +
                        " convention and may not be given");
     std::string tpsim = name;
     if (auto it = t.to_tpsim.find(name); it != t.to_tpsim.end()) tpsim = it->second;
     if (std::find(order.begin(), order.end(), tpsim) == order.end() || tpsim == "loss" ||
         tpsim.ends_with(".grad"))
-      throw UsageError("manifest.json: layouts." + name + ": no such tensor in a " +
+      throw UsageError("manifest.json: layouts." + escaped(name) + ": no such tensor in a " +
                        convention_name(m.names) + "-named dump (a gradient takes its "
                        "parameter's layout)");
     out[tpsim] = layout;

@@ -4,13 +4,57 @@
 // split back into tpsim's q, k and v shards here.
 #pragma once
 
+#include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "io/safetensors.h"
 #include "verify/dump/dump_manifest.h"
 
 namespace tpsim {
+
+// A convention's parameter names: the renamed ones, and the fused q/k/v one per block.
+struct ConventionNames {
+  std::map<std::string, std::string> to_tpsim;  // foreign -> tpsim, one tensor each
+  std::map<std::string, std::int64_t> fused;    // foreign fused q/k/v -> block index
+  std::string tied_head;                        // the tied LM head, not dumped
+};
+
+// What one tensor name of a file becomes in tpsim's names, from the name alone, so that
+// a reader can check each declared shape before a byte of the file is read or allocated.
+class NameResolver {
+ public:
+  // `heads`: the heads a fused q/k/v tensor holds (a rank's share, or all of them in a
+  // full weights file); `stepped`: names are "step{s}/name"; `source` and `whose` ("rank
+  // 1's", "the full") for messages.
+  NameResolver(const DumpManifest& m, std::int64_t heads, bool stepped, std::string source,
+               std::string whose);
+  struct Target {
+    std::vector<std::string> names;  // one tpsim name, or q, k and v of a fused tensor
+    std::optional<Shape> fused;      // a fused tensor: the shape it must have
+    std::int64_t block = -1;         // a fused tensor: its block
+  };
+  // UsageError for a name that is not the convention's (in a foreign convention, tpsim's
+  // own parameter names too: they would be a second, unchecked source for a tensor).
+  Target resolve(const std::string& full) const;
+  // UsageError unless `shape` is what a fused tensor of `t` must be.
+  void check_fused(const std::string& full, const Target& t, const Shape& shape) const;
+  // The tensor `full` of the file as the tensors it becomes in tpsim's names (a fused
+  // one split into this rank's q, k and v shards).
+  std::vector<std::pair<std::string, st::StTensor>> rename(const std::string& full,
+                                                           st::StTensor&& t) const;
+  const ConventionNames& names() const { return names_; }
+
+ private:
+  const DumpManifest& m_;
+  ConventionNames names_;
+  std::int64_t heads_;
+  bool stepped_;
+  std::string source_, whose_;
+};
 
 // Renames one rank's file to tpsim's names in place, splitting fused q/k/v shards (and
 // their gradients) into this rank's q, k and v shards. A name the convention does not

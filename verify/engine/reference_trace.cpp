@@ -99,10 +99,13 @@ class OwnBounds {
       : on_(o.dtype != DType::BF16), resync_(o.resync), base_(norm_tolerance(o)),
         adam_(o.adam), lr_(o.lr) {}
 
+  // This step starts from the sharded side's own weights (check's default): like
+  // --resync, nothing of the steps before is carried into it.
+  void restart() { restart_ = true; }
   // Before the step's update: the gradients' bound at this step.
   void begin(RefStep& st) {
     if (!on_) return;
-    st.carried = resync_ ? 0.0 : carried_;
+    st.carried = fresh() ? 0.0 : carried_;
   }
   // After the update, from the gradients, the new weights and (GPT) Adam's moments.
   template <class Model>
@@ -126,24 +129,26 @@ class OwnBounds {
                  (kink == st.kink_allowance.end() ? 0.0 : lr_ * kink->second);
       }
       double& a = carried_abs_[name];
-      a = (resync_ ? 0.0 : a) + update;
+      a = (fresh() ? 0.0 : a) + update;
       const double wn = norm(w);
       st.update_allowance[name] = a;
       relative.push_back(a == 0.0 ? 0.0 : wn > 0 ? a / wn : INFINITY);
     }
     carried_ = carried_weight_error(relative);
+    restart_ = false;
   }
   // The relative error `param` carries into the next step (0 when steps restart from the
   // reference's weights, and for bf16, whose model carries its own).
   double carried_relative(const std::string& param, const ref::Matrix<double>& w) const {
-    if (!on_ || resync_) return 0.0;
+    if (!on_ || fresh()) return 0.0;
     const auto it = carried_abs_.find(param);
     const double wn = w.norm();
     return it == carried_abs_.end() || wn == 0 ? 0.0 : it->second / wn;
   }
 
  private:
-  bool on_, resync_;
+  bool fresh() const { return resync_ || restart_; }
+  bool on_, resync_, restart_ = false;
   double base_;
   AdamConfig adam_;
   double lr_;
@@ -153,11 +158,26 @@ class OwnBounds {
 
 template <class Model, class Batch, class Update>
 void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
-           const char* output_name, Update&& update, OwnBounds& bounds, RefStorage storage, const std::function<RefStep&(int)>& slot,
-           const std::function<void(int)>& published) {
+           const char* output_name, Update&& update, OwnBounds& bounds, RefStorage storage,
+           const std::function<RefStep&(int)>& slot, const std::function<void(int)>& published,
+           const RebaseFn& rebase) {
   for (int s = 1; s <= steps; ++s) {
     // In place, step s-1's readers must be done before the model overwrites what they view.
     RefStep* st = storage == RefStorage::InPlace ? &slot(s) : nullptr;
+    if constexpr (requires { model.set_params(model.params()); })
+      if (const TensorMap* start = rebase ? rebase(s) : nullptr) {
+        auto ps = model.params();
+        for (auto& [name, m] : ps) {
+          auto it = start->find(name);
+          if (it == start->end()) continue;
+          if (it->second.size() != static_cast<std::size_t>(m.size()))
+            throw Error("run_reference: rebase of " + name + " with " +
+                        std::to_string(it->second.size()) + " values, not " + std::to_string(m.size()));
+          std::copy(it->second.begin(), it->second.end(), m.data());
+        }
+        model.set_params(std::move(ps));
+        bounds.restart();  // the step starts from the producer's weights: nothing carried
+      }
     const double loss = model.forward_backward(batch);
     if (!st) st = &slot(s);
     st->step = s;
@@ -187,20 +207,19 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
 
 void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
-                   const std::function<void(int step)>& published) {
+                   const std::function<void(int step)>& published, const RebaseFn& rebase) {
   const auto specs = param_specs(o);
   auto params = start_params(specs, in, o.seed);
   OwnBounds bounds(o);
   if (o.model == ModelKind::Mlp) {
     ref::Mlp<double> m(o.mlp, std::move(params));
-    trace(o, m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, bounds, storage, slot,
-          published);
+    trace(o, m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, bounds,
+          storage, slot, published, rebase);
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params));
     g.record_points(true);
-    trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); }, bounds,
-          storage, slot,
-          published);
+    trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); },
+          bounds, storage, slot, published, rebase);
   }
 }
 

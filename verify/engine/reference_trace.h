@@ -53,8 +53,14 @@ enum class RefStorage {
 // `slot(s)` returns and then calls `published(s)`. The slot may be a recycled one: its
 // vectors are overwritten in place (same names, same sizes every step), so recycling
 // costs no allocation and no page faults. `slot` may block (back-pressure).
+//
+// `rebase`, if given, is asked before each step s is computed for full parameters to start
+// it from (by name; null: go on from the reference's own): `check` starts each step from
+// the producer's weights of the step before, so that one step's error does not compound.
+// The optimizer's state stays the reference's own.
+using RebaseFn = std::function<const TensorMap*(int step)>;
 void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
-                   const std::function<void(int step)>& published);
+                   const std::function<void(int step)>& published, const RebaseFn& rebase = {});
 
 }  // namespace tpsim

@@ -1,0 +1,32 @@
+// The files of a dump directory, which someone else's code wrote (docs/check-threat-model.md):
+// each must be a regular file inside the directory once links are resolved, and no larger
+// than what the manifest and model imply. A file that breaks a rule is refused, one line
+// naming it, before it is opened: a link to /etc/passwd or /dev/zero, a FIFO (which would
+// block forever), a sparse file declaring terabytes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace tpsim {
+
+inline constexpr std::uint64_t kMaxManifestBytes = 1 << 20;
+
+// DIR/name, checked: lstat and resolve links without opening anything; the resolved path
+// must lie inside DIR's resolved path and be a regular file of at most `cap` bytes.
+// Returns its size. UsageError "DIR/name: why" otherwise; `what` says what the file is
+// ("the manifest", "rank 1's file") for a missing one.
+std::uint64_t check_dump_file(const std::string& dir, const std::string& name, std::uint64_t cap,
+                              const std::string& what);
+
+// The same rules for a file the command line names: `path` must resolve to a regular file
+// of at most `cap` bytes; if it is named inside `dump_dir`, it must also resolve inside it
+// (a link in the dump directory is the dump's, not the user's). `flag` names it.
+std::uint64_t check_input_file(const std::string& path, const std::string& dump_dir,
+                               std::uint64_t cap, const std::string& flag);
+
+// The whole file, after check_dump_file (at most `cap` bytes are read).
+std::string read_dump_text(const std::string& dir, const std::string& name, std::uint64_t cap,
+                           const std::string& what);
+
+}  // namespace tpsim
