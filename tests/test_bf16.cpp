@@ -257,7 +257,7 @@ const std::string kGpt =
     "verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 --tp 1,2,4,8 --steps 2 ";
 }  // namespace
 
-TEST_CASE("verify --dtype bf16: no check that cannot fail by default; --free-running warns and counts them",
+TEST_CASE("verify --dtype bf16: every check real by default and --free-running counts the others",
           "[bf16][cli]") {
   const std::string base = "verify --model gpt --preset small --hidden 64 --heads 8 --dtype bf16 "
                            "--tp 1,2 --steps 5 --json ";

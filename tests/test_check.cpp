@@ -631,11 +631,21 @@ TEST_CASE("check judges each step from the producer's weights of the step before
   auto r = run_tpsim("train --model gpt --preset small --hidden 8 --heads 2 --tp 2 --dtype f64 "
                      "--steps 200 --dump " + dir);
   REQUIRE(r.exit_code == 0);
-  r = check(dir);
+  r = check(dir, "--json " + dir + "/stepwise.json");
   INFO(r.out);
   CHECK(r.exit_code == 0);
-  r = check(dir, "--free-running");
-  CHECK(r.exit_code == 1);
+  // Free-running, the trajectories drift apart; the bounds carry the weights' error from
+  // step to step (verify/engine/tolerance.cpp), so the drift is no false alarm, but those
+  // bounds are far wider than the step-by-step ones.
+  r = check(dir, "--free-running --json " + dir + "/free.json");
+  INFO(r.out);
+  CHECK(r.exit_code == 0);
+  auto widest = [](const nlohmann::json& j) {
+    double w = 0;
+    for (const auto& c : j["tp"][0]["tensors"]) w = std::max(w, c["tolerance"].get<double>());
+    return w;
+  };
+  CHECK(widest(read_json(dir + "/free.json")) > 10 * widest(read_json(dir + "/stepwise.json")));
   // A wrong update is still caught at its own step, not absorbed by the rebasing.
   auto f = st::read_safetensors(rank_path(dir, 1));
   auto& t = f.tensors.at("step150/h.0.mlp.ffn1.weight");
