@@ -43,7 +43,9 @@ def gpt_config(rng, invariant):
     # --tp-invariant's 8 chunks too). Grow the sequence (up to 64), then the batch.
     while True:
         tokens = batch * seq
-        short = boundary and batch * (seq - 1) < 2 + 2 * sum(degrees)
+        # (ids 0, V-1 and each shard's edges, in label positions some of which are
+        # ignored on purpose: twice the count is room enough)
+        short = boundary and batch * (seq - 1) < 2 * (2 + 2 * sum(degrees))
         uneven = sp and any(tokens % t for t in degrees + ([8] if invariant else []))
         if not short and not uneven:
             break

@@ -16,11 +16,12 @@ ctest --test-dir build --output-on-failure -j "$jobs"
 
 # A slice of the false-alarm sweep (scripts/false_alarm_sweep.py; the full 1,000 runs are
 # recorded in bench/RESULTS.md): clean randomized configurations that must all PASS with
-# every check real. Seeded by the commit, so a failure reproduces with the printed seed.
-seed=$(( 0x$(git rev-parse --short=7 HEAD 2>/dev/null || echo 1) % 1000000 ))
-echo "== false-alarm sweep: a ${FALSE_ALARM_SECONDS:-90} s slice, seed $seed"
-python3 scripts/false_alarm_sweep.py build/tpsim --seed "$seed" --count 1000 \
-  --seconds "${FALSE_ALARM_SECONDS:-90}" --jobs "$jobs"
+# every check real. A fixed sample (FALSE_ALARM_SEED), so that CI is reproducible; run
+# other seeds by hand to widen it.
+seed=${FALSE_ALARM_SEED:-1}
+echo "== false-alarm sweep: the first ${FALSE_ALARM_COUNT:-200} runs of seed $seed (at most 150 s)"
+python3 scripts/false_alarm_sweep.py build/tpsim --seed "$seed" --count "${FALSE_ALARM_COUNT:-200}" \
+  --seconds 150 --jobs "$jobs"
 
 echo "== ThreadSanitizer: communicator, mappings and ranks"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPSIM_SANITIZE=thread \

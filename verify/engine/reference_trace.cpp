@@ -96,7 +96,7 @@ void relu_kink_allowance(const ref::Mlp<double>& m, const RunOptions& o, double 
 class OwnBounds {
  public:
   explicit OwnBounds(const RunOptions& o)
-      : on_(o.dtype != DType::BF16), resync_(o.resync), base_(norm_tolerance(o)),
+      : on_(o.dtype != DType::BF16), resync_(o.resync), base_(gradient_error_scale(o)),
         adam_(o.adam), lr_(o.lr) {}
 
   // This step starts from the sharded side's own weights (check's default): like

@@ -28,7 +28,8 @@ namespace {
 
 constexpr double u32 = 0x1.0p-24;
 
-double f32_tolerance(const RunOptions& o, double* k_max_out) {
+// kCondition · D · sqrt(K_max) · u for unit roundoff u.
+double chain_bound(const RunOptions& o, double u, double* k_max_out) {
   constexpr double kCondition = 4.0;
   double k_max = 0, depth = 0;
   if (o.model == ModelKind::Mlp) {
@@ -44,8 +45,10 @@ double f32_tolerance(const RunOptions& o, double* k_max_out) {
     depth = 2 * (8 * static_cast<double>(g.layers) + 3);
   }
   if (k_max_out) *k_max_out = k_max;
-  return kCondition * depth * std::sqrt(k_max) * u32;
+  return kCondition * depth * std::sqrt(k_max) * u;
 }
+
+double f32_tolerance(const RunOptions& o, double* k_max_out) { return chain_bound(o, u32, k_max_out); }
 
 }  // namespace
 
@@ -58,7 +61,8 @@ double f32_tolerance(const RunOptions& o, double* k_max_out) {
 // (issue 27). The model, per element j of a parameter at Adam step t:
 //
 //  (U1) The gradient's error. The .grad check bounds it norm-wise: ‖δg‖ ≤ b_g·‖g‖, b_g the
-//       gradient's bound. Per element we take |δg_j| ≤ e = b_g·rms(g), the norm-wise error
+//       gradient's bound (in f64 the chain bound with f64's roundoff, ~1e-13, not the
+//       1e-10 pass mark: amplified by Adam, that margin alone made bounds of 1). Per element we take |δg_j| ≤ e = b_g·rms(g), the norm-wise error
 //       spread evenly. [estimate: a rounding error's size follows the magnitude of the
 //       terms summed, not of their sum, so an element that nearly cancels carries about
 //       the row's absolute error, not its own relative one. b_g is itself an upper
@@ -243,6 +247,11 @@ bool ends_with_any(const std::string& n, std::initializer_list<const char*> tail
   return false;
 }
 }  // namespace
+
+double gradient_error_scale(const RunOptions& o) {
+  if (o.dtype == DType::F64) return chain_bound(o, 0x1.0p-53, nullptr);
+  return norm_tolerance(o);
+}
 
 double norm_tolerance(const RunOptions& o) {
   if (o.dtype == DType::F64) return kF64Tolerance;

@@ -22,6 +22,11 @@ inline constexpr double kF64Tolerance = 1e-10;
 // tolerance.cpp for the float32 error model); bf16 the largest of its per-tensor bounds.
 double norm_tolerance(const RunOptions& o);
 
+// The relative error the error model expects of a gradient, which "The update" spreads
+// over its elements (U1 in tolerance.cpp): the f32 chain bound, and for f64 the same chain
+// with f64's roundoff (~1e-13), not the 1e-10 pass mark, which is a margin, not an error.
+double gradient_error_scale(const RunOptions& o);
+
 // The optimizer's share of an updated weight's error, from the reference's own values
 // (tolerance.cpp, "The update"): the norm of the largest change of this step's update
 // that gradient errors of at most `e` per element, at this step and every step before,
