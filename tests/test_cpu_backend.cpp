@@ -363,6 +363,29 @@ TEST_CASE("cpu backend: fill, copy, host transfers", "[backend]") {
   CHECK(ids.data<i64>()[2] == 5);
 }
 
+TEST_CASE("cpu backend: a sum depends on the values, not on where they lie", "[backend][invariant]") {
+  // TP-invariant mode sums a canonical chunk of the loss rows where it lies: at one offset
+  // of the rows on TP 1, at another on TP 8. The same values must give the same bits.
+  Env env;
+  for (DType dt : kFloatTypes) {
+    INFO(dtype_name(dt));
+    for (int trial = 0; trial < 50; ++trial) {
+      const Vec chunk = env.randn(11);
+      Vec padded(8 + 11 + 8, 0.0);
+      double first = 0.0;
+      for (int offset = 0; offset < 8; ++offset) {
+        std::fill(padded.begin(), padded.end(), 0.0);
+        std::copy(chunk.begin(), chunk.end(), padded.begin() + offset);
+        Tensor all = env.make({static_cast<std::int64_t>(padded.size())}, dt, padded, "rows");
+        const double s = env.be->sum(all.narrow0(offset, 11));
+        if (offset == 0) first = s;
+        INFO("trial " << trial << ", offset " << offset);
+        REQUIRE(std::memcmp(&s, &first, sizeof s) == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("cpu backend: all_finite finds any NaN or inf and the default agrees", "[backend]") {
   Env env;
   TimingBackend timed(make_cpu_backend());  // forwards all_finite: the profiled path

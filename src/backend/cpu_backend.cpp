@@ -783,10 +783,21 @@ double CpuBackend::sum(const Tensor& t) {
     Bf16Widened w(scratch_);
     return sum(w.in(t));
   }
+  // Eight lanes from the first element, added in one fixed order: the result depends on
+  // the values alone. Eigen's sum() peels the elements before the first aligned address,
+  // so a slice summed where it lies (a canonical chunk of TP-invariant mode's loss at one
+  // offset on TP 1, at another on TP 8) could round differently by its address.
   double acc = 0.0;
   on_float(t, [&](auto z) {
     using T = decltype(z);
-    acc = ConstVec<T>(t.data<T>(), t.numel()).template cast<double>().sum();
+    const T* x = t.data<T>();
+    const i64 n = t.numel();
+    double lane[8] = {};
+    i64 i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[i + l]);
+    for (int l = 0; i < n; ++i, ++l) lane[l] += static_cast<double>(x[i]);
+    for (double v : lane) acc += v;
   });
   return acc;
 }
