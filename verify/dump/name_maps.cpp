@@ -13,39 +13,48 @@ namespace tpsim {
 
 namespace {
 
+// One foreign convention's names: the global tensors, the prefix of block i, and each
+// block's tensors after it (in tpsim's order: ln1, o_proj, ln2, ffn1, ffn2), the fused
+// q/k/v and the tied head.
+struct ConventionSpec {
+  const char* wte;
+  const char* wpe;
+  const char* ln_f;
+  const char* block;  // "transformer.h." + i + "."
+  std::array<const char*, 5> per_block;
+  const char* fused_qkv;
+  const char* tied_head;
+};
+
+constexpr ConventionSpec kNanogpt{
+    "transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
+    "transformer.h.",
+    {"ln_1.weight", "attn.c_proj.weight", "ln_2.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"},
+    "attn.c_attn.weight", "lm_head.weight"};
+constexpr ConventionSpec kMegatron{
+    "embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+    "decoder.final_layernorm.weight", "decoder.layers.",
+    {"input_layernorm.weight", "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
+     "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"},
+    "self_attention.linear_qkv.weight", "output_layer.weight"};
+constexpr std::array<const char*, 5> kTpsimPerBlock{"ln1.weight", "attn.o_proj.weight", "ln2.weight",
+                                                    "mlp.ffn1.weight", "mlp.ffn2.weight"};
+
 ConventionNames table_of(const DumpManifest& m) {
   ConventionNames t;
-  const std::int64_t L = m.config.layers;
-  auto h = [](std::int64_t i) { return "h." + std::to_string(i) + "."; };
-  if (m.names == NameConvention::Nanogpt) {
-    t.to_tpsim = {{"transformer.wte.weight", "wte.weight"},
-                  {"transformer.wpe.weight", "wpe.weight"},
-                  {"transformer.ln_f.weight", "ln_f.weight"}};
-    for (std::int64_t i = 0; i < L; ++i) {
-      const std::string f = "transformer.h." + std::to_string(i) + ".";
-      t.to_tpsim[f + "ln_1.weight"] = h(i) + "ln1.weight";
-      t.to_tpsim[f + "attn.c_proj.weight"] = h(i) + "attn.o_proj.weight";
-      t.to_tpsim[f + "ln_2.weight"] = h(i) + "ln2.weight";
-      t.to_tpsim[f + "mlp.c_fc.weight"] = h(i) + "mlp.ffn1.weight";
-      t.to_tpsim[f + "mlp.c_proj.weight"] = h(i) + "mlp.ffn2.weight";
-      t.fused[f + "attn.c_attn.weight"] = i;
-    }
-    t.tied_head = "lm_head.weight";
-  } else if (m.names == NameConvention::Megatron) {
-    t.to_tpsim = {{"embedding.word_embeddings.weight", "wte.weight"},
-                  {"embedding.position_embeddings.weight", "wpe.weight"},
-                  {"decoder.final_layernorm.weight", "ln_f.weight"}};
-    for (std::int64_t i = 0; i < L; ++i) {
-      const std::string f = "decoder.layers." + std::to_string(i) + ".";
-      t.to_tpsim[f + "input_layernorm.weight"] = h(i) + "ln1.weight";
-      t.to_tpsim[f + "self_attention.linear_proj.weight"] = h(i) + "attn.o_proj.weight";
-      t.to_tpsim[f + "pre_mlp_layernorm.weight"] = h(i) + "ln2.weight";
-      t.to_tpsim[f + "mlp.linear_fc1.weight"] = h(i) + "mlp.ffn1.weight";
-      t.to_tpsim[f + "mlp.linear_fc2.weight"] = h(i) + "mlp.ffn2.weight";
-      t.fused[f + "self_attention.linear_qkv.weight"] = i;
-    }
-    t.tied_head = "output_layer.weight";
+  const ConventionSpec* spec = m.names == NameConvention::Nanogpt    ? &kNanogpt
+                               : m.names == NameConvention::Megatron ? &kMegatron
+                                                                     : nullptr;
+  if (!spec) return t;
+  t.to_tpsim = {{spec->wte, "wte.weight"}, {spec->wpe, "wpe.weight"}, {spec->ln_f, "ln_f.weight"}};
+  for (std::int64_t i = 0; i < m.config.layers; ++i) {
+    const std::string f = spec->block + std::to_string(i) + ".";
+    const std::string h = "h." + std::to_string(i) + ".";
+    for (std::size_t k = 0; k < kTpsimPerBlock.size(); ++k)
+      t.to_tpsim[f + spec->per_block[k]] = h + kTpsimPerBlock[k];
+    t.fused[f + spec->fused_qkv] = i;
   }
+  t.tied_head = spec->tied_head;
   return t;
 }
 

@@ -85,4 +85,11 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0);
 
 std::string format_index(const Comparison& c);  // "(3,17)" or "-"
 
+// Whether a comparison could fail: a bit-for-bit check always can; a reference check only
+// under a norm-wise bound below 1 (a relative error of 100% is within any bound of 1 or
+// more, so that comparison is no check).
+inline bool is_real_check(const Comparison& c) {
+  return c.what == kReplicaCheck || c.what == kInvariantCheck || c.tolerance < 1;
+}
+
 }  // namespace tpsim

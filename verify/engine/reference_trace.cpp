@@ -49,14 +49,6 @@ ref::ParamSet<double> start_params(const std::vector<ParamSpec>& specs, const Ru
   return ps;
 }
 
-double norm(const ref::Matrix<double>& m) { return m.norm(); }
-
-// The unit roundoff of a dtype's storage, and of its accumulation.
-double storage_roundoff(DType d) {
-  return d == DType::BF16 ? kBf16UnitRoundoff : d == DType::F32 ? 0x1.0p-24 : 0x1.0p-53;
-}
-double accumulation_roundoff(DType d) { return d == DType::F64 ? 0x1.0p-53 : 0x1.0p-24; }
-
 // tolerance.cpp's "The ReLU's kink" for the MLP: z = x W1ᵀ computed from inputs with
 // relative errors u_x and u_w (w_carried more for weights that ran free), K = in terms
 // accumulated, errors of random sign: |δz| ~ e = κ·sqrt(u_x² + u_w² + K·u_a²)·sqrt(Σ_k
@@ -116,7 +108,7 @@ class OwnBounds {
     for (const auto& [name, w] : model.params()) {
       const ref::Matrix<double>& g = model.grads().at(name);
       const auto n = static_cast<std::size_t>(g.size());
-      const double e = n ? grad_bound * norm(g) / std::sqrt(static_cast<double>(n)) : 0.0;
+      const double e = n ? grad_bound * g.norm() / std::sqrt(static_cast<double>(n)) : 0.0;
       double update = 0.0;
       if constexpr (requires { model.optimizer(); }) {
         const auto& opt = model.optimizer();
@@ -130,7 +122,7 @@ class OwnBounds {
       }
       double& a = carried_abs_[name];
       a = (fresh() ? 0.0 : a) + update;
-      const double wn = norm(w);
+      const double wn = w.norm();
       st.update_allowance[name] = a;
       relative.push_back(a == 0.0 ? 0.0 : wn > 0 ? a / wn : INFINITY);
     }

@@ -50,7 +50,6 @@ struct TpResult {
 struct VerifyReport {
   double tolerance = 0.0;  // the one tolerance, or with per-tensor bounds the largest
   bool per_tensor_bounds = false;  // bf16: each comparison's tolerance is its own bound
-  int vacuous_from_step = 0;  // the first step with a bound >= 1, which cannot fail; 0: none
   // Every comparison, and those that were real checks (bound under 1), over every degree.
   std::int64_t checks() const {
     std::int64_t n = 0;
@@ -62,12 +61,13 @@ struct VerifyReport {
     for (const auto& t : results) n -= t.no_checks;
     return n;
   }
-  // After the run: the first step at which a check was no check, as the comparisons found.
-  void note_no_checks() {
+  // The first step with a bound of 1 or more, which cannot fail, over every degree; 0: none.
+  int vacuous_from_step() const {
+    int first = 0;
     for (const auto& t : results)
-      if (t.first_no_check_step > 0 &&
-          (vacuous_from_step == 0 || t.first_no_check_step < vacuous_from_step))
-        vacuous_from_step = t.first_no_check_step;
+      if (t.first_no_check_step > 0 && (first == 0 || t.first_no_check_step < first))
+        first = t.first_no_check_step;
+    return first;
   }
   std::vector<double> reference_losses;
   double reference_seconds = 0.0;

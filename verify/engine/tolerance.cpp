@@ -248,8 +248,13 @@ bool ends_with_any(const std::string& n, std::initializer_list<const char*> tail
 }
 }  // namespace
 
+double storage_roundoff(DType d) {
+  return d == DType::BF16 ? kBf16UnitRoundoff : d == DType::F32 ? u32 : 0x1.0p-53;
+}
+double accumulation_roundoff(DType d) { return d == DType::F64 ? 0x1.0p-53 : u32; }
+
 double gradient_error_scale(const RunOptions& o) {
-  if (o.dtype == DType::F64) return chain_bound(o, 0x1.0p-53, nullptr);
+  if (o.dtype == DType::F64) return chain_bound(o, storage_roundoff(DType::F64), nullptr);
   return norm_tolerance(o);
 }
 
@@ -268,8 +273,8 @@ ToleranceModel::ToleranceModel(const RunOptions& o)
   uniform_ = f32_tolerance(o, &k_max_);
   largest_ = uniform_;
   if (!per_tensor_) return;
-  u_store_ = kBf16UnitRoundoff;
-  u_acc_ = u32;
+  u_store_ = tpsim::storage_roundoff(DType::BF16);
+  u_acc_ = tpsim::accumulation_roundoff(DType::BF16);
   steps_ = static_cast<int>(std::max<std::int64_t>(1, o.steps));
   adam_ = o.model == ModelKind::Gpt;
 

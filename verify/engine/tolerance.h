@@ -22,6 +22,11 @@ inline constexpr double kF64Tolerance = 1e-10;
 // tolerance.cpp for the float32 error model); bf16 the largest of its per-tensor bounds.
 double norm_tolerance(const RunOptions& o);
 
+// The unit roundoff of what a dtype stores (bf16 2^-8, f32 2^-24, f64 2^-53), and of the
+// sums it accumulates in (bf16 sums in f32).
+double storage_roundoff(DType d);
+double accumulation_roundoff(DType d);
+
 // The relative error the error model expects of a gradient, which "The update" spreads
 // over its elements (U1 in tolerance.cpp): the f32 chain bound, and for f64 the same chain
 // with f64's roundoff (~1e-13), not the 1e-10 pass mark, which is a margin, not an error.
