@@ -46,6 +46,22 @@ class LoggingBackend final : public Backend {
   TPSIM_FORWARD(void, relu_backward, (Tensor& d, const Tensor& o, const Tensor& i), (d, o, i))
   TPSIM_FORWARD(void, gelu_forward, (Tensor& o, const Tensor& i), (o, i))
   TPSIM_FORWARD(void, gelu_backward, (Tensor& d, const Tensor& o, const Tensor& i), (d, o, i))
+  TPSIM_FORWARD(void, gelu_tanh_forward, (Tensor& o, const Tensor& i), (o, i))
+  TPSIM_FORWARD(void, gelu_tanh_backward, (Tensor& d, const Tensor& o, const Tensor& i), (d, o, i))
+  TPSIM_FORWARD(void, swiglu_forward, (Tensor& o, const Tensor& g), (o, g))
+  TPSIM_FORWARD(void, swiglu_backward, (Tensor& d, const Tensor& o, const Tensor& g), (d, o, g))
+  TPSIM_FORWARD(void, add_bias, (Tensor& o, const Tensor& b), (o, b))
+  TPSIM_FORWARD(void, bias_backward, (Tensor& d, const Tensor& o), (d, o))
+  TPSIM_FORWARD(void, rmsnorm_forward,
+                (Tensor& o, Tensor& r, const Tensor& i, const Tensor& w, double e), (o, r, i, w, e))
+  TPSIM_FORWARD(void, rmsnorm_backward,
+                (Tensor& di, Tensor& dw, const Tensor& d, const Tensor& i, const Tensor& w,
+                 const Tensor& r),
+                (di, dw, d, i, w, r))
+  TPSIM_FORWARD(void, rope_forward, (Tensor& x, const Tensor& p, i64 h, double t, bool il),
+                (x, p, h, t, il))
+  TPSIM_FORWARD(void, rope_backward, (Tensor& x, const Tensor& p, i64 h, double t, bool il),
+                (x, p, h, t, il))
   TPSIM_FORWARD(void, layernorm_forward,
                 (Tensor& o, Tensor& m, Tensor& r, const Tensor& i, const Tensor& w, double e),
                 (o, m, r, i, w, e))

@@ -73,6 +73,23 @@ class Backend {
   virtual void gelu_forward(Tensor& out, const Tensor& inp) = 0;
   virtual void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) = 0;
 
+  // tanh GELU, torch's GELU(approximate='tanh'): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+  virtual void gelu_tanh_forward(Tensor& out, const Tensor& inp) = 0;
+  virtual void gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) = 0;
+  // SwiGLU over a fused [gate, up] input: gate_up [N,2F] holds gate in columns [0,F) and
+  // up in [F,2F) (a column-parallel rank's [G_r; U_r] product); out[N,F] = silu(gate)·up,
+  // silu(g) = g·sigmoid(g).
+  virtual void swiglu_forward(Tensor& out, const Tensor& gate_up) = 0;
+  // dgate_up [N,2F] is overwritten: [dout·up·silu'(gate), dout·silu(gate)].
+  virtual void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) = 0;
+
+  // ---- biases (a Linear's, a LayerNorm's) -------------------------------------------
+  // out[N,C] += bias[C] on every row.
+  virtual void add_bias(Tensor& out, const Tensor& bias) = 0;
+  // dbias[C] += Σ over the rows of dout[N,C], each column summed in row order (so a
+  // column's sum does not depend on how many columns the tensor has).
+  virtual void bias_backward(Tensor& dbias, const Tensor& dout) = 0;
+
   // ---- LayerNorm without bias ------------------------------------------------------
   // out[N,C] = (inp - mean) * rstd * weight[C]; mean[N], rstd[N] = 1/sqrt(var + eps)
   // with the biased variance, saved for backward.
@@ -82,6 +99,29 @@ class Backend {
   virtual void layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
                                   const Tensor& inp, const Tensor& weight, const Tensor& mean,
                                   const Tensor& rstd) = 0;
+
+  // ---- RMSNorm -----------------------------------------------------------------------
+  // out[N,C] = inp · rstd · weight[C]; rstd[N] = 1/sqrt(mean(inp²) + eps), saved.
+  virtual void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight,
+                               double eps) = 0;
+  // With xhat = inp·rstd and g = dout·weight: dweight[C] += Σ_rows dout·xhat;
+  // dinp[N,C] += rstd · (g - xhat · mean(g·xhat)).
+  virtual void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                const Tensor& inp, const Tensor& weight, const Tensor& rstd) = 0;
+
+  // ---- rotary position embedding, in place ------------------------------------------
+  // x [N, h·d]: h heads of size d (even), row i at position pos[i] (i64 [N]). Each pair
+  // (a, b) of a head is rotated by the angle pos·θ^(-2i/d), i = 0 .. d/2-1:
+  //   (a, b) <- (a·cos - b·sin, a·sin + b·cos).
+  // The pairs are (i, i + d/2) with interleaved false (rotate-half: Hugging Face,
+  // Megatron) and (2i, 2i+1) with interleaved true (Meta's, torchtitan's). The angle,
+  // its cosine and sine are computed in f64, then used in the compute dtype.
+  virtual void rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                            bool interleaved) = 0;
+  // The transpose (a rotation by minus the angle): dx, the gradient of the rotated x,
+  // becomes the gradient of x before the rotation.
+  virtual void rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                             bool interleaved) = 0;
 
   // ---- causal self-attention over h local heads of size d --------------------------
   // q, k, v, out: [B*T, h*d], head j in columns [j*d, (j+1)*d). probs: [B, h, T, T],

@@ -136,6 +136,127 @@ void gelu_backward_kernel(T* dinp, const T* dout, const T* inp, i64 n) {
   }
 }
 
+// out[n] = 0.5·x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³): GELU(approximate='tanh').
+constexpr double kSqrt2OverPi = std::numbers::sqrt2 * std::numbers::inv_sqrtpi;
+constexpr double kGeluTanhCubic = 0.044715;
+template <class T>
+void gelu_tanh_forward_kernel(T* out, const T* inp, i64 n) {
+  for (i64 i = 0; i < n; ++i) {
+    const T x = inp[i];
+    const T u = T(kSqrt2OverPi) * (x + T(kGeluTanhCubic) * x * x * x);
+    out[i] = T(0.5) * x * (T(1) + std::tanh(u));
+  }
+}
+// dinp[n] = dout · (0.5·(1 + tanh u) + 0.5·x·(1 - tanh²u)·√(2/π)·(1 + 3·0.044715·x²)).
+template <class T>
+void gelu_tanh_backward_kernel(T* dinp, const T* dout, const T* inp, i64 n) {
+  for (i64 i = 0; i < n; ++i) {
+    const T x = inp[i];
+    const T u = T(kSqrt2OverPi) * (x + T(kGeluTanhCubic) * x * x * x);
+    const T th = std::tanh(u);
+    const T du = T(kSqrt2OverPi) * (T(1) + T(3 * kGeluTanhCubic) * x * x);
+    dinp[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * x * (T(1) - th * th) * du);
+  }
+}
+
+// out[N,F] = silu(g)·u, g = gate_up[:, :F], u = gate_up[:, F:], silu(g) = g·sigmoid(g).
+template <class T>
+void swiglu_forward_kernel(T* out, const T* gate_up, i64 N, i64 F) {
+  for (i64 r = 0; r < N; ++r) {
+    const T* g = gate_up + r * 2 * F;
+    const T* u = g + F;
+    for (i64 j = 0; j < F; ++j) out[r * F + j] = g[j] / (T(1) + std::exp(-g[j])) * u[j];
+  }
+}
+// dgate = dout·u·σ(g)·(1 + g·(1 - σ(g))), dup = dout·silu(g); into dgate_up [N,2F].
+template <class T>
+void swiglu_backward_kernel(T* dgate_up, const T* dout, const T* gate_up, i64 N, i64 F) {
+  for (i64 r = 0; r < N; ++r) {
+    const T* g = gate_up + r * 2 * F;
+    const T* u = g + F;
+    T* dg = dgate_up + r * 2 * F;
+    T* du = dg + F;
+    for (i64 j = 0; j < F; ++j) {
+      const T sig = T(1) / (T(1) + std::exp(-g[j]));
+      const T dy = dout[r * F + j];
+      dg[j] = dy * u[j] * sig * (T(1) + g[j] * (T(1) - sig));
+      du[j] = dy * g[j] * sig;
+    }
+  }
+}
+
+// ---- biases -------------------------------------------------------------------------------
+
+// out[N,C] += bias[C]
+template <class T>
+void add_bias_kernel(T* out, const T* bias, i64 N, i64 C) {
+  ConstVec<T> b(bias, C);
+  for (i64 i = 0; i < N; ++i) Vec<T>(out + i * C, C) += b;
+}
+// dbias[C] += Σ_rows dout[N,C], row by row: column j's sum is the same whatever C is.
+template <class T>
+void bias_backward_kernel(T* dbias, const T* dout, i64 N, i64 C) {
+  Vec<T> db(dbias, C);
+  for (i64 i = 0; i < N; ++i) db += ConstVec<T>(dout + i * C, C);
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+
+// out[N,C] = x·rstd·weight, rstd[N] = 1/sqrt(mean(x²) + eps).
+template <class T>
+void rmsnorm_forward_kernel(T* out, T* rstd, const T* inp, const T* weight, i64 N, i64 C, T eps) {
+  ConstVec<T> w(weight, C);
+  for (i64 i = 0; i < N; ++i) {
+    ConstVec<T> x(inp + i * C, C);
+    const T r = T(1) / std::sqrt(x.square().sum() / T(C) + eps);
+    Vec<T>(out + i * C, C) = x * r * w;
+    rstd[i] = r;
+  }
+}
+// With xhat = x·rstd and g = dout·weight:
+//   dweight[C] += Σ_rows dout·xhat;  dinp[N,C] += rstd · (g - xhat · mean(g·xhat))
+template <class T>
+void rmsnorm_backward_kernel(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight,
+                             const T* rstd, i64 N, i64 C) {
+  ConstVec<T> w(weight, C);
+  Vec<T> dw(dweight, C);
+  for (i64 i = 0; i < N; ++i) {
+    ConstVec<T> x(inp + i * C, C), dy(dout + i * C, C);
+    const T r = rstd[i];
+    auto xhat = x * r;
+    auto g = dy * w;
+    const T gx_mean = (g * xhat).sum() / T(C);
+    dw += dy * xhat;
+    Vec<T>(dinp + i * C, C) += r * (g - xhat * gx_mean);
+  }
+}
+
+// ---- rotary position embedding -------------------------------------------------------------
+
+// x [N, h·d] rotated in place, pair k of every head by pos[i]·θ^(-2k/d) (sign -1: the
+// inverse rotation, the backward). Pairs (k, k + d/2), or (2k, 2k+1) when interleaved.
+template <class T>
+void rope_kernel(T* x, const i64* pos, i64 N, i64 h, i64 d, double theta, bool interleaved,
+                 double sign) {
+  const i64 half = d / 2;
+  std::vector<double> inv_freq(static_cast<std::size_t>(half));
+  for (i64 k = 0; k < half; ++k)
+    inv_freq[k] = std::pow(theta, -2.0 * static_cast<double>(k) / static_cast<double>(d));
+  for (i64 i = 0; i < N; ++i)
+    for (i64 k = 0; k < half; ++k) {
+      const double angle = static_cast<double>(pos[i]) * inv_freq[k];
+      const T c = T(std::cos(angle)), s = T(sign * std::sin(angle));
+      for (i64 j = 0; j < h; ++j) {
+        T* head = x + i * h * d + j * d;
+        T& a = head[interleaved ? 2 * k : k];
+        T& b = head[interleaved ? 2 * k + 1 : k + half];
+        const T a0 = a, b0 = b;
+        a = a0 * c - b0 * s;
+        b = a0 * s + b0 * c;
+      }
+    }
+}
+
 // ---- LayerNorm without bias -------------------------------------------------------------
 
 // out[N,C] = (inp - mean) · rstd · weight[C]; mean[N], rstd[N] saved for the backward.
@@ -569,6 +690,153 @@ void CpuBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& i
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     gelu_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
+  });
+}
+
+void CpuBackend::gelu_tanh_forward(Tensor& out, const Tensor& inp) {
+  check_same_float("gelu_tanh_forward", device(), "out", out, "inp", inp);
+  if (any_bf16({&out, &inp})) {
+    Bf16Widened w(scratch_);
+    Tensor o = w.out(out);
+    gelu_tanh_forward(o, w.in(inp));
+    return w.store();
+  }
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    gelu_tanh_forward_kernel<T>(out.data<T>(), inp.data<T>(), inp.numel());
+  });
+}
+
+void CpuBackend::gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  check_act_backward("gelu_tanh_backward", device(), dinp, dout, inp);
+  if (any_bf16({&dinp, &dout, &inp})) {
+    Bf16Widened w(scratch_);
+    Tensor d = w.out(dinp);
+    gelu_tanh_backward(d, w.in(dout), w.in(inp));
+    return w.store();
+  }
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    gelu_tanh_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
+  });
+}
+
+void CpuBackend::swiglu_forward(Tensor& out, const Tensor& gate_up) {
+  const RowsCols s = check_swiglu_forward(device(), out, gate_up);
+  if (any_bf16({&out, &gate_up})) {
+    Bf16Widened w(scratch_);
+    Tensor o = w.out(out);
+    swiglu_forward(o, w.in(gate_up));
+    return w.store();
+  }
+  on_float(gate_up, [&](auto z) {
+    using T = decltype(z);
+    swiglu_forward_kernel<T>(out.data<T>(), gate_up.data<T>(), s.N, s.C);
+  });
+}
+
+void CpuBackend::swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+  const RowsCols s = check_swiglu_backward(device(), dgate_up, dout, gate_up);
+  if (any_bf16({&dgate_up, &dout, &gate_up})) {
+    Bf16Widened w(scratch_);
+    Tensor d = w.out(dgate_up);
+    swiglu_backward(d, w.in(dout), w.in(gate_up));
+    return w.store();
+  }
+  on_float(gate_up, [&](auto z) {
+    using T = decltype(z);
+    swiglu_backward_kernel<T>(dgate_up.data<T>(), dout.data<T>(), gate_up.data<T>(), s.N, s.C);
+  });
+}
+
+// ---- biases -------------------------------------------------------------------------------
+
+void CpuBackend::add_bias(Tensor& out, const Tensor& bias) {
+  const RowsCols s = check_bias("add_bias", device(), "out", out, "bias", bias);
+  if (any_bf16({&out, &bias})) {
+    Bf16Widened w(scratch_);
+    Tensor o = w.inout(out);
+    add_bias(o, w.in(bias));
+    return w.store();
+  }
+  on_float(out, [&](auto z) {
+    using T = decltype(z);
+    add_bias_kernel<T>(out.data<T>(), bias.data<T>(), s.N, s.C);
+  });
+}
+
+void CpuBackend::bias_backward(Tensor& dbias, const Tensor& dout) {
+  const RowsCols s = check_bias("bias_backward", device(), "dout", dout, "dbias", dbias);
+  if (any_bf16({&dbias, &dout})) {
+    Bf16Widened w(scratch_);
+    Tensor db = w.inout(dbias);
+    bias_backward(db, w.in(dout));
+    return w.store();
+  }
+  on_float(dout, [&](auto z) {
+    using T = decltype(z);
+    bias_backward_kernel<T>(dbias.data<T>(), dout.data<T>(), s.N, s.C);
+  });
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------
+
+void CpuBackend::rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
+                                 const Tensor& weight, double eps) {
+  const RowsCols s = check_rmsnorm_forward(device(), out, rstd, inp, weight);
+  if (any_bf16({&out, &rstd, &inp, &weight})) {
+    Bf16Widened w(scratch_);
+    Tensor o = w.out(out), r = w.out(rstd);
+    rmsnorm_forward(o, r, w.in(inp), w.in(weight), eps);
+    return w.store();
+  }
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    rmsnorm_forward_kernel<T>(out.data<T>(), rstd.data<T>(), inp.data<T>(), weight.data<T>(), s.N,
+                              s.C, T(eps));
+  });
+}
+
+void CpuBackend::rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                  const Tensor& inp, const Tensor& weight, const Tensor& rstd) {
+  const RowsCols s = check_rmsnorm_backward(device(), dinp, dweight, dout, inp, weight, rstd);
+  if (any_bf16({&dinp, &dweight, &dout, &inp, &weight, &rstd})) {
+    Bf16Widened w(scratch_);
+    Tensor di = w.inout(dinp), dw = w.inout(dweight);
+    rmsnorm_backward(di, dw, w.in(dout), w.in(inp), w.in(weight), w.in(rstd));
+    return w.store();
+  }
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    rmsnorm_backward_kernel<T>(dinp.data<T>(), dweight.data<T>(), dout.data<T>(), inp.data<T>(),
+                               weight.data<T>(), rstd.data<T>(), s.N, s.C);
+  });
+}
+
+// ---- rotary position embedding ------------------------------------------------------------
+
+void CpuBackend::rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                              bool interleaved) {
+  rope(x, pos, h, theta, interleaved, "rope_forward", 1.0);
+}
+
+void CpuBackend::rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                               bool interleaved) {
+  rope(dx, pos, h, theta, interleaved, "rope_backward", -1.0);
+}
+
+void CpuBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                      bool interleaved, const char* op, double sign) {
+  const RowsCols s = check_rope(op, device(), x, pos, h, theta);
+  if (any_bf16({&x})) {
+    Bf16Widened w(scratch_);
+    Tensor xi = w.inout(x);
+    rope(xi, pos, h, theta, interleaved, op, sign);
+    return w.store();
+  }
+  on_float(x, [&](auto z) {
+    using T = decltype(z);
+    rope_kernel<T>(x.data<T>(), pos.data<i64>(), s.N, h, s.C, theta, interleaved, sign);
   });
 }
 

@@ -194,6 +194,99 @@ RowsCols check_layernorm_backward(Device dev, const Tensor& dinp, const Tensor& 
   return {N, C};
 }
 
+RowsCols check_rmsnorm_forward(Device dev, const Tensor& out, const Tensor& rstd,
+                               const Tensor& inp, const Tensor& weight) {
+  OpCheck c("rmsnorm_forward", dev);
+  c.float_arg("inp", inp);
+  c.ndim("inp", inp, 2);
+  const std::int64_t N = inp.dim(0), C = inp.dim(1);
+  if (C == 0) c.fail(OpCheck::describe("inp", inp) + " has no columns to normalise");
+  const std::string why = "inp '" + inp.tag() + "' is " + shape_str(inp.shape());
+  for (const auto& [role, t, s] : std::initializer_list<Want>{
+           {"out", &out, Shape{N, C}}, {"weight", &weight, Shape{C}}, {"rstd", &rstd, Shape{N}}}) {
+    c.same_dtype(role, *t, "inp", inp);
+    c.shape(role, *t, s, why);
+  }
+  return {N, C};
+}
+
+RowsCols check_rmsnorm_backward(Device dev, const Tensor& dinp, const Tensor& dweight,
+                                const Tensor& dout, const Tensor& inp, const Tensor& weight,
+                                const Tensor& rstd) {
+  OpCheck c("rmsnorm_backward", dev);
+  c.float_arg("inp", inp);
+  c.ndim("inp", inp, 2);
+  const std::int64_t N = inp.dim(0), C = inp.dim(1);
+  const std::string why = "inp '" + inp.tag() + "' is " + shape_str(inp.shape());
+  for (const auto& [role, t, s] : std::initializer_list<Want>{{"dinp", &dinp, Shape{N, C}},
+                                                              {"dout", &dout, Shape{N, C}},
+                                                              {"dweight", &dweight, Shape{C}},
+                                                              {"weight", &weight, Shape{C}},
+                                                              {"rstd", &rstd, Shape{N}}}) {
+    c.same_dtype(role, *t, "inp", inp);
+    c.shape(role, *t, s, why);
+  }
+  return {N, C};
+}
+
+RowsCols check_bias(const char* op, Device dev, const char* rows_role, const Tensor& rows,
+                    const char* bias_role, const Tensor& bias) {
+  OpCheck c(op, dev);
+  c.float_arg(rows_role, rows);
+  c.ndim(rows_role, rows, 2);
+  c.same_dtype(bias_role, bias, rows_role, rows);
+  c.shape(bias_role, bias, {rows.dim(1)},
+          std::string(rows_role) + " '" + rows.tag() + "' is " + shape_str(rows.shape()));
+  return {rows.dim(0), rows.dim(1)};
+}
+
+RowsCols check_swiglu_forward(Device dev, const Tensor& out, const Tensor& gate_up) {
+  OpCheck c("swiglu_forward", dev);
+  c.float_arg("gate_up", gate_up);
+  c.ndim("gate_up", gate_up, 2);
+  if (gate_up.dim(1) % 2 != 0)
+    c.fail(OpCheck::describe("gate_up", gate_up) + " has an odd column count; expected [N,2F]");
+  const std::int64_t N = gate_up.dim(0), F = gate_up.dim(1) / 2;
+  c.same_dtype("out", out, "gate_up", gate_up);
+  c.shape("out", out, {N, F}, "gate_up '" + gate_up.tag() + "' is " + shape_str(gate_up.shape()));
+  c.no_overlap("out", out, "gate_up", gate_up);
+  return {N, F};
+}
+
+RowsCols check_swiglu_backward(Device dev, const Tensor& dgate_up, const Tensor& dout,
+                               const Tensor& gate_up) {
+  OpCheck c("swiglu_backward", dev);
+  c.float_arg("gate_up", gate_up);
+  c.ndim("gate_up", gate_up, 2);
+  if (gate_up.dim(1) % 2 != 0)
+    c.fail(OpCheck::describe("gate_up", gate_up) + " has an odd column count; expected [N,2F]");
+  const std::int64_t N = gate_up.dim(0), F = gate_up.dim(1) / 2;
+  const std::string why = "gate_up '" + gate_up.tag() + "' is " + shape_str(gate_up.shape());
+  c.same_dtype("dgate_up", dgate_up, "gate_up", gate_up);
+  c.shape("dgate_up", dgate_up, gate_up.shape(), why);
+  c.same_dtype("dout", dout, "gate_up", gate_up);
+  c.shape("dout", dout, {N, F}, why);
+  c.no_overlap("dgate_up", dgate_up, "gate_up", gate_up);
+  c.no_overlap("dgate_up", dgate_up, "dout", dout);
+  return {N, F};
+}
+
+RowsCols check_rope(const char* op, Device dev, const Tensor& x, const Tensor& pos, std::int64_t h,
+                    double theta) {
+  OpCheck c(op, dev);
+  c.float_arg("x", x);
+  c.ndim("x", x, 2);
+  c.dtype("pos", pos, DType::I64);
+  c.range("h", h, 1, -1);
+  if (!(theta > 1.0)) c.fail("theta = " + std::to_string(theta) + " must be > 1");
+  const std::int64_t N = x.dim(0), W = x.dim(1);
+  if (W % h != 0 || (W / h) % 2 != 0)
+    c.fail(OpCheck::describe("x", x) + " is not " + std::to_string(h) +
+           " heads of an even size");
+  c.shape("pos", pos, {N}, "x '" + x.tag() + "' is " + shape_str(x.shape()));
+  return {N, W / h};
+}
+
 // ---- attention ----------------------------------------------------------------------
 
 namespace {

@@ -76,6 +76,22 @@ RowsCols check_layernorm_backward(Device dev, const Tensor& dinp, const Tensor& 
                                   const Tensor& dout, const Tensor& inp, const Tensor& weight,
                                   const Tensor& mean, const Tensor& rstd);
 
+RowsCols check_rmsnorm_forward(Device dev, const Tensor& out, const Tensor& rstd,
+                               const Tensor& inp, const Tensor& weight);
+RowsCols check_rmsnorm_backward(Device dev, const Tensor& dinp, const Tensor& dweight,
+                                const Tensor& dout, const Tensor& inp, const Tensor& weight,
+                                const Tensor& rstd);
+// out [N,C] and bias [C] (add_bias), or dbias [C] and dout [N,C] (bias_backward).
+RowsCols check_bias(const char* op, Device dev, const char* rows_role, const Tensor& rows,
+                    const char* bias_role, const Tensor& bias);
+// Returns {N, F}: out [N,F], gate_up [N,2F].
+RowsCols check_swiglu_forward(Device dev, const Tensor& out, const Tensor& gate_up);
+RowsCols check_swiglu_backward(Device dev, const Tensor& dgate_up, const Tensor& dout,
+                               const Tensor& gate_up);
+// Returns {N, d}: x [N, h·d] float, d even; pos i64 [N].
+RowsCols check_rope(const char* op, Device dev, const Tensor& x, const Tensor& pos,
+                    std::int64_t h, double theta);
+
 // Returns d, the head size.
 std::int64_t check_attention_forward(Device dev, const Tensor& out, const Tensor& probs,
                                      const Tensor& q, const Tensor& k, const Tensor& v,

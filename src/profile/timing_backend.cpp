@@ -123,6 +123,50 @@ void TimingBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor
   Scope s(*this, "gelu_backward", C::Activation);
   inner_->gelu_backward(dinp, dout, inp);
 }
+void TimingBackend::gelu_tanh_forward(Tensor& out, const Tensor& inp) {
+  Scope s(*this, "gelu_tanh_forward", C::Activation);
+  inner_->gelu_tanh_forward(out, inp);
+}
+void TimingBackend::gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  Scope s(*this, "gelu_tanh_backward", C::Activation);
+  inner_->gelu_tanh_backward(dinp, dout, inp);
+}
+void TimingBackend::swiglu_forward(Tensor& out, const Tensor& gate_up) {
+  Scope s(*this, "swiglu_forward", C::Activation);
+  inner_->swiglu_forward(out, gate_up);
+}
+void TimingBackend::swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+  Scope s(*this, "swiglu_backward", C::Activation);
+  inner_->swiglu_backward(dgate_up, dout, gate_up);
+}
+void TimingBackend::add_bias(Tensor& out, const Tensor& bias) {
+  Scope s(*this, "add_bias", C::Activation);
+  inner_->add_bias(out, bias);
+}
+void TimingBackend::bias_backward(Tensor& dbias, const Tensor& dout) {
+  Scope s(*this, "bias_backward", C::Activation);
+  inner_->bias_backward(dbias, dout);
+}
+void TimingBackend::rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
+                                    const Tensor& weight, double eps) {
+  Scope s(*this, "rmsnorm_forward", C::LayerNorm);
+  inner_->rmsnorm_forward(out, rstd, inp, weight, eps);
+}
+void TimingBackend::rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                     const Tensor& inp, const Tensor& weight, const Tensor& rstd) {
+  Scope s(*this, "rmsnorm_backward", C::LayerNorm);
+  inner_->rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd);
+}
+void TimingBackend::rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                                 bool interleaved) {
+  Scope s(*this, "rope_forward", C::Attention);
+  inner_->rope_forward(x, pos, h, theta, interleaved);
+}
+void TimingBackend::rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                                  bool interleaved) {
+  Scope s(*this, "rope_backward", C::Attention);
+  inner_->rope_backward(dx, pos, h, theta, interleaved);
+}
 void TimingBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
                                       const Tensor& weight, double eps) {
   Scope s(*this, "layernorm_forward", C::LayerNorm);

@@ -62,6 +62,20 @@ class TimingBackend final : public Backend {
   void relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
   void gelu_forward(Tensor& out, const Tensor& inp) override;
   void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
+  void gelu_tanh_forward(Tensor& out, const Tensor& inp) override;
+  void gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
+  void swiglu_forward(Tensor& out, const Tensor& gate_up) override;
+  void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) override;
+  void add_bias(Tensor& out, const Tensor& bias) override;
+  void bias_backward(Tensor& dbias, const Tensor& dout) override;
+  void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight,
+                       double eps) override;
+  void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                        const Tensor& weight, const Tensor& rstd) override;
+  void rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                    bool interleaved) override;
+  void rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                     bool interleaved) override;
   void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
                          const Tensor& weight, double eps) override;
   void layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,

@@ -395,8 +395,108 @@ void judge_perturbed(const std::vector<Spec>& specs) {
   }
 }
 
+
+// ---- the activations, biases, RMSNorm and RoPE of the Llama-style blocks ----------------
+// gelu_tanh, swiglu and rope: the CPU's f32 formulas with libm's tanhf/expf (and f64
+// cos/sin/pow for RoPE's angles), so bit-identical under cuda_emu, within the bound on a
+// GPU (nvcc's contractions, CUDA's tanhf/expf). add_bias is one f32 addition and
+// bias_backward f32 additions in the CPU's row order: bit-identical everywhere. RMSNorm
+// reduces in other orders: the bound.
+
+std::vector<Spec> llama_activation_specs(i64 N, i64 F, unsigned seed) {
+  const Shape s{N, F}, s2{N, 2 * F};
+  const std::string at = " " + std::to_string(N) + "x" + std::to_string(F);
+  std::vector<Spec> v;
+  v.push_back({"gelu_tanh_forward" + at, {data("x", s, seed, 3.0), data("out", s, seed + 1)}, {1},
+               [](Backend& be, auto& t) { be.gelu_tanh_forward(t[1], t[0]); },
+               VsCpu::ExactInEmulator, 0});
+  v.push_back({"gelu_tanh_backward" + at,
+               {data("x", s, seed + 2, 3.0), data("dy", s, seed + 3), data("dx", s, seed + 4)}, {2},
+               [](Backend& be, auto& t) { be.gelu_tanh_backward(t[2], t[1], t[0]); },
+               VsCpu::ExactInEmulator, 1});
+  v.push_back({"swiglu_forward" + at, {data("gate_up", s2, seed + 5, 3.0), data("out", s, seed + 6)},
+               {1}, [](Backend& be, auto& t) { be.swiglu_forward(t[1], t[0]); },
+               VsCpu::ExactInEmulator, 0});
+  v.push_back({"swiglu_backward" + at,
+               {data("gate_up", s2, seed + 7, 3.0), data("dy", s, seed + 8),
+                data("dgate_up", s2, seed + 9)},
+               {2}, [](Backend& be, auto& t) { be.swiglu_backward(t[2], t[1], t[0]); },
+               VsCpu::ExactInEmulator, 1});
+  return v;
+}
+
+// The bias is a bf16 parameter; its gradient the f32 main gradient, or bf16.
+std::vector<Spec> bias_specs(i64 N, i64 C, unsigned seed) {
+  const std::string at = " " + std::to_string(N) + "x" + std::to_string(C);
+  std::vector<Spec> v;
+  v.push_back({"add_bias" + at, {data("out", {N, C}, seed), data("bias", {C}, seed + 1)}, {0},
+               [](Backend& be, auto& t) { be.add_bias(t[0], t[1]); }, VsCpu::Exact, 1});
+  v.push_back({"bias_backward (f32 dbias)" + at,
+               {data("dout", {N, C}, seed + 2), stat("dbias", {C}, seed + 3)}, {1},
+               [](Backend& be, auto& t) { be.bias_backward(t[1], t[0]); }, VsCpu::Exact, 0});
+  v.push_back({"bias_backward (bf16 dbias)" + at,
+               {data("dout", {N, C}, seed + 4), data("dbias", {C}, seed + 5)}, {1},
+               [](Backend& be, auto& t) { be.bias_backward(t[1], t[0]); }, VsCpu::Exact, 0});
+  return v;
+}
+
+// bf16 data and weight, f32 rstd; scaling x would leave out unchanged (RMSNorm is scale
+// invariant), so the weight is the perturbed input, as LayerNorm's.
+Spec rmsnorm_forward_spec(i64 N, i64 C, unsigned seed) {
+  return {"rmsnorm_forward " + std::to_string(N) + "x" + std::to_string(C),
+          {data("x", {N, C}, seed, 1.0, 0.5), data("w", {C}, seed + 1), data("out", {N, C}, seed + 2),
+           stat("rstd", {N}, seed + 3)},
+          {2, 3},
+          [](Backend& be, auto& t) { be.rmsnorm_forward(t[2], t[3], t[0], t[1], 1e-6); },
+          VsCpu::Bound, 1};
+}
+
+// dinp (bf16) and the main gradient dweight (f32) accumulate onto non-zero values.
+Spec rmsnorm_backward_spec(i64 N, i64 C, unsigned seed) {
+  return {"rmsnorm_backward " + std::to_string(N) + "x" + std::to_string(C),
+          {data("x", {N, C}, seed, 1.0, 0.5), data("w", {C}, seed + 1), data("dy", {N, C}, seed + 2),
+           positive(stat("rstd", {N}, seed + 3)), data("dx", {N, C}, seed + 4),
+           stat("dw", {C}, seed + 5)},
+          {4, 5},
+          [](Backend& be, auto& t) { be.rmsnorm_backward(t[4], t[5], t[2], t[0], t[1], t[3]); },
+          VsCpu::Bound, 2};
+}
+
+// x [N, h·d] bf16, rotated in place, at positions from pos0.
+std::vector<Spec> rope_specs(i64 N, i64 h, i64 d, i64 pos0, unsigned seed) {
+  std::vector<i64> pos(static_cast<std::size_t>(N));
+  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = pos0 + static_cast<i64>(i);
+  const Shape s{N, h * d};
+  std::vector<Spec> v;
+  for (bool interleaved : {false, true}) {
+    const std::string at = " N=" + std::to_string(N) + " h=" + std::to_string(h) + " d=" +
+                           std::to_string(d) + (interleaved ? " interleaved" : " rotate-half");
+    v.push_back({"rope_forward" + at, {data("x", s, seed), ids("pos", pos)}, {0},
+                 [=](Backend& be, auto& t) { be.rope_forward(t[0], t[1], h, 10000.0, interleaved); },
+                 VsCpu::ExactInEmulator, 0});
+    v.push_back({"rope_backward" + at, {data("dx", s, seed + 1), ids("pos", pos)}, {0},
+                 [=](Backend& be, auto& t) { be.rope_backward(t[0], t[1], h, 10000.0, interleaved); },
+                 VsCpu::ExactInEmulator, 0});
+  }
+  return v;
+}
+
+std::vector<Spec> llama_specs() {
+  std::vector<Spec> v = llama_activation_specs(9, 31, 400);
+  for (Spec& s : llama_activation_specs(37, 45, 410)) v.push_back(s);
+  for (Spec& s : bias_specs(7, 10, 420)) v.push_back(s);
+  for (Spec& s : bias_specs(300, 333, 430)) v.push_back(s);  // 3 column blocks, the last partial
+  v.push_back(rmsnorm_forward_spec(70, 96, 440));
+  v.push_back(rmsnorm_backward_spec(70, 96, 450));
+  v.push_back(rmsnorm_forward_spec(130, 600, 460));  // several threads per column, row chunks
+  v.push_back(rmsnorm_backward_spec(130, 600, 470));
+  for (Spec& s : rope_specs(37, 3, 22, 1000, 480)) v.push_back(s);
+  return v;
+}
+
 std::vector<Spec> all_specs() {
   std::vector<Spec> v = elementwise_specs();
+  for (Spec& s : llama_specs()) v.push_back(s);
   v.push_back(layernorm_forward_spec(70, 96, 100));
   v.push_back(layernorm_backward_spec(70, 96, 110));
   v.push_back(layernorm_forward_spec(130, 600, 120));  // several threads per column, row chunks
@@ -440,6 +540,31 @@ TEST_CASE("cuda bf16 ops: vocab-parallel cross-entropy with f32 statistics", "[c
   TPSIM_REQUIRE_CUDA();
   judge_all(cross_entropy_specs({600, 889, kIgnoreIndex, 12, 700, 601, 2000}, 300, 290, 600, 180));
   judge_all(cross_entropy_specs({0, 998, kIgnoreIndex}, 1000, 999, 0, 190));
+}
+
+TEST_CASE("cuda bf16 ops: gelu_tanh and swiglu", "[cuda][bf16]") {
+  TPSIM_REQUIRE_CUDA();
+  judge_all(llama_activation_specs(9, 31, 400));
+  judge_all(llama_activation_specs(37, 45, 410));
+}
+
+TEST_CASE("cuda bf16 ops: add_bias, and bias_backward into an f32 or bf16 dbias",
+          "[cuda][bf16]") {
+  TPSIM_REQUIRE_CUDA();
+  judge_all(bias_specs(7, 10, 420));
+  judge_all(bias_specs(300, 333, 430));
+}
+
+TEST_CASE("cuda bf16 ops: RMSNorm with f32 rstd and main gradient", "[cuda][bf16]") {
+  TPSIM_REQUIRE_CUDA();
+  judge_all({rmsnorm_forward_spec(70, 96, 440), rmsnorm_backward_spec(70, 96, 450),
+             rmsnorm_forward_spec(130, 600, 460), rmsnorm_backward_spec(130, 600, 470)});
+}
+
+TEST_CASE("cuda bf16 ops: RoPE, rotate-half and interleaved", "[cuda][bf16]") {
+  TPSIM_REQUIRE_CUDA();
+  judge_all(rope_specs(37, 3, 22, 1000, 480));
+  judge_all(rope_specs(40, 5, 6, 3, 490));
 }
 
 TEST_CASE("cuda bf16 ops: every comparison fails on a perturbed input", "[cuda][bf16]") {

@@ -522,4 +522,199 @@ TEST_CASE("cuda ops: the same op on two backends gives the same bits", "[cuda]")
   }
 }
 
+
+// ---- the activations, biases, RMSNorm and RoPE of the Llama-style blocks ----------------
+// Bounds, besides compare()'s 2e-5 (f32) and 1e-12 (f64):
+//  - gelu_tanh, swiglu and rope are elementwise with the CPU kernel's formula, in its order
+//    (cuda_math), and the same libm tanh/exp/pow/cos/sin under cuda_emu, which builds the
+//    kernels as host C++ without contraction: there they must agree bit for bit. On a GPU
+//    nvcc contracts multiply-adds and CUDA's tanh/exp (f32: 2 ulp) and f64 pow/cos/sin
+//    (2 ulp) differ from libm's: a few ulp per element, far inside compare()'s bound.
+//  - add_bias is one addition, bias_backward additions only, in the CPU's row order onto
+//    dbias itself (nothing to contract, nothing to reorder): exact everywhere.
+//  - RMSNorm sums its rows (and dweight's row chunks) in other orders than the CPU's Eigen
+//    reductions: at most ~600-term f32 sums here, √n·u ≈ 1.5e-6, under compare()'s bound.
+#ifdef CUDA_EMU
+constexpr bool kExactInEmulator = true;
+#else
+constexpr bool kExactInEmulator = false;
+#endif
+
+// gelu_tanh and swiglu forward and backward; swiglu's gate_up [N,2F] = [gate | up].
+void compare_glu_activations(i64 N, i64 F, unsigned seed) {
+  const std::string at = " " + std::to_string(N) + "x" + std::to_string(F);
+  const Shape s{N, F}, s2{N, 2 * F};
+  compare("gelu_tanh" + at,
+          {f("x", s, seed, 3.0), zeros("out", s), f("dy", s, seed + 1), zeros("dx", s)}, {1, 3},
+          [](Backend& be, auto& t) {
+            be.gelu_tanh_forward(t[1], t[0]);
+            be.gelu_tanh_backward(t[3], t[2], t[0]);
+          }, kExactInEmulator);
+  // dgate_up starts non-zero: the backward overwrites it
+  compare("swiglu" + at,
+          {f("gate_up", s2, seed + 2, 3.0), zeros("out", s), f("dy", s, seed + 3),
+           f("dgate_up", s2, seed + 4)},
+          {1, 3}, [](Backend& be, auto& t) {
+            be.swiglu_forward(t[1], t[0]);
+            be.swiglu_backward(t[3], t[2], t[0]);
+          }, kExactInEmulator);
+}
+
+TEST_CASE("cuda ops: gelu_tanh and swiglu, forward and backward", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_glu_activations(9, 31, 300);
+  compare_glu_activations(37, 45, 302);  // 1665 outputs: several blocks, the last partial
+  compare_glu_activations(1, 1, 304);
+}
+
+// add_bias onto a non-zero out, bias_backward accumulating into a non-zero dbias.
+void compare_bias(i64 N, i64 C, unsigned seed) {
+  compare("bias " + std::to_string(N) + "x" + std::to_string(C),
+          {f("out", {N, C}, seed), f("bias", {C}, seed + 1), f("dout", {N, C}, seed + 2),
+           f("dbias", {C}, seed + 3)},
+          {0, 3}, [](Backend& be, auto& t) {
+            be.add_bias(t[0], t[1]);
+            be.bias_backward(t[3], t[2]);
+          }, true);
+}
+
+TEST_CASE("cuda ops: add_bias and bias_backward are exact", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_bias(7, 10, 310);
+  // 300 rows; 333 columns: three column blocks of 128 threads, the last partial, and
+  // 99900 elements for the broadcast add (several blocks, the last partial)
+  compare_bias(300, 333, 312);
+  compare_bias(1, 1, 314);
+  compare_bias(5, 0, 316);  // no columns: nothing to do
+}
+
+// A column's bias gradient is the same whatever the tensor around it: bias_backward on
+// dout [N,C] and on each column alone ([N,1], copied out) agree bit for bit.
+TEST_CASE("cuda ops: bias_backward's column sums do not depend on the column count", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 N = 257, C = 300;
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    CudaBackend gpu(0);
+    const auto dv = randn(N * C, 320), bv = randn(C, 321);
+    Tensor dout = gpu.empty({N, C}, dt, MemCategory::Temporary, "dout");
+    Tensor dbias = gpu.empty({C}, dt, MemCategory::Temporary, "dbias");
+    gpu.from_host(dout, dv.data());
+    gpu.from_host(dbias, bv.data());
+    gpu.bias_backward(dbias, dout);
+    const std::vector<double> wide = gpu.to_host(dbias);
+    for (i64 j : {i64{0}, i64{1}, i64{127}, i64{128}, i64{200}, C - 1}) {
+      Tensor col = gpu.empty({N, 1}, dt, MemCategory::Temporary, "col");
+      gpu.copy_columns(col, dout, j);
+      Tensor db = gpu.empty({1}, dt, MemCategory::Temporary, "db");
+      gpu.from_host(db, &bv[static_cast<std::size_t>(j)]);
+      gpu.bias_backward(db, col);
+      INFO("column " << j);
+      CHECK(gpu.to_host(db)[0] == wide[static_cast<std::size_t>(j)]);
+    }
+  }
+}
+
+// RMSNorm forward, and backward accumulating into non-zero dx and dw, on [N,C].
+void compare_rmsnorm(i64 N, i64 C, unsigned seed, double shift) {
+  Input x = f("x", {N, C}, seed);
+  for (auto& v : x.values) v += shift;
+  compare("rmsnorm " + std::to_string(N) + "x" + std::to_string(C),
+          {x, f("w", {C}, seed + 1), zeros("out", {N, C}), zeros("rstd", {N}),
+           f("dy", {N, C}, seed + 2), f("dx", {N, C}, seed + 3), f("dw", {C}, seed + 4)},
+          {2, 3, 5, 6}, [](Backend& be, auto& t) {
+            be.rmsnorm_forward(t[2], t[3], t[0], t[1], 1e-6);
+            be.rmsnorm_backward(t[5], t[6], t[4], t[0], t[1], t[3]);
+          });
+}
+
+TEST_CASE("cuda ops: RMSNorm forward and backward (accumulating)", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  compare_rmsnorm(150, 96, 330, 0.5);  // N > 64: dweight sums over several row chunks
+  // 600 columns: each of the 256 threads of a row loops 2-3 times; 3 column blocks of
+  // dweight; 130 rows: 3 row chunks, the last of 2 rows
+  compare_rmsnorm(130, 600, 332, -1.0);
+  compare_rmsnorm(3, 1, 334, 0.0);  // one column: most threads of a row idle
+}
+
+// RoPE forward on x and backward on dx, [N, h·d], at positions pos (not from 0).
+void compare_rope(i64 N, i64 h, i64 d, double theta, bool interleaved,
+                  const std::vector<i64>& pos, unsigned seed) {
+  const Shape s{N, h * d};
+  compare("rope N=" + std::to_string(N) + " h=" + std::to_string(h) + " d=" + std::to_string(d) +
+              (interleaved ? " interleaved" : " rotate-half"),
+          {f("x", s, seed), ids("pos", pos), f("dx", s, seed + 1)}, {0, 2},
+          [=](Backend& be, auto& t) {
+            be.rope_forward(t[0], t[1], h, theta, interleaved);
+            be.rope_backward(t[2], t[1], h, theta, interleaved);
+          }, kExactInEmulator);
+}
+
+TEST_CASE("cuda ops: RoPE forward and backward, rotate-half and interleaved", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  // 37 rows at positions 1000.. (a later chunk of a sequence), 3 heads of 22 (11 pairs,
+  // not a power of two): 407 (row, pair) threads, two blocks, the last partial
+  std::vector<i64> later(37);
+  for (std::size_t i = 0; i < later.size(); ++i) later[i] = 1000 + static_cast<i64>(i);
+  // packed sequences: positions restart, repeat and jump
+  std::vector<i64> packed(40);
+  for (std::size_t i = 0; i < packed.size(); ++i) packed[i] = static_cast<i64>(i % 7) * 13 + 3;
+  for (bool interleaved : {false, true}) {
+    compare_rope(37, 3, 22, 10000.0, interleaved, later, 340);
+    compare_rope(40, 5, 6, 500000.0, interleaved, packed, 342);
+    compare_rope(3, 1, 2, 10000.0, interleaved, {7, 0, 123456}, 344);  // one pair per head
+  }
+}
+
+// The backward is the forward's inverse (a rotation by minus the angle): on the device,
+// rope_backward(rope_forward(x)) gives x back up to the rounding of two rotations.
+TEST_CASE("cuda ops: RoPE backward undoes the forward", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 N = 33, h = 2, d = 14;
+  std::vector<i64> pos(static_cast<std::size_t>(N));
+  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = 17 + 3 * static_cast<i64>(i);
+  const auto xv = randn(N * h * d, 350);
+  for (DType dt : {DType::F32, DType::F64})
+    for (bool interleaved : {false, true}) {
+      INFO(dtype_name(dt) << (interleaved ? " interleaved" : " rotate-half"));
+      CudaBackend gpu(0);
+      Tensor x = gpu.empty({N, h * d}, dt, MemCategory::Temporary, "x");
+      Tensor p = gpu.empty({N}, DType::I64, MemCategory::Input, "pos");
+      gpu.from_host(x, xv.data());
+      gpu.from_host_i64(p, pos.data());
+      gpu.rope_forward(x, p, h, 10000.0, interleaved);
+      const double moved = test::rel_err(gpu.to_host(x), xv);
+      gpu.rope_backward(x, p, h, 10000.0, interleaved);
+      CHECK(moved > 0.1);  // the rotation did something
+      CHECK(test::rel_err(gpu.to_host(x), xv) <= (dt == DType::F32 ? 1e-6 : 1e-14));
+    }
+}
+
+// Replicated norm weights and biases must stay bit-identical on every rank: the new
+// reductions (RMSNorm's block sums and dweight chunks, the bias gradient's column sums)
+// give the same bits on two backends.
+TEST_CASE("cuda ops: RMSNorm, bias gradient and RoPE give the same bits on two backends",
+          "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  const i64 N = 130, C = 300, h = 3;
+  std::vector<i64> pos(static_cast<std::size_t>(N));
+  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = 5 + static_cast<i64>(i);
+  const std::vector<Input> inputs = {f("x", {N, C}, 360), f("w", {C}, 361), zeros("out", {N, C}),
+                                     zeros("rstd", {N}), f("dy", {N, C}, 362),
+                                     f("dx", {N, C}, 363), f("dw", {C}, 364), f("db", {C}, 365),
+                                     ids("pos", pos)};
+  const std::vector<int> outs = {2, 3, 5, 6, 7};
+  const Run run = [=](Backend& be, std::vector<Tensor>& t) {
+    be.rmsnorm_forward(t[2], t[3], t[0], t[1], 1e-6);
+    be.rope_forward(t[2], t[8], h, 10000.0, false);
+    be.rmsnorm_backward(t[5], t[6], t[4], t[0], t[1], t[3]);
+    be.bias_backward(t[7], t[5]);
+  };
+  for (DType dt : {DType::F32, DType::F64}) {
+    INFO(dtype_name(dt));
+    CudaBackend a(0), b(0);
+    CHECK(run_on(a, dt, inputs, outs, run) == run_on(b, dt, inputs, outs, run));
+  }
+}
+
 }  // namespace

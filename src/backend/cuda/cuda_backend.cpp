@@ -404,6 +404,100 @@ void CudaBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& 
   });
 }
 
+void CudaBackend::gelu_tanh_forward(Tensor& out, const Tensor& inp) {
+  check_same_float("gelu_tanh_forward", device(), "out", out, "inp", inp);
+  if (any_bf16({&out, &inp})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.out(out);
+    gelu_tanh_forward(o, w.in(inp));
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::gelu_tanh_forward<T>(out.data<T>(), inp.data<T>(), inp.numel(), stream_);
+  });
+}
+
+void CudaBackend::gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+  check_act_backward("gelu_tanh_backward", device(), dinp, dout, inp);
+  if (any_bf16({&dinp, &dout, &inp})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor d = w.out(dinp);
+    gelu_tanh_backward(d, w.in(dout), w.in(inp));
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::gelu_tanh_backward<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel(), stream_);
+  });
+}
+
+void CudaBackend::swiglu_forward(Tensor& out, const Tensor& gate_up) {
+  const RowsCols s = check_swiglu_forward(device(), out, gate_up);
+  if (any_bf16({&out, &gate_up})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.out(out);
+    swiglu_forward(o, w.in(gate_up));
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(gate_up, [&](auto z) {
+    using T = decltype(z);
+    K::swiglu_forward<T>(out.data<T>(), gate_up.data<T>(), s.N, s.C, stream_);
+  });
+}
+
+void CudaBackend::swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+  const RowsCols s = check_swiglu_backward(device(), dgate_up, dout, gate_up);
+  if (any_bf16({&dgate_up, &dout, &gate_up})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor d = w.out(dgate_up);
+    swiglu_backward(d, w.in(dout), w.in(gate_up));
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(gate_up, [&](auto z) {
+    using T = decltype(z);
+    K::swiglu_backward<T>(dgate_up.data<T>(), dout.data<T>(), gate_up.data<T>(), s.N, s.C,
+                          stream_);
+  });
+}
+
+// ---- biases -------------------------------------------------------------------------------
+
+void CudaBackend::add_bias(Tensor& out, const Tensor& bias) {
+  const RowsCols s = check_bias("add_bias", device(), "out", out, "bias", bias);
+  if (any_bf16({&out, &bias})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.inout(out);
+    add_bias(o, w.in(bias));
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(out, [&](auto z) {
+    using T = decltype(z);
+    K::add_bias<T>(out.data<T>(), bias.data<T>(), s.N, s.C, stream_);
+  });
+}
+
+void CudaBackend::bias_backward(Tensor& dbias, const Tensor& dout) {
+  const RowsCols s = check_bias("bias_backward", device(), "dout", dout, "dbias", dbias);
+  if (any_bf16({&dbias, &dout})) {
+    // an f32 dbias (the main gradient) accumulates as it is; a bf16 one through its shadow
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor db = w.inout(dbias);
+    bias_backward(db, w.in(dout));
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(dout, [&](auto z) {
+    using T = decltype(z);
+    K::bias_backward<T>(dbias.data<T>(), dout.data<T>(), s.N, s.C, stream_);
+  });
+}
+
 // ---- LayerNorm ----------------------------------------------------------------------------
 
 void CudaBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
@@ -443,6 +537,73 @@ void CudaBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor
     K::layernorm_backward<T>(dinp.data<T>(), dweight.data<T>(), partial.data<T>(), dout.data<T>(),
                              inp.data<T>(), weight.data<T>(), mean.data<T>(), rstd.data<T>(), s.N,
                              s.C, stream_);
+  });
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------
+
+void CudaBackend::rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
+                                  const Tensor& weight, double eps) {
+  const RowsCols s = check_rmsnorm_forward(device(), out, rstd, inp, weight);
+  if (any_bf16({&out, &rstd, &inp, &weight})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor o = w.out(out), r = w.out(rstd);
+    rmsnorm_forward(o, r, w.in(inp), w.in(weight), eps);
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::rmsnorm_forward<T>(out.data<T>(), rstd.data<T>(), inp.data<T>(), weight.data<T>(), s.N,
+                          s.C, T(eps), stream_);
+  });
+}
+
+void CudaBackend::rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                   const Tensor& inp, const Tensor& weight, const Tensor& rstd) {
+  const RowsCols s = check_rmsnorm_backward(device(), dinp, dweight, dout, inp, weight, rstd);
+  if (any_bf16({&dinp, &dweight, &dout, &inp, &weight, &rstd})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor di = w.inout(dinp), dw = w.inout(dweight);
+    rmsnorm_backward(di, dw, w.in(dout), w.in(inp), w.in(weight), w.in(rstd));
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  // [chunks, C] per-chunk column sums of dout·xhat, added in order into dweight
+  Tensor partial = empty({K::layernorm_dweight_chunks(s.N), s.C}, inp.dtype(),
+                         MemCategory::Temporary, "rmsnorm.dweight_partial");
+  on_float(inp, [&](auto z) {
+    using T = decltype(z);
+    K::rmsnorm_backward<T>(dinp.data<T>(), dweight.data<T>(), partial.data<T>(), dout.data<T>(),
+                           inp.data<T>(), weight.data<T>(), rstd.data<T>(), s.N, s.C, stream_);
+  });
+}
+
+// ---- rotary position embedding ------------------------------------------------------------
+
+void CudaBackend::rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                               bool interleaved) {
+  rope(x, pos, h, theta, interleaved, "rope_forward", 1.0);
+}
+
+void CudaBackend::rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                                bool interleaved) {
+  rope(dx, pos, h, theta, interleaved, "rope_backward", -1.0);
+}
+
+void CudaBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                       bool interleaved, const char* op, double sign) {
+  const RowsCols s = check_rope(op, device(), x, pos, h, theta);
+  if (any_bf16({&x})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor xi = w.inout(x);
+    rope(xi, pos, h, theta, interleaved, op, sign);
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(x, [&](auto z) {
+    using T = decltype(z);
+    K::rope<T>(x.data<T>(), pos.data<i64>(), s.N, h, s.C, theta, interleaved, sign, stream_);
   });
 }
 

@@ -101,11 +101,27 @@ class CudaBackend final : public Backend {
   void relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
   void gelu_forward(Tensor& out, const Tensor& inp) override;
   void gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
+  void gelu_tanh_forward(Tensor& out, const Tensor& inp) override;
+  void gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) override;
+  void swiglu_forward(Tensor& out, const Tensor& gate_up) override;
+  void swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) override;
+
+  void add_bias(Tensor& out, const Tensor& bias) override;
+  void bias_backward(Tensor& dbias, const Tensor& dout) override;
 
   void layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
                          const Tensor& weight, double eps) override;
   void layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
                           const Tensor& weight, const Tensor& mean, const Tensor& rstd) override;
+  void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp, const Tensor& weight,
+                       double eps) override;
+  void rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                        const Tensor& weight, const Tensor& rstd) override;
+
+  void rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                    bool interleaved) override;
+  void rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                     bool interleaved) override;
 
   void attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
                          const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
@@ -141,6 +157,9 @@ class CudaBackend final : public Backend {
 
  private:
   Device device() const { return {DeviceKind::Cuda, device_}; }
+  // rope_forward (sign 1) and rope_backward (sign -1, the rotation by minus the angle).
+  void rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta, bool interleaved,
+            const char* op, double sign);
   // Throws Error, as the CPU backend does, when a target can lie on no shard.
   void check_targets(const char* op, const Tensor& targets, const Tensor& logits,
                      std::int64_t col0, std::int64_t valid);

@@ -1,5 +1,6 @@
-// Elementwise kernels: fills, conversions (bf16 included), activations, MSE gradient and optimizers. One
-// thread per element in a grid-stride loop; the arithmetic is cuda_math's.
+// Elementwise kernels: fills, conversions (bf16 included), activations (SwiGLU's over
+// its fused [gate | up] rows included), MSE gradient and optimizers. One thread per element
+// (per output element for SwiGLU) in a grid-stride loop; the arithmetic is cuda_math's.
 #include "backend/cuda/block_reduce.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -76,6 +77,36 @@ void gelu_backward(T* dinp, const T* dout, const T* inp, i64 n, cudaStream_t s) 
   for_each(n, s, [=] __device__(i64 i) { dinp[i] = cuda_math::gelu_grad(dout[i], inp[i]); });
 }
 template <class T>
+void gelu_tanh_forward(T* out, const T* inp, i64 n, cudaStream_t s) {
+  for_each(n, s, [=] __device__(i64 i) { out[i] = cuda_math::gelu_tanh(inp[i]); });
+}
+template <class T>
+void gelu_tanh_backward(T* dinp, const T* dout, const T* inp, i64 n, cudaStream_t s) {
+  for_each(n, s,
+           [=] __device__(i64 i) { dinp[i] = cuda_math::gelu_tanh_grad(dout[i], inp[i]); });
+}
+// Element i of out[N,F] is row r = i / F, column j = i % F: gate gate_up[r, j], up
+// gate_up[r, F + j].
+template <class T>
+void swiglu_forward(T* out, const T* gate_up, i64 N, i64 F, cudaStream_t s) {
+  for_each(N * F, s, [=] __device__(i64 i) {
+    const i64 r = i / F, j = i % F;
+    const T* g = gate_up + r * 2 * F;
+    out[i] = cuda_math::swiglu(g[j], g[F + j]);
+  });
+}
+template <class T>
+void swiglu_backward(T* dgate_up, const T* dout, const T* gate_up, i64 N, i64 F, cudaStream_t s) {
+  for_each(N * F, s, [=] __device__(i64 i) {
+    const i64 r = i / F, j = i % F;
+    const T* g = gate_up + r * 2 * F;
+    T* dg = dgate_up + r * 2 * F;
+    const T dy = dout[i], gj = g[j], uj = g[F + j];
+    dg[j] = cuda_math::swiglu_grad_gate(dy, gj, uj);
+    dg[F + j] = cuda_math::swiglu_grad_up(dy, gj);
+  });
+}
+template <class T>
 void mse_backward(T* dy, const T* y, const T* target, i64 n, T c, cudaStream_t s) {
   for_each(n, s, [=] __device__(i64 i) { dy[i] = c * (y[i] - target[i]); });
 }
@@ -100,6 +131,10 @@ void adam_update(T* param, const T* grad, T* m, T* v, i64 n, const cuda_math::Ad
   template void relu_backward<T>(T*, const T*, const T*, i64, cudaStream_t);                 \
   template void gelu_forward<T>(T*, const T*, i64, cudaStream_t);                            \
   template void gelu_backward<T>(T*, const T*, const T*, i64, cudaStream_t);                 \
+  template void gelu_tanh_forward<T>(T*, const T*, i64, cudaStream_t);                       \
+  template void gelu_tanh_backward<T>(T*, const T*, const T*, i64, cudaStream_t);            \
+  template void swiglu_forward<T>(T*, const T*, i64, i64, cudaStream_t);                     \
+  template void swiglu_backward<T>(T*, const T*, const T*, i64, i64, cudaStream_t);          \
   template void mse_backward<T>(T*, const T*, const T*, i64, T, cudaStream_t);               \
   template void sgd_update<T>(T*, const T*, i64, T, cudaStream_t);                           \
   template void adam_update<T>(T*, const T*, T*, T*, i64, const cuda_math::AdamCoeffs<T>&,   \

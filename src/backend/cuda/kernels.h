@@ -31,6 +31,13 @@ template <class T> void relu_forward(T* out, const T* inp, i64 n, cudaStream_t s
 template <class T> void relu_backward(T* dinp, const T* dout, const T* inp, i64 n, cudaStream_t s);
 template <class T> void gelu_forward(T* out, const T* inp, i64 n, cudaStream_t s);
 template <class T> void gelu_backward(T* dinp, const T* dout, const T* inp, i64 n, cudaStream_t s);
+template <class T> void gelu_tanh_forward(T* out, const T* inp, i64 n, cudaStream_t s);
+template <class T>
+void gelu_tanh_backward(T* dinp, const T* dout, const T* inp, i64 n, cudaStream_t s);
+// out[N,F] = silu(gate)·up from gate_up[N,2F] = [gate | up]; dgate_up[N,2F] overwritten.
+template <class T> void swiglu_forward(T* out, const T* gate_up, i64 N, i64 F, cudaStream_t s);
+template <class T>
+void swiglu_backward(T* dgate_up, const T* dout, const T* gate_up, i64 N, i64 F, cudaStream_t s);
 // dy[n] = c · (y - target), c = 2/n
 template <class T> void mse_backward(T* dy, const T* y, const T* target, i64 n, T c, cudaStream_t s);
 template <class T> void sgd_update(T* param, const T* grad, i64 n, T lr, cudaStream_t s);
@@ -58,7 +65,7 @@ struct RankPtrs {
 void reduce_ranks(void* dst, const RankPtrs& src, int k, i64 n, int dtype, bool op_max,
                   cudaStream_t s);
 
-// ---- layernorm.cu -----------------------------------------------------------------------
+// ---- layernorm.cu (LayerNorm and RMSNorm) -----------------------------------------------
 // out[N,C], mean[N], rstd[N] from inp[N,C], weight[C]
 template <class T>
 void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* weight, i64 N, i64 C,
@@ -68,6 +75,31 @@ i64 layernorm_dweight_chunks(i64 N);
 template <class T>
 void layernorm_backward(T* dinp, T* dweight, T* partial, const T* dout, const T* inp,
                         const T* weight, const T* mean, const T* rstd, i64 N, i64 C, cudaStream_t s);
+
+// RMSNorm: out[N,C], rstd[N] from inp[N,C], weight[C]; one block per row.
+template <class T>
+void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* weight, i64 N, i64 C, T eps,
+                     cudaStream_t s);
+// dinp[N,C] += ..., dweight[C] += ... (row chunks as LayerNorm's); `partial` is
+// [layernorm_dweight_chunks(N), C] scratch.
+template <class T>
+void rmsnorm_backward(T* dinp, T* dweight, T* partial, const T* dout, const T* inp,
+                      const T* weight, const T* rstd, i64 N, i64 C, cudaStream_t s);
+
+// ---- bias.cu ----------------------------------------------------------------------------
+// out[N,C] += bias[C] on every row.
+template <class T> void add_bias(T* out, const T* bias, i64 N, i64 C, cudaStream_t s);
+// dbias[C] += Σ_rows dout[N,C]: one thread per column adds the rows in row order onto
+// dbias[c] itself (the CPU's order: a column's sum does not depend on C, nor on timing).
+template <class T> void bias_backward(T* dbias, const T* dout, i64 N, i64 C, cudaStream_t s);
+
+// ---- rope.cu ----------------------------------------------------------------------------
+// x[N, h·d] rotated in place: pair k of every head of row i by pos[i]·θ^(-2k/d), the angle
+// and its cosine and sine in f64 (cuda_math::rope_angle), then cast to T; sign -1 rotates
+// by minus the angle (the backward). Pairs (k, k + d/2), or (2k, 2k+1) when interleaved.
+template <class T>
+void rope(T* x, const i64* pos, i64 N, i64 h, i64 d, double theta, bool interleaved, double sign,
+          cudaStream_t s);
 
 // ---- attention.cu (the softmax parts; the products are cuBLAS) --------------------------
 // scores[rows,T] in place: row r is query position t = r % T; scale, causal softmax over

@@ -40,6 +40,12 @@ TPSIM_HD inline float m_log(float x) { return logf(x); }
 TPSIM_HD inline double m_log(double x) { return log(x); }
 TPSIM_HD inline float m_sqrt(float x) { return sqrtf(x); }
 TPSIM_HD inline double m_sqrt(double x) { return sqrt(x); }
+TPSIM_HD inline float m_tanh(float x) { return tanhf(x); }
+TPSIM_HD inline double m_tanh(double x) { return tanh(x); }
+// RoPE's angles are f64 whatever the compute dtype (backend.h)
+TPSIM_HD inline double m_pow(double x, double y) { return pow(x, y); }
+TPSIM_HD inline double m_cos(double x) { return cos(x); }
+TPSIM_HD inline double m_sin(double x) { return sin(x); }
 
 // ---- bf16 storage -----------------------------------------------------------------------
 // The bits of core/dtype.h's bf16_from_f32 / bf16_to_f32, as the kernels see them (a bf16
@@ -89,6 +95,43 @@ TPSIM_HD T gelu_grad(T dout, T x) {
   return dout * (cdf + x * pdf);
 }
 
+// tanh GELU, torch's GELU(approximate='tanh'): 0.5·x·(1 + tanh(u)),
+// u = √(2/π)·(x + 0.044715·x³). The constants are the CPU kernel's doubles (√2 · 1/√π,
+// as std::numbers gives them, rounded once), each cast to T where it is used.
+inline constexpr double kSqrt2OverPi = 1.4142135623730950488 * 0.56418958354775628695;
+inline constexpr double kGeluTanhCubic = 0.044715;
+template <class T>
+TPSIM_HD T gelu_tanh(T x) {
+  const T u = T(kSqrt2OverPi) * (x + T(kGeluTanhCubic) * x * x * x);
+  return T(0.5) * x * (T(1) + m_tanh(u));
+}
+// dout · (0.5·(1 + tanh u) + 0.5·x·(1 - tanh²u)·√(2/π)·(1 + 3·0.044715·x²)).
+template <class T>
+TPSIM_HD T gelu_tanh_grad(T dout, T x) {
+  const T u = T(kSqrt2OverPi) * (x + T(kGeluTanhCubic) * x * x * x);
+  const T th = m_tanh(u);
+  const T du = T(kSqrt2OverPi) * (T(1) + T(3 * kGeluTanhCubic) * x * x);
+  return dout * (T(0.5) * (T(1) + th) + T(0.5) * x * (T(1) - th * th) * du);
+}
+
+// SwiGLU on one (gate g, up u) pair: silu(g)·u, silu(g) = g·sigmoid(g) = g / (1 + e^-g).
+template <class T>
+TPSIM_HD T swiglu(T g, T u) {
+  return g / (T(1) + m_exp(-g)) * u;
+}
+// ∂/∂g: dout·u·σ(g)·(1 + g·(1 - σ(g))).
+template <class T>
+TPSIM_HD T swiglu_grad_gate(T dout, T g, T u) {
+  const T sig = T(1) / (T(1) + m_exp(-g));
+  return dout * u * sig * (T(1) + g * (T(1) - sig));
+}
+// ∂/∂u: dout·silu(g), as dout·g·σ(g).
+template <class T>
+TPSIM_HD T swiglu_grad_up(T dout, T g) {
+  const T sig = T(1) / (T(1) + m_exp(-g));
+  return dout * g * sig;
+}
+
 // ---- LayerNorm without bias ------------------------------------------------------------
 // A row's statistics come from two reductions (Σx, then Σ(x-mean)²), so the variance
 // never suffers the cancellation of E[x²] - E[x]².
@@ -114,6 +157,38 @@ TPSIM_HD T ln_out(T x, T mean, T rstd, T w) {
 template <class T>
 TPSIM_HD T ln_dinp(T dout, T w, T xhat, T rstd, T g_mean, T gx_mean) {
   return rstd * (dout * w - g_mean - xhat * gx_mean);
+}
+
+// ---- RMSNorm ----------------------------------------------------------------------------
+
+// rstd = 1/sqrt(mean(x²) + eps) from the row's sum of squares.
+template <class T>
+TPSIM_HD T rms_rstd(T sumsq, std::int64_t C, T eps) {
+  return T(1) / m_sqrt(sumsq / T(C) + eps);
+}
+template <class T>
+TPSIM_HD T rms_out(T x, T rstd, T w) {
+  return x * rstd * w;
+}
+// With g = dout·w and xhat = x·rstd: dinp = rstd · (g - xhat · mean(g·xhat)).
+template <class T>
+TPSIM_HD T rms_dinp(T dout, T w, T xhat, T rstd, T gx_mean) {
+  return rstd * (dout * w - xhat * gx_mean);
+}
+
+// ---- rotary position embedding ----------------------------------------------------------
+
+// The angle of pair k of a head of size d at position pos: pos·θ^(-2k/d), in f64.
+TPSIM_HD inline double rope_angle(std::int64_t pos, std::int64_t k, std::int64_t d, double theta) {
+  return static_cast<double>(pos) *
+         m_pow(theta, -2.0 * static_cast<double>(k) / static_cast<double>(d));
+}
+// (a, b) <- (a·c - b·s, a·s + b·c)
+template <class T>
+TPSIM_HD void rope_rotate(T& a, T& b, T c, T s) {
+  const T a0 = a, b0 = b;
+  a = a0 * c - b0 * s;
+  b = a0 * s + b0 * c;
 }
 
 // ---- cross-entropy over a column range of the vocabulary --------------------------------
