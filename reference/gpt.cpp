@@ -15,60 +15,45 @@ namespace {
 
 using Index = Eigen::Index;
 
-// ---------------------------------------------------------------- embedding (wte + wpe)
+// ---------------------------------------------------------------- LayerNorm and RMSNorm
 
-// out[b*T+t] = wte[ids[b,t]] + wpe[t]
+// LayerNorm: xhat = (x - mean) * rstd, rstd = 1/sqrt(biased var + eps);
+// RMSNorm:   xhat = x * rstd,          rstd = 1/sqrt(mean(x^2) + eps);
+// out = xhat * w (+ b), per row.
 template <class S>
-void encoder_forward(Matrix<S>& out, const std::vector<std::int64_t>& ids, Index B, Index T,
-                     const Matrix<S>& wte, const Matrix<S>& wpe) {
-  out.resize(B * T, wte.cols());  // [N, H]
-  for (Index b = 0; b < B; ++b)
-    for (Index t = 0; t < T; ++t)
-      out.row(b * T + t) = wte.row(ids[static_cast<std::size_t>(b * T + t)]) + wpe.row(t);
-}
-
-// A lookup's gradient is a scatter-add: a token used twice gets both rows' gradients.
-// dwte also receives the LM head's contribution elsewhere (the weight is tied).
-template <class S>
-void encoder_backward(Matrix<S>& dwte, Matrix<S>& dwpe, const Matrix<S>& dout,
-                      const std::vector<std::int64_t>& ids, Index B, Index T) {
-  for (Index b = 0; b < B; ++b)
-    for (Index t = 0; t < T; ++t) {
-      dwte.row(ids[static_cast<std::size_t>(b * T + t)]) += dout.row(b * T + t);
-      dwpe.row(t) += dout.row(b * T + t);
-    }
-}
-
-// ---------------------------------------------------------------- LayerNorm (weight, no bias)
-
-// out = xhat * w, xhat = (x - mean) * rstd, rstd = 1/sqrt(biased var + eps), per row.
-template <class S>
-void layernorm_forward(Matrix<S>& out, Matrix<S>& xhat, Vector<S>& rstd, const Matrix<S>& x,
-                       const Matrix<S>& w, double eps) {
+void norm_forward(Matrix<S>& out, Matrix<S>& xhat, Vector<S>& rstd, const Matrix<S>& x,
+                  const Matrix<S>& w, const Matrix<S>* b, NormKind kind, double eps) {
   const Index N = x.rows(), H = x.cols();
   xhat.resize(N, H);  // [N, H]
   rstd.resize(N);     // [N]
   for (Index n = 0; n < N; ++n) {
-    const S mean = x.row(n).mean();
-    xhat.row(n) = x.row(n).array() - mean;
+    if (kind == NormKind::LayerNorm)
+      xhat.row(n) = x.row(n).array() - x.row(n).mean();
+    else
+      xhat.row(n) = x.row(n);
     const S var = xhat.row(n).squaredNorm() / static_cast<S>(H);  // biased, as torch
     rstd(n) = S(1) / std::sqrt(var + static_cast<S>(eps));
     xhat.row(n) *= rstd(n);
   }
   out = xhat.array().rowwise() * w.row(0).array();  // [N, H]
+  if (b) out.rowwise() += b->row(0);
 }
 
-// dw += sum_n dout * xhat; dx += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),
-// dxhat = dout * w. The two means are the gradient through the row mean and the row
-// variance (both depend on every element of the row).
+// dw += sum_n dout * xhat, db += sum_n dout; with dxhat = dout * w,
+//   LayerNorm: dx += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+//   RMSNorm:   dx += rstd * (dxhat - xhat * mean(dxhat * xhat))
+// The means are the gradient through the row statistics (which depend on every element
+// of the row); RMSNorm has no mean to subtract, so it lacks the first.
 template <class S>
-void layernorm_backward(Matrix<S>& dx, Matrix<S>& dw, const Matrix<S>& dout,
-                        const Matrix<S>& xhat, const Vector<S>& rstd, const Matrix<S>& w) {
+void norm_backward(Matrix<S>& dx, Matrix<S>& dw, Matrix<S>* db, const Matrix<S>& dout,
+                   const Matrix<S>& xhat, const Vector<S>& rstd, const Matrix<S>& w,
+                   NormKind kind) {
   const Index N = dout.rows(), H = dout.cols();
-  dw += dout.cwiseProduct(xhat).colwise().sum();                    // [1, H]
+  dw += dout.cwiseProduct(xhat).colwise().sum();  // [1, H]
+  if (db) *db += dout.colwise().sum();            // [1, H]
   const Matrix<S> dxhat = dout.array().rowwise() * w.row(0).array();  // [N, H]
   for (Index n = 0; n < N; ++n) {
-    const S m1 = dxhat.row(n).mean();
+    const S m1 = kind == NormKind::LayerNorm ? dxhat.row(n).mean() : S(0);
     const S m2 = dxhat.row(n).dot(xhat.row(n)) / static_cast<S>(H);
     dx.row(n).array() += rstd(n) * (dxhat.row(n).array() - m1 - xhat.row(n).array() * m2);
   }
@@ -138,24 +123,64 @@ void matmul_backward(Matrix<S>& dx, Matrix<S>& dw, const Matrix<S>& dout, const 
   });
 }
 
+// A Linear with an optional bias: out = x W^T (+ b); its backward also sets db = the
+// column sums of dout (written, like dW).
+template <class S>
+void linear_forward(Matrix<S>& out, const Matrix<S>& x, const Matrix<S>& w, const Matrix<S>* b) {
+  matmul_forward(out, x, w);
+  if (b) out.rowwise() += b->row(0);
+}
+template <class S>
+void linear_backward(Matrix<S>& dx, Matrix<S>& dw, Matrix<S>* db, const Matrix<S>& dout,
+                     const Matrix<S>& x, const Matrix<S>& w) {
+  matmul_backward(dx, dw, dout, x, w);
+  if (db) *db = dout.colwise().sum();
+}
+
+// ---------------------------------------------------------------- rotary position embedding
+
+// Rotates each head's pairs of q or k [N, A*d] in place by position t's angles
+// t * theta^(-2i/d) (sign -1: back, the transpose, for the gradient). Pairs are (i, i+d/2)
+// for RopeStyle::Half and (2i, 2i+1) for Interleaved. Row b*T+t is at position t.
+template <class S>
+void rope_rotate(Matrix<S>& m, Index T, Index A, const GptConfig& c, double sign) {
+  const Index d = m.cols() / A, half = d / 2;
+  for (Index n = 0; n < m.rows(); ++n) {
+    const double t = static_cast<double>(n % T);
+    for (Index i = 0; i < half; ++i) {
+      const double angle = t * std::pow(c.rope_theta, -2.0 * static_cast<double>(i) /
+                                                          static_cast<double>(d));
+      const S cs = static_cast<S>(std::cos(angle)), sn = static_cast<S>(sign * std::sin(angle));
+      const Index ia = c.rope_style == RopeStyle::Half ? i : 2 * i;
+      const Index ib = c.rope_style == RopeStyle::Half ? i + half : 2 * i + 1;
+      for (Index j = 0; j < A; ++j) {
+        const S a = m(n, j * d + ia), b = m(n, j * d + ib);
+        m(n, j * d + ia) = a * cs - b * sn;
+        m(n, j * d + ib) = a * sn + b * cs;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- causal self-attention
 
-// Per sequence b and head j: P = causal_softmax(Q K^T / sqrt(d)), Y = P V, where Q, K, V
-// are the [T, d] blocks at rows b*T.., columns j*d... Masked probabilities are stored as
-// exact zeros, which is what makes the backward below ignore them.
+// Per sequence b and head j: P = causal_softmax(Q K^T / sqrt(d)), Y = P V, where Q is the
+// [T, d] block at rows b*T.., columns j*d.., and K, V the blocks of kv head j / (A/KV)
+// (grouped-query attention: consecutive query heads share a kv head). Masked
+// probabilities are stored as exact zeros, which is what makes the backward ignore them.
 template <class S>
 void attention_forward(Matrix<S>& y, Matrix<S>& att, const Matrix<S>& q, const Matrix<S>& k,
                        const Matrix<S>& v, Index B, Index T, Index A) {
-  const Index H = q.cols(), d = H / A;
+  const Index H = q.cols(), d = H / A, group = A / (k.cols() / d);
   const S scale = S(1) / std::sqrt(static_cast<S>(d));
   y.resize(B * T, H);      // [N, H]
   att.resize(B * A * T, T);  // [B*A*T, T]
   for (Index b = 0; b < B; ++b)
     for (Index j = 0; j < A; ++j) {
-      auto Q = q.block(b * T, j * d, T, d);        // [T, d]
-      auto K = k.block(b * T, j * d, T, d);        // [T, d]
-      auto V = v.block(b * T, j * d, T, d);        // [T, d]
-      auto P = att.block((b * A + j) * T, 0, T, T);  // [T, T]
+      auto Q = q.block(b * T, j * d, T, d);                // [T, d]
+      auto K = k.block(b * T, (j / group) * d, T, d);  // [T, d]
+      auto V = v.block(b * T, (j / group) * d, T, d);  // [T, d]
+      auto P = att.block((b * A + j) * T, 0, T, T);    // [T, T]
       P.noalias() = scale * Q * K.transpose();
       for (Index t = 0; t < T; ++t) {
         // Position t sees positions 0..t; subtract the row max before exp for stability.
@@ -170,32 +195,34 @@ void attention_forward(Matrix<S>& y, Matrix<S>& att, const Matrix<S>& q, const M
 }
 
 // dV = P^T dY; dP = dY V^T; dS = P * (dP - rowsum(P * dP)) (softmax backward, row-wise);
-// dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d). Every [T,d] block of dq/dk/dv is written once.
+// dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d). A kv head's dK and dV sum over the query
+// heads of its group.
 template <class S>
 void attention_backward(Matrix<S>& dq, Matrix<S>& dk, Matrix<S>& dv, const Matrix<S>& dy,
                         const Matrix<S>& att, const Matrix<S>& q, const Matrix<S>& k,
                         const Matrix<S>& v, Index B, Index T, Index A) {
-  const Index H = q.cols(), d = H / A;
+  const Index H = q.cols(), d = H / A, KVW = k.cols(), group = A / (KVW / d);
   const S scale = S(1) / std::sqrt(static_cast<S>(d));
-  dq.resize(B * T, H);  // [N, H]
-  dk.resize(B * T, H);  // [N, H]
-  dv.resize(B * T, H);  // [N, H]
+  dq.resize(B * T, H);                 // [N, H]
+  dk = Matrix<S>::Zero(B * T, KVW);    // [N, KV*d]
+  dv = Matrix<S>::Zero(B * T, KVW);    // [N, KV*d]
   Matrix<S> dP(T, T);   // [T, T] gradient of the probabilities, then of the scores
   for (Index b = 0; b < B; ++b)
     for (Index j = 0; j < A; ++j) {
+      const Index kv = (j / group) * d;
       auto Q = q.block(b * T, j * d, T, d);              // [T, d]
-      auto K = k.block(b * T, j * d, T, d);              // [T, d]
-      auto V = v.block(b * T, j * d, T, d);              // [T, d]
+      auto K = k.block(b * T, kv, T, d);                 // [T, d]
+      auto V = v.block(b * T, kv, T, d);                 // [T, d]
       auto dY = dy.block(b * T, j * d, T, d);            // [T, d]
       const auto P = att.block((b * A + j) * T, 0, T, T);  // [T, T]
-      dv.block(b * T, j * d, T, d).noalias() = P.transpose() * dY;
+      dv.block(b * T, kv, T, d).noalias() += P.transpose() * dY;
       dP.noalias() = dY * V.transpose();
       for (Index t = 0; t < T; ++t) {
         const S dot = P.row(t).dot(dP.row(t));
         dP.row(t) = P.row(t).cwiseProduct((dP.row(t).array() - dot).matrix());
       }
       dq.block(b * T, j * d, T, d).noalias() = scale * dP * K;
-      dk.block(b * T, j * d, T, d).noalias() = scale * dP.transpose() * Q;
+      dk.block(b * T, kv, T, d).noalias() += scale * dP.transpose() * Q;
     }
 }
 
@@ -218,6 +245,47 @@ void gelu_backward(Matrix<S>& dx, const Matrix<S>& x, const Matrix<S>& dout) {
     const S pdf = inv_sqrt2pi * std::exp(S(-0.5) * z * z);
     return g * (cdf + z * pdf);
   });
+}
+
+// ---------------------------------------------------------------- tanh GELU, SwiGLU
+
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)  (GPT-2's)
+template <class S>
+void gelu_tanh_forward(Matrix<S>& out, const Matrix<S>& x) {
+  const S k = static_cast<S>(std::sqrt(2.0 / std::numbers::pi));
+  out = x.unaryExpr([=](S z) { return S(0.5) * z * (S(1) + std::tanh(k * (z + S(0.044715) * z * z * z))); });
+}
+
+// d/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) du/dx, du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+template <class S>
+void gelu_tanh_backward(Matrix<S>& dx, const Matrix<S>& x, const Matrix<S>& dout) {
+  const S k = static_cast<S>(std::sqrt(2.0 / std::numbers::pi));
+  dx = x.binaryExpr(dout, [=](S z, S g) {
+    const S th = std::tanh(k * (z + S(0.044715) * z * z * z));
+    const S du = k * (S(1) + S(3) * S(0.044715) * z * z);
+    return g * (S(0.5) * (S(1) + th) + S(0.5) * z * (S(1) - th * th) * du);
+  });
+}
+
+// swiglu(g, u) = silu(g) * u, silu(g) = g * sigmoid(g)
+template <class S>
+void swiglu_forward(Matrix<S>& out, const Matrix<S>& gate, const Matrix<S>& up) {
+  out = gate.binaryExpr(up, [](S g, S u) { return g / (S(1) + std::exp(-g)) * u; });
+}
+
+// dgate = dout * u * silu'(g), silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g))); dup = dout * silu(g)
+template <class S>
+void swiglu_backward(Matrix<S>& dgate, Matrix<S>& dup, const Matrix<S>& gate, const Matrix<S>& up,
+                     const Matrix<S>& dout) {
+  const Index N = gate.rows(), F = gate.cols();
+  dgate.resize(N, F);  // [N, F]
+  dup.resize(N, F);    // [N, F]
+  for (Index n = 0; n < N; ++n)
+    for (Index f = 0; f < F; ++f) {
+      const S g = gate(n, f), sig = S(1) / (S(1) + std::exp(-g));
+      dgate(n, f) = dout(n, f) * up(n, f) * sig * (S(1) + g * (S(1) - sig));
+      dup(n, f) = dout(n, f) * g * sig;
+    }
 }
 
 // ---------------------------------------------------------------- cross-entropy
@@ -279,9 +347,7 @@ Gpt<S>::Gpt(const GptConfig& config, ParamSet<S> params) : config_(config) {
   const GptConfig& c = config_;
   if (c.vocab_size < 1 || c.block_size < 1 || c.hidden < 1 || c.heads < 1 || c.layers < 0)
     throw UsageError("reference Gpt: vocab, block size, hidden and heads must be >= 1");
-  if (c.hidden % c.heads != 0)
-    throw UsageError("reference Gpt: hidden " + std::to_string(c.hidden) +
-                     " is not divisible by heads " + std::to_string(c.heads));
+  check_gpt_architecture(c);
   grads_ = zeros_like_specs<S>(gpt_param_specs(config_));
   set_params(std::move(params));
 }
@@ -299,8 +365,9 @@ void Gpt<S>::adam_step(const AdamConfig& adam) {
 
 template <class S>
 S Gpt<S>::forward_backward(const GptBatch& batch) {
-  const Index B = batch.B, T = batch.T, H = config_.hidden, A = config_.heads;
-  const Index L = config_.layers, N = B * T;
+  const GptConfig& c = config_;
+  const Index B = batch.B, T = batch.T, H = c.hidden, A = c.heads, F = c.ffn();
+  const Index L = c.layers, N = B * T;
   if (B < 1 || T < 2 || static_cast<Index>(batch.input_ids.size()) != N ||
       static_cast<Index>(batch.labels.size()) != B * (T - 1))
     throw UsageError("reference Gpt: a batch of " + std::to_string(B) + " x " +
@@ -308,18 +375,33 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
                      std::to_string(B * (T - 1)) + " labels, got " +
                      std::to_string(batch.input_ids.size()) + " and " +
                      std::to_string(batch.labels.size()));
-  check_gpt_batch(config_, batch);
+  check_gpt_batch(c, batch);
   const auto P = [this](const std::string& name) -> const Matrix<S>& { return params_.at(name); };
   const auto G = [this](const std::string& name) -> Matrix<S>& { return grads_.at(name); };
+  // A bias and its gradient, or nullptr where the architecture has none.
+  const auto Pb = [this](const std::string& name) -> const Matrix<S>* {
+    auto it = params_.find(name + ".bias");
+    return it == params_.end() ? nullptr : &it->second;
+  };
+  const auto Gb = [this](const std::string& name) -> Matrix<S>* {
+    auto it = grads_.find(name + ".bias");
+    return it == grads_.end() ? nullptr : &it->second;
+  };
+  // A bias gradient's term scale (bias_term_norms), from the gradient it sums.
+  const auto terms = [this](const std::string& name, const Matrix<S>& dout) {
+    if (params_.count(name + ".bias"))
+      bias_terms_[name + ".bias.grad"] = dout.cwiseAbs().colwise().sum();  // [1, C]
+  };
   const auto block = [](Index l) { return "h." + std::to_string(l) + "."; };
-  // Only the gradients that are sums over rows start from zero: the LayerNorm weights and
-  // wpe. Linear weights and wte are written whole by their product in matmul_backward.
-  G("wpe.weight").setZero();
-  G("ln_f.weight").setZero();
-  for (Index l = 0; l < L; ++l) {
-    G(block(l) + "ln1.weight").setZero();
-    G(block(l) + "ln2.weight").setZero();
-  }
+  const std::string head = c.tied_embeddings ? "wte.weight" : "lm_head.weight";
+  const auto mlp = c.mlp_linears();  // {ffn1, ffn2} or {gate, up, down}
+  // Only the gradients that are sums over rows start from zero: the norms' and the
+  // embeddings' (wte's when untied: the tied head's product writes it whole first).
+  // Linear weights and biases are written whole by linear_backward.
+  for (auto& [name, g] : grads_)
+    if (name.find("ln") != std::string::npos || name.starts_with("wpe") ||
+        (name == "wte.weight" && !c.tied_embeddings))
+      g.setZero();
   blocks_.resize(static_cast<std::size_t>(L));
   // A copy of an activation point as computed here (storage reused across steps).
   const auto note = [this](const std::string& name, const Matrix<S>& m) {
@@ -327,19 +409,27 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   };
 
   // ------------------------------------------------------------ forward
-  Matrix<S> x;  // [N, H] the residual stream
-  encoder_forward(x, batch.input_ids, B, T, P("wte.weight"), P("wpe.weight"));
+  Matrix<S> x(N, H);  // [N, H] the residual stream
+  for (Index n = 0; n < N; ++n) {
+    x.row(n) = P("wte.weight").row(batch.input_ids[static_cast<std::size_t>(n)]);
+    if (!c.rope()) x.row(n) += P("wpe.weight").row(n % T);
+  }
   note("act/embedding.out", x);
   Matrix<S> tmp;  // [N, H] a branch's output before it is added to the residual
   for (Index l = 0; l < L; ++l) {
     BlockActs& a = blocks_[static_cast<std::size_t>(l)];
     const std::string p = block(l), pt = "act/" + p;
-    layernorm_forward(a.ln1_out, a.ln1_xhat, a.ln1_rstd, x, P(p + "ln1.weight"), config_.ln_eps);
-    matmul_forward(a.q, a.ln1_out, P(p + "attn.q_proj.weight"));
-    matmul_forward(a.k, a.ln1_out, P(p + "attn.k_proj.weight"));
-    matmul_forward(a.v, a.ln1_out, P(p + "attn.v_proj.weight"));
+    norm_forward(a.ln1_out, a.ln1_xhat, a.ln1_rstd, x, P(p + "ln1.weight"), Pb(p + "ln1"), c.norm,
+                 c.ln_eps);
+    linear_forward(a.q, a.ln1_out, P(p + "attn.q_proj.weight"), Pb(p + "attn.q_proj"));
+    linear_forward(a.k, a.ln1_out, P(p + "attn.k_proj.weight"), Pb(p + "attn.k_proj"));
+    linear_forward(a.v, a.ln1_out, P(p + "attn.v_proj.weight"), Pb(p + "attn.v_proj"));
+    if (c.rope()) {
+      rope_rotate(a.q, T, A, c, 1.0);
+      rope_rotate(a.k, T, c.kv(), c, 1.0);
+    }
     attention_forward(a.att_y, a.att, a.q, a.k, a.v, B, T, A);
-    matmul_forward(tmp, a.att_y, P(p + "attn.o_proj.weight"));
+    linear_forward(tmp, a.att_y, P(p + "attn.o_proj.weight"), Pb(p + "attn.o_proj"));
     x += tmp;
     note(pt + "ln1.out", a.ln1_out);
     note(pt + "attn.q", a.q);
@@ -348,32 +438,41 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     note(pt + "attn.out", a.att_y);
     note(pt + "attn.o.out", tmp);
     note(pt + "residual.mid", x);
-    layernorm_forward(a.ln2_out, a.ln2_xhat, a.ln2_rstd, x, P(p + "ln2.weight"), config_.ln_eps);
-    matmul_forward(a.ffn_pre, a.ln2_out, P(p + "mlp.ffn1.weight"));
-    gelu_forward(a.ffn_act, a.ffn_pre);
-    matmul_forward(tmp, a.ffn_act, P(p + "mlp.ffn2.weight"));
-    x += tmp;
+    norm_forward(a.ln2_out, a.ln2_xhat, a.ln2_rstd, x, P(p + "ln2.weight"), Pb(p + "ln2"), c.norm,
+                 c.ln_eps);
     note(pt + "ln2.out", a.ln2_out);
-    note(pt + "mlp.ffn1.out", a.ffn_pre);
-    note(pt + "mlp.gelu.out", a.ffn_act);
-    note(pt + "mlp.ffn2.out", tmp);
+    linear_forward(a.ffn_pre, a.ln2_out, P(p + mlp[0] + ".weight"), Pb(p + mlp[0]));
+    note(pt + mlp[0] + ".out", a.ffn_pre);
+    if (c.swiglu()) {
+      linear_forward(a.ffn_up, a.ln2_out, P(p + mlp[1] + ".weight"), Pb(p + mlp[1]));
+      swiglu_forward(a.ffn_act, a.ffn_pre, a.ffn_up);
+      note(pt + mlp[1] + ".out", a.ffn_up);
+      note(pt + "mlp.swiglu.out", a.ffn_act);
+    } else {
+      if (c.mlp == MlpKind::GeluTanh) gelu_tanh_forward(a.ffn_act, a.ffn_pre);
+      else gelu_forward(a.ffn_act, a.ffn_pre);
+      note(pt + "mlp.gelu.out", a.ffn_act);
+    }
+    linear_forward(tmp, a.ffn_act, P(p + mlp.back() + ".weight"), Pb(p + mlp.back()));
+    x += tmp;
+    note(pt + mlp.back() + ".out", tmp);
     note(pt + "residual.out", x);
   }
-  layernorm_forward(lnf_out_, lnf_xhat_, lnf_rstd_, x, P("ln_f.weight"), config_.ln_eps);
+  norm_forward(lnf_out_, lnf_xhat_, lnf_rstd_, x, P("ln_f.weight"), Pb("ln_f"), c.norm, c.ln_eps);
   note("act/ln_f.out", lnf_out_);
-  // LM head, tied to the embedding: logits = ln_f(x) wte^T at every position.
-  matmul_forward(logits_, lnf_out_, P("wte.weight"));  // [N, V]
+  // LM head, tied to the embedding or its own: logits = ln_f(x) W^T at every position.
+  matmul_forward(logits_, lnf_out_, P(head));  // [N, V]
 
   const LossRows rows = loss_rows(batch);
   const Index M = static_cast<Index>(rows.row.size());
   const double loss = crossentropy_forward_backward(dlogits_, logits_, rows);
 
   // ------------------------------------------------------------ backward
-  // LM head on the M loss rows: dwte += dlogits^T ln_f_out[rows]; dln_f_out[rows] = dlogits wte.
+  // LM head on the M loss rows: dW = dlogits^T ln_f_out[rows]; dln_f_out[rows] = dlogits W.
   Matrix<S> lnf_rows(M, H);  // [M, H] the LM head's input at the loss rows
   for (Index m = 0; m < M; ++m) lnf_rows.row(m) = lnf_out_.row(rows.row[static_cast<std::size_t>(m)]);
   Matrix<S> dlnf_rows = Matrix<S>::Zero(M, H);  // [M, H]
-  matmul_backward(dlnf_rows, G("wte.weight"), dlogits_, lnf_rows, P("wte.weight"));
+  matmul_backward(dlnf_rows, G(head), dlogits_, lnf_rows, P(head));
   Matrix<S> dlnf_out = Matrix<S>::Zero(N, H);  // [N, H], zero where no loss was taken
   for (Index m = 0; m < M; ++m) dlnf_out.row(rows.row[static_cast<std::size_t>(m)]) = dlnf_rows.row(m);
   if (record_) {
@@ -385,44 +484,81 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   note("act/ln_f.out.grad", dlnf_out);
 
   Matrix<S> dx = Matrix<S>::Zero(N, H);  // [N, H] gradient of the residual stream
-  layernorm_backward(dx, G("ln_f.weight"), dlnf_out, lnf_xhat_, lnf_rstd_, P("ln_f.weight"));
-  Matrix<S> dbig, dbig2;   // [N, 4H] through the MLP
-  Matrix<S> dln, dmid;     // [N, H] a LayerNorm's output gradient; attention output gradient
-  Matrix<S> dq, dk, dv;    // [N, H]
+  norm_backward(dx, G("ln_f.weight"), Gb("ln_f"), dlnf_out, lnf_xhat_, lnf_rstd_, P("ln_f.weight"),
+                c.norm);
+  terms("ln_f", dlnf_out);
+  Matrix<S> dact, dpre, dup;  // [N, F] through the MLP
+  Matrix<S> dln, dmid;        // [N, H] a norm's output gradient; attention output gradient
+  Matrix<S> dq, dk, dv;       // [N, H], [N, KV*d], [N, KV*d]
   for (Index l = L - 1; l >= 0; --l) {
     const BlockActs& a = blocks_[static_cast<std::size_t>(l)];
     const std::string p = block(l), pt = "act/" + p;
     note(pt + "residual.out.grad", dx);
-    note(pt + "mlp.ffn2.out.grad", dx);  // a residual branch gets the residual's gradient
-    // x_out = x_mid + ffn2(gelu(ffn1(ln2(x_mid)))): the residual passes dx through as is.
-    dbig2 = Matrix<S>::Zero(N, 4 * H);
-    matmul_backward(dbig2, G(p + "mlp.ffn2.weight"), dx, a.ffn_act, P(p + "mlp.ffn2.weight"));
-    gelu_backward(dbig, a.ffn_pre, dbig2);
+    note(pt + mlp.back() + ".out.grad", dx);  // a residual branch gets the residual's gradient
+    // x_out = x_mid + mlp(ln2(x_mid)): the residual passes dx through as is.
+    dact = Matrix<S>::Zero(N, F);
+    linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dx, a.ffn_act,
+                    P(p + mlp.back() + ".weight"));
+    terms(p + mlp.back(), dx);
     dln = Matrix<S>::Zero(N, H);
-    matmul_backward(dln, G(p + "mlp.ffn1.weight"), dbig, a.ln2_out, P(p + "mlp.ffn1.weight"));
-    layernorm_backward(dx, G(p + "ln2.weight"), dln, a.ln2_xhat, a.ln2_rstd, P(p + "ln2.weight"));
-    note(pt + "mlp.gelu.out.grad", dbig2);
-    note(pt + "mlp.ffn1.out.grad", dbig);
+    if (c.swiglu()) {
+      note(pt + "mlp.swiglu.out.grad", dact);
+      swiglu_backward(dpre, dup, a.ffn_pre, a.ffn_up, dact);
+      note(pt + mlp[0] + ".out.grad", dpre);
+      note(pt + mlp[1] + ".out.grad", dup);
+      linear_backward(dln, G(p + mlp[1] + ".weight"), Gb(p + mlp[1]), dup, a.ln2_out,
+                      P(p + mlp[1] + ".weight"));
+      terms(p + mlp[1], dup);
+    } else {
+      note(pt + "mlp.gelu.out.grad", dact);
+      if (c.mlp == MlpKind::GeluTanh) gelu_tanh_backward(dpre, a.ffn_pre, dact);
+      else gelu_backward(dpre, a.ffn_pre, dact);
+      note(pt + mlp[0] + ".out.grad", dpre);
+    }
+    linear_backward(dln, G(p + mlp[0] + ".weight"), Gb(p + mlp[0]), dpre, a.ln2_out,
+                    P(p + mlp[0] + ".weight"));
+    terms(p + mlp[0], dpre);
+    norm_backward(dx, G(p + "ln2.weight"), Gb(p + "ln2"), dln, a.ln2_xhat, a.ln2_rstd,
+                  P(p + "ln2.weight"), c.norm);
+    terms(p + "ln2", dln);
     note(pt + "ln2.out.grad", dln);
     note(pt + "residual.mid.grad", dx);
     note(pt + "attn.o.out.grad", dx);
     // x_mid = x_in + o_proj(attention(q, k, v)), q/k/v all from ln1(x_in).
     dmid = Matrix<S>::Zero(N, H);
-    matmul_backward(dmid, G(p + "attn.o_proj.weight"), dx, a.att_y, P(p + "attn.o_proj.weight"));
+    linear_backward(dmid, G(p + "attn.o_proj.weight"), Gb(p + "attn.o_proj"), dx, a.att_y,
+                    P(p + "attn.o_proj.weight"));
+    terms(p + "attn.o_proj", dx);
     attention_backward(dq, dk, dv, dmid, a.att, a.q, a.k, a.v, B, T, A);
-    dln = Matrix<S>::Zero(N, H);
-    matmul_backward(dln, G(p + "attn.q_proj.weight"), dq, a.ln1_out, P(p + "attn.q_proj.weight"));
-    matmul_backward(dln, G(p + "attn.k_proj.weight"), dk, a.ln1_out, P(p + "attn.k_proj.weight"));
-    matmul_backward(dln, G(p + "attn.v_proj.weight"), dv, a.ln1_out, P(p + "attn.v_proj.weight"));
-    layernorm_backward(dx, G(p + "ln1.weight"), dln, a.ln1_xhat, a.ln1_rstd, P(p + "ln1.weight"));
     note(pt + "attn.out.grad", dmid);
     note(pt + "attn.q.grad", dq);
     note(pt + "attn.k.grad", dk);
     note(pt + "attn.v.grad", dv);
+    if (c.rope()) {
+      rope_rotate(dq, T, A, c, -1.0);
+      rope_rotate(dk, T, c.kv(), c, -1.0);
+    }
+    dln = Matrix<S>::Zero(N, H);
+    linear_backward(dln, G(p + "attn.q_proj.weight"), Gb(p + "attn.q_proj"), dq, a.ln1_out,
+                    P(p + "attn.q_proj.weight"));
+    linear_backward(dln, G(p + "attn.k_proj.weight"), Gb(p + "attn.k_proj"), dk, a.ln1_out,
+                    P(p + "attn.k_proj.weight"));
+    linear_backward(dln, G(p + "attn.v_proj.weight"), Gb(p + "attn.v_proj"), dv, a.ln1_out,
+                    P(p + "attn.v_proj.weight"));
+    terms(p + "attn.q_proj", dq);
+    terms(p + "attn.k_proj", dk);
+    terms(p + "attn.v_proj", dv);
+    norm_backward(dx, G(p + "ln1.weight"), Gb(p + "ln1"), dln, a.ln1_xhat, a.ln1_rstd,
+                  P(p + "ln1.weight"), c.norm);
+    terms(p + "ln1", dln);
     note(pt + "ln1.out.grad", dln);
   }
   note("act/embedding.out.grad", dx);
-  encoder_backward(G("wte.weight"), G("wpe.weight"), dx, batch.input_ids, B, T);
+  // A lookup's gradient is a scatter-add: a token used twice gets both rows' gradients.
+  for (Index n = 0; n < N; ++n) {
+    G("wte.weight").row(batch.input_ids[static_cast<std::size_t>(n)]) += dx.row(n);
+    if (!c.rope()) G("wpe.weight").row(n % T) += dx.row(n);
+  }
   return static_cast<S>(loss);
 }
 

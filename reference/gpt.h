@@ -1,17 +1,22 @@
-// The reference for the seed's GPT (1_transformer_tensor_parallel.py), unsharded, with an
-// explicit backward pass:
-//   x = wte[ids] + wpe[0..T)                       token embedding tied to the LM head
-//   L blocks, pre-LayerNorm:  x += attn(ln1(x));  x += mlp(ln2(x))
-//     LayerNorm: weight, no bias, biased variance, eps from the config
-//     attn: q,k,v,o Linear H->H without bias, A heads of d = H/A, causal softmax(q k^T/sqrt d) v
-//     mlp:  ffn1 H->4H, exact (erf) GELU, ffn2 4H->H, no bias
-//   logits = ln_f(x) wte^T at all T positions
+// The reference GPT, unsharded, with an explicit backward pass. The seed's model
+// (1_transformer_tensor_parallel.py) by default; the config's architecture fields choose
+// the rest (docs/models.md, "Families"):
+//   x = wte[ids] (+ wpe[0..T) with learned positions)
+//   L blocks, pre-norm:  x += attn(norm1(x));  x += mlp(norm2(x))
+//     norm: LayerNorm (biased variance; weight, optional bias) or RMSNorm (weight)
+//     attn: q [H], k and v [KV*d] Linears (optional biases), A heads of d = H/A, each kv
+//           head shared by A/KV consecutive query heads; RoPE on q and k (half or
+//           interleaved pairs) with RoPE positions; causal softmax(q k^T/sqrt d) v; o
+//     mlp:  F = ffn(); ffn1, GELU (exact or tanh), ffn2; or down(silu(gate) * up)
+//   logits = norm_f(x) wte^T (tied) or lm_head^T (untied), at all T positions
 //   loss = mean cross-entropy of logits at positions 0..T-2 against labels [B,T-1],
 //          ignore_index -100, divided by the number of labels not ignored.
 // Optimizer: torch.optim.Adam (reference/optim.h).
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -37,6 +42,12 @@ class Gpt {
   // loss's gradient with respect to it); "act/logits" is logits() and is not repeated.
   void record_points(bool on) { record_ = on; }
   const ParamSet<S>& points() const { return points_; }
+  // For each bias gradient "<name>.bias.grad", a sum over the N tokens of its layer's
+  // output gradient: the column sums of |that gradient| ([1, C]), the scale of the terms
+  // it sums. Its rounding error is relative to these, not to the sum, which may cancel to
+  // nothing (the k projection's bias gradient is 0 in exact arithmetic: a constant added
+  // to every key of a query leaves its softmax unchanged).
+  const ParamSet<S>& bias_term_scales() const { return bias_terms_; }
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
   const GptConfig& config() const { return config_; }
@@ -47,19 +58,22 @@ class Gpt {
   void set_params(ParamSet<S> params);
 
  private:
-  // What one block's backward needs from its forward. N = B*T rows, H hidden, A heads.
+  // What one block's backward needs from its forward. N = B*T rows, H hidden, A heads,
+  // KV*d the k and v width, F the MLP's hidden size.
   struct BlockActs {
     Matrix<S> ln1_xhat;   // [N, H]       normalised input of ln1 (before its weight)
     Vector<S> ln1_rstd;   // [N]          1/sqrt(var + eps) of ln1's input rows
     Matrix<S> ln1_out;    // [N, H]       input of q, k, v
-    Matrix<S> q, k, v;    // [N, H]       projections; head j is columns [j*d, (j+1)*d)
+    Matrix<S> q;          // [N, H]       projection (after RoPE); head j is columns [j*d, (j+1)*d)
+    Matrix<S> k, v;       // [N, KV*d]    (k after RoPE)
     Matrix<S> att;        // [B*A*T, T]   softmax probabilities, block (b*A+j)*T is head j of b
     Matrix<S> att_y;      // [N, H]       heads concatenated, input of o_proj
     Matrix<S> ln2_xhat;   // [N, H]
     Vector<S> ln2_rstd;   // [N]
-    Matrix<S> ln2_out;    // [N, H]       input of ffn1
-    Matrix<S> ffn_pre;    // [N, 4H]      ffn1 output, input of GELU
-    Matrix<S> ffn_act;    // [N, 4H]      GELU output, input of ffn2
+    Matrix<S> ln2_out;    // [N, H]       input of the MLP
+    Matrix<S> ffn_pre;    // [N, F]       ffn1 output (GELU), gate_proj output (SwiGLU)
+    Matrix<S> ffn_up;     // [N, F]       up_proj output (SwiGLU only)
+    Matrix<S> ffn_act;    // [N, F]       GELU or SwiGLU output, input of the last Linear
   };
 
   GptConfig config_;
@@ -74,6 +88,7 @@ class Gpt {
   Matrix<S> dlogits_;              // [M, V]   loss gradient of the M rows that carry a loss;
                                    //          kept to save re-faulting ~50 MB every step
   bool record_ = false;
+  ParamSet<S> bias_terms_;
   ParamSet<S> points_;             // name -> [N, width], when recording
 };
 

@@ -3,8 +3,8 @@
 # instrument, not a GPU; no nvcc needed) in build-emu/, then runs
 #   1. the emulator's self-tests and the unmodified device tests (tests/cuda/);
 #   2. tpsim verify --backend cuda for the MLP and a small GPT (plain, --loss-parallel,
-#      --sequence-parallel; f64, f32 and bf16) at TP 1,2,4,8, with --comm sim and the
-#      emulated --comm nccl;
+#      --sequence-parallel; f64, f32 and bf16), and for GPT-2 and Llama (grouped-query,
+#      both RoPE pairings), at TP 1,2,4,8, with --comm sim and the emulated --comm nccl;
 #   3. verify --tp-invariant on a tiny GPT in f32 and bf16 under the emulator's split-K by
 #      shape (TPSIM_EMU_CUBLAS_SPLITK=shape): bit-identical to TP 1.
 # Called by scripts/test.sh; about 5 minutes of runs on 2 cores, plus the build.
@@ -39,6 +39,9 @@ fi
 echo "== cuda_emu: tpsim verify --backend cuda (EMULATED on the CPU)"
 gpt=(--model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32
      --batch-size 2)
+# The families (docs/models.md): GPT-2's biases and tanh GELU, Llama's RMSNorm, SwiGLU,
+# RoPE (both pairings) and GQA with kv heads replicated over ranks (tp 4 and 8 > 2 and 1).
+fam=(--vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32 --batch-size 2)
 failed=0
 for comm in sim nccl; do
   # f64 (the GPT's default) checks indexing to 1e-10; the f32 runs per communicator check
@@ -46,7 +49,9 @@ for comm in sim nccl; do
   # (bf16 storage, f32 statistics and main gradients, bf16 collectives) at its derived bounds.
   runs=("--model mlp --dtype f32" "${gpt[*]}" "${gpt[*]} --loss-parallel"
         "${gpt[*]} --sequence-parallel" "${gpt[*]} --loss-parallel --sequence-parallel --dtype f32"
-        "${gpt[*]} --dtype bf16" "${gpt[*]} --loss-parallel --sequence-parallel --dtype bf16")
+        "${gpt[*]} --dtype bf16" "${gpt[*]} --loss-parallel --sequence-parallel --dtype bf16"
+        "${fam[*]} --model gpt2 --loss-parallel" "${fam[*]} --model llama --kv-heads 2 --sequence-parallel --dtype f32"
+        "${fam[*]} --model llama --kv-heads 1 --rope-style interleaved --loss-parallel --sequence-parallel --dtype bf16")
   for args in "${runs[@]}"; do
     # shellcheck disable=SC2086
     if out=$(build-emu/tpsim verify --backend cuda --comm "$comm" --tp 1,2,4,8 $args 2>&1); then

@@ -14,16 +14,21 @@ namespace tpsim {
 
 struct ColumnParallelLinear {
   Parameter* weight = nullptr;  // [out/t, in]
+  Parameter* bias = nullptr;    // [out/t], split with the outputs; null without a bias
 
-  // out [N,out/t] = inp [N,in] · W_rᵀ
+  // out [N,out/t] = inp [N,in] · W_rᵀ (+ b_r)
   void forward(Backend& be, Tensor& out, const Tensor& inp) const {
     be.gemm(out, inp, false, weight->value, true);
+    if (bias) be.add_bias(out, bias->value);
   }
-  // dW_r [out/t,in] = doutᵀ · inp (written: the weight's one product); dinp [N,in] (+= when accumulate) = dout · W_r, this
-  // rank's share of the input gradient: f's backward sums the shares.
+  // dW_r [out/t,in] = doutᵀ · inp (written: the weight's one product); db_r += the column
+  // sums of dout (zeroed by the caller: a sum over tokens); dinp [N,in] (+= when
+  // accumulate) = dout · W_r, this rank's share of the input gradient: f's backward sums
+  // the shares.
   void backward(Backend& be, Tensor& dinp, const Tensor& dout, const Tensor& inp,
                 bool accumulate) const {
     be.gemm(weight->grad, dout, true, inp, false);
+    if (bias) be.bias_backward(bias->grad, dout);
     be.gemm(dinp, dout, false, weight->value, false, 1.0, accumulate ? 1.0 : 0.0);
   }
 };

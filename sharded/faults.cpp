@@ -30,7 +30,7 @@ const std::vector<FaultInfo>& all_faults() {
        {.mlp = false, .gpt = true, .min_tp = 1}},
       {Fault::GptUntiedEmbeddingGrad, "gpt-untied-embedding-grad",
        "GPT: wte's LM-head gradient not added to its embedding gradient",
-       {.mlp = false, .gpt = true, .min_tp = 1}},
+       {.mlp = false, .gpt = true, .min_tp = 1, .tied = true}},
       {Fault::GptFloatSoftmaxScale, "float-constant-in-f64",
        "GPT: the softmax scale rounded to float32 in a float64 model",
        {.mlp = false, .gpt = true, .min_tp = 1, .f64_only = true}},
@@ -55,6 +55,30 @@ const std::vector<FaultInfo>& all_faults() {
        "sequence-parallel: all-gather and reduce-scatter swapped in backward", kSp},
       {Fault::SpAllGatherChunkOrder, "sp-all-gather-chunk-order",
        "sequence-parallel: the all-gather over tokens puts rank r's chunk at r+1", kSp},
+      {Fault::RowBiasBeforeReduce, "row-bias-before-reduce",
+       "families: a row-parallel bias added on every rank before g (t times in the sum)",
+       {.mlp = false, .gpt = true, .linear_bias = true}},
+      {Fault::RowBiasGradDividedByT, "row-bias-grad-divided-by-t",
+       "families: a row-parallel bias's gradient divided by the TP degree",
+       {.mlp = false, .gpt = true, .linear_bias = true}},
+      {Fault::SpNormBiasGradNotSummed, "sp-norm-bias-grad-not-summed",
+       "sequence-parallel: LayerNorm bias gradients not summed across ranks",
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::On, .norm_bias = true}},
+      {Fault::GqaKvGradNotSummed, "gqa-kv-grad-not-summed",
+       "GQA: the gradients of a kv head replicated on several ranks not summed over them",
+       {.mlp = false, .gpt = true, .kv_replicated = true}},
+      {Fault::GqaRepeatNotInterleave, "gqa-repeat-not-interleave",
+       "GQA: kv heads served to query heads tiled (repeat) instead of repeat_interleave",
+       {.mlp = false, .gpt = true, .min_tp = 1, .kv_groups = true}},
+      {Fault::SwigluContiguousSplit, "swiglu-gate-up-contiguous-split",
+       "SwiGLU: the fused [gate; up] weight cut in contiguous blocks, not [G_r; U_r] per rank",
+       {.mlp = false, .gpt = true, .swiglu = true}},
+      {Fault::RopeSpPositionsNotOffset, "rope-sp-positions-not-offset",
+       "RoPE under sequence parallel: positions counted from the rank's first token",
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::On, .rope = true}},
+      {Fault::RopeStyleMixed, "rope-style-mixed",
+       "RoPE: the other convention's pairs rotated (half vs interleaved)",
+       {.mlp = false, .gpt = true, .min_tp = 1, .rope = true}},
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},
@@ -101,6 +125,16 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
     return "needs a TP degree of at least " + std::to_string(s.min_tp) +
            " to change anything; --tp has at most " + std::to_string(run.max_tp);
   if (s.f64_only && !run.f64) return "is below float32's tolerance; it needs --dtype f64";
+  if (s.linear_bias && !run.linear_bias) return "breaks a Linear's bias; it needs --linear-bias";
+  if (s.norm_bias && !run.norm_bias) return "breaks a LayerNorm bias; it needs --norm-bias";
+  if (s.swiglu && !run.swiglu) return "breaks SwiGLU; it needs --mlp swiglu";
+  if (s.rope && !run.rope) return "breaks RoPE; it needs --positions rope";
+  if (s.kv_groups && !run.kv_groups)
+    return "needs a rank holding 2 or more kv heads, each shared by 2 or more query heads "
+           "(see --kv-heads)";
+  if (s.kv_replicated && !run.kv_replicated)
+    return "needs kv heads fewer than the TP degree (see --kv-heads)";
+  if (s.tied && !run.tied) return "breaks the tied LM head; it needs --tied-embeddings";
   return "";
 }
 

@@ -30,6 +30,15 @@ enum class Fault {
   SpLnGradNotSummed,       // LayerNorm weight gradients not summed across the SP ranks
   SpSwapBackwardCollectives,  // all-gather and reduce-scatter swapped in backward
   SpAllGatherChunkOrder,   // the all-gather over tokens puts the ranks' chunks out of order
+  // model families (biases, norms, GQA, SwiGLU, RoPE)
+  RowBiasBeforeReduce,     // a row-parallel bias added on every rank before g: t·b
+  RowBiasGradDividedByT,   // a row-parallel bias's gradient divided by t
+  SpNormBiasGradNotSummed, // LayerNorm bias gradients (only) not summed across SP ranks
+  GqaKvGradNotSummed,      // kv heads replicated over ranks: their gradients not summed
+  GqaRepeatNotInterleave,  // kv heads served to query heads by repeat, not repeat_interleave
+  SwigluContiguousSplit,   // the fused [gate; up] split contiguously, not [G_r; U_r] per rank
+  RopeSpPositionsNotOffset,// RoPE positions counted from the rank's first token under SP
+  RopeStyleMixed,          // RoPE rotates the other convention's pairs (half vs interleaved)
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
 };
@@ -45,6 +54,11 @@ struct FaultScope {
   int min_tp = 2;          // below it the broken code path computes the right thing
   bool f64_only = false;   // its error is below float32's tolerance
   bool vocab_padding = false;  // acts on padded vocabulary rows: some must exist
+  // The architecture it needs (a GPT of another shape has no such code path).
+  bool linear_bias = false, norm_bias = false, swiglu = false, rope = false;
+  bool kv_groups = false;      // a kv head shared by several query heads on one rank
+  bool kv_replicated = false;  // kv heads fewer than the TP degree
+  bool tied = false;           // the LM head tied to wte
 };
 
 struct FaultInfo {
@@ -66,6 +80,9 @@ struct FaultTarget {
   int max_tp = 1;
   bool f64 = true;
   bool padded = false;  // some TP degree of the run pads the vocabulary
+  bool linear_bias = false, norm_bias = false, swiglu = false, rope = false, tied = true;
+  bool kv_groups = false;      // some TP degree leaves a rank 2+ kv heads of 2+ query heads each
+  bool kv_replicated = false;  // some TP degree exceeds the kv heads
 };
 
 // "" when `f` changes such a run at some TP degree; otherwise why it cannot ("needs

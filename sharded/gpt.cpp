@@ -1,7 +1,9 @@
 #include "sharded/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include "backend/canonical_gemm.h"
 #include "sharded/column_parallel_linear.h"
@@ -19,16 +21,55 @@ std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t) {
   return (c.vocab_size + m - 1) / m * m;
 }
 
+void check_kv_heads_split(const GptConfig& c, int t) {
+  const std::int64_t kv = c.kv();
+  if (kv % t == 0 || t % kv == 0) return;
+  throw UsageError("--kv-heads " + std::to_string(kv) + " at tp " + std::to_string(t) +
+                   ": tp must divide the kv heads (each rank its own) or be a multiple of them "
+                   "(each kv head replicated on tp/kv_heads ranks)");
+}
+
+namespace {
+
+// The k and v projections' output dimension (`dim` of a [KV·d, H] weight, [KV·d] bias or
+// [N, KV·d] point): split by kv heads when tp divides them; when tp is a multiple of
+// them, rank r holds kv head r / (t/KV), the one its query heads attend with, which
+// t/KV ranks share.
+ShardSpec kv_shard(const ParamSpec& p, int dim, const GptConfig& c, int r, int t) {
+  const std::int64_t kv = c.kv(), d = c.head_dim();
+  check_kv_heads_split(c, t);
+  if (kv % t == 0) return split(p, dim, r, t);
+  ShardSpec s = split(p, dim, 0, static_cast<int>(kv));  // one kv head's block
+  s.replicas = static_cast<int>(t / kv);
+  s.offset = (r / s.replicas) * d;
+  s.rank = r;
+  s.world = t;
+  return s;
+}
+
+bool ends_with_any(const std::string& n, std::initializer_list<const char*> suffixes) {
+  for (const char* x : suffixes)
+    if (n.ends_with(x)) return true;
+  return false;
+}
+
+}  // namespace
+
 ShardSpec gpt_param_shard(const ParamSpec& p, const GptConfig& c, const GptParallelism& par,
                           int r, int t) {
   const std::string& n = p.name;
-  if (n == "wte.weight")
+  if (n == "wte.weight" || n == "lm_head.weight")
     return par.loss_parallel ? split(p, 0, r, t, padded_vocab(c, par, t)) : replicate(p, r, t);
-  for (const char* col : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "ffn1.weight"})
-    if (n.ends_with(col)) return split(p, 0, r, t);  // column-parallel: output rows
-  for (const char* row : {"o_proj.weight", "ffn2.weight"})
-    if (n.ends_with(row)) return split(p, 1, r, t);  // row-parallel: input columns
-  return replicate(p, r, t);  // wpe, LayerNorm weights
+  if (ends_with_any(n, {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"}))
+    return kv_shard(p, 0, c, r, t);
+  // Column-parallel: output rows, and the bias with them.
+  if (ends_with_any(n, {"q_proj.weight", "q_proj.bias", "ffn1.weight", "ffn1.bias",
+                        "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"}))
+    return split(p, 0, r, t);
+  // Row-parallel: input columns. Its bias is added once, after the sum: replicated.
+  if (ends_with_any(n, {"o_proj.weight", "ffn2.weight", "down_proj.weight"}))
+    return split(p, 1, r, t);
+  return replicate(p, r, t);  // wpe, norms, row-parallel biases
 }
 
 std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfig& c,
@@ -37,7 +78,8 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
   std::string point = name;
   if (!point.starts_with("act/")) return std::nullopt;
   point.erase(0, 4);
-  if (point.ends_with(".grad")) point.erase(point.size() - 5);
+  const bool grad = point.ends_with(".grad");
+  if (grad) point.erase(point.size() - 5);
   const std::int64_t H = c.hidden;
   auto tokens_split = [&] {  // the residual stream's regions
     const ParamSpec p{name, {tokens, H}, {}};
@@ -60,12 +102,20 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
       (layer.size() > 1 && layer[0] == '0') || std::stoll(layer) >= c.layers)
     return std::nullopt;
   const std::string rest = point.substr(dot + 1);
-  for (const char* p : {"attn.q", "attn.k", "attn.v", "attn.out"})
+  for (const char* p : {"attn.q", "attn.out"})
     if (rest == p) return columns(H);
-  for (const char* p : {"mlp.ffn1.out", "mlp.gelu.out"})
-    if (rest == p) return columns(4 * H);
-  for (const char* p : {"ln1.out", "attn.o.out", "residual.mid", "ln2.out", "mlp.ffn2.out",
-                        "residual.out"})
+  if (rest == "attn.k" || rest == "attn.v") {
+    // With kv heads replicated, a rank's k and v gradients hold only its own query heads'
+    // share (their weight gradients are summed over the replicas; these are not): no point.
+    if (grad && t > c.kv()) return std::nullopt;
+    return kv_shard(ParamSpec{name, {tokens, c.kv() * c.head_dim()}, {}}, 1, c, r, t);
+  }
+  const auto mlp = c.mlp_linears();
+  for (std::size_t j = 0; j + 1 < mlp.size(); ++j)
+    if (rest == mlp[j] + ".out") return columns(c.ffn());
+  if (rest == (c.swiglu() ? "mlp.swiglu.out" : "mlp.gelu.out")) return columns(c.ffn());
+  if (rest == mlp.back() + ".out") return tokens_split();
+  for (const char* p : {"ln1.out", "attn.o.out", "residual.mid", "ln2.out", "residual.out"})
     if (rest == p) return tokens_split();
   return std::nullopt;
 }
@@ -75,24 +125,34 @@ struct ShardedGpt::CrossEntropyState {
 };
 
 // One transformer block's parameters, the layers over them, and what its forward saves
-// for its backward. N tokens in all, Nl in this rank's residual stream, Hl = H/t.
+// for its backward. N tokens in all, Nl in this rank's residual stream, Hl = H/t, KVl the
+// width of this rank's kv heads, Fl = F/t.
 struct ShardedGpt::Block {
-  Parameter *ln1, *ln2;
-  ColumnParallelLinear q, k, v, ffn1;
-  RowParallelLinear o, ffn2;
+  Parameter *ln1, *ln2;                        // norm weights
+  Parameter *ln1_b = nullptr, *ln2_b = nullptr;  // LayerNorm biases
+  ColumnParallelLinear q, k, v;
+  ColumnParallelLinear mlp_in;  // ffn1, or SwiGLU's fused [gate_r; up_r] (mlp_in_fused)
+  RowParallelLinear o, mlp_out;  // ffn2 or down_proj
+  Parameter* o_b = nullptr;      // row-parallel biases: added once, after g
+  Parameter* mlp_out_b = nullptr;
+  Parameter mlp_in_fused;        // SwiGLU: the fused [gate_r; up_r] weight and bias, whose
+  Parameter mlp_in_bias_fused;   // halves are the gate_proj and up_proj parameters
 
   Tensor h1;                  // [Nl,H]  ln1 output
-  Tensor ln1_mean, ln1_rstd;  // [Nl]
+  Tensor ln1_mean, ln1_rstd;  // [Nl]    (RMSNorm: rstd only)
   Tensor h1_full;             // [N,H]   h1 in the TP region: h1 itself, or h_gathered_ under SP
-  Tensor q_out, k_out, v_out; // [N,Hl]  this rank's heads
+  Tensor q_out;               // [N,Hl]  this rank's heads (after RoPE)
+  Tensor k_out, v_out;        // [N,KVl] this rank's kv heads (k after RoPE)
+  Tensor k_heads, v_heads;    // [N,Hl]  the kv head of each local query head (GQA; else
+                              //         k_out and v_out themselves)
   Tensor probs;               // [B,A/t,T,T]
   Tensor att;                 // [N,Hl]  attention output, heads side by side
   Tensor x_mid;               // [Nl,H]  residual after attention
   Tensor h2;                  // [Nl,H]  ln2 output
   Tensor ln2_mean, ln2_rstd;  // [Nl]
   Tensor h2_full;             // [N,H]
-  Tensor u;                   // [N,4H/t] ffn1 output
-  Tensor a;                   // [N,4H/t] gelu output
+  Tensor u;                   // [N,Fl] ffn1 output, or [N,2Fl] [gate_r | up_r] (SwiGLU)
+  Tensor a;                   // [N,Fl] GELU or SwiGLU output
   Tensor x_out;               // [Nl,H]  residual after the MLP
 };
 
@@ -106,8 +166,13 @@ struct ShardedGpt::Workspace {
   Tensor dh_full;   // [N,H]    input gradient of the column-parallel layers, before f's backward
   Tensor dh;        // [Nl,H]   after f's backward (SP); non-SP uses dh_full
   Tensor datt;      // [N,Hl]
-  Tensor dq, dk, dv;  // [N,Hl]
-  Tensor da, du;    // [N,4H/t]
+  Tensor dq;        // [N,Hl]
+  Tensor dk, dv;    // [N,KVl]
+  Tensor dk_heads, dv_heads;  // [N,Hl]  GQA: per query head, before the group sum
+  Tensor head_col, head_acc;  // [N,d]   GQA: one head's columns, moved and summed
+  Tensor da;        // [N,Fl]
+  Tensor du;        // [N,Fl], [N,2Fl] under SwiGLU
+  Tensor kv_grads;  // [t·G] GQA with kv heads replicated: every rank's k/v gradients
   Tensor dres[2];   // [Nl,H]   residual-stream gradients, ping-pong between blocks
   Tensor fault_buf; // [t·N,H] or [N,H], only for the rank-order and chunk-order faults
 };
@@ -136,6 +201,7 @@ struct ShardedGpt::Invariant {
 struct ShardedGpt::Snapshots {
   std::vector<Observation> obs;
   std::size_t used = 0;  // this step's entries: obs[0, used)
+  std::vector<double> scratch;  // a host copy to be sliced into several points
 
   // A view of the named snapshot, valid until the next forward_backward.
   Observation view(const std::string& name) const {
@@ -160,6 +226,17 @@ ShardSpec ShardedGpt::point(const std::string& name) const {
   auto spec = gpt_point_shard(name, cfg_, par_, N_, rank_, world_);
   if (!spec) throw Error("ShardedGpt: " + name + " is not an activation point of this model");
   return *spec;
+}
+
+bool seed_architecture(const GptConfig& c) {
+  const GptConfig seed;
+  return c.norm == seed.norm && c.norm_bias == seed.norm_bias && c.linear_bias == seed.linear_bias &&
+         c.mlp == seed.mlp && c.ffn() == 4 * c.hidden && c.positions == seed.positions &&
+         c.kv() == c.heads && c.tied_embeddings == seed.tied_embeddings;
+}
+
+Parameter& ShardedGpt::lm_head() {
+  return param(cfg_.tied_embeddings ? "wte.weight" : "lm_head.weight");
 }
 
 Parameter& ShardedGpt::param(const std::string& name) {
@@ -187,28 +264,83 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   Vp_ = padded_vocab(cfg, par, t);
   n_valid_ = static_cast<std::int64_t>(batch.labels.size()) - batch.num_ignored();
 
+  if (par.tp_invariant && !seed_architecture(cfg))
+    throw UsageError("--tp-invariant: not yet for this architecture (it covers the seed's GPT, "
+                     "--model gpt without --kv-heads, --ffn-hidden or other architecture flags)");
+  check_gpt_architecture(cfg);
+  if (cfg.heads % t != 0)
+    throw UsageError("--heads " + std::to_string(cfg.heads) + " do not split over tp " +
+                     std::to_string(t));
+  check_kv_heads_split(cfg, t);
+
   // ---- parameters, by the shard map ----
-  for (const auto& p : gpt_param_specs(cfg)) {
+  const auto specs = gpt_param_specs(cfg);
+  // SwiGLU's gate and up (and their biases) live in one fused tensor per block, rank r's
+  // [G_r; U_r], so that one column-parallel GEMM makes both halves of the MLP's input.
+  struct Fused {
+    Tensor value, grad;
+    std::int64_t filled = 0;  // rows handed out so far
+  };
+  std::map<std::string, Fused> fused;  // "h.0.mlp.gate_up.weight" / ".bias"
+  auto fused_name = [&](const std::string& n) -> std::string {
+    for (const char* part : {"gate_proj.", "up_proj."})
+      if (const auto at = n.find(std::string("mlp.") + part); at != std::string::npos)
+        return n.substr(0, at) + "mlp.gate_up." + n.substr(at + 4 + std::strlen(part));
+    return "";
+  };
+  params_.reserve(specs.size());
+  for (const auto& p : specs) {
     const std::string& n = p.name;
-    auto ends = [&](const char* s) { return n.size() >= std::strlen(s) && n.ends_with(s); };
-    const ShardSpec s = gpt_param_shard(p, cfg, par, r, t);
-    params_.push_back(make_parameter(be, s, dtype, seed));
-    if (fault == Fault::GptQkHeadMismatch && ends("k_proj.weight") && t > 1) {
-      // The bug: k's heads come from the next rank's slice while q's are this rank's.
-      ShardSpec wrong = split(p, 0, (r + 1) % t, t);
-      std::vector<double> v(static_cast<std::size_t>(shape_numel(wrong.local_shape())));
-      init_block<double>(v.data(), seed, n, p.init, p.shape, 0, wrong.offset, wrong.length);
+    ShardSpec sh = gpt_param_shard(p, cfg, par, r, t);
+    const std::string fn = fused_name(n);
+    if (fn.empty()) {
+      params_.push_back(make_parameter(be, sh, dtype, seed));
+      if (fault == Fault::GptQkHeadMismatch && n.ends_with("k_proj.weight") && t > 1) {
+        // The bug: k's heads come from the next rank's slice while q's are this rank's.
+        const ShardSpec wrong = gpt_param_shard(p, cfg, par, (r + 1) % t, t);
+        std::vector<double> v(static_cast<std::size_t>(shape_numel(wrong.local_shape())));
+        init_block<double>(v.data(), seed, n, p.init, p.shape, 0, wrong.offset, wrong.length);
+        set_values(be, params_.back(), v.data());
+      }
+      continue;
+    }
+    Fused& f = fused[fn];
+    Shape local = sh.local_shape();
+    if (!f.value.defined()) {
+      Shape both = local;
+      both[0] *= 2;
+      f.value = be.empty(both, dtype, MemCategory::Parameter, fn);
+      f.grad = be.empty(both, compute_dtype(dtype), MemCategory::Gradient, fn + ".grad");
+    }
+    const std::int64_t rows = local[0];
+    params_.push_back(make_parameter_in(be, sh, dtype, seed, f.value.narrow0(f.filled, rows),
+                                        f.grad.narrow0(f.filled, rows)));
+    f.filled += rows;
+    if (fault == Fault::SwigluContiguousSplit) {
+      // The bug: the full [G; U] cut into t contiguous blocks, rank r taking block r as
+      // its [gate; up]. In blocks of F/t rows, its gate is block 2r of the 2t, its up
+      // block 2r+1; block k < t is G's k-th, else U's (k-t)-th.
+      const bool up = n.find("up_proj") != std::string::npos;
+      const std::int64_t k = 2 * r + (up ? 1 : 0);
+      std::string src = n;
+      const std::string from = up ? "up_proj" : "gate_proj", to = k < t ? "gate_proj" : "up_proj";
+      src.replace(src.find(from), from.size(), to);
+      const std::int64_t offset = (k % t) * rows;
+      std::vector<double> v(static_cast<std::size_t>(shape_numel(local)));
+      init_block<double>(v.data(), seed, src, p.init, p.shape, 0, offset, rows);
       set_values(be, params_.back(), v.data());
     }
   }
 
-  // Gradients accumulated into, hence zeroed each step: LayerNorm weights and wpe. Linear
-  // weights are written whole by their gradient GEMM, and so is wte by the LM head's
-  // (the embedding adds to it after), except when a fault drops that product.
+  // Gradients accumulated into, hence zeroed each step: norms, biases and the embeddings.
+  // Linear weights are written whole by their gradient GEMM, and so is a tied wte by the
+  // LM head's (the embedding adds to it after), except when a fault drops that product.
   for (auto& p : params_) {
-    const bool linear = p.spec.name.ends_with("proj.weight") || p.spec.name.ends_with("ffn1.weight") ||
-                        p.spec.name.ends_with("ffn2.weight");
-    const bool head_writes = p.spec.name == "wte.weight" && fault != Fault::GptUntiedEmbeddingGrad;
+    const std::string& n = p.spec.name;
+    const bool linear = ends_with_any(n, {"proj.weight", "ffn1.weight", "ffn2.weight"}) ||
+                        n == "lm_head.weight";
+    const bool head_writes =
+        n == "wte.weight" && cfg.tied_embeddings && fault != Fault::GptUntiedEmbeddingGrad;
     if (!linear && !head_writes) summed_grads_.push_back(&p);
   }
 
@@ -225,8 +357,18 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   be.from_host_i64(ids_, ids.data());
   ids_all_ = be.empty({N_}, DType::I64, MemCategory::Input, "input_ids.all");
   be.from_host_i64(ids_all_, batch.input_ids.data());
-  pos_ = be.empty({Nl_}, DType::I64, MemCategory::Input, "positions");
-  be.from_host_i64(pos_, pos.data());
+  if (!cfg.rope()) {
+    pos_ = be.empty({Nl_}, DType::I64, MemCategory::Input, "positions");
+    be.from_host_i64(pos_, pos.data());
+  } else {
+    // RoPE rotates q and k in the TP region, which holds every token: their positions.
+    std::vector<std::int64_t> rp(static_cast<std::size_t>(N_));
+    for (std::int64_t n = 0; n < N_; ++n)
+      rp[n] = (fault == Fault::RopeSpPositionsNotOffset ? n % Nl_ : n) % T_;  // the bug: from the
+                                                                            // rank's first token
+    rope_pos_ = be.empty({N_}, DType::I64, MemCategory::Input, "rope.positions");
+    be.from_host_i64(rope_pos_, rp.data());
+  }
   // Logits rows: every token with loss parallel; this rank's tokens under SP without it.
   const bool rows_local = par.sequence_parallel && !par.loss_parallel;
   const std::int64_t Nce = rows_local ? Nl_ : N_;
@@ -234,57 +376,90 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   be.from_host_i64(targets_, targets.data() + (rows_local ? tok0_ : 0));
 
   // ---- activations saved for backward ----
-  const std::int64_t Hl = H / t, Fl = 4 * H / t, Al = cfg.heads / t;
+  const std::int64_t Hl = H / t, Fl = cfg.ffn() / t, Al = cfg.heads / t;
+  const std::int64_t KVl = (cfg.kv() % t == 0 ? cfg.kv() / t : 1) * cfg.head_dim();
+  const bool layer_norm = cfg.norm == NormKind::LayerNorm;
   auto act = [&](Shape s, const std::string& tag) {
     return be.empty(s, dtype, MemCategory::Activation, tag);
   };
-  // LayerNorm's saved statistics stay in the compute dtype (f32 for a bf16 model)
+  // A norm's saved statistics stay in the compute dtype (f32 for a bf16 model)
   auto stat = [&](Shape s, const std::string& tag) {
     return be.empty(s, compute_dtype(dtype), MemCategory::Activation, tag);
+  };
+  auto bias = [&](const std::string& name) -> Parameter* {
+    for (auto& p : params_)
+      if (p.spec.name == name + ".bias") return &p;
+    return nullptr;
   };
   x0_ = act({Nl_, H}, "embedding.out");
   if (par.sequence_parallel)
     h_gathered_ = be.empty({N_, H}, dtype, MemCategory::Temporary, "ln.out.gathered");
   if (par.loss_parallel) emb_full_ = be.empty({N_, H}, dtype, MemCategory::Temporary, "embedding.partial");
+  const auto mlp = cfg.mlp_linears();
   for (std::int64_t l = 0; l < cfg.layers; ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
     auto blk = std::make_unique<Block>();
     blk->ln1 = &param(p + "ln1.weight");
     blk->ln2 = &param(p + "ln2.weight");
-    blk->q.weight = &param(p + "attn.q_proj.weight");
-    blk->k.weight = &param(p + "attn.k_proj.weight");
-    blk->v.weight = &param(p + "attn.v_proj.weight");
+    blk->ln1_b = bias(p + "ln1");
+    blk->ln2_b = bias(p + "ln2");
+    blk->q = {&param(p + "attn.q_proj.weight"), bias(p + "attn.q_proj")};
+    blk->k = {&param(p + "attn.k_proj.weight"), bias(p + "attn.k_proj")};
+    blk->v = {&param(p + "attn.v_proj.weight"), bias(p + "attn.v_proj")};
     blk->o.weight = &param(p + "attn.o_proj.weight");
-    blk->ffn1.weight = &param(p + "mlp.ffn1.weight");
-    blk->ffn2.weight = &param(p + "mlp.ffn2.weight");
+    blk->o_b = bias(p + "attn.o_proj");
+    if (cfg.swiglu()) {
+      // The fused views: gate's parameter is the first half of each fused tensor.
+      // The fused tensors, as one parameter each for the column-parallel layer.
+      auto fused_param = [&](Parameter& into, const std::string& name) {
+        const Fused& f = fused.at(name);
+        into.spec = param(name.substr(0, name.find("gate_up")) + "gate_proj" +
+                          name.substr(name.find("gate_up") + 7)).spec;
+        into.spec.name = name;
+        into.value = f.value;
+        into.grad = f.grad;
+      };
+      fused_param(blk->mlp_in_fused, p + "mlp.gate_up.weight");
+      blk->mlp_in.weight = &blk->mlp_in_fused;
+      if (cfg.linear_bias) {
+        fused_param(blk->mlp_in_bias_fused, p + "mlp.gate_up.bias");
+        blk->mlp_in.bias = &blk->mlp_in_bias_fused;
+      }
+    } else {
+      blk->mlp_in = {&param(p + mlp[0] + ".weight"), bias(p + mlp[0])};
+    }
+    blk->mlp_out.weight = &param(p + mlp.back() + ".weight");
+    blk->mlp_out_b = bias(p + mlp.back());
     blk->h1 = act({Nl_, H}, p + "ln1.out");
-    blk->ln1_mean = stat({Nl_}, p + "ln1.mean");
+    if (layer_norm) blk->ln1_mean = stat({Nl_}, p + "ln1.mean");
     blk->ln1_rstd = stat({Nl_}, p + "ln1.rstd");
     blk->h1_full = par.sequence_parallel ? h_gathered_ : blk->h1;
     blk->q_out = act({N_, Hl}, p + "attn.q");
-    blk->k_out = act({N_, Hl}, p + "attn.k");
-    blk->v_out = act({N_, Hl}, p + "attn.v");
+    blk->k_out = act({N_, KVl}, p + "attn.k");
+    blk->v_out = act({N_, KVl}, p + "attn.v");
+    blk->k_heads = KVl == Hl ? blk->k_out : act({N_, Hl}, p + "attn.k.heads");
+    blk->v_heads = KVl == Hl ? blk->v_out : act({N_, Hl}, p + "attn.v.heads");
     blk->probs = act({B_, Al, T_, T_}, p + "attn.probs");
     blk->att = act({N_, Hl}, p + "attn.out");
     blk->x_mid = act({Nl_, H}, p + "residual.mid");
     blk->h2 = act({Nl_, H}, p + "ln2.out");
-    blk->ln2_mean = stat({Nl_}, p + "ln2.mean");
+    if (layer_norm) blk->ln2_mean = stat({Nl_}, p + "ln2.mean");
     blk->ln2_rstd = stat({Nl_}, p + "ln2.rstd");
     blk->h2_full = par.sequence_parallel ? h_gathered_ : blk->h2;
-    blk->u = act({N_, Fl}, p + "mlp.ffn1.out");
-    blk->a = act({N_, Fl}, p + "mlp.gelu.out");
+    blk->u = act({N_, cfg.swiglu() ? 2 * Fl : Fl}, p + (cfg.swiglu() ? "mlp.gate_up.out" : "mlp.ffn1.out"));
+    blk->a = act({N_, Fl}, p + (cfg.swiglu() ? "mlp.swiglu.out" : "mlp.gelu.out"));
     blk->x_out = act({Nl_, H}, p + "residual.out");
     blocks_.push_back(std::move(blk));
   }
   hf_ = act({Nl_, H}, "ln_f.out");
-  lnf_mean_ = stat({Nl_}, "ln_f.mean");
+  if (layer_norm) lnf_mean_ = stat({Nl_}, "ln_f.mean");
   lnf_rstd_ = stat({Nl_}, "ln_f.rstd");
   if (par.loss_parallel && par.sequence_parallel) hf_full_ = act({N_, H}, "ln_f.out.gathered");
   else hf_full_ = hf_;
-  const Parameter& wte = param("wte.weight");
-  logits_col0_ = par.loss_parallel ? wte.spec.offset : 0;
-  logits_valid_ = par.loss_parallel ? wte.spec.valid_length() : cfg.vocab_size;
-  logits_ = act({Nce, wte.value.dim(0)}, "logits");
+  const Parameter& head = lm_head();
+  logits_col0_ = par.loss_parallel ? head.spec.offset : 0;
+  logits_valid_ = par.loss_parallel ? head.spec.valid_length() : cfg.vocab_size;
+  logits_ = act({Nce, head.value.dim(0)}, "logits");
   ce_ = std::make_unique<CrossEntropyState>();
   ce_->ce.col0 = logits_col0_;
   ce_->ce.valid = logits_valid_;
@@ -309,19 +484,33 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   auto tmp = [&](Shape sh, const char* tag) {
     return be.empty(sh, dtype, MemCategory::Temporary, tag);
   };
-  w.pos_emb = tmp({Nl_, H}, "wpe.lookup");
+  if (!cfg.rope()) w.pos_emb = tmp({Nl_, H}, "wpe.lookup");
   w.partial = tmp({N_, H}, "partial");
   w.reduced = par.sequence_parallel ? tmp({Nl_, H}, "reduced") : w.partial;
   w.dlogits = tmp(logits_.shape(), "logits.grad");
-  if (fault == Fault::GptUntiedEmbeddingGrad) w.untied = tmp(wte.value.shape(), "wte.head.grad");
+  if (fault == Fault::GptUntiedEmbeddingGrad) w.untied = tmp(head.value.shape(), "wte.head.grad");
   w.dh_full = tmp({N_, H}, "ln.out.grad");
   w.dh = par.sequence_parallel ? tmp({Nl_, H}, "ln.out.grad.local") : w.dh_full;
   w.datt = tmp({N_, Hl}, "attn.out.grad");
   w.dq = tmp({N_, Hl}, "attn.q.grad");
-  w.dk = tmp({N_, Hl}, "attn.k.grad");
-  w.dv = tmp({N_, Hl}, "attn.v.grad");
-  w.da = tmp({N_, Fl}, "mlp.gelu.out.grad");
-  w.du = tmp({N_, Fl}, "mlp.ffn1.out.grad");
+  w.dk = tmp({N_, KVl}, "attn.k.grad");
+  w.dv = tmp({N_, KVl}, "attn.v.grad");
+  if (KVl != Hl) {
+    w.dk_heads = tmp({N_, Hl}, "attn.k.heads.grad");
+    w.dv_heads = tmp({N_, Hl}, "attn.v.heads.grad");
+    w.head_col = tmp({N_, cfg.head_dim()}, "attn.head.column");
+    w.head_acc = tmp({N_, cfg.head_dim()}, "attn.head.sum");
+  } else {
+    w.dk_heads = w.dk;
+    w.dv_heads = w.dv;
+  }
+  if (t > cfg.kv()) {  // kv heads replicated: their gradients summed over the replicas
+    w.kv_grads = be.empty({t * KVl * H}, compute_dtype(dtype), MemCategory::CommBuffer,
+                          "kv.grad.gathered");
+  }
+  w.da = tmp({N_, Fl}, cfg.swiglu() ? "mlp.swiglu.out.grad" : "mlp.gelu.out.grad");
+  w.du = tmp(blocks_.empty() ? Shape{N_, Fl} : blocks_[0]->u.shape(),
+             cfg.swiglu() ? "mlp.gate_up.out.grad" : "mlp.ffn1.out.grad");
   w.dres[0] = tmp({Nl_, H}, "residual.grad.0");
   w.dres[1] = tmp({Nl_, H}, "residual.grad.1");
   if (fault == Fault::RankOrderSum) w.fault_buf = tmp({t * N_, H}, "fault.partials");
@@ -350,7 +539,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
       v.grad_local = be.empty({Cl * G}, cd, MemCategory::Temporary, "invariant.grad.partials");
       v.grad_gathered = be.empty({C * G}, cd, MemCategory::CommBuffer, "invariant.grad.gathered");
       if (!par.loss_parallel) {
-        const std::int64_t V = wte.value.dim(0);
+        const std::int64_t V = param("wte.weight").value.dim(0);
         v.wte_local = be.empty({Cl * V, H}, cd, MemCategory::Temporary, "invariant.wte.partials");
         v.wte_gathered = be.empty({C * V, H}, cd, MemCategory::CommBuffer, "invariant.wte.gathered");
       }
@@ -389,6 +578,107 @@ void ShardedGpt::ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, con
   combine_partials(be_, comm_, v.k, out, local, all, none, 0,
                    fault_ == Fault::SpLnGradNotSummed ? CombineOrder::OwnOnly
                                                       : CombineOrder::Canonical);
+}
+
+void ShardedGpt::norm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                              const Parameter& w, const Parameter* b) {
+  if (cfg_.norm == NormKind::RMSNorm) return be_.rmsnorm_forward(out, rstd, inp, w.value, cfg_.ln_eps);
+  be_.layernorm_forward(out, mean, rstd, inp, w.value, cfg_.ln_eps);
+  if (b) be_.add_bias(out, b->value);
+}
+
+void ShardedGpt::norm_backward(Tensor& dinp, Parameter& w, Parameter* b, const Tensor& dout,
+                               const Tensor& inp, const Tensor& mean, const Tensor& rstd) {
+  if (cfg_.norm == NormKind::RMSNorm)
+    return be_.rmsnorm_backward(dinp, w.grad, dout, inp, w.value, rstd);
+  ln_backward(dinp, w, dout, inp, mean, rstd);
+  if (b) be_.bias_backward(b->grad, dout);
+}
+
+Parameter* ShardedGpt::bias_of(const std::string& module) {
+  for (auto& p : params_)
+    if (p.spec.name == module + ".bias") return &p;
+  return nullptr;
+}
+
+bool ShardedGpt::rope_interleaved() const {
+  // The fault mixes the conventions: the other pairing than the architecture's.
+  return (cfg_.rope_style == RopeStyle::Interleaved) != (fault_ == Fault::RopeStyleMixed);
+}
+
+std::int64_t ShardedGpt::kv_head_of(std::int64_t j) const {
+  const std::int64_t Al = cfg_.heads / world_, kvl = ws_->dk.dim(1) / cfg_.head_dim();
+  // Consecutive query heads share a kv head (repeat_interleave); the fault tiles them
+  // (repeat), so query head j takes kv head j mod kvl.
+  return fault_ == Fault::GqaRepeatNotInterleave ? j % kvl : j / (Al / kvl);
+}
+
+void ShardedGpt::expand_kv(Tensor& heads, const Tensor& kv) {
+  if (heads.raw() == kv.raw()) return;  // one kv head per query head: nothing to expand
+  const std::int64_t d = cfg_.head_dim();
+  Tensor& col = ws_->head_col;  // [N,d]
+  for (std::int64_t j = 0; j < heads.dim(1) / d; ++j) {
+    be_.copy_columns(col, kv, kv_head_of(j) * d);
+    be_.set_columns(heads, col, j * d);
+  }
+}
+
+void ShardedGpt::sum_kv_groups(Tensor& dkv, const Tensor& dheads) {
+  if (dkv.raw() == dheads.raw()) return;
+  const std::int64_t d = cfg_.head_dim(), Al = dheads.dim(1) / d;
+  Tensor &col = ws_->head_col, &acc = ws_->head_acc;  // [N,d]
+  for (std::int64_t i = 0; i < dkv.dim(1) / d; ++i) {
+    bool first = true;
+    for (std::int64_t j = 0; j < Al; ++j) {  // in query-head order, as the reference
+      if (kv_head_of(j) != i) continue;
+      be_.copy_columns(first ? acc : col, dheads, j * d);
+      if (!first) be_.add_inplace(acc, col);
+      first = false;
+    }
+    if (first) be_.fill(acc, 0.0);  // a kv head no local query head reads (the fault's)
+    be_.set_columns(dkv, acc, i * d);
+  }
+}
+
+void ShardedGpt::sum_over_kv_replicas(Tensor& grad) {
+  // t/KV consecutive ranks hold one kv head, each the gradient of its own query heads'
+  // share. Every rank's gradient is gathered, and each sums its replica group's in rank
+  // order, so that the replicas stay bit-identical. (An all-gather over the TP group
+  // stands in for an all-reduce over the replica sub-group: the communicator has no
+  // sub-groups yet.)
+  const std::int64_t n = grad.numel();
+  const int reps = world_ / static_cast<int>(cfg_.kv()), first = rank_ / reps * reps;
+  Tensor all = ws_->kv_grads.narrow0(0, world_ * n);  // [t·n]
+  comm_.all_gather(grad.reshape({n}), all);
+  be_.copy(grad, all.narrow0(first * n, n));
+  for (int m = 1; m < reps; ++m) be_.add_inplace(grad, all.narrow0((first + m) * n, n).reshape(grad.shape()));
+}
+
+void ShardedGpt::row_bias_backward(Parameter* bias, const Tensor& dres) {
+  // The bias is added once, after g, to this rank's tokens of the residual stream: its
+  // gradient sums dres over them (over every token, or, under SP, this rank's, summed
+  // over ranks with the other replicated parameters).
+  if (!bias) return;
+  be_.bias_backward(bias->grad, dres);
+  if (fault_ == Fault::RowBiasGradDividedByT) be_.scale_inplace(bias->grad, 1.0 / world_);
+}
+
+void ShardedGpt::snapshot_halves(Snapshots& into, const std::string& left,
+                                 const std::string& right, const Tensor& t) {
+  if (!record_) return;
+  const std::int64_t rows = t.dim(0), half = t.dim(1) / 2;
+  std::vector<double>& both = into.scratch;  // [N, 2·half] on the host, sliced there
+  be_.to_host_into(t, both);
+  for (int h = 0; h < 2; ++h) {
+    if (into.used == into.obs.size()) into.obs.emplace_back();
+    Observation& o = into.obs[into.used++];
+    o.name = h == 0 ? left : right;
+    o.spec = point(o.name);
+    std::vector<double>& v = o.values.copy();
+    v.resize(static_cast<std::size_t>(rows * half));
+    for (std::int64_t i = 0; i < rows; ++i)
+      std::copy_n(both.begin() + i * 2 * half + h * half, half, v.begin() + i * half);
+  }
 }
 
 ShardedGpt::~ShardedGpt() = default;
@@ -441,7 +731,7 @@ void ShardedGpt::forward() {
   const std::int64_t Al = cfg_.heads / world_;
   const bool sp = par_.sequence_parallel;
   Parameter& wte = param("wte.weight");
-  Parameter& wpe = param("wpe.weight");
+  Parameter& head = lm_head();
   Tensor& partial = ws_->partial;
   Tensor& reduced = ws_->reduced;
   // f (copy_to_tp_region, or gather_from_sp_region under SP): in = this rank's tokens.
@@ -456,6 +746,14 @@ void ShardedGpt::forward() {
     else if (sp) reduce_scatter_to_sp_region_forward(comm_, reduced, partial);
     else reduce_partials(partial);
     return reduced;
+  };
+  // g, then a row-parallel layer's bias, added once to the sum (the fault: on every rank's
+  // partial, before it: t·b).
+  auto leave_tp_biased = [&](auto& leave, Parameter* bias) -> Tensor& {
+    if (bias && fault_ == Fault::RowBiasBeforeReduce) be_.add_bias(partial, bias->value);
+    Tensor& y = leave();
+    if (bias && fault_ != Fault::RowBiasBeforeReduce) be_.add_bias(y, bias->value);
+    return y;
   };
   // Column-parallel forward; invariant: in output tiles of `tile` columns.
   auto col_forward = [&](const ColumnParallelLinear& lin, Tensor& out, const Tensor& in,
@@ -490,9 +788,11 @@ void ShardedGpt::forward() {
   } else {
     be_.embedding_forward(x0_, ids_, wte.value, 0);
   }
-  Tensor& pos_emb = ws_->pos_emb;
-  be_.embedding_forward(pos_emb, pos_, wpe.value, 0);
-  be_.add_inplace(x0_, pos_emb);
+  if (!cfg_.rope()) {
+    Tensor& pos_emb = ws_->pos_emb;
+    be_.embedding_forward(pos_emb, pos_, param("wpe.weight").value, 0);
+    be_.add_inplace(x0_, pos_emb);
+  }
 
   // ---- blocks ----
   const double scale = softmax_scale();
@@ -501,28 +801,39 @@ void ShardedGpt::forward() {
     Block& b = *blocks_[l];
     const std::string pt = "act/h." + std::to_string(l) + ".";
     comm_.set_label("h." + std::to_string(l) + ".attn");
-    be_.layernorm_forward(b.h1, b.ln1_mean, b.ln1_rstd, *x, b.ln1->value, cfg_.ln_eps);
+    norm_forward(b.h1, b.ln1_mean, b.ln1_rstd, *x, *b.ln1, b.ln1_b);
     enter_tp(b.h1_full, b.h1);
     col_forward(b.q, b.q_out, b.h1_full, Hc);
     col_forward(b.k, b.k_out, b.h1_full, Hc);
     col_forward(b.v, b.v_out, b.h1_full, Hc);
-    be_.attention_forward(b.att, b.probs, b.q_out, b.k_out, b.v_out, B_, T_, Al, scale);
+    if (cfg_.rope()) {
+      be_.rope_forward(b.q_out, rope_pos_, Al, cfg_.rope_theta, rope_interleaved());
+      be_.rope_forward(b.k_out, rope_pos_, b.k_out.dim(1) / cfg_.head_dim(), cfg_.rope_theta,
+                       rope_interleaved());
+    }
+    expand_kv(b.k_heads, b.k_out);
+    expand_kv(b.v_heads, b.v_out);
+    be_.attention_forward(b.att, b.probs, b.q_out, b.k_heads, b.v_heads, B_, T_, Al, scale);
     row_forward(b.o, b.att, Hc);
-    Tensor& attn_out = leave_tp();
+    Tensor& attn_out = leave_tp_biased(leave_tp, b.o_b);
     snapshot(*fwd_snaps_, pt + "attn.o.out", point(pt + "attn.o.out"), attn_out);
     be_.copy(b.x_mid, *x);
     be_.add_inplace(b.x_mid, attn_out);
 
     comm_.set_label("h." + std::to_string(l) + ".mlp");
-    be_.layernorm_forward(b.h2, b.ln2_mean, b.ln2_rstd, b.x_mid, b.ln2->value, cfg_.ln_eps);
+    norm_forward(b.h2, b.ln2_mean, b.ln2_rstd, b.x_mid, *b.ln2, b.ln2_b);
     enter_tp(b.h2_full, b.h2);
-    col_forward(b.ffn1, b.u, b.h2_full, Fc);
-    be_.gelu_forward(b.a, b.u);
-    row_forward(b.ffn2, b.a, Fc);
+    col_forward(b.mlp_in, b.u, b.h2_full, Fc);
+    if (cfg_.swiglu()) snapshot_halves(*fwd_snaps_, pt + "mlp.gate_proj.out", pt + "mlp.up_proj.out", b.u);
+    if (cfg_.swiglu()) be_.swiglu_forward(b.a, b.u);
+    else if (cfg_.mlp == MlpKind::GeluTanh) be_.gelu_tanh_forward(b.a, b.u);
+    else be_.gelu_forward(b.a, b.u);
+    row_forward(b.mlp_out, b.a, Fc);
     Tensor* mlp_out = &partial;
-    if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp();
+    if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp_biased(leave_tp, b.mlp_out_b);
     else if (inv_) mlp_out = &leave_tp(/*own_only=*/true);  // the missing g: own chunks only
-    snapshot(*fwd_snaps_, pt + "mlp.ffn2.out", point(pt + "mlp.ffn2.out"), *mlp_out);
+    const std::string out_point = pt + cfg_.mlp_linears().back() + ".out";
+    snapshot(*fwd_snaps_, out_point, point(out_point), *mlp_out);
     be_.copy(b.x_out, b.x_mid);
     be_.add_inplace(b.x_out, *mlp_out);
     x = &b.x_out;
@@ -530,13 +841,13 @@ void ShardedGpt::forward() {
 
   // ---- head: ln_f, logits = hf · wteᵀ, cross-entropy ----
   comm_.set_label("head");
-  be_.layernorm_forward(hf_, lnf_mean_, lnf_rstd_, *x, param("ln_f.weight").value, cfg_.ln_eps);
+  norm_forward(hf_, lnf_mean_, lnf_rstd_, *x, param("ln_f.weight"), bias_of("ln_f"));
   if (par_.loss_parallel) enter_tp(hf_full_, hf_);
   if (inv_)  // tiles: vocabulary columns (loss parallel), or this rank's tokens (SP alone)
-    inv_->cg.gemm(logits_, hf_full_, false, wte.value, true,
+    inv_->cg.gemm(logits_, hf_full_, false, head.value, true,
                   {sp && !par_.loss_parallel ? inv_->Nc : 0, par_.loss_parallel ? inv_->Vc : 0});
   else
-    be_.gemm(logits_, hf_full_, false, wte.value, true);
+    be_.gemm(logits_, hf_full_, false, head.value, true);
   comm_.set_label("cross_entropy");
   loss_ = ce_->ce.forward(be_, comm_, logits_, targets_, n_valid_,
                           /*rows_split=*/sp && !par_.loss_parallel);
@@ -546,7 +857,7 @@ void ShardedGpt::backward() {
   const std::int64_t Al = cfg_.heads / world_;
   const bool sp = par_.sequence_parallel;
   Parameter& wte = param("wte.weight");
-  Parameter& wpe = param("wpe.weight");
+  Parameter& head = lm_head();
   Workspace& s = *ws_;
   // g's backward: the gradient of the full sum, on every rank's [N,H].
   auto g_backward = [&](const Tensor& d_local) -> const Tensor& {
@@ -605,7 +916,7 @@ void ShardedGpt::backward() {
   comm_.set_label("head");
   Tensor& dlogits = s.dlogits;
   ce_->ce.backward(be_, dlogits, logits_, targets_, n_valid_);
-  Tensor* dwte_head = &wte.grad;
+  Tensor* dwte_head = &head.grad;
   if (fault_ == Fault::GptUntiedEmbeddingGrad) {
     dwte_head = &s.untied;  // the bug: the LM head's share never reaches wte.grad
   }
@@ -628,24 +939,23 @@ void ShardedGpt::backward() {
     if (inv_) {
       for (int j = 0; j < inv_->k.local(); ++j) {
         Tensor pj = inv_->local.narrow0(j * N_, N_);  // [N,H]
-        inv_->cg.gemm_k_chunk(pj, dlogits, false, wte.value, false, j * inv_->Vc, inv_->Vc);
+        inv_->cg.gemm_k_chunk(pj, dlogits, false, head.value, false, j * inv_->Vc, inv_->Vc);
       }
     } else {
-      be_.gemm(s.dh_full, dlogits, false, wte.value, false);
+      be_.gemm(s.dh_full, dlogits, false, head.value, false);
     }
     dhf = f_backward();
   } else {
     dhf = s.dh_full.narrow0(0, Nl_);  // this rank's logits rows are its own tokens
-    if (inv_) inv_->cg.gemm(dhf, dlogits, false, wte.value, false, {sp ? inv_->Nc : 0, 0});
-    else be_.gemm(dhf, dlogits, false, wte.value, false);
+    if (inv_) inv_->cg.gemm(dhf, dlogits, false, head.value, false, {sp ? inv_->Nc : 0, 0});
+    else be_.gemm(dhf, dlogits, false, head.value, false);
   }
   Snapshots& snaps = *bwd_snaps_;
   snapshot(snaps, "act/ln_f.out.grad", point("act/ln_f.out.grad"), dhf);
   Tensor* dx = &s.dres[0];
   be_.fill(*dx, 0.0);
-  Parameter& lnf = param("ln_f.weight");
-  ln_backward(*dx, lnf, dhf, blocks_.empty() ? x0_ : blocks_.back()->x_out, lnf_mean_,
-              lnf_rstd_);
+  norm_backward(*dx, param("ln_f.weight"), bias_of("ln_f"), dhf,
+                blocks_.empty() ? x0_ : blocks_.back()->x_out, lnf_mean_, lnf_rstd_);
 
   // ---- blocks, last to first ----
   const double scale = softmax_scale();
@@ -658,34 +968,53 @@ void ShardedGpt::backward() {
       snapshot(snaps, pt + name, point(pt + name), t);
     };
     // A residual's branch output has the residual's gradient: the sum passes it through.
+    const auto mlp = cfg_.mlp_linears();
     snap("residual.out.grad", *dx);
-    snap("mlp.ffn2.out.grad", *dx);
+    snapshot(snaps, pt + mlp.back() + ".out.grad", point(pt + mlp.back() + ".out.grad"), *dx);
 
     // x_out = x_mid + mlp(ln2(x_mid))
     comm_.set_label("h." + std::to_string(li) + ".mlp");
     const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(*dx) : *dx;
-    row_backward(b.ffn2, s.da, dmlp, b.a, Fc);
-    snap("mlp.gelu.out.grad", s.da);
-    be_.gelu_backward(s.du, s.da, b.u);
-    snap("mlp.ffn1.out.grad", s.du);
+    row_bias_backward(b.mlp_out_b, *dx);
+    row_backward(b.mlp_out, s.da, dmlp, b.a, Fc);
+    if (cfg_.swiglu()) {
+      snap("mlp.swiglu.out.grad", s.da);
+      be_.swiglu_backward(s.du, s.da, b.u);
+      snapshot_halves(snaps, pt + mlp[0] + ".out.grad", pt + mlp[1] + ".out.grad", s.du);
+    } else {
+      snap("mlp.gelu.out.grad", s.da);
+      if (cfg_.mlp == MlpKind::GeluTanh) be_.gelu_tanh_backward(s.du, s.da, b.u);
+      else be_.gelu_backward(s.du, s.da, b.u);
+      snap("mlp.ffn1.out.grad", s.du);
+    }
     if (sp) gather_tokens(b.h2_full, b.h2);  // not saved: gather again
-    col_backward(b.ffn1, s.du, b.h2_full, Fc, /*accumulate=*/false);
+    col_backward(b.mlp_in, s.du, b.h2_full, Fc, /*accumulate=*/false);
     Tensor& dh2 = f_backward();
     snap("ln2.out.grad", dh2);
-    ln_backward(*dx, *b.ln2, dh2, b.x_mid, b.ln2_mean, b.ln2_rstd);
+    norm_backward(*dx, *b.ln2, b.ln2_b, dh2, b.x_mid, b.ln2_mean, b.ln2_rstd);
     snap("residual.mid.grad", *dx);
     snap("attn.o.out.grad", *dx);
 
     // x_mid = x_in + attn(ln1(x_in))
     comm_.set_label("h." + std::to_string(li) + ".attn");
     const Tensor& dattn = g_backward(*dx);
+    row_bias_backward(b.o_b, *dx);
     row_backward(b.o, s.datt, dattn, b.att, Hc);
     snap("attn.out.grad", s.datt);
-    be_.attention_backward(s.dq, s.dk, s.dv, s.datt, b.q_out, b.k_out, b.v_out, b.probs, B_, T_,
-                           Al, scale);
+    be_.attention_backward(s.dq, s.dk_heads, s.dv_heads, s.datt, b.q_out, b.k_heads, b.v_heads,
+                           b.probs, B_, T_, Al, scale);
+    sum_kv_groups(s.dk, s.dk_heads);
+    sum_kv_groups(s.dv, s.dv_heads);
     snap("attn.q.grad", s.dq);
-    snap("attn.k.grad", s.dk);
-    snap("attn.v.grad", s.dv);
+    if (world_ <= cfg_.kv()) {  // (replicated kv heads: partial sums, no point)
+      snap("attn.k.grad", s.dk);
+      snap("attn.v.grad", s.dv);
+    }
+    if (cfg_.rope()) {  // back through the rotation: the gradients of q and k before it
+      be_.rope_backward(s.dq, rope_pos_, Al, cfg_.rope_theta, rope_interleaved());
+      be_.rope_backward(s.dk, rope_pos_, s.dk.dim(1) / cfg_.head_dim(), cfg_.rope_theta,
+                        rope_interleaved());
+    }
     if (sp) gather_tokens(b.h1_full, b.h1);
     col_backward(b.q, s.dq, b.h1_full, Hc, /*accumulate=*/false);
     col_backward(b.k, s.dk, b.h1_full, Hc, /*accumulate=*/true);
@@ -695,7 +1024,7 @@ void ShardedGpt::backward() {
     else if (inv_) dh1 = &f_backward(/*own_only=*/true);  // the missing f: own chunks only
     snap("ln1.out.grad", *dh1);
     be_.copy(*dx_prev, *dx);
-    ln_backward(*dx_prev, *b.ln1, *dh1, x_in, b.ln1_mean, b.ln1_rstd);
+    norm_backward(*dx_prev, *b.ln1, b.ln1_b, *dh1, x_in, b.ln1_mean, b.ln1_rstd);
     dx = dx_prev;
   }
 
@@ -706,6 +1035,7 @@ void ShardedGpt::backward() {
     // wpe's and (without loss parallel) wte's gradients sum over this rank's tokens: one
     // partial per token chunk, combined in chunk order.
     const int Cl = inv_->k.local();
+    Parameter& wpe = param("wpe.weight");  // (the invariant mode is the seed's model's)
     const std::int64_t n = inv_->Nc, P = wpe.value.dim(0), H = wpe.value.dim(1);
     Tensor local = inv_->grad_local.narrow0(0, Cl * P * H).reshape({Cl * P, H});
     Tensor all = inv_->grad_gathered.narrow0(0, inv_->k.C * P * H).reshape({inv_->k.C * P, H});
@@ -724,8 +1054,8 @@ void ShardedGpt::backward() {
       }
       combine_partials(be_, comm_, inv_->k, wte.grad, inv_->wte_local, inv_->wte_gathered, none, 0);
     }
-  } else {
-    be_.embedding_backward(wpe.grad, *dx, pos_, 0);
+  } else if (!cfg_.rope()) {
+    be_.embedding_backward(param("wpe.weight").grad, *dx, pos_, 0);
   }
   if (par_.loss_parallel) {
     std::int64_t row0 = wte.spec.offset;
@@ -740,13 +1070,24 @@ void ShardedGpt::backward() {
     be_.embedding_backward(wte.grad, *dx, ids_, 0);
   }
 
+  // ---- GQA with kv heads replicated: each replica saw only its own query heads ----
+  if (world_ > cfg_.kv() && fault_ != Fault::GqaKvGradNotSummed) {
+    comm_.set_label("gqa.kv_grad_sync");
+    for (auto& p : params_)
+      if (ends_with_any(p.spec.name, {"k_proj.weight", "k_proj.bias", "v_proj.weight",
+                                      "v_proj.bias"}))
+        sum_over_kv_replicas(p.grad);
+  }
+
   // ---- sequence parallel: replicated parameters saw only this rank's tokens ----
   if (sp && !inv_) {  // the invariant mode has combined them, chunk by chunk, above
     comm_.set_label("sp.grad_sync");
     for (auto& p : params_) {
       if (!p.spec.replicated()) continue;
-      const bool is_ln = p.spec.name.find("ln") != std::string::npos;
-      if (is_ln && fault_ == Fault::SpLnGradNotSummed) continue;
+      const bool is_norm = p.spec.name.find("ln") != std::string::npos;
+      if (is_norm && fault_ == Fault::SpLnGradNotSummed) continue;
+      if (is_norm && p.spec.name.ends_with(".bias") && fault_ == Fault::SpNormBiasGradNotSummed)
+        continue;
       comm_.all_reduce(p.grad, ReduceOp::Sum);
     }
   }
@@ -770,9 +1111,15 @@ std::vector<Observation> ShardedGpt::observe_forward() {
     obs.push_back(fwd_snaps_->view(pt + "attn.o.out"));
     add(pt + "residual.mid", b.x_mid);
     add(pt + "ln2.out", b.h2);
-    add(pt + "mlp.ffn1.out", b.u);
-    add(pt + "mlp.gelu.out", b.a);
-    obs.push_back(fwd_snaps_->view(pt + "mlp.ffn2.out"));
+    if (cfg_.swiglu()) {
+      obs.push_back(fwd_snaps_->view(pt + "mlp.gate_proj.out"));
+      obs.push_back(fwd_snaps_->view(pt + "mlp.up_proj.out"));
+      add(pt + "mlp.swiglu.out", b.a);
+    } else {
+      add(pt + "mlp.ffn1.out", b.u);
+      add(pt + "mlp.gelu.out", b.a);
+    }
+    obs.push_back(fwd_snaps_->view(pt + cfg_.mlp_linears().back() + ".out"));
     add(pt + "residual.out", b.x_out);
   }
   add("act/ln_f.out", hf_);

@@ -38,6 +38,13 @@ struct GptParallelism {
 // C = kCanonicalChunks, in the TP-invariant mode: the same padding at every degree), else V.
 std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t);
 
+// Whether `c` is the seed's architecture (the TP-invariant mode's domain, so far).
+bool seed_architecture(const GptConfig& c);
+
+// Throws UsageError unless tp t splits the kv heads: t divides them, or is a multiple of
+// them (each kv head then replicated on t/kv_heads ranks).
+void check_kv_heads_split(const GptConfig& c, int t);
+
 // The Megatron layout of parameter `p` on rank r of t (docs/dump-format.md, "default
 // layouts"): the one rule the model shards by and a dump's reader reads shards by.
 ShardSpec gpt_param_shard(const ParamSpec& p, const GptConfig& c, const GptParallelism& par,
@@ -78,14 +85,37 @@ class ShardedGpt final : public ShardedModel {
   // gradient (a sum over this rank's tokens) as canonical token-chunk partials, combined.
   void ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
                    const Tensor& mean, const Tensor& rstd);
+  // The architecture's norm (LayerNorm, with its bias if any, or RMSNorm: `mean` unused).
+  void norm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                    const Parameter& w, const Parameter* b);
+  void norm_backward(Tensor& dinp, Parameter& w, Parameter* b, const Tensor& dout,
+                     const Tensor& inp, const Tensor& mean, const Tensor& rstd);
+  // "<module>.bias", or null when the architecture has none.
+  Parameter* bias_of(const std::string& module);
+  bool rope_interleaved() const;
+  // GQA: the local kv head that local query head j attends with.
+  std::int64_t kv_head_of(std::int64_t j) const;
+  // heads [N,Hl] = each local query head's kv head from kv [N,KVl] (a no-op when they
+  // alias); its backward sums each kv head's query-head gradients into dkv.
+  void expand_kv(Tensor& heads, const Tensor& kv);
+  void sum_kv_groups(Tensor& dkv, const Tensor& dheads);
+  // GQA with tp > kv heads: sums a k/v gradient over the ranks that share its kv head.
+  void sum_over_kv_replicas(Tensor& grad);
+  // A row-parallel bias's gradient from the residual stream's gradient dres [Nl,H].
+  void row_bias_backward(Parameter* bias, const Tensor& dres);
+  // Snapshots of the two column halves of t (SwiGLU's [gate | up]) as two points.
+  struct Snapshots;
+  void snapshot_halves(Snapshots& into, const std::string& left, const std::string& right,
+                       const Tensor& t);
   // Index of a parameter by name in params_.
   Parameter& param(const std::string& name);
+  // The LM head's weight: wte when tied, lm_head when not.
+  Parameter& lm_head();
   // This rank's layout of an activation point, by gpt_point_shard: the rule a dump's
   // reader applies too.
   ShardSpec point(const std::string& name) const;
   // Host copy of a point whose buffer is reused before observe_* runs (a workspace
   // tensor), taken where it is produced; a no-op unless recording.
-  struct Snapshots;
   void snapshot(Snapshots& into, const std::string& name, const ShardSpec& spec, const Tensor& t);
 
   GptConfig cfg_;
@@ -109,7 +139,8 @@ class ShardedGpt final : public ShardedModel {
 
   Tensor ids_;        // [Nl] i64   token ids of the residual stream's tokens
   Tensor ids_all_;    // [N] i64    every token (the vocab-parallel lookup sees all)
-  Tensor pos_;        // [Nl] i64   their positions
+  Tensor pos_;        // [Nl] i64   their positions (learned position embeddings)
+  Tensor rope_pos_;   // [N] i64    every token's position (RoPE, in the TP region)
   Tensor targets_;    // [Nce] i64  label per logits row; -100 at each row's last position
   Tensor x0_;         // [Nl,H]     embedding output
   Tensor h_gathered_; // [N,H]      SP: an LN output gathered over tokens for the column-

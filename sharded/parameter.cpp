@@ -3,9 +3,21 @@
 namespace tpsim {
 
 Parameter make_parameter(Backend& be, ShardSpec spec, DType dtype, std::uint64_t seed) {
+  const Shape shape = spec.local_shape();
+  Tensor value = be.empty(shape, dtype, MemCategory::Parameter, spec.name);
+  Tensor grad = be.empty(shape, compute_dtype(dtype), MemCategory::Gradient, spec.name + ".grad");
+  return make_parameter_in(be, std::move(spec), dtype, seed, std::move(value), std::move(grad));
+}
+
+Parameter make_parameter_in(Backend& be, ShardSpec spec, DType dtype, std::uint64_t seed,
+                            Tensor value, Tensor grad) {
   Parameter p;
   const Shape shape = spec.local_shape();
-  p.value = be.empty(shape, dtype, MemCategory::Parameter, spec.name);
+  if (value.shape() != shape || grad.shape() != shape || value.dtype() != dtype ||
+      grad.dtype() != compute_dtype(dtype))
+    throw Error("make_parameter_in(" + spec.name + "): storage " + shape_str(value.shape()) +
+                " / " + shape_str(grad.shape()) + " does not fit the shard " + shape_str(shape));
+  p.value = std::move(value);
   // Megatron counts the fp32 master copy among the optimizer's state.
   if (dtype == DType::BF16)
     p.master = be.empty(shape, DType::F32, MemCategory::OptimizerState, spec.name + ".master");
@@ -21,7 +33,7 @@ Parameter make_parameter(Backend& be, ShardSpec spec, DType dtype, std::uint64_t
                        spec.offset, spec.length);
     set_values(be, p, host.data());
   }
-  p.grad = be.empty(shape, compute_dtype(dtype), MemCategory::Gradient, spec.name + ".grad");
+  p.grad = std::move(grad);
   be.fill(p.grad, 0.0);
   p.spec = std::move(spec);
   return p;

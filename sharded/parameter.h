@@ -26,6 +26,11 @@ struct Parameter {
 
 // Allocates the shard on `be` and fills it from the seeded init (padding rows are 0).
 Parameter make_parameter(Backend& be, ShardSpec spec, DType dtype, std::uint64_t seed);
+// The same in given storage: `value` and `grad` (of spec.local_shape()) are views of
+// tensors that hold several parameters side by side, such as SwiGLU's fused [gate; up],
+// so that one GEMM reads them all and one writes all their gradients.
+Parameter make_parameter_in(Backend& be, ShardSpec spec, DType dtype, std::uint64_t seed,
+                            Tensor value, Tensor grad);
 // Overwrites the shard with its block of a full (unpadded, row-major) tensor.
 void load_full(Backend& be, Parameter& p, const std::vector<double>& full);
 // Sets the shard's values (local_shape() of them): the master and the value from it.

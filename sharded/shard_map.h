@@ -21,6 +21,9 @@ struct ShardSpec {
   std::int64_t offset = 0;   // this rank's block along split_dim, in padded coordinates
   std::int64_t length = 0;
   int rank = 0, world = 1;
+  // Consecutive ranks that hold the same block: rank r holds block r / replicas (GQA with
+  // fewer kv heads than ranks: each kv head on t/kv_heads ranks). 1 for a plain split.
+  int replicas = 1;
 
   bool replicated() const { return split_dim < 0; }
   Shape local_shape() const;

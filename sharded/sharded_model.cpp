@@ -60,7 +60,7 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
   for (int r = 0; r < world; ++r) {
     ShardSpec s = spec;
     s.rank = fault == Fault::ReassemblyShardOrder ? (r + 1) % world : r;
-    s.offset = s.length * s.rank;
+    s.offset = s.length * (s.rank / s.replicas);
     place_shard(full, std::span<const double>(host + r * n, static_cast<std::size_t>(n)), s);
   }
   return full;

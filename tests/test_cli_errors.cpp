@@ -38,6 +38,31 @@ TEST_CASE("bad flags are one-line usage errors with exit 2", "[cli]") {
   expect_usage_error("", "");
 }
 
+TEST_CASE("architecture flags that cannot build a model are one-line usage errors", "[cli]") {
+  expect_usage_error("verify --model llama --heads 8 --kv-heads 3", "--kv-heads 3 must divide --heads 8");
+  expect_usage_error("verify --model llama --preset small --kv-heads 4 --tp 3",
+                     "--kv-heads 4 at tp 3: tp must divide the kv heads");
+  expect_usage_error("verify --model llama --norm-bias", "RMSNorm has no bias");
+  expect_usage_error("verify --model gpt2 --norm-bias --no-norm-bias", "exclude each other");
+  expect_usage_error("verify --model gpt --tied-embeddings --untied-embeddings", "exclude each other");
+  expect_usage_error("verify --model mlp --kv-heads 2", "apply to --model gpt, gpt2 and llama");
+  expect_usage_error("verify --model llama --hidden 36 --heads 12", "even head size");
+  expect_usage_error("verify --model llama --rope-theta 0.5", "--rope-theta");
+  expect_usage_error("verify --model llama --preset small --ffn-hidden 102 --tp 4",
+                     "does not divide the MLP width F = 102");
+  expect_usage_error("verify --model gpt2 --preset small --tp-invariant --tp 1,2",
+                     "--tp-invariant: not yet for this architecture");
+  expect_usage_error("verify --model gpt2 --norm nonsense", "--norm");
+  expect_usage_error("verify --kv-heads 2", "add --model mlp, gpt, gpt2 or llama");
+  // A fault whose code path this architecture lacks is refused, not silently passed.
+  expect_usage_error("verify --model gpt --preset small --tp 2 --inject-fault row-bias-before-reduce",
+                     "needs --linear-bias");
+  expect_usage_error("verify --model llama --preset small --tp 2 --inject-fault gqa-kv-grad-not-summed",
+                     "needs kv heads fewer than the TP degree");
+  expect_usage_error("verify --model llama --preset small --tp 2 --inject-fault gpt-untied-embedding-grad",
+                     "needs --tied-embeddings");
+}
+
 TEST_CASE("help explains and exits 0", "[cli]") {
   for (const char* cmd : {"--help", "verify --help", "train --help"}) {
     const auto r = run_tpsim(cmd);

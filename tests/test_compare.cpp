@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <span>
 
 #include "verify/engine/compare.h"
 #include "verify/engine/compare_scan.h"
@@ -41,6 +42,34 @@ TEST_CASE("the norm-wise error is relative to the reference's norm", "[verify][c
   const Comparison z = compare_to_reference({"w", whole, {0.0, 1e-3}}, {0.0, 0.0}, 1e-10);
   CHECK(z.rel_err == Approx(1e-3));
   CHECK_FALSE(z.pass);
+}
+
+TEST_CASE("a sum that cancels is judged relative to its terms, and only then",
+          "[verify][compare]") {
+  // A bias gradient: the reference sums to ~0 (rounding noise), its terms' column sums of
+  // |.| are ~1. Relative to itself any noise is an error of 100%; relative to the terms
+  // the same noise is 1e-12.
+  const ShardSpec half = split(tensor({4}), 0, 1, 2);  // elements [2,4)
+  const std::vector<double> ref = {1e-17, -2e-17, 3e-17, -1e-17};
+  const std::vector<double> terms = {1.0, 2.0, 3.0, 4.0};
+  const Observation noise{"w", half, {3e-12, 1e-12}};
+  CHECK_FALSE(compare_to_reference(noise, ref, 1e-10).pass);  // plain: 1e5 relative
+  const Comparison c = compare_to_reference(noise, std::span<const double>(ref), 1e-10, 0.0, terms);
+  CHECK(c.scaled);
+  CHECK(c.pass);
+  // the norm of this shard's block of the terms (3, 4), not of the whole tensor's
+  CHECK(c.rel_err == Approx(std::sqrt(9e-24 + 1e-24) / 5.0).epsilon(1e-3));
+  // A real error at the terms' scale still fails.
+  const Observation wrong{"w", half, {0.5, 0.0}};
+  CHECK_FALSE(compare_to_reference(wrong, std::span<const double>(ref), 1e-10, 0.0, terms).pass);
+  // Where the sum does not cancel (terms no larger than it), the plain check stands.
+  const std::vector<double> big = {1.0, 2.0, 3.0, 4.0};
+  const std::vector<double> small_terms = {1.0, 1.0, 1.0, 1.0};
+  const Observation off{"w", half, {3.0, 4.5}};
+  const Comparison p = compare_to_reference(off, std::span<const double>(big), 0.05, 0.0, small_terms);
+  CHECK_FALSE(p.scaled);
+  CHECK(p.rel_err == Approx(0.1));
+  CHECK_FALSE(p.pass);
 }
 
 TEST_CASE("the tolerance is a sharp bound", "[verify][compare]") {

@@ -91,13 +91,17 @@ double loss_at(Gpt<double>& model, const ParamSet<double>& p0, const GptBatch& b
 // floor, so a near-zero coordinate is judged on its absolute error at the scale of its
 // neighbours (a gradient of 1e-9 cannot be resolved to 1e-6 relative by differencing a
 // loss of ~3.6 whose rounding noise is ~1e-15).
+//
+// A tensor whose gradient is 0 in exact arithmetic (the k projection's bias: a constant
+// added to every key of a query leaves its softmax unchanged) has nothing to be relative
+// to; `floor` (1e-3 of the largest gradient of the model) is the scale it is judged at.
 void fd_check(Gpt<double>& model, const ParamSet<double>& p0, const GptBatch& batch,
               const std::string& name, const std::vector<Eigen::Index>& coords, double h,
-              bool fourth_order, FdResult& res) {
+              bool fourth_order, FdResult& res, double floor) {
   model.set_params(p0);
   model.forward_backward(batch);
   const Matrix<double> g = model.grads().at(name);
-  const double gmax = g.cwiseAbs().maxCoeff();
+  const double gmax = std::max(g.cwiseAbs().maxCoeff(), floor);
   for (const Eigen::Index i : coords) {
     const double d1 = loss_at(model, p0, batch, name, i, h) - loss_at(model, p0, batch, name, i, -h);
     double fd = d1 / (2 * h);
@@ -133,6 +137,9 @@ FdResult fd_every_parameter(const GptConfig& c, const ParamSet<double>& p0,
   const Eigen::Index H = c.hidden;
   std::size_t checked = 0;
   std::uint64_t ctr = 0;
+  double largest = 0;  // the model's largest gradient, for fd_check's floor
+  model.forward_backward(batch);
+  for (const auto& [name, g] : model.grads()) largest = std::max(largest, g.cwiseAbs().maxCoeff());
   for (const auto& [name, m] : p0) {
     std::vector<Eigen::Index> coords;
     for (int k = 0; k < samples; ++k)
@@ -151,7 +158,7 @@ FdResult fd_every_parameter(const GptConfig& c, const ParamSet<double>& p0,
         coords.push_back((c.block_size - 1) * H + j);  // never used
       }
     }
-    fd_check(model, p0, batch, name, coords, h, fourth_order, res);
+    fd_check(model, p0, batch, name, coords, h, fourth_order, res, 1e-3 * largest);
     ++checked;
   }
   CHECK(checked == tpsim::gpt_param_specs(c).size());  // every parameter was visited
@@ -171,6 +178,27 @@ TEST_CASE("reference GPT gradients match central finite differences", "[referenc
     const FdResult r = fd_every_parameter(c, p0, batch, 1e-5, false);
     INFO("worst " << r.worst << " at " << r.where);
     CHECK(r.worst < 1e-6);
+  }
+  SECTION("the families: every architecture choice has its own backward") {
+    // GPT-2 (LayerNorm and Linear biases, tanh GELU) and Llama (RMSNorm, SwiGLU, RoPE,
+    // untied head) with grouped-query attention: 4 query heads on 2 kv heads, then one
+    // (MQA) with RoPE's interleaved pairs and Linear biases on top.
+    for (int variant = 0; variant < 3; ++variant) {
+      GptConfig f = c;
+      tpsim::apply_gpt_family(f, variant == 0 ? "gpt2" : "llama");
+      f.ffn_hidden = 24;
+      if (variant == 1) f.kv_heads = 2;
+      if (variant == 2) {
+        f.kv_heads = 1;
+        f.rope_style = tpsim::RopeStyle::Interleaved;
+        f.linear_bias = true;
+      }
+      INFO("variant " << variant << ": " << tpsim::describe_architecture(f));
+      const auto p0 = tpsim::ref::init_params<double>(stretched_specs(f), 45 + variant);
+      const FdResult r = fd_every_parameter(f, p0, batch, 1e-5, false, 4);
+      INFO("worst " << r.worst << " at " << r.where);
+      CHECK(r.worst < 1e-6);
+    }
   }
   SECTION("products large enough to take the two-thread path") {
     // gpt.cpp splits a product over two threads from ~2M multiply-adds. With V = 9001 the

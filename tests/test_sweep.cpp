@@ -14,11 +14,12 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
   const auto r = run_tpsim("verify --json " + json);
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
-  CHECK(r.out.find("verify: PASS: 9 cases") != std::string::npos);
+  CHECK(r.out.find("verify: PASS: 25 cases") != std::string::npos);
   const auto j = read_json(json);
   CHECK(j["sweep"] == true);
   CHECK(j["dtype"] == "f64");
-  REQUIRE(j["cases"].size() == 9);
+  // the MLP, the seed's GPT in 4 modes x 2 batches, GPT-2 and three Llamas in 4 modes
+  REQUIRE(j["cases"].size() == 25);
   CHECK(j["cases"][0]["model"] == "mlp");
   std::vector<int> mlp_tp, gpt_tp;
   for (const auto& t : j["cases"][0]["tp"]) mlp_tp.push_back(t["tp"]);
@@ -42,6 +43,18 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
   CHECK(modes == std::set<std::string>{"gpt plain", "gpt --loss-parallel", "gpt --sequence-parallel",
                                        "gpt --loss-parallel --sequence-parallel"});
   CHECK(batches == std::map<std::string, int>{{"boundary", 4}, {"random", 4}});
+  std::map<std::string, int> families;
+  for (std::size_t i = 9; i < j["cases"].size(); ++i) {
+    const auto& c = j["cases"][i];
+    CHECK(c["pass"] == true);
+    const std::string name = c["case"];
+    families[name.substr(0, name.find(" --") == std::string::npos ? name.find(" plain") : name.find(" --"))] += 1;
+    for (const auto& t : c["tp"]) CHECK(t["max_rel_err"].get<double>() < 1e-12);
+  }
+  CHECK(families == std::map<std::string, int>{
+                        {"gpt2", 4}, {"llama gqa", 4}, {"llama kv<tp", 4}, {"llama mqa", 4}});
+  CHECK(j["cases"][9]["architecture"] ==
+        "LayerNorm+bias, Linear biases, tanh GELU F 288, learned positions, 12 heads, tied");
 }
 
 TEST_CASE("flags of one configuration need --model", "[cli][sweep]") {
@@ -101,6 +114,20 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
       {"sp-swap-backward-collectives", {"reference", "act/h.1.ln2.out.grad", "rank 0/2 rows", 2}},
       // Tokens gathered in the wrong order first reach the column-parallel q projection.
       {"sp-all-gather-chunk-order", {"reference", "act/h.0.attn.q", "", 2}},
+      // The families. A row-parallel bias added before g: t·b in the attention's output.
+      {"row-bias-before-reduce", {"reference", "act/h.0.attn.o.out", "", 2}},
+      // The last block's MLP output bias is the first row-parallel bias backward reaches.
+      {"row-bias-grad-divided-by-t", {"reference", "h.1.mlp.ffn2.bias.grad", "", 2}},
+      {"sp-norm-bias-grad-not-summed", {"reference", "ln_f.bias.grad", "", 2}},
+      // tp 4 over 2 kv heads: each replica holds its own query heads' share only.
+      {"gqa-kv-grad-not-summed", {"reference", "h.1.attn.k_proj.weight.grad", "rank 0/4", 4}},
+      // Query head 1 attends with kv head 1 instead of 0: the attention output, at tp 1.
+      {"gqa-repeat-not-interleave", {"reference", "act/h.0.attn.out", "rank 0/1", 1}},
+      // Rank 1's "gate" is U's first half: the fused projection's output, first point.
+      {"swiglu-gate-up-contiguous-split", {"reference", "act/h.0.mlp.gate_proj.out", "rank 1/2", 2}},
+      // 48 tokens at tp 4 are 12 per rank, half a sequence: positions 12.. become 0..
+      {"rope-sp-positions-not-offset", {"reference", "act/h.0.attn.q", "", 4}},
+      {"rope-style-mixed", {"reference", "act/h.0.attn.q", "rank 0/1", 1}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.
       {"reassembly-shard-order", {"reassembled", "fc1.weight.grad", "reassembled from 2", 2}},
   };

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "cli_runner.h"
+#include "verify/commands/sweep.h"
 #include "verify/setup/tensor_order.h"
 
 using namespace tpsim;
@@ -14,6 +15,10 @@ TEST_CASE("gpt_tensor_order: forward points, loss, backward, update, each name o
           "[order]") {
   GptConfig c;
   c.layers = 2;
+  const std::string family = GENERATE("gpt", "gpt2", "llama");
+  INFO(family);
+  apply_gpt_family(c, family);
+  if (family == "llama") c.kv_heads = 2;
   const auto order = gpt_tensor_order(c);
   const std::set<std::string> unique(order.begin(), order.end());
   REQUIRE(unique.size() == order.size());
@@ -46,15 +51,28 @@ TEST_CASE("sort_in_tensor_order is stable and puts unknown names last", "[order]
 
 TEST_CASE("verify compares every activation point of every mode, in production order",
           "[cli][order]") {
-  GptConfig c;
-  c.layers = 2;
-  const auto order = gpt_tensor_order(c);
+  // The seed's GPT, GPT-2 and Llama with 4 kv heads at tp 2 (each rank its own two); and
+  // Llama with 2 kv heads at tp 4, where each kv head is replicated on two ranks and so a
+  // rank's k and v gradients are partial sums, no point (their weights' gradients, summed
+  // over the replicas, are compared).
+  const std::string model = GENERATE("gpt --tp 2", "gpt2 --tp 2", "llama --kv-heads 4 --tp 2",
+                                     "llama --kv-heads 2 --tp 4");
+  RunOptions o;
+  o.gpt = small_gpt_config();
+  apply_gpt_family(o.gpt, model.substr(0, model.find(' ')));
+  o.gpt.kv_heads = model.find("--kv-heads 2") != std::string::npos   ? 2
+                   : model.find("--kv-heads 4") != std::string::npos ? 4
+                                                                     : 0;
+  std::vector<std::string> order;
+  for (const auto& n : gpt_tensor_order(o.gpt))
+    if (!(o.gpt.kv_heads == 2 && (n.ends_with("attn.k.grad") || n.ends_with("attn.v.grad"))))
+      order.push_back(n);
   for (const char* flags : {"", "--loss-parallel --make-vocab-divisible-by 4",
                             "--sequence-parallel", "--loss-parallel --sequence-parallel"}) {
-    INFO(flags);
+    INFO(model << " " << flags);
     const std::string json = temp_path("order.json");
-    const auto r = run_tpsim(std::string("verify --model gpt --preset small --steps 1 --tp 2 ") +
-                             flags + " --json " + json);
+    const auto r = run_tpsim("verify --model " + model + " --preset small --steps 1 " + flags +
+                             " --json " + json);
     REQUIRE(r.exit_code == 0);
     const auto j = read_json(json);
     // The per-tensor worst comparisons, in first-seen (= checked) order.

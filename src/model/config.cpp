@@ -14,31 +14,113 @@ std::vector<ParamSpec> mlp_param_specs(const MlpConfig& c) {
   };
 }
 
+std::int64_t GptConfig::ffn() const {
+  if (ffn_hidden > 0) return ffn_hidden;
+  if (mlp != MlpKind::SwiGLU) return 4 * hidden;
+  // Llama's rule, 2/3 of 4H to keep the parameter count of a 4H GELU MLP, rounded up to
+  // a multiple of 64 (Llama rounds to 256; 64 keeps small models small and splits at tp 8).
+  const std::int64_t f = (8 * hidden + 2) / 3;
+  return (f + 63) / 64 * 64;
+}
+
+std::vector<std::string> GptConfig::mlp_linears() const {
+  if (swiglu()) return {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+  return {"mlp.ffn1", "mlp.ffn2"};
+}
+
+void apply_gpt_family(GptConfig& c, const std::string& family) {
+  GptConfig a;  // the seed's architecture
+  if (family == "gpt2") {
+    a.norm_bias = true;
+    a.linear_bias = true;
+    a.mlp = MlpKind::GeluTanh;
+  } else if (family == "llama") {
+    a.norm = NormKind::RMSNorm;
+    a.mlp = MlpKind::SwiGLU;
+    a.positions = PositionKind::Rope;
+    a.tied_embeddings = false;
+  } else if (family != "gpt") {
+    throw UsageError("unknown model family '" + family + "' (gpt, gpt2 or llama)");
+  }
+  c.norm = a.norm;
+  c.norm_bias = a.norm_bias;
+  c.linear_bias = a.linear_bias;
+  c.mlp = a.mlp;
+  c.positions = a.positions;
+  c.rope_style = a.rope_style;
+  c.tied_embeddings = a.tied_embeddings;
+}
+
+std::string describe_architecture(const GptConfig& c) {
+  std::string s = c.norm == NormKind::RMSNorm ? "RMSNorm" : c.norm_bias ? "LayerNorm+bias" : "LayerNorm";
+  if (c.linear_bias) s += ", Linear biases";
+  s += c.mlp == MlpKind::SwiGLU     ? ", SwiGLU"
+       : c.mlp == MlpKind::GeluTanh ? ", tanh GELU"
+                                    : ", exact GELU";
+  s += " F " + std::to_string(c.ffn());
+  if (c.rope())
+    s += c.rope_style == RopeStyle::Half ? ", RoPE half" : ", RoPE interleaved";
+  else
+    s += ", learned positions";
+  s += ", " + std::to_string(c.heads) + " heads";
+  if (c.kv() != c.heads) s += " / " + std::to_string(c.kv()) + " kv";
+  s += c.tied_embeddings ? ", tied" : ", untied";
+  return s;
+}
+
+void check_gpt_architecture(const GptConfig& c) {
+  if (c.heads < 1 || c.hidden % c.heads != 0)
+    throw UsageError("--hidden " + std::to_string(c.hidden) + " is not divisible by --heads " +
+                     std::to_string(c.heads));
+  if (c.kv_heads < 0 || c.heads % c.kv() != 0)
+    throw UsageError("--kv-heads " + std::to_string(c.kv_heads) + " must divide --heads " +
+                     std::to_string(c.heads) + " (each kv head serves heads/kv_heads query heads)");
+  if (c.ffn_hidden < 0) throw UsageError("--ffn-hidden must be >= 1 (or 0 for the default)");
+  if (c.norm == NormKind::RMSNorm && c.norm_bias)
+    throw UsageError("--norm-bias: RMSNorm has no bias");
+  if (c.rope() && c.head_dim() % 2 != 0)
+    throw UsageError("--positions rope needs an even head size, got hidden/heads = " +
+                     std::to_string(c.head_dim()));
+  if (c.rope() && !(c.rope_theta > 1.0))
+    throw UsageError("--rope-theta must be > 1, got " + std::to_string(c.rope_theta));
+}
+
 std::vector<ParamSpec> gpt_param_specs(const GptConfig& c) {
-  const auto one = InitSpec::constant(1.0);
-  const std::int64_t H = c.hidden;
+  const auto one = InitSpec::constant(1.0), zero = InitSpec::constant(0.0);
+  const std::int64_t H = c.hidden, F = c.ffn(), KV = c.kv() * c.head_dim();
   // PyTorch's defaults, which the seed's losses (about 11 falling to 3 in five steps)
-  // come from: nn.Linear is uniform in +-1/sqrt(fan_in); the tied wte is the LM head's
-  // Linear(H,V) weight; wpe is an nn.Embedding, standard normal.
+  // come from: nn.Linear's weight and bias are uniform in +-1/sqrt(fan_in); the tied wte
+  // is the LM head's Linear(H,V) weight; wpe and an untied wte are nn.Embeddings,
+  // standard normal; norms start at weight 1, bias 0.
   auto lin = [](std::int64_t fan_in) {
     const double b = 1.0 / std::sqrt(static_cast<double>(fan_in));
     return InitSpec::uniform(-b, b);
   };
-  const auto N = lin(H);  // every H->* projection
   std::vector<ParamSpec> s = {
-      {"wte.weight", {c.vocab_size, H}, lin(H)},
-      {"wpe.weight", {c.block_size, H}, InitSpec::normal(1.0)},
+      {"wte.weight", {c.vocab_size, H}, c.tied_embeddings ? lin(H) : InitSpec::normal(1.0)}};
+  if (!c.rope()) s.push_back({"wpe.weight", {c.block_size, H}, InitSpec::normal(1.0)});
+  auto norm = [&](const std::string& name) {
+    s.push_back({name + ".weight", {H}, one});
+    if (c.norm_bias) s.push_back({name + ".bias", {H}, zero});
+  };
+  auto linear = [&](const std::string& name, std::int64_t out, std::int64_t in) {
+    s.push_back({name + ".weight", {out, in}, lin(in)});
+    if (c.linear_bias) s.push_back({name + ".bias", {out}, lin(in)});
   };
   for (std::int64_t i = 0; i < c.layers; ++i) {
     const std::string p = "h." + std::to_string(i) + ".";
-    s.push_back({p + "ln1.weight", {H}, one});
-    for (const char* m : {"q", "k", "v", "o"})
-      s.push_back({p + "attn." + m + "_proj.weight", {H, H}, N});
-    s.push_back({p + "ln2.weight", {H}, one});
-    s.push_back({p + "mlp.ffn1.weight", {4 * H, H}, N});
-    s.push_back({p + "mlp.ffn2.weight", {H, 4 * H}, lin(4 * H)});
+    norm(p + "ln1");
+    linear(p + "attn.q_proj", H, H);
+    linear(p + "attn.k_proj", KV, H);
+    linear(p + "attn.v_proj", KV, H);
+    linear(p + "attn.o_proj", H, H);
+    norm(p + "ln2");
+    const auto m = c.mlp_linears();
+    for (std::size_t j = 0; j + 1 < m.size(); ++j) linear(p + m[j], F, H);
+    linear(p + m.back(), H, F);
   }
-  s.push_back({"ln_f.weight", {H}, one});
+  norm("ln_f");
+  if (!c.tied_embeddings) s.push_back({"lm_head.weight", {c.vocab_size, H}, lin(H)});
   return s;
 }
 

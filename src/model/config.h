@@ -20,7 +20,22 @@ struct MlpConfig {
   std::int64_t out = 128;
 };
 
-// The seed's GPT (see docs/models.md, "The models").
+// The transformer's architecture choices (docs/models.md, "Families"). A family is a set
+// of them (gpt_family), never a second copy of the model.
+enum class NormKind { LayerNorm, RMSNorm };
+enum class MlpKind {
+  Gelu,      // Linear H->F, exact (erf) GELU, Linear F->H: "ffn1", "ffn2"
+  GeluTanh,  // the same with GELU(approximate='tanh'), as GPT-2
+  SwiGLU,    // down(silu(gate(x)) · up(x)): "gate_proj", "up_proj", "down_proj"
+};
+enum class PositionKind { Learned, Rope };
+enum class RopeStyle {
+  Half,         // pairs (i, i + d/2), "rotate half": Hugging Face, Megatron
+  Interleaved,  // pairs (2i, 2i+1): Meta's reference code, torchtitan
+};
+
+// The seed's GPT (see docs/models.md, "The models") by default; the architecture fields
+// make it GPT-2, Llama or anything between.
 struct GptConfig {
   std::int64_t vocab_size = 50257;
   std::int64_t block_size = 1024;
@@ -28,8 +43,39 @@ struct GptConfig {
   std::int64_t heads = 8;
   std::int64_t layers = 2;
   double ln_eps = 1e-5;
+
+  NormKind norm = NormKind::LayerNorm;
+  bool norm_bias = false;    // LayerNorm bias (RMSNorm has none)
+  bool linear_bias = false;  // a bias on every Linear of the blocks (not on the LM head)
+  MlpKind mlp = MlpKind::Gelu;
+  std::int64_t ffn_hidden = 0;  // F; 0: 4·hidden (GELU), or SwiGLU's 8·hidden/3 up to 64s
+  PositionKind positions = PositionKind::Learned;
+  double rope_theta = 10000.0;
+  RopeStyle rope_style = RopeStyle::Half;
+  std::int64_t kv_heads = 0;    // 0: heads (MHA); fewer: GQA; 1: MQA
+  bool tied_embeddings = true;  // false: a separate "lm_head.weight" [V,H]
+
   std::int64_t head_dim() const { return hidden / heads; }
+  std::int64_t ffn() const;
+  std::int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
+  bool swiglu() const { return mlp == MlpKind::SwiGLU; }
+  bool rope() const { return positions == PositionKind::Rope; }
+  // The MLP's parameter names, up to ".weight"/".bias": {in, out} for GELU, {gate, up,
+  // down} for SwiGLU.
+  std::vector<std::string> mlp_linears() const;
 };
+
+// The families: "gpt" (the seed's model, the default), "gpt2" (LayerNorm with bias,
+// biases on every Linear, tanh GELU, learned positions, tied) and "llama" (RMSNorm,
+// SwiGLU, RoPE half, untied, no biases; GQA is a --kv-heads away). Sets the architecture
+// fields of `c` and leaves its sizes alone; throws UsageError for another name.
+void apply_gpt_family(GptConfig& c, const std::string& family);
+// The architecture in a few words: "LayerNorm, exact GELU F 1024, learned positions,
+// 8 heads, tied" for the seed's model.
+std::string describe_architecture(const GptConfig& c);
+// Throws UsageError naming the field when the architecture cannot be built: heads must
+// divide hidden, kv heads divide heads, RoPE needs an even head size.
+void check_gpt_architecture(const GptConfig& c);
 
 // torch.optim.Adam: weight decay is L2 added to the gradient; bias-corrected moments.
 struct AdamConfig {
@@ -50,9 +96,11 @@ struct ParamSpec {
 // Linear init, uniform in +-1/sqrt(fan_in).
 std::vector<ParamSpec> mlp_param_specs(const MlpConfig& c);
 
-// In forward order: wte, wpe, then per block ln1, q, k, v, o, ln2, ffn1, ffn2, then ln_f.
+// In forward order: wte, wpe (learned positions), then per block ln1, q, k, v, o, ln2, the
+// MLP's Linears, then ln_f and lm_head (untied); each bias right after its weight.
 // PyTorch's default init, as the seed's model had: uniform +-1/sqrt(fan_in) for every
-// Linear (wte, tied to the LM head, is one), standard normal for wpe, 1 for LayerNorms.
+// Linear's weight and bias (wte, when tied to the LM head, is one), standard normal for
+// wpe and an untied wte (nn.Embedding), 1 for norm weights and 0 for norm biases.
 std::vector<ParamSpec> gpt_param_specs(const GptConfig& c);
 
 // The MLP's batch: x [batch,in] and target [batch,out], standard normal, seeded.

@@ -48,8 +48,11 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   const auto& c = q.cfg;
   const std::int64_t t = q.t, H = c.hidden, N = q.B * q.T;
   const std::int64_t Nl = q.sequence_parallel ? N / t : N;
-  const std::int64_t Hl = H / t, Fl = 4 * H / t, Al = c.heads / t;
+  const std::int64_t Hl = H / t, Fl = c.ffn() / t, Al = c.heads / t, d = c.head_dim();
+  // k and v: this rank's kv heads, or the one kv head it shares with t/kv ranks
+  const std::int64_t KVl = (c.kv() % t == 0 ? c.kv() / t : 1) * d;
   const bool sp = q.sequence_parallel, lp = q.loss_parallel;
+  const bool layer_norm = c.norm == NormKind::LayerNorm, rope = c.rope(), swiglu = c.swiglu();
   const std::int64_t b = static_cast<std::int64_t>(dtype_size(q.dtype));
   // statistics, gradients and optimizer state: f32 for a bf16 model (sharded/parameter.h)
   const std::int64_t bc = static_cast<std::int64_t>(dtype_size(compute_dtype(q.dtype)));
@@ -64,20 +67,40 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     out.tensors.push_back({std::move(tag), cat, std::move(s), n, layer});
   };
   const auto A = MemCategory::Activation, Tm = MemCategory::Temporary;
+  auto ends = [](const std::string& n, std::initializer_list<const char*> tails) {
+    for (const char* x : tails)
+      if (n.ends_with(x)) return true;
+    return false;
+  };
 
-  // ---- parameters, gradients, Adam: q/k/v/ffn1 split by rows, o/ffn2 by columns, wte
-  // by (padded) rows under loss parallel, the rest (LN weights, wpe) replicated ----
+  // ---- parameters, gradients, Adam, by Megatron's layout (sharded/gpt.h's
+  // gpt_param_shard): column-parallel weights and their biases split by rows, k and v by
+  // kv heads, row-parallel weights by columns, wte and an untied lm_head by (padded) rows
+  // under loss parallel, the rest (norms, row-parallel biases, wpe) replicated. SwiGLU's
+  // gate and up live in one fused [gate_r; up_r] tensor, value and gradient ----
   for (const auto& p : gpt_param_specs(c)) {
     Shape s = p.shape;
     const std::string& n = p.name;
-    if (n == "wte.weight" && lp) s[0] = Vl;
-    else if (n.ends_with("q_proj.weight") || n.ends_with("k_proj.weight") ||
-             n.ends_with("v_proj.weight") || n.ends_with("ffn1.weight"))
+    if ((n == "wte.weight" || n == "lm_head.weight") && lp) s[0] = Vl;
+    else if (ends(n, {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"}))
+      s[0] = KVl;
+    else if (ends(n, {"q_proj.weight", "q_proj.bias", "ffn1.weight", "ffn1.bias",
+                      "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"}))
       s[0] /= t;
-    else if (n.ends_with("o_proj.weight") || n.ends_with("ffn2.weight"))
+    else if (ends(n, {"o_proj.weight", "ffn2.weight", "down_proj.weight"}))
       s[1] /= t;
-    add(MemCategory::Parameter, n, s, -1);
-    add(MemCategory::Gradient, n + ".grad", s, -1, bc);
+    const bool fused = ends(n, {"gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"});
+    if (!fused) {
+      add(MemCategory::Parameter, n, s, -1);
+      add(MemCategory::Gradient, n + ".grad", s, -1, bc);
+    } else if (n.find("gate_proj") != std::string::npos) {  // the pair, once
+      std::string f = n;
+      f.replace(f.find("gate_proj"), 9, "gate_up");
+      Shape both = s;
+      both[0] *= 2;
+      add(MemCategory::Parameter, f, both, -1);
+      add(MemCategory::Gradient, f + ".grad", both, -1, bc);
+    }
     if (q.dtype == DType::BF16) add(MemCategory::OptimizerState, n + ".master", s, -1, 4);
     if (q.adam) {
       add(MemCategory::OptimizerState, n + ".adam_m", s, -1, bc);
@@ -90,7 +113,8 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   const std::int64_t Nce = rows_local ? Nl : N;
   add(MemCategory::Input, "input_ids", {Nl}, -1, 8);
   add(MemCategory::Input, "input_ids.all", {N}, -1, 8);
-  add(MemCategory::Input, "positions", {Nl}, -1, 8);
+  if (rope) add(MemCategory::Input, "rope.positions", {N}, -1, 8);
+  else add(MemCategory::Input, "positions", {Nl}, -1, 8);
   add(MemCategory::Input, "targets", {Nce}, -1, 8);
 
   // ---- activations saved for backward ----
@@ -98,23 +122,32 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   for (int l = 0; l < static_cast<int>(c.layers); ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
     add(A, p + "ln1.out", {Nl, H}, l);
-    add(A, p + "ln1.mean", {Nl}, l, bc);
+    if (layer_norm) add(A, p + "ln1.mean", {Nl}, l, bc);
     add(A, p + "ln1.rstd", {Nl}, l, bc);
     add(A, p + "attn.q", {N, Hl}, l);
-    add(A, p + "attn.k", {N, Hl}, l);
-    add(A, p + "attn.v", {N, Hl}, l);
+    add(A, p + "attn.k", {N, KVl}, l);
+    add(A, p + "attn.v", {N, KVl}, l);
+    if (KVl != Hl) {  // each local query head's kv head, side by side
+      add(A, p + "attn.k.heads", {N, Hl}, l);
+      add(A, p + "attn.v.heads", {N, Hl}, l);
+    }
     add(A, p + "attn.probs", {q.B, Al, q.T, q.T}, l);
     add(A, p + "attn.out", {N, Hl}, l);
     add(A, p + "residual.mid", {Nl, H}, l);
     add(A, p + "ln2.out", {Nl, H}, l);
-    add(A, p + "ln2.mean", {Nl}, l, bc);
+    if (layer_norm) add(A, p + "ln2.mean", {Nl}, l, bc);
     add(A, p + "ln2.rstd", {Nl}, l, bc);
-    add(A, p + "mlp.ffn1.out", {N, Fl}, l);
-    add(A, p + "mlp.gelu.out", {N, Fl}, l);
+    if (swiglu) {
+      add(A, p + "mlp.gate_up.out", {N, 2 * Fl}, l);
+      add(A, p + "mlp.swiglu.out", {N, Fl}, l);
+    } else {
+      add(A, p + "mlp.ffn1.out", {N, Fl}, l);
+      add(A, p + "mlp.gelu.out", {N, Fl}, l);
+    }
     add(A, p + "residual.out", {Nl, H}, l);
   }
   add(A, "ln_f.out", {Nl, H}, -1);
-  add(A, "ln_f.mean", {Nl}, -1, bc);
+  if (layer_norm) add(A, "ln_f.mean", {Nl}, -1, bc);
   add(A, "ln_f.rstd", {Nl}, -1, bc);
   if (lp && sp) add(A, "ln_f.out.gathered", {N, H}, -1);
   add(A, "logits", {Nce, Vl}, -1);
@@ -125,7 +158,7 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   // ---- temporaries: the model's workspace, allocated once, shared by the blocks ----
   if (lp) add(Tm, "embedding.partial", {N, H}, -1);
   if (sp) add(Tm, "ln.out.gathered", {N, H}, -1);  // shared by the blocks, gathered again
-  add(Tm, "wpe.lookup", {Nl, H}, -1);
+  if (!rope) add(Tm, "wpe.lookup", {Nl, H}, -1);
   add(Tm, "partial", {N, H}, -1);
   if (sp) add(Tm, "reduced", {Nl, H}, -1);
   add(Tm, "logits.grad", {Nce, Vl}, -1);
@@ -133,10 +166,23 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   if (sp) add(Tm, "ln.out.grad.local", {Nl, H}, -1);
   add(Tm, "attn.out.grad", {N, Hl}, -1);
   add(Tm, "attn.q.grad", {N, Hl}, -1);
-  add(Tm, "attn.k.grad", {N, Hl}, -1);
-  add(Tm, "attn.v.grad", {N, Hl}, -1);
-  add(Tm, "mlp.gelu.out.grad", {N, Fl}, -1);
-  add(Tm, "mlp.ffn1.out.grad", {N, Fl}, -1);
+  add(Tm, "attn.k.grad", {N, KVl}, -1);
+  add(Tm, "attn.v.grad", {N, KVl}, -1);
+  if (KVl != Hl) {  // the query heads' k and v gradients, summed per kv head a column at a time
+    add(Tm, "attn.k.heads.grad", {N, Hl}, -1);
+    add(Tm, "attn.v.heads.grad", {N, Hl}, -1);
+    add(Tm, "attn.head.column", {N, d}, -1);
+    add(Tm, "attn.head.sum", {N, d}, -1);
+  }
+  if (t > c.kv())  // every rank's k/v gradient, gathered to sum over the kv replicas
+    add(MemCategory::CommBuffer, "kv.grad.gathered", {t * KVl * H}, -1, bc);
+  if (swiglu) {
+    add(Tm, "mlp.swiglu.out.grad", {N, Fl}, -1);
+    add(Tm, "mlp.gate_up.out.grad", {N, 2 * Fl}, -1);
+  } else {
+    add(Tm, "mlp.gelu.out.grad", {N, Fl}, -1);
+    add(Tm, "mlp.ffn1.out.grad", {N, Fl}, -1);
+  }
   add(Tm, "residual.grad.0", {Nl, H}, -1);
   add(Tm, "residual.grad.1", {Nl, H}, -1);
   add(Tm, "ce.row_loss", {Nce}, -1, bc);

@@ -33,6 +33,10 @@ struct RawFlags {
   std::string batch;   // empty: verify boundary, train and profile random
   std::string preset;  // gpt: seed (the defaults) or small (the sweep's)
   bool free_running = false;  // verify: f32 and bf16 steps not restarted from the reference
+  // The architecture, over the --model family's choices: empty or 0 where not given.
+  std::string norm, mlp, positions, rope_style;
+  int norm_bias = 0, no_norm_bias = 0, linear_bias = 0, no_linear_bias = 0;
+  int tied = 0, untied = 0;
 };
 
 // Flags that describe one configuration. Without --model, verify runs the default sweep,
@@ -41,7 +45,10 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--layers", "--batch-size", "--seq-len", "--load", "--data",
                                  "--loss-parallel", "--sequence-parallel",
                                  "--make-vocab-divisible-by", "--resync", "--batch", "--preset",
-                                 "--lr", "--weight-decay", "--html"};
+                                 "--lr", "--weight-decay", "--html", "--norm", "--norm-bias",
+                                 "--no-norm-bias", "--linear-bias", "--no-linear-bias", "--mlp",
+                                 "--ffn-hidden", "--positions", "--rope-theta", "--rope-style",
+                                 "--kv-heads", "--tied-embeddings", "--untied-embeddings"};
 
 // --preset small: the sweep's small GPT, for the fields the user did not set.
 void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
@@ -59,9 +66,11 @@ void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
 
 void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {
   cmd.add_option("-m,--model", raw.model,
-                 "mlp (the seed's naive TP MLP) or gpt; verify without --model runs the "
-                 "default sweep of both")
-      ->check(CLI::IsMember({"mlp", "gpt"}));
+                 "mlp (the seed's naive TP MLP); gpt (the seed's transformer), gpt2 (LayerNorm "
+                 "and Linear biases, tanh GELU) or llama (RMSNorm, SwiGLU, RoPE, untied head), "
+                 "each a set of the architecture flags below; verify without --model runs the "
+                 "default sweep")
+      ->check(CLI::IsMember({"mlp", "gpt", "gpt2", "llama"}));
   cmd.add_option("-t,--tp", raw.tp,
                  tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
                          : "TP degree (number of ranks)")
@@ -78,6 +87,28 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("--hidden", o.gpt.hidden, "gpt hidden size H");
   cmd.add_option("--heads", o.gpt.heads, "gpt attention heads");
   cmd.add_option("--layers", o.gpt.layers, "gpt transformer blocks");
+  cmd.add_option("--norm", raw.norm, "architecture: layernorm or rmsnorm")
+      ->check(CLI::IsMember({"layernorm", "rmsnorm"}));
+  cmd.add_flag("--norm-bias", raw.norm_bias, "architecture: LayerNorm with a bias");
+  cmd.add_flag("--no-norm-bias", raw.no_norm_bias, "architecture: LayerNorm without a bias");
+  cmd.add_flag("--linear-bias", raw.linear_bias, "architecture: a bias on every Linear of the blocks");
+  cmd.add_flag("--no-linear-bias", raw.no_linear_bias, "architecture: Linears without biases");
+  cmd.add_option("--mlp", raw.mlp, "architecture: gelu (exact), gelu-tanh or swiglu")
+      ->check(CLI::IsMember({"gelu", "gelu-tanh", "swiglu"}));
+  cmd.add_option("--ffn-hidden", o.gpt.ffn_hidden,
+                 "architecture: the MLP's hidden size F (0: 4H, or 8H/3 up to a multiple of 64 "
+                 "for swiglu)");
+  cmd.add_option("--positions", raw.positions, "architecture: learned (wpe) or rope")
+      ->check(CLI::IsMember({"learned", "rope"}));
+  cmd.add_option("--rope-theta", o.gpt.rope_theta, "architecture: RoPE's base");
+  cmd.add_option("--rope-style", raw.rope_style,
+                 "architecture: half (pairs i, i+d/2: Hugging Face, Megatron) or interleaved "
+                 "(pairs 2i, 2i+1: Meta, torchtitan)")
+      ->check(CLI::IsMember({"half", "interleaved"}));
+  cmd.add_option("--kv-heads", o.gpt.kv_heads,
+                 "architecture: key/value heads (0: --heads; fewer: grouped-query; 1: multi-query)");
+  cmd.add_flag("--tied-embeddings", raw.tied, "architecture: the LM head is wte");
+  cmd.add_flag("--untied-embeddings", raw.untied, "architecture: the LM head is its own lm_head.weight");
   cmd.add_option("-b,--batch-size", raw.batch_size, "batch rows (default: mlp 32, gpt 2)");
   cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
   cmd.add_option("--load", o.load_path, "start from weights in a safetensors file");
@@ -114,8 +145,35 @@ void add_tp_invariant_flag(CLI::App& cmd, RunOptions& o, const std::string& what
                    what_else);
 }
 
+// The --model family's architecture, then each architecture flag given over it.
+void apply_architecture(RunOptions& o, const RawFlags& raw) {
+  GptConfig& c = o.gpt;
+  apply_gpt_family(c, o.model == ModelKind::Gpt ? raw.model : "gpt");
+  auto pair = [](int on, int off, const char* a, const char* b, bool& field) {
+    if (on && off) throw UsageError(std::string(a) + " and " + b + " exclude each other");
+    if (on) field = true;
+    if (off) field = false;
+  };
+  pair(raw.norm_bias, raw.no_norm_bias, "--norm-bias", "--no-norm-bias", c.norm_bias);
+  pair(raw.linear_bias, raw.no_linear_bias, "--linear-bias", "--no-linear-bias", c.linear_bias);
+  pair(raw.tied, raw.untied, "--tied-embeddings", "--untied-embeddings", c.tied_embeddings);
+  if (!raw.norm.empty()) {
+    c.norm = raw.norm == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
+    if (c.norm == NormKind::RMSNorm && !raw.norm_bias) c.norm_bias = false;
+  }
+  if (!raw.mlp.empty())
+    c.mlp = raw.mlp == "swiglu"      ? MlpKind::SwiGLU
+            : raw.mlp == "gelu-tanh" ? MlpKind::GeluTanh
+                                     : MlpKind::Gelu;
+  if (!raw.positions.empty())
+    c.positions = raw.positions == "rope" ? PositionKind::Rope : PositionKind::Learned;
+  if (!raw.rope_style.empty())
+    c.rope_style = raw.rope_style == "interleaved" ? RopeStyle::Interleaved : RopeStyle::Half;
+}
+
 void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, bool verify) {
-  o.model = raw.model == "gpt" ? ModelKind::Gpt : ModelKind::Mlp;
+  o.model = raw.model == "mlp" ? ModelKind::Mlp : ModelKind::Gpt;
+  apply_architecture(o, raw);
   o.batch = raw.batch == "boundary" || (raw.batch.empty() && verify) ? BatchKind::Boundary
                                                                      : BatchKind::Random;
   if (!raw.preset.empty() && o.model != ModelKind::Gpt)
@@ -334,8 +392,8 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     if (*verify && verify->count("--model") == 0) {
       for (const char* flag : kSingleRunFlags)
         if (verify->count(flag) > 0)
-          throw UsageError(std::string(flag) + " describes one configuration: add --model mlp or "
-                           "--model gpt (without --model, verify runs the default sweep)");
+          throw UsageError(std::string(flag) + " describes one configuration: add --model mlp, "
+                           "gpt, gpt2 or llama (without --model, verify runs the default sweep)");
       if (raw.steps.empty()) raw.steps = "2";
       finish_options(o, raw, DType::F64, true);
       const SweepReport r = run_sweep(default_sweep(o));

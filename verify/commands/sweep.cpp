@@ -41,6 +41,35 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
     }
   }
 
+  // The families, in the four modes: GPT-2's biases and tanh GELU at the GPT's degrees;
+  // Llama's SwiGLU, RMSNorm, RoPE and untied head with grouped-query attention three
+  // ways: 4 kv heads (a rank holds several, each read by 3 query heads), 2 (tp 4 exceeds
+  // them: each replicated on 2 ranks) and 1 (multi-query, with RoPE's interleaved pairs).
+  auto family = [&](const std::string& name, const std::string& fam, std::int64_t kv,
+                    RopeStyle style, std::vector<int> tp) {
+    RunOptions f = base;
+    f.model = ModelKind::Gpt;
+    f.gpt = small_gpt_config();
+    apply_gpt_family(f.gpt, fam);
+    f.gpt.kv_heads = kv;
+    f.gpt.rope_style = style;
+    f.batch_size = kSmallGptBatch;
+    f.seq_len = kSmallGptSeqLen;
+    f.batch = BatchKind::Boundary;
+    f.tp = std::move(tp);
+    for (const char* mode : {"plain", "--loss-parallel", "--sequence-parallel",
+                             "--loss-parallel --sequence-parallel"}) {
+      const std::string m = mode;
+      f.loss_parallel = m.find("loss") != std::string::npos;
+      f.sequence_parallel = m.find("sequence") != std::string::npos;
+      all.push_back({name + " " + m, f});
+    }
+  };
+  family("gpt2", "gpt2", 0, RopeStyle::Half, {1, 2, 3, 4});
+  family("llama gqa", "llama", 4, RopeStyle::Half, {1, 2, 4});
+  family("llama kv<tp", "llama", 2, RopeStyle::Half, {1, 2, 4});
+  family("llama mqa", "llama", 1, RopeStyle::Interleaved, {1, 2, 4});
+
   std::vector<SweepCase> cases;
   std::string why;  // from a case of the fault's own model, which the sweep always has
   const FaultScope& scope = fault_info(base.fault).scope;

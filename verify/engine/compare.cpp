@@ -193,9 +193,26 @@ double with_allowance(double tolerance, double allowance, double reference_norm)
 }
 
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
-                                double tolerance, double allowance) {
-  return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
-                      reference_full.size(), tolerance, allowance);
+                                double tolerance, double allowance, std::span<const double> scale) {
+  Comparison c = compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
+                              reference_full.size(), tolerance, allowance);
+  if (scale.empty()) return c;
+  if (scale.size() != reference_full.size())
+    throw Error("compare " + obs.name + ": its scale has " + std::to_string(scale.size()) +
+                " values, the reference " + std::to_string(reference_full.size()));
+  double s2 = 0;  // the scale's norm over this shard's block (padding: none)
+  for (double x : slice_full(std::vector<double>(scale.begin(), scale.end()), obs.spec)) s2 += x * x;
+  const double sn = std::sqrt(s2);
+  // rel_err was ‖a−b‖/‖b‖ (or ‖a−b‖ for ‖b‖ = 0): back to ‖a−b‖, then over the scale.
+  const double rn = c.reference_rms * std::sqrt(static_cast<double>(obs.values.size()));
+  const double dn = rn > 0 ? c.rel_err * rn : c.rel_err;
+  if (sn > rn) {  // the terms' magnitudes bound the sum's: never a tighter check
+    c.rel_err = dn / sn;
+    c.tolerance = with_allowance(tolerance, allowance, sn);
+    c.pass = c.rel_err <= c.tolerance;
+    c.scaled = true;
+  }
+  return c;
 }
 
 Comparison compare_replica(const Observation& obs, const Observation& rank0) {

@@ -30,7 +30,8 @@ struct Comparison {
   std::string shard;      // "rank 1/2 rows [128,256)"
   int rank = 0;
   Shape full_shape;
-  double rel_err = 0.0;   // ‖a−b‖/‖b‖ (‖a−b‖ when ‖b‖ = 0)
+  double rel_err = 0.0;   // ‖a−b‖/‖b‖ (‖a−b‖ when ‖b‖ = 0), or /‖scale‖ when scaled
+  bool scaled = false;    // relative to the magnitudes of the terms it sums (compare_to_reference)
   double max_abs = 0.0;   // max |a−b|
   std::int64_t worst = -1;  // flat index in the full tensor of the largest |a−b|
   double sharded_at_worst = 0.0, reference_at_worst = 0.0;
@@ -64,8 +65,14 @@ struct Comparison {
 // ‖a−b‖ <= tolerance·‖b‖ + allowance, and Comparison::tolerance is the block's own
 // relative bound, tolerance + allowance/‖b‖, so that a small shard of a tensor whose error
 // sits in few elements is held to what the whole tensor's allowance permits it.
+//
+// `scale` (optional, the reference's layout): the error is relative to the norm of this
+// block of it rather than of the reference's: a sum whose terms cancel (a bias gradient)
+// has an error relative to its terms' magnitudes, which `scale` holds; rel_err is then
+// ‖a−b‖/‖scale block‖ and Comparison::scaled is set.
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
-                                double tolerance, double allowance = 0.0);
+                                double tolerance, double allowance = 0.0,
+                                std::span<const double> scale = {});
 inline Comparison compare_to_reference(const Observation& obs,
                                        const std::vector<double>& reference_full, double tolerance,
                                        double allowance = 0.0) {

@@ -1,6 +1,7 @@
 #include "verify/engine/reference_trace.h"
 
 #include <cmath>
+#include <memory>
 
 #include "reference/gpt.h"
 #include "reference/mlp.h"
@@ -83,13 +84,30 @@ void relu_kink_allowance(const ref::Mlp<double>& m, const RunOptions& o, double 
   if (o.dtype == DType::BF16) st.kink_allowance["fc1.weight"] = o.lr * a_w;
 }
 
+// What a parameter's gradient error is relative to: its norm, or a bias's terms'
+// (RefStep::term_scale), whichever is larger.
+double gradient_scale(const RefStep& st, const std::string& param, const ref::Matrix<double>& g) {
+  double scale = g.norm();
+  if (const auto it = st.term_scale.find(param + ".grad"); it != st.term_scale.end()) {
+    double t2 = 0;
+    for (double x : it->second) t2 += x * x;
+    scale = std::max(scale, std::sqrt(t2));
+  }
+  return scale;
+}
+
 // The bounds of tolerance.cpp's "The update", step by step: the weights' absolute errors
 // (A_p) carried from step to step unless every step starts from the reference's weights.
 class OwnBounds {
  public:
   explicit OwnBounds(const RunOptions& o)
       : on_(o.dtype != DType::BF16), resync_(o.resync), base_(gradient_error_scale(o)),
-        adam_(o.adam), lr_(o.lr) {}
+        adam_(o.adam), lr_(o.lr), tp_(o.tp) {
+    // bf16: the ToleranceModel bounds every tensor a priori, except a GPT bias's update,
+    // whose gradient cancels (RefStep::term_scale) and which this bounds from the
+    // reference's own moments as f32's are (tolerance.cpp, "(5) Steps").
+    if (!on_ && o.model == ModelKind::Gpt) bf16_ = std::make_unique<ToleranceModel>(o);
+  }
 
   // This step starts from the sharded side's own weights (check's default): like
   // --resync, nothing of the steps before is carried into it.
@@ -102,13 +120,18 @@ class OwnBounds {
   // After the update, from the gradients, the new weights and (GPT) Adam's moments.
   template <class Model>
   void finish(RefStep& st, const Model& model) {
+    if (bf16_) {
+      if constexpr (requires { model.optimizer(); }) bf16_biases(st, model);
+      return;
+    }
     if (!on_) return;
     const double grad_bound = base_ + st.carried;
     std::vector<double> relative;
     for (const auto& [name, w] : model.params()) {
       const ref::Matrix<double>& g = model.grads().at(name);
       const auto n = static_cast<std::size_t>(g.size());
-      const double e = n ? grad_bound * g.norm() / std::sqrt(static_cast<double>(n)) : 0.0;
+      const double scale = gradient_scale(st, name, g);
+      const double e = n ? grad_bound * scale / std::sqrt(static_cast<double>(n)) : 0.0;
       double update = 0.0;
       if constexpr (requires { model.optimizer(); }) {
         const auto& opt = model.optimizer();
@@ -129,6 +152,27 @@ class OwnBounds {
     carried_ = carried_weight_error(relative);
     restart_ = false;
   }
+  // bf16: each bias's update allowance, from its gradient's bound (relative to the terms
+  // it sums), the largest over the run's TP degrees, spread over its elements.
+  template <class Model>
+  void bf16_biases(RefStep& st, const Model& model) {
+    const auto& opt = model.optimizer();
+    for (const auto& [name, w] : model.params()) {
+      if (!name.ends_with(".bias")) continue;
+      const ref::Matrix<double>& g = model.grads().at(name);
+      const auto n = static_cast<std::size_t>(g.size());
+      double rho = 0.0;
+      for (int t : tp_) rho = std::max(rho, bf16_->bound(name + ".grad", st.step, t));
+      const double e = n ? rho * gradient_scale(st, name, g) / std::sqrt(static_cast<double>(n)) : 0.0;
+      const ref::Matrix<double>& m = opt.first_moment().at(name);
+      const ref::Matrix<double>& v = opt.second_moment().at(name);
+      double& a = carried_abs_[name];
+      a = (fresh() ? 0.0 : a) + adam_update_error({m.data(), n}, {v.data(), n}, adam_, opt.steps(), e);
+      st.update_allowance[name] = a;
+    }
+    restart_ = false;
+  }
+
   // The relative error `param` carries into the next step (0 when steps restart from the
   // reference's weights, and for bf16, whose model carries its own).
   double carried_relative(const std::string& param, const ref::Matrix<double>& w) const {
@@ -144,6 +188,8 @@ class OwnBounds {
   double base_;
   AdamConfig adam_;
   double lr_;
+  std::vector<int> tp_;
+  std::unique_ptr<ToleranceModel> bf16_;       // bf16 GPT runs: the gradients' bounds
   double carried_ = 0.0;                       // for the next step
   std::map<std::string, double> carried_abs_;  // A_p
 };
@@ -182,6 +228,9 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
     if constexpr (requires { model.input_grad(); }) w.put("x.grad", model.input_grad());
     if constexpr (requires { model.points(); }) w.put_params(model.points(), "");
     w.put_params(model.grads(), ".grad");
+    if constexpr (requires { model.bias_term_scales(); })
+      for (const auto& [name, m] : model.bias_term_scales())
+        st->term_scale[name].assign(m.data(), m.data() + m.size());
     if constexpr (requires { model.pre_activation(); })
       relu_kink_allowance(model, o, bounds.carried_relative("fc1.weight", model.params().at("fc1.weight")), *st);
     bounds.begin(*st);

@@ -35,6 +35,11 @@ struct RefStep {
   // it into update_allowance) may differ by what a pre-activation within its error of zero
   // switches on or off: an absolute allowance each.
   std::map<std::string, double> kink_allowance;
+  // GPT bias gradients ("<name>.bias.grad"): the column sums of the |terms| they sum
+  // (ref::Gpt::bias_term_scales), full [C]. A sum's error is relative to its terms, so
+  // these are compared against, not the sum: the k projection's bias gradient cancels to
+  // 0 exactly, and its computed value is rounding noise on both sides.
+  TensorMap term_scale;
 };
 
 // How a step reaches its readers.

@@ -14,7 +14,12 @@ Comparison StepChecker::reference_check(const Observation& o) const {
   const TensorView loss_value(&ref_.loss, 1);
   if (o.name == "loss") full = &loss_value;
   if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
-  return compare_to_reference(o, *full, tolerance_of(o.name), allowance_of(o.name));
+  return compare_to_reference(o, *full, tolerance_of(o.name), allowance_of(o.name), scale_of(o.name));
+}
+
+std::span<const double> StepChecker::scale_of(const std::string& tensor) const {
+  const auto it = ref_.term_scale.find(tensor);
+  return it == ref_.term_scale.end() ? std::span<const double>{} : std::span<const double>(it->second);
 }
 
 void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {
@@ -75,7 +80,7 @@ void StepChecker::check_reassembled(const std::string& name, const Shape& shape,
     c.tp = 1;
   } else {
     Observation obs{name, replicate(ParamSpec{name, shape, {}}, 0, 1), std::move(values)};
-    c = compare_to_reference(obs, it->second, tolerance_of(name), allowance_of(name));
+    c = compare_to_reference(obs, it->second, tolerance_of(name), allowance_of(name), scale_of(name));
   }
   c.what = kReassembledCheck;
   c.shard = "reassembled from " + std::to_string(tp) + " rank" + (tp > 1 ? "s" : "");

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,7 @@ class StepChecker {
   };
   double tolerance_of(const std::string& tensor) const;
   double allowance_of(const std::string& tensor) const;  // compare.h's, for an updated weight
+  std::span<const double> scale_of(const std::string& tensor) const;  // a bias gradient's terms
   const RefStep& ref_;
   double tol_;
   const ToleranceModel* bounds_ = nullptr;

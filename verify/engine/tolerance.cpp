@@ -211,7 +211,8 @@ double carried_weight_error(std::span<const double> relative_weight_errors) {
 //      arctan(rho_g)/pi ≈ rho_g/pi of the elements flip, so
 //        ‖δw'‖/‖w‖ ≤ 2·sqrt(rho_g/pi) · lr/rms(w)            (capped at 2·lr/rms(w))
 //      where rms(w) is the RMS of the parameter's initial values (a weight-decayed, ±lr
-//      per step walk does not shrink it below that in a few steps). Note sqrt(rho_g): Adam
+//      per step walk does not shrink it below that in a few steps), and lr for a
+//      parameter that starts at 0 (a LayerNorm's bias: after step 1 it is its ±lr update). Note sqrt(rho_g): Adam
 //      normalises the gradient away, so a small gradient error becomes a much larger
 //      update error. Weight decay (g + wd·w, dominated by wd·w where g is small) only
 //      removes flips, so the bound holds with it; later steps average m and v over steps
@@ -220,6 +221,17 @@ double carried_weight_error(std::span<const double> relative_weight_errors) {
 //      keeps the update the cast drops). SGD: the update's error is lr·‖δg‖ ≤ rho_g·‖w‖
 //      for any step smaller than the weight itself, so rho_g per step.
 //      With --resync every step starts from the reference's weights: w(s) = u_s + u_a.
+//      A bias is the exception: its gradient sums a layer's output gradient over the
+//      tokens, and its error is relative to the terms (compare.h's `scale`), not to the
+//      sum, which cancels (the k projection's bias gradient is 0 exactly, so bf16's
+//      rounding alone sets the sign of every element's update). Nothing bounds the
+//      fraction that flips, and a bias has few elements for a fraction to average over:
+//      every element may flip, 2·lr/rms(w) per step (what it carries into the next
+//      step's chain). Its own check allows its update's error absolutely, as f32's
+//      updates are ("The update" above, from the reference's m̂ and v̂), with the
+//      gradient's per-element error from this model's bound relative to its terms: a
+//      relative bound would need a norm of the weight that a bias (a LayerNorm's starts
+//      at 0) or a shard of a few elements need not have.
 //
 // The bound is an upper estimate under the stated assumptions (independent roundings,
 // gain ~1 per op, Gaussian-like gradients), not a worst case: a worst case (linear in K
@@ -295,7 +307,8 @@ ToleranceModel::ToleranceModel(const RunOptions& o)
   for (std::size_t k = 0; k < order.size(); ++k) {
     const std::string& n = order[k];
     const bool summed =
-        ends_with_any(n, {"attn.o.out", "mlp.ffn2.out", "ln1.out.grad", "ln2.out.grad"}) ||
+        ends_with_any(n, {"attn.o.out", "mlp.ffn2.out", "mlp.down_proj.out", "ln1.out.grad",
+                          "ln2.out.grad"}) ||
         (o.loss_parallel && (n == "act/embedding.out" || n == "act/ln_f.out.grad")) ||
         (o.model == ModelKind::Mlp && (n == "output" || n == "x.grad"));
     sums += summed ? 1 : 0;
@@ -315,7 +328,10 @@ ToleranceModel::ToleranceModel(const RunOptions& o)
     const auto it = depth_.find(s.name + ".grad");
     p.grad_depth = it == depth_.end() ? max_depth_ : it->second;
     const double rms = init_rms(s.init);
-    p.lr_over_rms = rms > 0 ? lr / rms : lr;  // a zero init: relative to a weight of 1
+    // A zero init (a LayerNorm's bias) is made of the updates themselves: at step 1 each
+    // element is ±lr, so its updates' errors are relative to lr, not to a weight of 1.
+    p.lr_over_rms = rms > 0 ? lr / rms : 1.0;
+    p.every_element_may_flip = s.name.ends_with(".bias");
     param_[s.name] = params_.size();
     params_.push_back(p);
   }
@@ -341,18 +357,21 @@ void ToleranceModel::build_reads(ModelKind model, const std::vector<std::string>
   // The weights a GPT forward point's op reads: its layer's module of the same name
   // ("act/h.0.attn.q" -> "h.0.attn.q_proj.weight"), the embeddings for the lookup, wte
   // again for the tied head.
+  // (Each with its bias, where the architecture has one.)
+  const std::string head = param_.count("lm_head.weight") ? "lm_head" : "wte";
   auto forward_reads = [&](const std::string& n) -> std::vector<std::string> {
-    if (n == "act/embedding.out") return {"wte.weight", "wpe.weight"};
-    if (n == "act/logits") return {"wte.weight"};
-    if (n == "act/ln_f.out") return {"ln_f.weight"};
+    std::vector<std::string> modules;
     const std::string stem = n.substr(4);  // after "act/"
-    for (const char* m : {"ln1", "ln2", "mlp.ffn1", "mlp.ffn2"})
-      if (stem.ends_with(std::string(m) + ".out"))
-        return {stem.substr(0, stem.size() - 4) + ".weight"};
-    for (const char* m : {"attn.q", "attn.k", "attn.v"})
-      if (stem.ends_with(m)) return {stem + "_proj.weight"};
-    if (stem.ends_with("attn.o.out")) return {stem.substr(0, stem.size() - 6) + ".o_proj.weight"};
-    return {};
+    if (n == "act/embedding.out") modules = {"wte", "wpe"};
+    else if (n == "act/logits") modules = {head};
+    else if (stem.ends_with("attn.o.out")) modules = {stem.substr(0, stem.size() - 6) + ".o_proj"};
+    else if (stem.ends_with(".out")) modules = {stem.substr(0, stem.size() - 4)};  // ln1, ffn1, ...
+    else if (ends_with_any(stem, {"attn.q", "attn.k", "attn.v"})) modules = {stem + "_proj"};
+    std::vector<std::string> reads;
+    for (const std::string& m : modules)
+      for (const char* part : {".weight", ".bias"})
+        if (param_.count(m + part)) reads.push_back(m + part);
+    return reads;
   };
   // Backward, a weight is read again by the op that makes its input's gradient, which
   // runs next to the one that makes its own gradient: so it counts from its gradient's
@@ -363,8 +382,9 @@ void ToleranceModel::build_reads(ModelKind model, const std::vector<std::string>
     if (n == "loss") forward = false;
     if (forward && n.starts_with("act/"))
       for (const std::string& w : forward_reads(n)) seen.push_back(param_.at(w));
-    if (!forward && n == "act/ln_f.out.grad") seen.push_back(param_.at("wte.weight"));
-    if (!forward && n.ends_with(".weight.grad") && n != "wte.weight.grad")
+    if (!forward && n == "act/ln_f.out.grad") seen.push_back(param_.at(head + ".weight"));
+    if (!forward && ends_with_any(n, {".weight.grad", ".bias.grad"}) &&
+        n != "wte.weight.grad" && n != head + ".weight.grad")
       seen.push_back(param_.at(n.substr(0, n.size() - 5)));
     reads_[n] = seen;
   }
@@ -425,8 +445,8 @@ void ToleranceModel::build_weights(int ti) {
       const Param& q = params_[p];
       const std::string g = q.name + ".grad";
       const double rho_g = chain(q.grad_depth, sums_before(g), reads(g), s, ti);
-      const double update = adam_ ? std::min(kFlip * std::sqrt(rho_g), 2.0) * q.lr_over_rms
-                                  : rho_g;
+      const double flips = q.every_element_may_flip ? 2.0 : std::min(kFlip * std::sqrt(rho_g), 2.0);
+      const double update = adam_ ? flips * q.lr_over_rms : rho_g;
       next[p] = (resync_ ? u_acc_ : master[p]) + update;
       err[su][p] = next[p] + u_store_;  // the bf16 cast of the updated master, once
       mx[su] = std::max(mx[su], err[su][p]);
@@ -442,7 +462,12 @@ double ToleranceModel::bound(const std::string& tensor, int step, int tp) const 
   if (ti >= tp_.size()) throw Error("ToleranceModel: tp " + std::to_string(tp) + " is not of this run");
   const int s = std::clamp(step, 1, steps_);
   const auto p = param_.find(tensor);
-  if (p != param_.end()) return weight_err_[ti][static_cast<std::size_t>(s)][p->second];
+  if (p != param_.end()) {
+    // A bias's updates are allowed absolutely, from the reference's own moments
+    // (reference_trace.cpp's OwnBounds): only its storage here.
+    if (params_[p->second].every_element_may_flip) return u_acc_ + u_store_;
+    return weight_err_[ti][static_cast<std::size_t>(s)][p->second];
+  }
   return chain(depth(tensor), sums_before(tensor), reads(tensor), s, static_cast<int>(ti));
 }
 

@@ -76,6 +76,7 @@ class ToleranceModel {
     std::string name;
     int grad_depth = 0;        // depth of its gradient
     double lr_over_rms = 0.0;  // lr / RMS of its initial values
+    bool every_element_may_flip = false;  // a bias: see "(5) Steps" in tolerance.cpp
   };
   // rho(i, s) of (4) for a tensor at depth i after `bf16_sums` collective sums that has
   // read the weights `reads` (indices into params_, once per read).

@@ -6,6 +6,7 @@
 #include <set>
 #include <unistd.h>
 
+#include "sharded/gpt.h"
 #include "sharded/tp_invariant.h"
 #include "verify/setup/inputs.h"
 #include "verify/setup/memory_check.h"
@@ -177,7 +178,9 @@ nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
       pred[mem_category_name(static_cast<MemCategory>(c))] =
           run.predicted->bytes(static_cast<MemCategory>(c));
     j["predicted"] = pred;
-    j["predicted_layer_activation_bytes"] = layer_activation_bytes_formula(run.query);
+    j["predicted_layer_activation_bytes"] = seed_architecture(run.query.cfg)
+                                                ? layer_activation_bytes_formula(run.query)
+                                                : run.predicted->layer_activation_bytes(0);
     std::size_t bad = 0;
     for (const auto& r : run.ranks) bad += unexplained(r, *run.predicted).size();
     j["unexplained_differences"] = bad;
@@ -284,9 +287,14 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
     }
     tb.row(row);
     tb.print(os);
-    os << "  per layer, formula " << layer_activation_formula_text(run.query) << " with s "
-       << o.seq_len << ", b " << o.batch_size << ", h " << o.gpt.hidden << ", a " << o.gpt.heads
-       << ", t " << t << " = " << layer_activation_bytes_formula(run.query) << " B\n";
+    if (seed_architecture(o.gpt))
+      os << "  per layer, formula " << layer_activation_formula_text(run.query) << " with s "
+         << o.seq_len << ", b " << o.batch_size << ", h " << o.gpt.hidden << ", a " << o.gpt.heads
+         << ", t " << t << " = " << layer_activation_bytes_formula(run.query) << " B\n";
+    else  // the closed form is the seed's; another architecture has only its tensor list
+      os << "  per layer, the model's tensors (" << describe_architecture(o.gpt)
+         << "; the closed form covers the seed's GPT only) = "
+         << run.predicted->layer_activation_bytes(0) << " B\n";
     if (o.sequence_parallel)
       os << "  (sequence parallel saves only local LN outputs; the gathered [N,H] input of "
             "q/k/v and ffn1 is a shared temporary, gathered again in backward)\n";
@@ -463,7 +471,10 @@ void print_memory_prediction(const RunOptions& o, std::ostream& os) {
     for (std::size_t i = 0; i < preds.size(); ++i) row.push_back(get(i));
     tb.row(row);
   };
-  add("activations per layer", [&](std::size_t i) { return mib(layer_activation_bytes_formula(qs[i])); });
+  add("activations per layer", [&](std::size_t i) {
+    return mib(seed_architecture(qs[i].cfg) ? layer_activation_bytes_formula(qs[i])
+                                            : preds[i].layer_activation_bytes(0));
+  });
   add("logits", [&](std::size_t i) {
     for (const auto& t : preds[i].tensors)
       if (t.tag == "logits") return mib(t.bytes);

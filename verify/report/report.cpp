@@ -76,6 +76,9 @@ nlohmann::json to_json(const Comparison& c) {
           {"err_over_tolerance", c.tolerance > 0 && c.what != kReplicaCheck
                                      ? num(c.rel_err / c.tolerance) : nlohmann::json(nullptr)},
           {"real_check", is_real_check(c)},
+          // rel_err's denominator: the reference's norm, or (a bias gradient whose sum
+          // cancels) the norm of the terms it sums (docs/tolerances.md)
+          {"relative_to", c.scaled ? "terms" : "reference"},
           {"pass", c.pass}};
 }
 
@@ -104,7 +107,9 @@ std::string format_bytes(double b) {
 std::string describe_failure(const Comparison& c) { return describe(c); }
 
 std::string verify_config_line(const RunOptions& o) {
-  return std::string("tpsim verify: model ") + model_name(o.model) + ", " + dtype_name(o.dtype) +
+  const std::string model = std::string(model_name(o.model)) +
+                            (o.model == ModelKind::Gpt ? " (" + describe_architecture(o.gpt) + ")" : "");
+  return std::string("tpsim verify: model ") + model + ", " + dtype_name(o.dtype) +
          " sharded vs f64 reference, tp " + tp_list(o) + ", " + std::to_string(o.steps) +
          " steps, seed " + std::to_string(o.seed) + (o.resync ? ", resync" : "") + ", backend " +
          backend_description(o.device.backend);
@@ -261,6 +266,7 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
   j["tool"] = "tpsim";
   j["command"] = "verify";
   j["model"] = model_name(o.model);
+  if (o.model == ModelKind::Gpt) j["architecture"] = describe_architecture(o.gpt);
   j["dtype"] = dtype_name(o.dtype);
   j["steps"] = o.steps;
   j["seed"] = o.seed;
@@ -345,7 +351,7 @@ void print_sweep_report(std::ostream& os, const RunOptions& base, const SweepRep
      << (base.fault == Fault::None ? "" : std::string(", fault ") + fault_name(base.fault))
      << "\n";
   os << "every model and mode in one run; one configuration is a flag away "
-        "(--model mlp|gpt, --preset seed|small)\n\n";
+        "(--model mlp|gpt|gpt2|llama, --preset seed|small, --kv-heads N)\n\n";
   char line[512];
   std::snprintf(line, sizeof line, "  %-50s %-30s %-8s %7s  %-9s %6s  %s\n", "case", "shape",
                 "tp", "checks", "rel err", "time", "result");

@@ -1,5 +1,7 @@
 #include "verify/setup/run_options.h"
 
+#include "sharded/gpt.h"
+
 namespace tpsim {
 
 const char* model_name(ModelKind m) { return m == ModelKind::Mlp ? "mlp" : "gpt"; }
@@ -24,9 +26,10 @@ void check_tp_degree(const RunOptions& o, int tp) {
     throw UsageError("--sequence-parallel: batch x sequence = " + std::to_string(tokens) +
                      " tokens do not split evenly over tp " + t +
                      " (no padding: choose a divisible --batch-size/--seq-len)");
-  if ((4 * g.hidden) % tp != 0)
-    throw UsageError("--tp " + t + ": does not divide the MLP width 4*--hidden = " +
-                     std::to_string(4 * g.hidden));
+  if (g.ffn() % tp != 0)
+    throw UsageError("--tp " + t + ": does not divide the MLP width F = " +
+                     std::to_string(g.ffn()) + " (see --ffn-hidden)");
+  check_kv_heads_split(g, tp);
 }
 
 }  // namespace tpsim

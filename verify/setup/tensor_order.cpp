@@ -8,15 +8,26 @@ namespace tpsim {
 std::vector<std::string> gpt_tensor_order(const GptConfig& c) {
   std::vector<std::string> o;
   auto block = [](std::int64_t l) { return "h." + std::to_string(l) + "."; };
+  const auto mlp = c.mlp_linears();  // {ffn1, ffn2} or {gate_proj, up_proj, down_proj}
+  const std::string act = c.swiglu() ? "mlp.swiglu.out" : "mlp.gelu.out";
+  // A layer's parameter gradients, bias (when the architecture has one) after weight.
+  auto grads = [&](const std::string& module, bool has_bias) {
+    o.push_back(module + ".weight.grad");
+    if (has_bias) o.push_back(module + ".bias.grad");
+  };
+  const bool lb = c.linear_bias, nb = c.norm_bias && c.norm == NormKind::LayerNorm;
 
   // ---- forward ----
   o.push_back("act/embedding.out");
   for (std::int64_t l = 0; l < c.layers; ++l) {
     const std::string a = "act/" + block(l);
     for (const char* p : {"ln1.out", "attn.q", "attn.k", "attn.v", "attn.out", "attn.o.out",
-                          "residual.mid", "ln2.out", "mlp.ffn1.out", "mlp.gelu.out",
-                          "mlp.ffn2.out", "residual.out"})
+                          "residual.mid", "ln2.out"})
       o.push_back(a + p);
+    for (std::size_t j = 0; j + 1 < mlp.size(); ++j) o.push_back(a + mlp[j] + ".out");
+    o.push_back(a + act);
+    o.push_back(a + mlp.back() + ".out");
+    o.push_back(a + "residual.out");
   }
   o.push_back("act/ln_f.out");
   o.push_back("act/logits");
@@ -24,31 +35,31 @@ std::vector<std::string> gpt_tensor_order(const GptConfig& c) {
 
   // ---- backward: the head, the blocks last to first, the embeddings ----
   o.push_back("act/logits.grad");
+  if (!c.tied_embeddings) o.push_back("lm_head.weight.grad");
   o.push_back("act/ln_f.out.grad");
-  o.push_back("ln_f.weight.grad");
+  grads("ln_f", nb);
   for (std::int64_t l = c.layers - 1; l >= 0; --l) {
     const std::string b = block(l), a = "act/" + b;
-    for (const char* p : {"residual.out.grad", "mlp.ffn2.out.grad"}) o.push_back(a + p);
-    o.push_back(b + "mlp.ffn2.weight.grad");
-    o.push_back(a + "mlp.gelu.out.grad");
-    o.push_back(a + "mlp.ffn1.out.grad");
-    o.push_back(b + "mlp.ffn1.weight.grad");
+    o.push_back(a + "residual.out.grad");
+    o.push_back(a + mlp.back() + ".out.grad");
+    grads(b + mlp.back(), lb);
+    o.push_back(a + act + ".grad");
+    for (std::size_t j = 0; j + 1 < mlp.size(); ++j) o.push_back(a + mlp[j] + ".out.grad");
+    for (std::size_t j = mlp.size() - 1; j-- > 0;) grads(b + mlp[j], lb);
     o.push_back(a + "ln2.out.grad");
-    o.push_back(b + "ln2.weight.grad");
+    grads(b + "ln2", nb);
     o.push_back(a + "residual.mid.grad");
     o.push_back(a + "attn.o.out.grad");
-    o.push_back(b + "attn.o_proj.weight.grad");
+    grads(b + "attn.o_proj", lb);
     o.push_back(a + "attn.out.grad");
     for (const char* p : {"attn.q.grad", "attn.k.grad", "attn.v.grad"}) o.push_back(a + p);
-    for (const char* p : {"attn.q_proj.weight.grad", "attn.k_proj.weight.grad",
-                          "attn.v_proj.weight.grad"})
-      o.push_back(b + p);
+    for (const char* p : {"attn.q_proj", "attn.k_proj", "attn.v_proj"}) grads(b + p, lb);
     o.push_back(a + "ln1.out.grad");
-    o.push_back(b + "ln1.weight.grad");
+    grads(b + "ln1", nb);
   }
   o.push_back("act/embedding.out.grad");
-  o.push_back("wpe.weight.grad");
-  o.push_back("wte.weight.grad");  // last: the LM head's share, then the lookup's
+  if (!c.rope()) o.push_back("wpe.weight.grad");
+  o.push_back("wte.weight.grad");  // last: (tied) the LM head's share, then the lookup's
 
   // ---- optimizer step ----
   for (const auto& p : gpt_param_specs(c)) o.push_back(p.name);

@@ -56,8 +56,11 @@ double gpt_values(const RunOptions& o) {
   const double V = static_cast<double>(g.vocab_size), H = static_cast<double>(g.hidden);
   const double L = static_cast<double>(g.layers), A = static_cast<double>(g.heads);
   const double B = static_cast<double>(o.batch_size), T = static_cast<double>(o.seq_len);
-  const double params = V * H + static_cast<double>(g.block_size) * H + L * (12 * H * H + 2 * H);
-  const double acts = L * (16 * B * T * H + A * T * T * B) + 2 * B * T * V;
+  const double F = static_cast<double>(g.ffn()), mlp_mats = g.swiglu() ? 3 : 2;
+  const double heads = g.tied_embeddings ? 1 : 2;
+  const double params = heads * V * H + static_cast<double>(g.block_size) * H +
+                        L * (4 * H * H + mlp_mats * H * F + 2 * H);
+  const double acts = L * (8 * B * T * H + 2 * mlp_mats * B * T * F + A * T * T * B) + 2 * B * T * V;
   return 4 * params + acts;
 }
 
@@ -106,9 +109,18 @@ FaultTarget fault_target(const RunOptions& o) {
   par.loss_parallel = o.loss_parallel;
   par.make_vocab_divisible_by = o.make_vocab_divisible_by;
   par.tp_invariant = o.tp_invariant;
+  const GptConfig& g = o.gpt;
+  run.linear_bias = g.linear_bias;
+  run.norm_bias = g.norm_bias && g.norm == NormKind::LayerNorm;
+  run.swiglu = g.swiglu();
+  run.rope = g.rope();
+  run.tied = g.tied_embeddings;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
-    run.padded = run.padded || (run.gpt && padded_vocab(o.gpt, par, t) > o.gpt.vocab_size);
+    run.padded = run.padded || (run.gpt && padded_vocab(g, par, t) > g.vocab_size);
+    run.kv_replicated = run.kv_replicated || t > g.kv();
+    // a rank with 2+ kv heads, each read by 2+ query heads
+    run.kv_groups = run.kv_groups || (g.kv() % t == 0 && g.kv() / t >= 2 && g.heads > g.kv());
   }
   return run;
 }
@@ -120,6 +132,9 @@ namespace {
 void check_tp_invariant(const RunOptions& o) {
   const int C = kCanonicalChunks;
   if (o.model != ModelKind::Gpt) throw UsageError("--tp-invariant: applies to --model gpt");
+  if (!seed_architecture(o.gpt))
+    throw UsageError("--tp-invariant: not yet for this architecture (it covers the seed's GPT: "
+                     "--model gpt without architecture flags)");
   for (int t : o.tp)
     if (C % t != 0)
       throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
@@ -158,9 +173,13 @@ void validate_run_options(const RunOptions& o) {
   check_int("--layers", g.layers, 0, kMaxLayers);
   check_int("--seq-len", o.seq_len, 2, g.block_size);
   check_int("--make-vocab-divisible-by", o.make_vocab_divisible_by, 1, kMaxVocabMultiple);
-  if (g.hidden % g.heads != 0)
-    throw UsageError("--hidden " + std::to_string(g.hidden) + " is not divisible by --heads " +
-                     std::to_string(g.heads));
+  check_int("--kv-heads", g.kv_heads, 0, g.heads);
+  check_int("--ffn-hidden", g.ffn_hidden, 0, kMaxHidden);
+  check_float("--rope-theta", g.rope_theta, 1, false, std::numeric_limits<double>::infinity());
+  check_gpt_architecture(g);
+  if (o.model == ModelKind::Mlp && !seed_architecture(g))
+    throw UsageError("the architecture flags (--norm, --mlp, --kv-heads, ...) apply to --model "
+                     "gpt, gpt2 and llama");
   if (o.model == ModelKind::Gpt && gpt_values(o) > kMaxValues)
     throw UsageError("--vocab-size " + std::to_string(g.vocab_size) + ", --hidden " +
                      std::to_string(g.hidden) + ", --layers " + std::to_string(g.layers) +
