@@ -387,10 +387,22 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     auto it = grads_.find(name + ".bias");
     return it == grads_.end() ? nullptr : &it->second;
   };
-  // A bias gradient's term scale (bias_term_norms), from the gradient it sums.
-  const auto terms = [this](const std::string& name, const Matrix<S>& dout) {
+  // term_scales() of a Linear (weight dW = dyᵀx and bias db = Σ dy, when it has one):
+  // weight rows_sq[i] = Σ_n dy_ni²·‖x_n‖², cols_sq[j] = Σ_n ‖dy_n‖²·x_nj²; bias Σ_n dy_nj².
+  const auto terms = [this](const std::string& name, const Matrix<S>& dy, const Matrix<S>& x) {
+    TermScale& w = terms_[name + ".weight.grad"];
+    w.rows_sq = dy.array().square().matrix().transpose() * x.rowwise().squaredNorm();
+    w.cols_sq = x.array().square().matrix().transpose() * dy.rowwise().squaredNorm();
     if (params_.count(name + ".bias"))
-      bias_terms_[name + ".bias.grad"] = dout.cwiseAbs().colwise().sum();  // [1, C]
+      terms_[name + ".bias.grad"].rows_sq = dy.array().square().colwise().sum().transpose();
+  };
+  // A norm's: weight Σ_n (dout_nj·xhat_nj)², bias Σ_n dout_nj².
+  const auto norm_terms = [this](const std::string& name, const Matrix<S>& dout,
+                                 const Matrix<S>& xhat) {
+    terms_[name + ".weight.grad"].rows_sq =
+        (dout.array() * xhat.array()).square().colwise().sum().transpose();
+    if (params_.count(name + ".bias"))
+      terms_[name + ".bias.grad"].rows_sq = dout.array().square().colwise().sum().transpose();
   };
   const auto block = [](Index l) { return "h." + std::to_string(l) + "."; };
   const std::string head = c.tied_embeddings ? "wte.weight" : "lm_head.weight";
@@ -473,6 +485,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   for (Index m = 0; m < M; ++m) lnf_rows.row(m) = lnf_out_.row(rows.row[static_cast<std::size_t>(m)]);
   Matrix<S> dlnf_rows = Matrix<S>::Zero(M, H);  // [M, H]
   matmul_backward(dlnf_rows, G(head), dlogits_, lnf_rows, P(head));
+  terms(head.substr(0, head.size() - 7), dlogits_, lnf_rows);  // "wte" or "lm_head"
   Matrix<S> dlnf_out = Matrix<S>::Zero(N, H);  // [N, H], zero where no loss was taken
   for (Index m = 0; m < M; ++m) dlnf_out.row(rows.row[static_cast<std::size_t>(m)]) = dlnf_rows.row(m);
   if (record_) {
@@ -486,7 +499,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   Matrix<S> dx = Matrix<S>::Zero(N, H);  // [N, H] gradient of the residual stream
   norm_backward(dx, G("ln_f.weight"), Gb("ln_f"), dlnf_out, lnf_xhat_, lnf_rstd_, P("ln_f.weight"),
                 c.norm);
-  terms("ln_f", dlnf_out);
+  norm_terms("ln_f", dlnf_out, lnf_xhat_);
   Matrix<S> dact, dpre, dup;  // [N, F] through the MLP
   Matrix<S> dln, dmid;        // [N, H] a norm's output gradient; attention output gradient
   Matrix<S> dq, dk, dv;       // [N, H], [N, KV*d], [N, KV*d]
@@ -499,7 +512,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     dact = Matrix<S>::Zero(N, F);
     linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dx, a.ffn_act,
                     P(p + mlp.back() + ".weight"));
-    terms(p + mlp.back(), dx);
+    terms(p + mlp.back(), dx, a.ffn_act);
     dln = Matrix<S>::Zero(N, H);
     if (c.swiglu()) {
       note(pt + "mlp.swiglu.out.grad", dact);
@@ -508,7 +521,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       note(pt + mlp[1] + ".out.grad", dup);
       linear_backward(dln, G(p + mlp[1] + ".weight"), Gb(p + mlp[1]), dup, a.ln2_out,
                       P(p + mlp[1] + ".weight"));
-      terms(p + mlp[1], dup);
+      terms(p + mlp[1], dup, a.ln2_out);
     } else {
       note(pt + "mlp.gelu.out.grad", dact);
       if (c.mlp == MlpKind::GeluTanh) gelu_tanh_backward(dpre, a.ffn_pre, dact);
@@ -517,10 +530,10 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     }
     linear_backward(dln, G(p + mlp[0] + ".weight"), Gb(p + mlp[0]), dpre, a.ln2_out,
                     P(p + mlp[0] + ".weight"));
-    terms(p + mlp[0], dpre);
+    terms(p + mlp[0], dpre, a.ln2_out);
     norm_backward(dx, G(p + "ln2.weight"), Gb(p + "ln2"), dln, a.ln2_xhat, a.ln2_rstd,
                   P(p + "ln2.weight"), c.norm);
-    terms(p + "ln2", dln);
+    norm_terms(p + "ln2", dln, a.ln2_xhat);
     note(pt + "ln2.out.grad", dln);
     note(pt + "residual.mid.grad", dx);
     note(pt + "attn.o.out.grad", dx);
@@ -528,7 +541,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     dmid = Matrix<S>::Zero(N, H);
     linear_backward(dmid, G(p + "attn.o_proj.weight"), Gb(p + "attn.o_proj"), dx, a.att_y,
                     P(p + "attn.o_proj.weight"));
-    terms(p + "attn.o_proj", dx);
+    terms(p + "attn.o_proj", dx, a.att_y);
     attention_backward(dq, dk, dv, dmid, a.att, a.q, a.k, a.v, B, T, A);
     note(pt + "attn.out.grad", dmid);
     note(pt + "attn.q.grad", dq);
@@ -545,12 +558,12 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
                     P(p + "attn.k_proj.weight"));
     linear_backward(dln, G(p + "attn.v_proj.weight"), Gb(p + "attn.v_proj"), dv, a.ln1_out,
                     P(p + "attn.v_proj.weight"));
-    terms(p + "attn.q_proj", dq);
-    terms(p + "attn.k_proj", dk);
-    terms(p + "attn.v_proj", dv);
+    terms(p + "attn.q_proj", dq, a.ln1_out);
+    terms(p + "attn.k_proj", dk, a.ln1_out);
+    terms(p + "attn.v_proj", dv, a.ln1_out);
     norm_backward(dx, G(p + "ln1.weight"), Gb(p + "ln1"), dln, a.ln1_xhat, a.ln1_rstd,
                   P(p + "ln1.weight"), c.norm);
-    terms(p + "ln1", dln);
+    norm_terms(p + "ln1", dln, a.ln1_xhat);
     note(pt + "ln1.out.grad", dln);
   }
   note("act/embedding.out.grad", dx);
@@ -559,6 +572,21 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     G("wte.weight").row(batch.input_ids[static_cast<std::size_t>(n)]) += dx.row(n);
     if (!c.rope()) G("wpe.weight").row(n % T) += dx.row(n);
   }
+  // Their terms: dx_n, in row id_n (wte: beside the tied head's) and position n mod T.
+  const Vector<S> dx_sq = dx.rowwise().squaredNorm();                  // [N]
+  const Vector<S> col_sq = dx.array().square().colwise().sum().transpose();  // [H]
+  auto lookup_terms = [&](const std::string& name, Index table_rows, auto&& row_of) {
+    TermScale& t = terms_[name];
+    if (t.rows_sq.size() != table_rows || !(name == "wte.weight.grad" && c.tied_embeddings)) {
+      t.rows_sq = Vector<S>::Zero(table_rows);
+      t.cols_sq = Vector<S>::Zero(H);
+    }
+    for (Index n = 0; n < N; ++n) t.rows_sq(row_of(n)) += dx_sq(n);
+    t.cols_sq += col_sq;
+  };
+  lookup_terms("wte.weight.grad", c.vocab_size,
+               [&](Index n) { return batch.input_ids[static_cast<std::size_t>(n)]; });
+  if (!c.rope()) lookup_terms("wpe.weight.grad", c.block_size, [&](Index n) { return n % T; });
   return static_cast<S>(loss);
 }
 

@@ -42,12 +42,18 @@ class Gpt {
   // loss's gradient with respect to it); "act/logits" is logits() and is not repeated.
   void record_points(bool on) { record_ = on; }
   const ParamSet<S>& points() const { return points_; }
-  // For each bias gradient "<name>.bias.grad", a sum over the N tokens of its layer's
-  // output gradient: the column sums of |that gradient| ([1, C]), the scale of the terms
-  // it sums. Its rounding error is relative to these, not to the sum, which may cancel to
-  // nothing (the k projection's bias gradient is 0 in exact arithmetic: a constant added
-  // to every key of a query leaves its softmax unchanged).
-  const ParamSet<S>& bias_term_scales() const { return bias_terms_; }
+  // A parameter's gradient sums one term per token (a Linear's dy_n x_nᵀ, a norm's
+  // dout_n·xhat_n, a bias's dout_n, an embedding row's dx_n). Its rounding error is
+  // relative to those terms, not to their sum, which cancels near a stationary point (and
+  // always, for the k projection's bias: 0 in exact arithmetic, as a constant added to
+  // every key of a query leaves its softmax unchanged). For "<param>.grad": the squared
+  // norms of the terms, summed over the tokens and over the other dimension, per index
+  // of the first dimension (rows_sq) and, for a matrix, of the second (cols_sq).
+  struct TermScale {
+    Vector<S> rows_sq;  // [dim 0]
+    Vector<S> cols_sq;  // [dim 1]; empty for a vector
+  };
+  const std::map<std::string, TermScale>& term_scales() const { return terms_; }
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
   const GptConfig& config() const { return config_; }
@@ -88,7 +94,7 @@ class Gpt {
   Matrix<S> dlogits_;              // [M, V]   loss gradient of the M rows that carry a loss;
                                    //          kept to save re-faulting ~50 MB every step
   bool record_ = false;
-  ParamSet<S> bias_terms_;
+  std::map<std::string, TermScale> terms_;
   ParamSet<S> points_;             // name -> [N, width], when recording
 };
 

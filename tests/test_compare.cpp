@@ -46,30 +46,44 @@ TEST_CASE("the norm-wise error is relative to the reference's norm", "[verify][c
 
 TEST_CASE("a sum that cancels is judged relative to its terms, and only then",
           "[verify][compare]") {
-  // A bias gradient: the reference sums to ~0 (rounding noise), its terms' column sums of
-  // |.| are ~1. Relative to itself any noise is an error of 100%; relative to the terms
-  // the same noise is 1e-12.
+  // A bias gradient: the reference sums to ~0 (rounding noise), its terms' squared norms
+  // per element are 1, 4, 9, 16. Relative to itself any noise is an error of 100%;
+  // relative to the terms the same noise is 1e-12.
   const ShardSpec half = split(tensor({4}), 0, 1, 2);  // elements [2,4)
   const std::vector<double> ref = {1e-17, -2e-17, 3e-17, -1e-17};
-  const std::vector<double> terms = {1.0, 2.0, 3.0, 4.0};
+  TermScale terms;
+  terms.rows_sq = {1.0, 4.0, 9.0, 16.0};
   const Observation noise{"w", half, {3e-12, 1e-12}};
   CHECK_FALSE(compare_to_reference(noise, ref, 1e-10).pass);  // plain: 1e5 relative
-  const Comparison c = compare_to_reference(noise, std::span<const double>(ref), 1e-10, 0.0, terms);
+  const Comparison c = compare_to_reference(noise, std::span<const double>(ref), 1e-10, 0.0, &terms);
   CHECK(c.scaled);
   CHECK(c.pass);
   // the norm of this shard's block of the terms (3, 4), not of the whole tensor's
   CHECK(c.rel_err == Approx(std::sqrt(9e-24 + 1e-24) / 5.0).epsilon(1e-3));
   // A real error at the terms' scale still fails.
   const Observation wrong{"w", half, {0.5, 0.0}};
-  CHECK_FALSE(compare_to_reference(wrong, std::span<const double>(ref), 1e-10, 0.0, terms).pass);
+  CHECK_FALSE(compare_to_reference(wrong, std::span<const double>(ref), 1e-10, 0.0, &terms).pass);
   // Where the sum does not cancel (terms no larger than it), the plain check stands.
   const std::vector<double> big = {1.0, 2.0, 3.0, 4.0};
-  const std::vector<double> small_terms = {1.0, 1.0, 1.0, 1.0};
+  TermScale small;
+  small.rows_sq = {1.0, 1.0, 1.0, 1.0};
   const Observation off{"w", half, {3.0, 4.5}};
-  const Comparison p = compare_to_reference(off, std::span<const double>(big), 0.05, 0.0, small_terms);
+  const Comparison p = compare_to_reference(off, std::span<const double>(big), 0.05, 0.0, &small);
   CHECK_FALSE(p.scaled);
   CHECK(p.rel_err == Approx(0.1));
   CHECK_FALSE(p.pass);
+}
+
+TEST_CASE("a matrix's terms: the block's norm along the dimension its shard is split by",
+          "[verify][compare]") {
+  TermScale t;
+  t.rows_sq = {1.0, 2.0, 3.0, 4.0};  // a [4,2] gradient: per row (summed over the columns)
+  t.cols_sq = {4.0, 6.0};            // and per column (summed over the rows)
+  CHECK(t.block_norm(replicate(tensor({4, 2}), 0, 1)) == Approx(std::sqrt(10.0)));
+  CHECK(t.block_norm(split(tensor({4, 2}), 0, 1, 2)) == Approx(std::sqrt(7.0)));   // rows [2,4)
+  CHECK(t.block_norm(split(tensor({4, 2}), 1, 0, 2)) == Approx(std::sqrt(4.0)));   // column 0
+  // A vocabulary shard past the real rows (padding) holds no terms.
+  CHECK(t.block_norm(split(tensor({4, 2}), 0, 1, 2, 8)) == 0.0);
 }
 
 TEST_CASE("the tolerance is a sharp bound", "[verify][compare]") {

@@ -192,21 +192,29 @@ double with_allowance(double tolerance, double allowance, double reference_norm)
   return reference_norm > 0 ? tolerance + allowance / reference_norm : tolerance + allowance;
 }
 
+double TermScale::block_norm(const ShardSpec& spec) const {
+  const std::vector<double>& v = spec.split_dim == 1 ? cols_sq : rows_sq;
+  if (spec.split_dim > 1 || (spec.split_dim == 1 && cols_sq.empty()))
+    throw Error("TermScale: no scale along dimension " + std::to_string(spec.split_dim) + " of " +
+                spec.name);
+  const auto n = static_cast<std::int64_t>(v.size());
+  const std::int64_t lo = spec.replicated() ? 0 : std::min(spec.offset, n);
+  const std::int64_t hi = spec.replicated() ? n : std::min(spec.offset + spec.length, n);
+  double s2 = 0;
+  for (std::int64_t i = lo; i < hi; ++i) s2 += v[static_cast<std::size_t>(i)];
+  return std::sqrt(s2);
+}
+
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
-                                double tolerance, double allowance, std::span<const double> scale) {
+                                double tolerance, double allowance, const TermScale* terms) {
   Comparison c = compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
                               reference_full.size(), tolerance, allowance);
-  if (scale.empty()) return c;
-  if (scale.size() != reference_full.size())
-    throw Error("compare " + obs.name + ": its scale has " + std::to_string(scale.size()) +
-                " values, the reference " + std::to_string(reference_full.size()));
-  double s2 = 0;  // the scale's norm over this shard's block (padding: none)
-  for (double x : slice_full(std::vector<double>(scale.begin(), scale.end()), obs.spec)) s2 += x * x;
-  const double sn = std::sqrt(s2);
-  // rel_err was ‖a−b‖/‖b‖ (or ‖a−b‖ for ‖b‖ = 0): back to ‖a−b‖, then over the scale.
+  if (!terms) return c;
+  const double sn = terms->block_norm(obs.spec);
+  // rel_err was ‖a−b‖/‖b‖ (or ‖a−b‖ for ‖b‖ = 0): back to ‖a−b‖, then over the terms.
   const double rn = c.reference_rms * std::sqrt(static_cast<double>(obs.values.size()));
   const double dn = rn > 0 ? c.rel_err * rn : c.rel_err;
-  if (sn > rn) {  // the terms' magnitudes bound the sum's: never a tighter check
+  if (sn > rn) {  // a sum that cancels: its terms set the scale (never a tighter check)
     c.rel_err = dn / sn;
     c.tolerance = with_allowance(tolerance, allowance, sn);
     c.pass = c.rel_err <= c.tolerance;

@@ -66,13 +66,20 @@ struct Comparison {
 // relative bound, tolerance + allowance/‖b‖, so that a small shard of a tensor whose error
 // sits in few elements is held to what the whole tensor's allowance permits it.
 //
-// `scale` (optional, the reference's layout): the error is relative to the norm of this
-// block of it rather than of the reference's: a sum whose terms cancel (a bias gradient)
-// has an error relative to its terms' magnitudes, which `scale` holds; rel_err is then
-// ‖a−b‖/‖scale block‖ and Comparison::scaled is set.
+// `terms` (optional): the gradient sums one term per token, and its error is relative to
+// the terms rather than to the sum, which may cancel (ref::Gpt::term_scales). Where the
+// terms' norm over this shard's block exceeds the reference's, rel_err is ‖a−b‖ over it
+// and Comparison::scaled is set.
+struct TermScale {
+  // Squared norms of the terms per index of dimension 0 (summed over the rest), and of
+  // dimension 1 for a matrix (else empty): the norm over a block split along either.
+  std::vector<double> rows_sq, cols_sq;
+  // sqrt(Σ of the block's squares): along split_dim 0 or 1 (padding counts 0), or all.
+  double block_norm(const ShardSpec& spec) const;
+};
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
                                 double tolerance, double allowance = 0.0,
-                                std::span<const double> scale = {});
+                                const TermScale* terms = nullptr);
 inline Comparison compare_to_reference(const Observation& obs,
                                        const std::vector<double>& reference_full, double tolerance,
                                        double allowance = 0.0) {

@@ -90,7 +90,7 @@ double gradient_scale(const RefStep& st, const std::string& param, const ref::Ma
   double scale = g.norm();
   if (const auto it = st.term_scale.find(param + ".grad"); it != st.term_scale.end()) {
     double t2 = 0;
-    for (double x : it->second) t2 += x * x;
+    for (double x : it->second.rows_sq) t2 += x;
     scale = std::max(scale, std::sqrt(t2));
   }
   return scale;
@@ -228,9 +228,12 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
     if constexpr (requires { model.input_grad(); }) w.put("x.grad", model.input_grad());
     if constexpr (requires { model.points(); }) w.put_params(model.points(), "");
     w.put_params(model.grads(), ".grad");
-    if constexpr (requires { model.bias_term_scales(); })
-      for (const auto& [name, m] : model.bias_term_scales())
-        st->term_scale[name].assign(m.data(), m.data() + m.size());
+    if constexpr (requires { model.term_scales(); })
+      for (const auto& [name, t] : model.term_scales()) {
+        TermScale& to = st->term_scale[name];
+        to.rows_sq.assign(t.rows_sq.data(), t.rows_sq.data() + t.rows_sq.size());
+        to.cols_sq.assign(t.cols_sq.data(), t.cols_sq.data() + t.cols_sq.size());
+      }
     if constexpr (requires { model.pre_activation(); })
       relu_kink_allowance(model, o, bounds.carried_relative("fc1.weight", model.params().at("fc1.weight")), *st);
     bounds.begin(*st);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "verify/engine/compare.h"
 #include "verify/setup/inputs.h"
 
 namespace tpsim {
@@ -35,11 +36,10 @@ struct RefStep {
   // it into update_allowance) may differ by what a pre-activation within its error of zero
   // switches on or off: an absolute allowance each.
   std::map<std::string, double> kink_allowance;
-  // GPT bias gradients ("<name>.bias.grad"): the column sums of the |terms| they sum
-  // (ref::Gpt::bias_term_scales), full [C]. A sum's error is relative to its terms, so
-  // these are compared against, not the sum: the k projection's bias gradient cancels to
-  // 0 exactly, and its computed value is rounding noise on both sides.
-  TensorMap term_scale;
+  // GPT parameter gradients ("<param>.grad"): the terms each sums over the tokens
+  // (ref::Gpt::term_scales). Its error is relative to them, not to the sum, which cancels
+  // near a stationary point (the k projection's bias gradient always: it is 0 exactly).
+  std::map<std::string, TermScale> term_scale;
 };
 
 // How a step reaches its readers.

@@ -17,9 +17,9 @@ Comparison StepChecker::reference_check(const Observation& o) const {
   return compare_to_reference(o, *full, tolerance_of(o.name), allowance_of(o.name), scale_of(o.name));
 }
 
-std::span<const double> StepChecker::scale_of(const std::string& tensor) const {
+const TermScale* StepChecker::scale_of(const std::string& tensor) const {
   const auto it = ref_.term_scale.find(tensor);
-  return it == ref_.term_scale.end() ? std::span<const double>{} : std::span<const double>(it->second);
+  return it == ref_.term_scale.end() ? nullptr : &it->second;
 }
 
 void StepChecker::check(const std::vector<Observation>& obs, Phase phase) {

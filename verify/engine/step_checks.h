@@ -74,7 +74,7 @@ class StepChecker {
   };
   double tolerance_of(const std::string& tensor) const;
   double allowance_of(const std::string& tensor) const;  // compare.h's, for an updated weight
-  std::span<const double> scale_of(const std::string& tensor) const;  // a bias gradient's terms
+  const TermScale* scale_of(const std::string& tensor) const;  // a gradient's terms, or null
   const RefStep& ref_;
   double tol_;
   const ToleranceModel* bounds_ = nullptr;
