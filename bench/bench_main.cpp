@@ -167,7 +167,11 @@ int main(int argc, char** argv) {
                "this machine's BLAS GEMM peak, measured in the same run"};
   int steps = 4;
   std::int64_t hidden = 1024, batch = 8, seq = 128, vocab = 1024;
-  std::string append;
+  std::string append, family = "gpt";
+  app.add_option("--model", family,
+                 "gpt (the seed's architecture) or llama (RMSNorm, SwiGLU F 8H/3, RoPE, 4 kv "
+                 "heads, untied)")
+      ->check(CLI::IsMember({"gpt", "llama"}));
   app.add_option("--steps", steps, "steps per TP degree (step 1 is not counted)");
   app.add_option("--hidden", hidden, "H");
   app.add_option("--batch-size", batch, "B");
@@ -202,6 +206,8 @@ int main(int argc, char** argv) {
     o.gpt.layers = 2;
     o.gpt.vocab_size = vocab;
     o.gpt.block_size = std::max<std::int64_t>(seq, 1024);
+    apply_gpt_family(o.gpt, family);
+    if (family == "llama") o.gpt.kv_heads = 4;  // grouped-query: 4 query heads per kv head
     o.batch_size = batch;
     o.seq_len = seq;
     o.steps = steps;
@@ -235,9 +241,10 @@ int main(int argc, char** argv) {
         << " / " << f("%.2f", s_after.all_cores) << " GFLOP/s; f64 one thread "
         << f("%.2f", d_before.one_core) << " / " << f("%.2f", d_after.one_core) << ", all cores "
         << f("%.2f", d_before.all_cores) << " / " << f("%.2f", d_after.all_cores) << " GFLOP/s.\n\n"
-        << "Model: gpt, H " << hidden << ", A 16, L 2, V " << vocab << ", batch " << batch
-        << " x seq " << seq << ", loss parallel; " << f("%.4g", flops)
-        << " model FLOPs per step (72·B·T·L·H²·(1 + T/6H + V/12HL)); mean of steps 2.." << steps
+        << "Model: " << family << " (" << describe_architecture(o.gpt) << "), H " << hidden
+        << ", A 16, L 2, V " << vocab << ", batch " << batch << " x seq " << seq
+        << ", loss parallel; " << f("%.4g", flops) << " model FLOPs per step ("
+        << model_flops_formula(o) << "); mean of steps 2.." << steps
         << ", the slowest rank. The ratio is against the one-thread BLAS peak of the same dtype "
         << "(mean of before and after) times min(t, cores).\n\n"
         << "| dtype | tp | step ms | compute ms | comm ms | GFLOP/s | / BLAS peak of min(t, cores) threads |\n"

@@ -132,6 +132,49 @@ TEST_CASE("measured bytes equal the model for tp 1,2,4 with and without SP and L
     }
 }
 
+TEST_CASE("the families: measured bytes equal the model, tensor by tensor", "[profile]") {
+  // GPT-2's biases; Llama's fused gate/up, RMSNorm (no mean), RoPE (no wpe), untied head,
+  // and GQA: 2 kv heads, so tp 1 and 2 expand them per query head and tp 4 replicates them
+  // (with the gathered k/v gradients' buffer).
+  for (const char* family : {"gpt2", "llama"})
+    for (DType dt : {DType::F32, DType::BF16})
+      for (bool sp : {false, true}) {
+        RunOptions o = small_gpt(sp, !sp);
+        apply_gpt_family(o.gpt, family);
+        if (std::string(family) == "llama") o.gpt.kv_heads = 2;
+        o.dtype = dt;
+        const ProfileResult res = profile(o);
+        for (const auto& run : res.runs)
+          for (const auto& r : run.ranks) {
+            INFO(family << " sp " << sp << " tp " << run.tp << " rank " << r.rank << " "
+                        << dtype_name(dt));
+            for (const auto& t : run.predicted->tensors) {
+              INFO(t.tag);
+              CHECK(tag_bytes(r, t.tag) == t.bytes);
+            }
+            for (int c = 0; c < kNumMemCategories; ++c)
+              CHECK(r.current[static_cast<std::size_t>(c)] ==
+                    run.predicted->bytes(static_cast<MemCategory>(c)));
+          }
+      }
+}
+
+TEST_CASE("the families' model FLOPs are what their GEMMs and attention execute", "[profile]") {
+  // At tp 1 with loss parallel nothing is repeated: the architecture's count (SwiGLU's
+  // three matrices, 2 kv heads' k and v) must equal the ops' own FLOP records.
+  for (const char* family : {"gpt", "gpt2", "llama --kv-heads 2"}) {
+    const std::string js = testing::temp_path("flops.json");
+    const auto r = testing::run_tpsim(std::string("profile --model ") + family +
+                                      " --preset small --tp 1 --loss-parallel --json " + js);
+    INFO(family << "\n" << r.out);
+    REQUIRE(r.exit_code == 0);
+    const auto j = testing::read_json(js).at("tp").at(0);
+    double executed = 0;
+    for (const auto& rank : j.at("ranks")) executed += rank.at("flops_executed_per_step").get<double>();
+    CHECK(executed == Approx(j.at("model_flops_per_step").get<double>()).epsilon(1e-12));
+  }
+}
+
 TEST_CASE("the MLP memory check predicts the ledger's peak in f32, f64 and bf16", "[profile]") {
   // bf16 keeps an f32 main gradient and master per weight: counting the weights at the
   // dtype's size alone under-predicts by more than half.

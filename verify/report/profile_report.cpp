@@ -18,10 +18,25 @@ double model_flops_per_step(const RunOptions& o) {
   if (o.model == ModelKind::Mlp)
     return 6.0 * static_cast<double>(o.mlp.batch) *
            static_cast<double>(o.mlp.in * o.mlp.hidden + o.mlp.hidden * o.mlp.out);
-  const double N = static_cast<double>(o.batch_size * o.seq_len), H = static_cast<double>(o.gpt.hidden);
-  const double L = static_cast<double>(o.gpt.layers), T = static_cast<double>(o.seq_len);
-  const double V = static_cast<double>(o.gpt.vocab_size);
-  return 3.0 * (L * (24.0 * N * H * H + 4.0 * N * T * H) + 2.0 * N * H * V);
+  // 3x the forward (the backward is twice it): per layer 2N·(2H² for q and o, 2H·KV·d
+  // for k and v, m·H·F for the MLP's m matrices) and 4NTH for QKᵀ and P·V (whole squares,
+  // as the kernels compute them), and the head's 2NHV. For the seed's GPT (KV·d = H, m = 2,
+  // F = 4H) it is Narayanan et al. 2021's 72·B·T·L·H²·(1 + T/6H + V/12HL).
+  const GptConfig& c = o.gpt;
+  const double N = static_cast<double>(o.batch_size * o.seq_len), H = static_cast<double>(c.hidden);
+  const double L = static_cast<double>(c.layers), T = static_cast<double>(o.seq_len);
+  const double V = static_cast<double>(c.vocab_size), F = static_cast<double>(c.ffn());
+  const double KVd = static_cast<double>(c.kv() * c.head_dim()), m = c.swiglu() ? 3.0 : 2.0;
+  const double layer = 2.0 * N * (2.0 * H * H + 2.0 * H * KVd + m * H * F) + 4.0 * N * T * H;
+  return 3.0 * (L * layer + 2.0 * N * H * V);
+}
+
+// How model_flops_per_step counts, for the reports.
+std::string model_flops_formula(const RunOptions& o) {
+  if (o.model == ModelKind::Mlp) return "6·B·(in·hidden + hidden·out)";
+  if (seed_architecture(o.gpt)) return "72·B·T·L·H²·(1 + T/6H + V/12HL), Narayanan et al. 2021";
+  return std::string("6·B·T·(L·(2H² + 2H·kv·d + ") + (o.gpt.swiglu() ? "3" : "2") +
+         "·H·F + 2TH) + HV), this architecture's GEMMs and attention";
 }
 
 namespace {
@@ -429,9 +444,8 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
     step_s = std::max(step_s, s.step_s);
     executed += s.flops_executed;
   }
-  os << "\nFLOPs per step: model " << f("%.4g", run.model_flops_per_step)
-     << (o.model == ModelKind::Gpt ? " (72·B·T·L·H²·(1 + T/6H + V/12HL), Narayanan et al. 2021)"
-                                   : " (6·B·(in·hidden + hidden·out))")
+  os << "\nFLOPs per step: model " << f("%.4g", run.model_flops_per_step) << " ("
+     << model_flops_formula(o) << ")"
      << "; executed by all ranks' GEMMs and attention "
      << f("%.4g", executed) << " ("
      << f("%.3f", run.model_flops_per_step > 0 ? executed / run.model_flops_per_step : 0.0)
@@ -492,8 +506,8 @@ void print_memory_prediction(const RunOptions& o, std::ostream& os) {
        << (all < 0.9 * phys ? "fits" : "does not fit") << "; per rank on a device of its own: "
        << f("%.1f", static_cast<double>(preds[i].total()) / 1073741824.0) << " GiB\n";
   }
-  os << "  model FLOPs per step " << f("%.4g", model_flops_per_step(o))
-     << " (72·B·T·L·H²·(1 + T/6H + V/12HL))\n";
+  os << "  model FLOPs per step " << f("%.4g", model_flops_per_step(o)) << " ("
+     << model_flops_formula(o) << ")\n";
 }
 
 void print_profile_comparison(std::ostream& os, const ProfileResult& result) {

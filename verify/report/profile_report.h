@@ -32,6 +32,7 @@ struct ProfileResult {
 // 24·N·H² (q,k,v,o and the 4H MLP) + 4·N·T·H (q·kᵀ and probs·v over the full T×T) per
 // layer, plus 2·N·H·V for the LM head, with N = B·T. The MLP: 6·B·(in·hidden + hidden·out).
 double model_flops_per_step(const RunOptions& o);
+std::string model_flops_formula(const RunOptions& o);  // how it counts, in a few symbols
 
 // One degree's report (memory, activations, time, collectives, FLOPs).
 void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& run);
