@@ -45,7 +45,7 @@ class Gpt {
   // A parameter's gradient sums one term per token (a Linear's dy_n x_nᵀ, a norm's
   // dout_n·xhat_n, a bias's dout_n, an embedding row's dx_n). Its rounding error is
   // relative to those terms, not to their sum, which cancels near a stationary point (and
-  // always, for the k projection's bias: 0 in exact arithmetic, as a constant added to
+  // always, without RoPE, for the k projection's bias: 0 in exact arithmetic, as a constant added to
   // every key of a query leaves its softmax unchanged). For "<param>.grad": the squared
   // norms of the terms, summed over the tokens and over the other dimension, per index
   // of the first dimension (rows_sq) and, for a matrix, of the second (cols_sq).

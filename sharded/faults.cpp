@@ -24,7 +24,8 @@ const std::vector<FaultInfo>& all_faults() {
       {Fault::GptMissingG, "gpt-missing-g",
        "GPT: no g (reduce_from_tp_region) after the MLP's ffn2", kGptNoSp},
       {Fault::GptQkHeadMismatch, "gpt-qk-head-mismatch",
-       "GPT: k's heads taken from a different rank's slice than q's", kGpt},
+       "GPT: k's heads taken from a different rank's slice than q's",
+       {.mlp = false, .gpt = true, .two_kv_heads = true}},
       {Fault::GptLocalSoftmaxScale, "gpt-local-softmax-scale",
        "GPT: softmax scale from the local width instead of the head dim",
        {.mlp = false, .gpt = true, .min_tp = 1}},
@@ -75,7 +76,8 @@ const std::vector<FaultInfo>& all_faults() {
        {.mlp = false, .gpt = true, .swiglu = true}},
       {Fault::RopeSpPositionsNotOffset, "rope-sp-positions-not-offset",
        "RoPE under sequence parallel: positions counted from the rank's first token",
-       {.mlp = false, .gpt = true, .sequence_parallel = Needs::On, .rope = true}},
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::On, .rope = true,
+        .sp_chunk_mid_sequence = true}},
       {Fault::RopeStyleMixed, "rope-style-mixed",
        "RoPE: the other convention's pairs rotated (half vs interleaved)",
        {.mlp = false, .gpt = true, .min_tp = 1, .rope = true}},
@@ -135,6 +137,11 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
   if (s.kv_replicated && !run.kv_replicated)
     return "needs kv heads fewer than the TP degree (see --kv-heads)";
   if (s.tied && !run.tied) return "breaks the tied LM head; it needs --tied-embeddings";
+  if (s.two_kv_heads && !run.two_kv_heads)
+    return "takes k from another rank's kv head, and with one kv head every rank holds the same";
+  if (s.sp_chunk_mid_sequence && !run.sp_chunk_mid_sequence)
+    return "miscounts positions from a rank's first token, which at every degree of this run "
+           "starts a sequence (batch x sequence / tp is a multiple of --seq-len)";
   return "";
 }
 

@@ -59,6 +59,8 @@ struct FaultScope {
   bool kv_groups = false;      // a kv head shared by several query heads on one rank
   bool kv_replicated = false;  // kv heads fewer than the TP degree
   bool tied = false;           // the LM head tied to wte
+  bool two_kv_heads = false;   // k's slices differ from rank to rank: 2 or more kv heads
+  bool sp_chunk_mid_sequence = false;  // some rank's SP token chunk starts inside a sequence
 };
 
 struct FaultInfo {
@@ -83,6 +85,8 @@ struct FaultTarget {
   bool linear_bias = false, norm_bias = false, swiglu = false, rope = false, tied = true;
   bool kv_groups = false;      // some TP degree leaves a rank 2+ kv heads of 2+ query heads each
   bool kv_replicated = false;  // some TP degree exceeds the kv heads
+  bool two_kv_heads = true;    // the model has 2 or more kv heads
+  bool sp_chunk_mid_sequence = false;  // under SP, some degree's B·T/t is no multiple of T
 };
 
 // "" when `f` changes such a run at some TP degree; otherwise why it cannot ("needs

@@ -386,11 +386,6 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   auto stat = [&](Shape s, const std::string& tag) {
     return be.empty(s, compute_dtype(dtype), MemCategory::Activation, tag);
   };
-  auto bias = [&](const std::string& name) -> Parameter* {
-    for (auto& p : params_)
-      if (p.spec.name == name + ".bias") return &p;
-    return nullptr;
-  };
   x0_ = act({Nl_, H}, "embedding.out");
   if (par.sequence_parallel)
     h_gathered_ = be.empty({N_, H}, dtype, MemCategory::Temporary, "ln.out.gathered");
@@ -401,20 +396,20 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     auto blk = std::make_unique<Block>();
     blk->ln1 = &param(p + "ln1.weight");
     blk->ln2 = &param(p + "ln2.weight");
-    blk->ln1_b = bias(p + "ln1");
-    blk->ln2_b = bias(p + "ln2");
-    blk->q = {&param(p + "attn.q_proj.weight"), bias(p + "attn.q_proj")};
-    blk->k = {&param(p + "attn.k_proj.weight"), bias(p + "attn.k_proj")};
-    blk->v = {&param(p + "attn.v_proj.weight"), bias(p + "attn.v_proj")};
+    blk->ln1_b = bias_of(p + "ln1");
+    blk->ln2_b = bias_of(p + "ln2");
+    blk->q = {&param(p + "attn.q_proj.weight"), bias_of(p + "attn.q_proj")};
+    blk->k = {&param(p + "attn.k_proj.weight"), bias_of(p + "attn.k_proj")};
+    blk->v = {&param(p + "attn.v_proj.weight"), bias_of(p + "attn.v_proj")};
     blk->o.weight = &param(p + "attn.o_proj.weight");
-    blk->o_b = bias(p + "attn.o_proj");
+    blk->o_b = bias_of(p + "attn.o_proj");
     if (cfg.swiglu()) {
-      // The fused views: gate's parameter is the first half of each fused tensor.
-      // The fused tensors, as one parameter each for the column-parallel layer.
+      // The fused tensors, as one parameter each for the column-parallel layer. They are
+      // [G_r; U_r], no block of one full tensor, so they have a name and no shard spec;
+      // gate_proj's and up_proj's parameters (their halves) carry the specs.
       auto fused_param = [&](Parameter& into, const std::string& name) {
         const Fused& f = fused.at(name);
-        into.spec = param(name.substr(0, name.find("gate_up")) + "gate_proj" +
-                          name.substr(name.find("gate_up") + 7)).spec;
+        into.spec = ShardSpec{};
         into.spec.name = name;
         into.value = f.value;
         into.grad = f.grad;
@@ -426,10 +421,10 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
         blk->mlp_in.bias = &blk->mlp_in_bias_fused;
       }
     } else {
-      blk->mlp_in = {&param(p + mlp[0] + ".weight"), bias(p + mlp[0])};
+      blk->mlp_in = {&param(p + mlp[0] + ".weight"), bias_of(p + mlp[0])};
     }
     blk->mlp_out.weight = &param(p + mlp.back() + ".weight");
-    blk->mlp_out_b = bias(p + mlp.back());
+    blk->mlp_out_b = bias_of(p + mlp.back());
     blk->h1 = act({Nl_, H}, p + "ln1.out");
     if (layer_norm) blk->ln1_mean = stat({Nl_}, p + "ln1.mean");
     blk->ln1_rstd = stat({Nl_}, p + "ln1.rstd");

@@ -61,6 +61,13 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
                      "needs kv heads fewer than the TP degree");
   expect_usage_error("verify --model llama --preset small --tp 2 --inject-fault gpt-untied-embedding-grad",
                      "needs --tied-embeddings");
+  // Code paths that exist but where the fault changes nothing at these sizes.
+  expect_usage_error("verify --model llama --preset small --tp 2 --sequence-parallel "
+                     "--inject-fault rope-sp-positions-not-offset",
+                     "starts a sequence");
+  expect_usage_error("verify --model llama --preset small --kv-heads 1 --tp 2 "
+                     "--inject-fault gpt-qk-head-mismatch",
+                     "with one kv head every rank holds the same");
 }
 
 TEST_CASE("help explains and exits 0", "[cli]") {

@@ -21,7 +21,7 @@ struct MlpConfig {
 };
 
 // The transformer's architecture choices (docs/models.md, "Families"). A family is a set
-// of them (gpt_family), never a second copy of the model.
+// of them (apply_gpt_family), never a second copy of the model.
 enum class NormKind { LayerNorm, RMSNorm };
 enum class MlpKind {
   Gelu,      // Linear H->F, exact (erf) GELU, Linear F->H: "ffn1", "ffn2"

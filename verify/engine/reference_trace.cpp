@@ -84,8 +84,8 @@ void relu_kink_allowance(const ref::Mlp<double>& m, const RunOptions& o, double 
   if (o.dtype == DType::BF16) st.kink_allowance["fc1.weight"] = o.lr * a_w;
 }
 
-// What a parameter's gradient error is relative to: its norm, or a bias's terms'
-// (RefStep::term_scale), whichever is larger.
+// What a parameter's gradient error is relative to: its norm, or the norm of the terms it
+// sums over the tokens (RefStep::term_scale), whichever is larger.
 double gradient_scale(const RefStep& st, const std::string& param, const ref::Matrix<double>& g) {
   double scale = g.norm();
   if (const auto it = st.term_scale.find(param + ".grad"); it != st.term_scale.end()) {

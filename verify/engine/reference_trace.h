@@ -38,7 +38,8 @@ struct RefStep {
   std::map<std::string, double> kink_allowance;
   // GPT parameter gradients ("<param>.grad"): the terms each sums over the tokens
   // (ref::Gpt::term_scales). Its error is relative to them, not to the sum, which cancels
-  // near a stationary point (the k projection's bias gradient always: it is 0 exactly).
+  // near a stationary point (the k projection's bias gradient always, without RoPE: it is
+  // 0 exactly).
   std::map<std::string, TermScale> term_scale;
 };
 

@@ -5,7 +5,6 @@
 
 #include <map>
 #include <mutex>
-#include <span>
 #include <string>
 #include <vector>
 

@@ -223,7 +223,7 @@ double carried_weight_error(std::span<const double> relative_weight_errors) {
 //      With --resync every step starts from the reference's weights: w(s) = u_s + u_a.
 //      A bias is the exception: its gradient sums a layer's output gradient over the
 //      tokens, and its error is relative to the terms (compare.h's `scale`), not to the
-//      sum, which cancels (the k projection's bias gradient is 0 exactly, so bf16's
+//      sum, which cancels (without RoPE the k projection's bias gradient is 0 exactly, so bf16's
 //      rounding alone sets the sign of every element's update). Nothing bounds the
 //      fraction that flips, and a bias has few elements for a fraction to average over:
 //      every element may flip, 2·lr/rms(w) per step (what it carries into the next

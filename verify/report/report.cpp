@@ -76,8 +76,8 @@ nlohmann::json to_json(const Comparison& c) {
           {"err_over_tolerance", c.tolerance > 0 && c.what != kReplicaCheck
                                      ? num(c.rel_err / c.tolerance) : nlohmann::json(nullptr)},
           {"real_check", is_real_check(c)},
-          // rel_err's denominator: the reference's norm, or (a bias gradient whose sum
-          // cancels) the norm of the terms it sums (docs/tolerances.md)
+          // rel_err's denominator: the reference's norm, or (a gradient summed over tokens
+          // whose sum cancels) the norm of the terms it sums (docs/tolerances.md)
           {"relative_to", c.scaled ? "terms" : "reference"},
           {"pass", c.pass}};
 }

@@ -115,12 +115,15 @@ FaultTarget fault_target(const RunOptions& o) {
   run.swiglu = g.swiglu();
   run.rope = g.rope();
   run.tied = g.tied_embeddings;
+  run.two_kv_heads = g.kv() >= 2;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || (run.gpt && padded_vocab(g, par, t) > g.vocab_size);
     run.kv_replicated = run.kv_replicated || t > g.kv();
     // a rank with 2+ kv heads, each read by 2+ query heads
     run.kv_groups = run.kv_groups || (g.kv() % t == 0 && g.kv() / t >= 2 && g.heads > g.kv());
+    run.sp_chunk_mid_sequence =
+        run.sp_chunk_mid_sequence || (o.batch_size * o.seq_len / t) % o.seq_len != 0;
   }
   return run;
 }
