@@ -6,6 +6,7 @@
 #include <map>
 
 #include "backend/canonical_gemm.h"
+#include "core/text.h"
 #include "sharded/column_parallel_linear.h"
 #include "sharded/mappings.h"
 #include "sharded/row_parallel_linear.h"
@@ -45,12 +46,6 @@ ShardSpec kv_shard(const ParamSpec& p, int dim, const GptConfig& c, int r, int t
   s.rank = r;
   s.world = t;
   return s;
-}
-
-bool ends_with_any(const std::string& n, std::initializer_list<const char*> suffixes) {
-  for (const char* x : suffixes)
-    if (n.ends_with(x)) return true;
-  return false;
 }
 
 }  // namespace

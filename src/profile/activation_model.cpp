@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "core/errors.h"
+#include "core/text.h"
 
 namespace tpsim {
 
@@ -67,11 +68,6 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     out.tensors.push_back({std::move(tag), cat, std::move(s), n, layer});
   };
   const auto A = MemCategory::Activation, Tm = MemCategory::Temporary;
-  auto ends = [](const std::string& n, std::initializer_list<const char*> tails) {
-    for (const char* x : tails)
-      if (n.ends_with(x)) return true;
-    return false;
-  };
 
   // ---- parameters, gradients, Adam, by Megatron's layout (sharded/gpt.h's
   // gpt_param_shard): column-parallel weights and their biases split by rows, k and v by
@@ -82,14 +78,14 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     Shape s = p.shape;
     const std::string& n = p.name;
     if ((n == "wte.weight" || n == "lm_head.weight") && lp) s[0] = Vl;
-    else if (ends(n, {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"}))
+    else if (ends_with_any(n, {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"}))
       s[0] = KVl;
-    else if (ends(n, {"q_proj.weight", "q_proj.bias", "ffn1.weight", "ffn1.bias",
+    else if (ends_with_any(n, {"q_proj.weight", "q_proj.bias", "ffn1.weight", "ffn1.bias",
                       "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"}))
       s[0] /= t;
-    else if (ends(n, {"o_proj.weight", "ffn2.weight", "down_proj.weight"}))
+    else if (ends_with_any(n, {"o_proj.weight", "ffn2.weight", "down_proj.weight"}))
       s[1] /= t;
-    const bool fused = ends(n, {"gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"});
+    const bool fused = ends_with_any(n, {"gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"});
     if (!fused) {
       add(MemCategory::Parameter, n, s, -1);
       add(MemCategory::Gradient, n + ".grad", s, -1, bc);

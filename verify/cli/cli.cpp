@@ -148,7 +148,7 @@ void add_tp_invariant_flag(CLI::App& cmd, RunOptions& o, const std::string& what
 // The --model family's architecture, then each architecture flag given over it.
 void apply_architecture(RunOptions& o, const RawFlags& raw) {
   GptConfig& c = o.gpt;
-  apply_gpt_family(c, o.model == ModelKind::Gpt ? raw.model : "gpt");
+  apply_gpt_family(c, raw.model == "mlp" ? "gpt" : raw.model);
   auto pair = [](int on, int off, const char* a, const char* b, bool& field) {
     if (on && off) throw UsageError(std::string(a) + " and " + b + " exclude each other");
     if (on) field = true;

@@ -17,6 +17,34 @@ GptConfig small_gpt_config() {
   return g;
 }
 
+namespace {
+
+// The sweep's small GPT as `family`, at degrees `tp` (48 tokens: sequence parallel splits
+// them at 1..4 and 8).
+RunOptions small_gpt(const RunOptions& base, const std::string& family, std::vector<int> tp) {
+  RunOptions o = base;
+  o.model = ModelKind::Gpt;
+  o.gpt = small_gpt_config();
+  apply_gpt_family(o.gpt, family);
+  o.batch_size = kSmallGptBatch;
+  o.seq_len = kSmallGptSeqLen;
+  o.tp = std::move(tp);
+  return o;
+}
+
+// Calls add(mode) with `o` set to each of the four parallelism modes in turn.
+template <class F>
+void for_each_mode(RunOptions& o, F&& add) {
+  for (const std::string m : {"plain", "--loss-parallel", "--sequence-parallel",
+                              "--loss-parallel --sequence-parallel"}) {
+    o.loss_parallel = m.find("loss") != std::string::npos;
+    o.sequence_parallel = m.find("sequence") != std::string::npos;
+    add(m);
+  }
+}
+
+}  // namespace
+
 std::vector<SweepCase> default_sweep(const RunOptions& base) {
   std::vector<SweepCase> all;
   RunOptions mlp = base;
@@ -24,22 +52,13 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   mlp.tp = {1, 2, 4, 8};
   all.push_back({"mlp", mlp});
 
-  RunOptions gpt = base;
-  gpt.model = ModelKind::Gpt;
-  gpt.gpt = small_gpt_config();
-  gpt.batch_size = kSmallGptBatch;
-  gpt.seq_len = kSmallGptSeqLen;  // 48 tokens: sequence parallel splits them at 1..4 (and 8)
-  gpt.tp = {1, 2, 3, 4};
-  for (const char* mode : {"plain", "--loss-parallel", "--sequence-parallel",
-                           "--loss-parallel --sequence-parallel"}) {
-    const std::string m = mode;
-    gpt.loss_parallel = m.find("loss") != std::string::npos;
-    gpt.sequence_parallel = m.find("sequence") != std::string::npos;
+  RunOptions gpt = small_gpt(base, "gpt", {1, 2, 3, 4});
+  for_each_mode(gpt, [&](const std::string& m) {
     for (BatchKind b : {BatchKind::Boundary, BatchKind::Random}) {
       gpt.batch = b;
       all.push_back({"gpt " + m + ", " + batch_kind_name(b), gpt});
     }
-  }
+  });
 
   // The families, in the four modes: GPT-2's biases and tanh GELU at the GPT's degrees;
   // Llama's SwiGLU, RMSNorm, RoPE and untied head with grouped-query attention three
@@ -47,23 +66,11 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   // them: each replicated on 2 ranks) and 1 (multi-query, with RoPE's interleaved pairs).
   auto family = [&](const std::string& name, const std::string& fam, std::int64_t kv,
                     RopeStyle style, std::vector<int> tp) {
-    RunOptions f = base;
-    f.model = ModelKind::Gpt;
-    f.gpt = small_gpt_config();
-    apply_gpt_family(f.gpt, fam);
+    RunOptions f = small_gpt(base, fam, std::move(tp));
     f.gpt.kv_heads = kv;
     f.gpt.rope_style = style;
-    f.batch_size = kSmallGptBatch;
-    f.seq_len = kSmallGptSeqLen;
     f.batch = BatchKind::Boundary;
-    f.tp = std::move(tp);
-    for (const char* mode : {"plain", "--loss-parallel", "--sequence-parallel",
-                             "--loss-parallel --sequence-parallel"}) {
-      const std::string m = mode;
-      f.loss_parallel = m.find("loss") != std::string::npos;
-      f.sequence_parallel = m.find("sequence") != std::string::npos;
-      all.push_back({name + " " + m, f});
-    }
+    for_each_mode(f, [&](const std::string& m) { all.push_back({name + " " + m, f}); });
   };
   family("gpt2", "gpt2", 0, RopeStyle::Half, {1, 2, 3, 4});
   family("llama gqa", "llama", 4, RopeStyle::Half, {1, 2, 4});

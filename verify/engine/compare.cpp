@@ -82,6 +82,7 @@ class Scan {
     ref_norm_ = rn;
   }
   double reference_norm() const { return ref_norm_; }
+  double diff_norm() const { return std::sqrt(diff2_); }
 
  private:
   // a[0..len) against ref[0..len) (or 0), flat indices k0.., all within one profile bin.
@@ -141,8 +142,10 @@ class Scan {
   std::int64_t worst_local_ = -1;
 };
 
+// `terms_norm` > 0: the norm of the terms the tensor sums (compare_to_reference).
 Comparison compare_view(const ObservationView& obs, const double* reference_full,
-                        std::size_t reference_size, double tolerance, double allowance) {
+                        std::size_t reference_size, double tolerance, double allowance,
+                        double terms_norm = 0.0) {
   Comparison c = header(obs);
   c.tolerance = tolerance;
   if (static_cast<std::int64_t>(reference_size) != shape_numel(obs.spec.full_shape))
@@ -179,7 +182,13 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
     }
   }
   scan.finish(s);
-  c.tolerance = with_allowance(tolerance, allowance, scan.reference_norm());
+  double norm = scan.reference_norm();
+  if (terms_norm > norm) {  // a sum that cancels: its terms set the scale (never a tighter check)
+    norm = terms_norm;
+    c.rel_err = scan.diff_norm() / norm;
+    c.scaled = true;
+  }
+  c.tolerance = with_allowance(tolerance, allowance, norm);
   c.pass = c.rel_err <= c.tolerance;  // false for NaN
   return c;
 }
@@ -207,20 +216,9 @@ double TermScale::block_norm(const ShardSpec& spec) const {
 
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
                                 double tolerance, double allowance, const TermScale* terms) {
-  Comparison c = compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
-                              reference_full.size(), tolerance, allowance);
-  if (!terms) return c;
-  const double sn = terms->block_norm(obs.spec);
-  // rel_err was ‖a−b‖/‖b‖ (or ‖a−b‖ for ‖b‖ = 0): back to ‖a−b‖, then over the terms.
-  const double rn = c.reference_rms * std::sqrt(static_cast<double>(obs.values.size()));
-  const double dn = rn > 0 ? c.rel_err * rn : c.rel_err;
-  if (sn > rn) {  // a sum that cancels: its terms set the scale (never a tighter check)
-    c.rel_err = dn / sn;
-    c.tolerance = with_allowance(tolerance, allowance, sn);
-    c.pass = c.rel_err <= c.tolerance;
-    c.scaled = true;
-  }
-  return c;
+  return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
+                      reference_full.size(), tolerance, allowance,
+                      terms ? terms->block_norm(obs.spec) : 0.0);
 }
 
 Comparison compare_replica(const Observation& obs, const Observation& rank0) {

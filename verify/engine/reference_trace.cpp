@@ -103,10 +103,10 @@ class OwnBounds {
   explicit OwnBounds(const RunOptions& o)
       : on_(o.dtype != DType::BF16), resync_(o.resync), base_(gradient_error_scale(o)),
         adam_(o.adam), lr_(o.lr), tp_(o.tp) {
-    // bf16: the ToleranceModel bounds every tensor a priori, except a GPT bias's update,
-    // whose gradient cancels (RefStep::term_scale) and which this bounds from the
+    // bf16: the ToleranceModel bounds every tensor a priori, except a bias's update
+    // (the GPT's: its gradient cancels, RefStep::term_scale), which this bounds from the
     // reference's own moments as f32's are (tolerance.cpp, "(5) Steps").
-    if (!on_ && o.model == ModelKind::Gpt) bf16_ = std::make_unique<ToleranceModel>(o);
+    if (!on_) bf16_ = std::make_unique<ToleranceModel>(o);
   }
 
   // This step starts from the sharded side's own weights (check's default): like

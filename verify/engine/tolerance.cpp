@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/text.h"
 #include "verify/setup/tensor_order.h"
 
 namespace tpsim {
@@ -253,11 +254,6 @@ double init_rms(const InitSpec& s) {
   return 0.0;
 }
 
-bool ends_with_any(const std::string& n, std::initializer_list<const char*> tails) {
-  for (const char* t : tails)
-    if (n.ends_with(t)) return true;
-  return false;
-}
 }  // namespace
 
 double storage_roundoff(DType d) {

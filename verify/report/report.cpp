@@ -107,9 +107,7 @@ std::string format_bytes(double b) {
 std::string describe_failure(const Comparison& c) { return describe(c); }
 
 std::string verify_config_line(const RunOptions& o) {
-  const std::string model = std::string(model_name(o.model)) +
-                            (o.model == ModelKind::Gpt ? " (" + describe_architecture(o.gpt) + ")" : "");
-  return std::string("tpsim verify: model ") + model + ", " + dtype_name(o.dtype) +
+  return "tpsim verify: model " + model_description(o) + ", " + dtype_name(o.dtype) +
          " sharded vs f64 reference, tp " + tp_list(o) + ", " + std::to_string(o.steps) +
          " steps, seed " + std::to_string(o.seed) + (o.resync ? ", resync" : "") + ", backend " +
          backend_description(o.device.backend);

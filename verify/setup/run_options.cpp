@@ -5,6 +5,10 @@
 namespace tpsim {
 
 const char* model_name(ModelKind m) { return m == ModelKind::Mlp ? "mlp" : "gpt"; }
+std::string model_description(const RunOptions& o) {
+  if (o.model == ModelKind::Mlp) return "mlp";
+  return std::string(model_name(o.model)) + " (" + describe_architecture(o.gpt) + ")";
+}
 const char* batch_kind_name(BatchKind b) { return b == BatchKind::Random ? "random" : "boundary"; }
 
 void check_tp_degree(const RunOptions& o, int tp) {

@@ -48,6 +48,8 @@ struct RunOptions {
 };
 
 const char* model_name(ModelKind m);
+// "mlp", or "gpt (<its architecture>)" (describe_architecture): what the reports call it.
+std::string model_description(const RunOptions& o);
 const char* batch_kind_name(BatchKind b);
 
 // Throws UsageError when a TP degree cannot shard the model (one line, naming the rule).
