@@ -10,6 +10,8 @@
 #include <string>
 #include <thread>
 
+#include "init/counter_rng.h"
+
 namespace tpsim::ref {
 namespace {
 
@@ -162,15 +164,43 @@ void rope_rotate(Matrix<S>& m, Index T, Index A, const GptConfig& c, double sign
   }
 }
 
+// ---------------------------------------------------------------- dropout
+
+// Dropout by global index: element i (row-major) of a site's full tensor is kept, times
+// 1/(1-p), when the counter-based uniform at i under the site's key for this step is at
+// least p; else it is zeroed. Written from that definition, not from the sharded code.
+template <class S>
+struct Dropout {
+  double p = 0.0;  // 0: none
+  std::uint64_t key = 0;
+
+  Dropout(double prob, std::uint64_t seed, const std::string& site, std::int64_t step)
+      : p(prob), key(dropout_key(seed, site, step)) {}
+  bool on() const { return p > 0.0; }
+  S factor(std::uint64_t i) const {
+    return uniform_of_bits(counter_bits_at(key, i)) >= p ? static_cast<S>(1.0 / (1.0 - p)) : S(0);
+  }
+  // m [R, C] *= mask, element (r, c) at index first + r*C + c.
+  template <class M>
+  void apply(M&& m, std::uint64_t first = 0) const {
+    if (!on()) return;
+    for (Index r = 0; r < m.rows(); ++r)
+      for (Index c = 0; c < m.cols(); ++c)
+        m(r, c) *= factor(first + static_cast<std::uint64_t>(r * m.cols() + c));
+  }
+};
+
 // ---------------------------------------------------------------- causal self-attention
 
-// Per sequence b and head j: P = causal_softmax(Q K^T / sqrt(d)), Y = P V, where Q is the
-// [T, d] block at rows b*T.., columns j*d.., and K, V the blocks of kv head j / (A/KV)
-// (grouped-query attention: consecutive query heads share a kv head). Masked
+// Per sequence b and head j: P = causal_softmax(Q K^T / sqrt(d)), Pd = dropout(P), Y = Pd V,
+// where Q is the [T, d] block at rows b*T.., columns j*d.., and K, V the blocks of kv head
+// j / (A/KV) (grouped-query attention: consecutive query heads share a kv head). Masked
 // probabilities are stored as exact zeros, which is what makes the backward ignore them.
+// Pd (att_drop) is kept only with dropout; the mask indexes the full [B, A, T, T].
 template <class S>
-void attention_forward(Matrix<S>& y, Matrix<S>& att, const Matrix<S>& q, const Matrix<S>& k,
-                       const Matrix<S>& v, Index B, Index T, Index A) {
+void attention_forward(Matrix<S>& y, Matrix<S>& att, Matrix<S>& att_drop, const Matrix<S>& q,
+                       const Matrix<S>& k, const Matrix<S>& v, Index B, Index T, Index A,
+                       const Dropout<S>& drop) {
   const Index H = q.cols(), d = H / A, group = A / (k.cols() / d);
   const S scale = S(1) / std::sqrt(static_cast<S>(d));
   y.resize(B * T, H);      // [N, H]
@@ -190,17 +220,26 @@ void attention_forward(Matrix<S>& y, Matrix<S>& att, const Matrix<S>& q, const M
         seen /= seen.sum();
         P.row(t).tail(T - t - 1).setZero();
       }
-      y.block(b * T, j * d, T, d).noalias() = P * V;
+      if (!drop.on()) {
+        y.block(b * T, j * d, T, d).noalias() = P * V;
+        continue;
+      }
+      att_drop.resize(B * A * T, T);  // [B*A*T, T]
+      auto Pd = att_drop.block((b * A + j) * T, 0, T, T);  // [T, T]
+      Pd = P;
+      drop.apply(Pd, static_cast<std::uint64_t>((b * A + j) * T * T));
+      y.block(b * T, j * d, T, d).noalias() = Pd * V;
     }
 }
 
-// dV = P^T dY; dP = dY V^T; dS = P * (dP - rowsum(P * dP)) (softmax backward, row-wise);
-// dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d). A kv head's dK and dV sum over the query
-// heads of its group.
+// dV = Pd^T dY; dP = dropout(dY V^T) (the same mask); dS = P * (dP - rowsum(P * dP))
+// (softmax backward, row-wise); dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d). A kv head's dK
+// and dV sum over the query heads of its group. Without dropout Pd is P.
 template <class S>
 void attention_backward(Matrix<S>& dq, Matrix<S>& dk, Matrix<S>& dv, const Matrix<S>& dy,
-                        const Matrix<S>& att, const Matrix<S>& q, const Matrix<S>& k,
-                        const Matrix<S>& v, Index B, Index T, Index A) {
+                        const Matrix<S>& att, const Matrix<S>& att_drop, const Matrix<S>& q,
+                        const Matrix<S>& k, const Matrix<S>& v, Index B, Index T, Index A,
+                        const Dropout<S>& drop) {
   const Index H = q.cols(), d = H / A, KVW = k.cols(), group = A / (KVW / d);
   const S scale = S(1) / std::sqrt(static_cast<S>(d));
   dq.resize(B * T, H);                 // [N, H]
@@ -215,8 +254,10 @@ void attention_backward(Matrix<S>& dq, Matrix<S>& dk, Matrix<S>& dv, const Matri
       auto V = v.block(b * T, kv, T, d);                 // [T, d]
       auto dY = dy.block(b * T, j * d, T, d);            // [T, d]
       const auto P = att.block((b * A + j) * T, 0, T, T);  // [T, T]
-      dv.block(b * T, kv, T, d).noalias() += P.transpose() * dY;
+      const auto Pd = (drop.on() ? att_drop : att).block((b * A + j) * T, 0, T, T);  // [T, T]
+      dv.block(b * T, kv, T, d).noalias() += Pd.transpose() * dY;
       dP.noalias() = dY * V.transpose();
+      drop.apply(dP, static_cast<std::uint64_t>((b * A + j) * T * T));
       for (Index t = 0; t < T; ++t) {
         const S dot = P.row(t).dot(dP.row(t));
         dP.row(t) = P.row(t).cwiseProduct((dP.row(t).array() - dot).matrix());
@@ -343,7 +384,8 @@ double crossentropy_forward_backward(Matrix<S>& dlogits, const Matrix<S>& logits
 // ---------------------------------------------------------------- the model
 
 template <class S>
-Gpt<S>::Gpt(const GptConfig& config, ParamSet<S> params) : config_(config) {
+Gpt<S>::Gpt(const GptConfig& config, ParamSet<S> params, std::uint64_t dropout_seed)
+    : config_(config), dropout_seed_(dropout_seed) {
   const GptConfig& c = config_;
   if (c.vocab_size < 1 || c.block_size < 1 || c.hidden < 1 || c.heads < 1 || c.layers < 0)
     throw UsageError("reference Gpt: vocab, block size, hidden and heads must be >= 1");
@@ -420,12 +462,19 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     if (record_) points_[name] = m;
   };
 
+  // This step's dropout at each site: its masks are drawn by global index, keyed by the
+  // step (the Adam steps taken so far), so a rerun of the step draws the same.
+  const auto dropout = [&](const std::string& site) {
+    return Dropout<S>(c.dropout, dropout_seed_, "dropout/" + site, adam_.steps());
+  };
+
   // ------------------------------------------------------------ forward
   Matrix<S> x(N, H);  // [N, H] the residual stream
   for (Index n = 0; n < N; ++n) {
     x.row(n) = P("wte.weight").row(batch.input_ids[static_cast<std::size_t>(n)]);
     if (!c.rope()) x.row(n) += P("wpe.weight").row(n % T);
   }
+  dropout("embedding").apply(x);
   note("act/embedding.out", x);
   Matrix<S> tmp;  // [N, H] a branch's output before it is added to the residual
   for (Index l = 0; l < L; ++l) {
@@ -440,15 +489,17 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       rope_rotate(a.q, T, A, c, 1.0);
       rope_rotate(a.k, T, c.kv(), c, 1.0);
     }
-    attention_forward(a.att_y, a.att, a.q, a.k, a.v, B, T, A);
+    attention_forward(a.att_y, a.att, a.att_drop, a.q, a.k, a.v, B, T, A,
+                      dropout(p + "attn.probs"));
     linear_forward(tmp, a.att_y, P(p + "attn.o_proj.weight"), Pb(p + "attn.o_proj"));
+    note(pt + "attn.o.out", tmp);
+    dropout(p + "attn.residual").apply(tmp);
     x += tmp;
     note(pt + "ln1.out", a.ln1_out);
     note(pt + "attn.q", a.q);
     note(pt + "attn.k", a.k);
     note(pt + "attn.v", a.v);
     note(pt + "attn.out", a.att_y);
-    note(pt + "attn.o.out", tmp);
     note(pt + "residual.mid", x);
     norm_forward(a.ln2_out, a.ln2_xhat, a.ln2_rstd, x, P(p + "ln2.weight"), Pb(p + "ln2"), c.norm,
                  c.ln_eps);
@@ -466,8 +517,9 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       note(pt + "mlp.gelu.out", a.ffn_act);
     }
     linear_forward(tmp, a.ffn_act, P(p + mlp.back() + ".weight"), Pb(p + mlp.back()));
-    x += tmp;
     note(pt + mlp.back() + ".out", tmp);
+    dropout(p + "mlp.residual").apply(tmp);
+    x += tmp;
     note(pt + "residual.out", x);
   }
   norm_forward(lnf_out_, lnf_xhat_, lnf_rstd_, x, P("ln_f.weight"), Pb("ln_f"), c.norm, c.ln_eps);
@@ -502,17 +554,21 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   norm_terms("ln_f", dlnf_out, lnf_xhat_);
   Matrix<S> dact, dpre, dup;  // [N, F] through the MLP
   Matrix<S> dln, dmid;        // [N, H] a norm's output gradient; attention output gradient
+  Matrix<S> dbranch;          // [N, H] a residual branch's output gradient, through its dropout
   Matrix<S> dq, dk, dv;       // [N, H], [N, KV*d], [N, KV*d]
   for (Index l = L - 1; l >= 0; --l) {
     const BlockActs& a = blocks_[static_cast<std::size_t>(l)];
     const std::string p = block(l), pt = "act/" + p;
     note(pt + "residual.out.grad", dx);
-    note(pt + mlp.back() + ".out.grad", dx);  // a residual branch gets the residual's gradient
-    // x_out = x_mid + mlp(ln2(x_mid)): the residual passes dx through as is.
+    // x_out = x_mid + dropout(mlp(ln2(x_mid))): the residual passes dx through as is, the
+    // branch gets it through its mask.
+    dbranch = dx;
+    dropout(p + "mlp.residual").apply(dbranch);
+    note(pt + mlp.back() + ".out.grad", dbranch);
     dact = Matrix<S>::Zero(N, F);
-    linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dx, a.ffn_act,
+    linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dbranch, a.ffn_act,
                     P(p + mlp.back() + ".weight"));
-    terms(p + mlp.back(), dx, a.ffn_act);
+    terms(p + mlp.back(), dbranch, a.ffn_act);
     dln = Matrix<S>::Zero(N, H);
     if (c.swiglu()) {
       note(pt + "mlp.swiglu.out.grad", dact);
@@ -536,13 +592,16 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     norm_terms(p + "ln2", dln, a.ln2_xhat);
     note(pt + "ln2.out.grad", dln);
     note(pt + "residual.mid.grad", dx);
-    note(pt + "attn.o.out.grad", dx);
-    // x_mid = x_in + o_proj(attention(q, k, v)), q/k/v all from ln1(x_in).
+    // x_mid = x_in + dropout(o_proj(attention(q, k, v))), q/k/v all from ln1(x_in).
+    dbranch = dx;
+    dropout(p + "attn.residual").apply(dbranch);
+    note(pt + "attn.o.out.grad", dbranch);
     dmid = Matrix<S>::Zero(N, H);
-    linear_backward(dmid, G(p + "attn.o_proj.weight"), Gb(p + "attn.o_proj"), dx, a.att_y,
+    linear_backward(dmid, G(p + "attn.o_proj.weight"), Gb(p + "attn.o_proj"), dbranch, a.att_y,
                     P(p + "attn.o_proj.weight"));
-    terms(p + "attn.o_proj", dx, a.att_y);
-    attention_backward(dq, dk, dv, dmid, a.att, a.q, a.k, a.v, B, T, A);
+    terms(p + "attn.o_proj", dbranch, a.att_y);
+    attention_backward(dq, dk, dv, dmid, a.att, a.att_drop, a.q, a.k, a.v, B, T, A,
+                       dropout(p + "attn.probs"));
     note(pt + "attn.out.grad", dmid);
     note(pt + "attn.q.grad", dq);
     note(pt + "attn.k.grad", dk);
@@ -567,6 +626,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     note(pt + "ln1.out.grad", dln);
   }
   note("act/embedding.out.grad", dx);
+  dropout("embedding").apply(dx);  // now the gradient of the embeddings' sum
   // A lookup's gradient is a scatter-add: a token used twice gets both rows' gradients.
   for (Index n = 0; n < N; ++n) {
     G("wte.weight").row(batch.input_ids[static_cast<std::size_t>(n)]) += dx.row(n);

@@ -28,7 +28,9 @@ namespace tpsim::ref {
 template <class S>
 class Gpt {
  public:
-  Gpt(const GptConfig& config, ParamSet<S> params);
+  // dropout_seed keys the dropout masks (config.dropout > 0), as the run's seed does the
+  // sharded model's.
+  Gpt(const GptConfig& config, ParamSet<S> params, std::uint64_t dropout_seed = 0);
 
   // Forward and backward on one batch; returns the loss, fills logits() [B*T, V] (row
   // b*T+t is position t of sequence b; all T positions) and grads() (overwritten).
@@ -73,6 +75,7 @@ class Gpt {
     Matrix<S> q;          // [N, H]       projection (after RoPE); head j is columns [j*d, (j+1)*d)
     Matrix<S> k, v;       // [N, KV*d]    (k after RoPE)
     Matrix<S> att;        // [B*A*T, T]   softmax probabilities, block (b*A+j)*T is head j of b
+    Matrix<S> att_drop;   // [B*A*T, T]   att after dropout (dropout only), what multiplied v
     Matrix<S> att_y;      // [N, H]       heads concatenated, input of o_proj
     Matrix<S> ln2_xhat;   // [N, H]
     Vector<S> ln2_rstd;   // [N]
@@ -83,6 +86,7 @@ class Gpt {
   };
 
   GptConfig config_;
+  std::uint64_t dropout_seed_;
   ParamSet<S> params_;
   ParamSet<S> grads_;
   Adam<S> adam_;

@@ -137,8 +137,8 @@ check "verify small gpt bf16"                     "$T" "${S[@]}" "${small[@]}" -
 check "verify small gpt bf16 lp+sp"               "$T" "${S[@]}" "${small[@]}" --loss-parallel --sequence-parallel --dtype bf16
 fam=(--vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32 --batch-size 2
      --tp 1,2,4,8)
-check "verify gpt2 f64 lp"                        "$T" "${S[@]}" --model gpt2 "${fam[@]}" --loss-parallel
-check "verify gpt2 bf16 sp"                       "$T" "${S[@]}" --model gpt2 "${fam[@]}" --sequence-parallel --dtype bf16
+check "verify gpt2 dropout f64 lp"                "$T" "${S[@]}" --model gpt2 "${fam[@]}" --dropout 0.1 --loss-parallel
+check "verify gpt2 dropout bf16 sp"               "$T" "${S[@]}" --model gpt2 "${fam[@]}" --dropout 0.1 --sequence-parallel --dtype bf16
 check "verify llama kv 2 f32 sp"                  "$T" "${S[@]}" --model llama "${fam[@]}" --kv-heads 2 --sequence-parallel --dtype f32
 check "verify llama mqa interleaved bf16 lp+sp"   "$T" "${S[@]}" --model llama "${fam[@]}" --kv-heads 1 --rope-style interleaved --loss-parallel --sequence-parallel --dtype bf16
 check "verify small gpt f32 --comm nccl tp 1"     "$T" verify --backend cuda --comm nccl --model gpt --preset small --dtype f32 --tp 1

@@ -81,6 +81,14 @@ const std::vector<FaultInfo>& all_faults() {
       {Fault::RopeStyleMixed, "rope-style-mixed",
        "RoPE: the other convention's pairs rotated (half vs interleaved)",
        {.mlp = false, .gpt = true, .min_tp = 1, .rope = true}},
+      {Fault::DropoutReplicatedPerRank, "dropout-replicated-per-rank",
+       "dropout: a replicated region's mask (embeddings, residual branches without SP) drawn "
+       "per rank, so the replicas differ",
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::Off, .dropout = true}},
+      {Fault::DropoutTpMaskSameOnRanks, "dropout-tp-mask-same-on-ranks",
+       "dropout: the head-split attention probabilities' mask indexed by local head, so every "
+       "rank draws the same",
+       {.mlp = false, .gpt = true, .dropout = true}},
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},
@@ -139,6 +147,7 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
   if (s.tied && !run.tied) return "breaks the tied LM head; it needs --tied-embeddings";
   if (s.two_kv_heads && !run.two_kv_heads)
     return "takes k from another rank's kv head, and with one kv head every rank holds the same";
+  if (s.dropout && !run.dropout) return "breaks dropout; it needs --dropout above 0";
   if (s.sp_chunk_mid_sequence && !run.sp_chunk_mid_sequence)
     return "miscounts positions from a rank's first token, which at every degree of this run "
            "starts a sequence (batch x sequence / tp is a multiple of --seq-len)";

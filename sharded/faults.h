@@ -39,6 +39,9 @@ enum class Fault {
   SwigluContiguousSplit,   // the fused [gate; up] split contiguously, not [G_r; U_r] per rank
   RopeSpPositionsNotOffset,// RoPE positions counted from the rank's first token under SP
   RopeStyleMixed,          // RoPE rotates the other convention's pairs (half vs interleaved)
+  DropoutReplicatedPerRank,  // a replicated region's dropout mask drawn per rank
+  DropoutTpMaskSameOnRanks,  // the head-split attention dropout indexed locally: every rank
+                             // draws the same mask
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
 };
@@ -61,6 +64,7 @@ struct FaultScope {
   bool tied = false;           // the LM head tied to wte
   bool two_kv_heads = false;   // k's slices differ from rank to rank: 2 or more kv heads
   bool sp_chunk_mid_sequence = false;  // some rank's SP token chunk starts inside a sequence
+  bool dropout = false;        // dropout > 0
 };
 
 struct FaultInfo {
@@ -87,6 +91,7 @@ struct FaultTarget {
   bool kv_replicated = false;  // some TP degree exceeds the kv heads
   bool two_kv_heads = true;    // the model has 2 or more kv heads
   bool sp_chunk_mid_sequence = false;  // under SP, some degree's B·T/t is no multiple of T
+  bool dropout = false;
 };
 
 // "" when `f` changes such a run at some TP degree; otherwise why it cannot ("needs

@@ -141,6 +141,7 @@ struct ShardedGpt::Block {
   Tensor k_heads, v_heads;    // [N,Hl]  the kv head of each local query head (GQA; else
                               //         k_out and v_out themselves)
   Tensor probs;               // [B,A/t,T,T]
+  Tensor probs_dropped;       // [B,A/t,T,T] probs after dropout, what multiplied v (dropout only)
   Tensor att;                 // [N,Hl]  attention output, heads side by side
   Tensor x_mid;               // [Nl,H]  residual after attention
   Tensor h2;                  // [Nl,H]  ln2 output
@@ -169,6 +170,7 @@ struct ShardedGpt::Workspace {
   Tensor du;        // [N,Fl], [N,2Fl] under SwiGLU
   Tensor kv_grads;  // [t·G] GQA with kv heads replicated: every rank's k/v gradients
   Tensor dres[2];   // [Nl,H]   residual-stream gradients, ping-pong between blocks
+  Tensor dbranch;   // [Nl,H]   a residual branch's gradient through its dropout (dropout only)
   Tensor fault_buf; // [t·N,H] or [N,H], only for the rank-order and chunk-order faults
 };
 
@@ -227,7 +229,7 @@ bool seed_architecture(const GptConfig& c) {
   const GptConfig seed;
   return c.norm == seed.norm && c.norm_bias == seed.norm_bias && c.linear_bias == seed.linear_bias &&
          c.mlp == seed.mlp && c.ffn() == 4 * c.hidden && c.positions == seed.positions &&
-         c.kv() == c.heads && c.tied_embeddings == seed.tied_embeddings;
+         c.kv() == c.heads && c.tied_embeddings == seed.tied_embeddings && c.dropout == 0.0;
 }
 
 Parameter& ShardedGpt::lm_head() {
@@ -244,7 +246,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
                        const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
                        std::uint64_t seed, Fault fault)
     : ShardedModel(be, fault), cfg_(cfg), adam_(adam), par_(par), comm_(comm), dtype_(dtype),
-      rank_(comm.rank()), world_(comm.world_size()) {
+      seed_(seed), rank_(comm.rank()), world_(comm.world_size()) {
   const int r = rank_, t = world_;
   const std::int64_t H = cfg.hidden;
   B_ = batch.B;
@@ -430,6 +432,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     blk->k_heads = KVl == Hl ? blk->k_out : act({N_, Hl}, p + "attn.k.heads");
     blk->v_heads = KVl == Hl ? blk->v_out : act({N_, Hl}, p + "attn.v.heads");
     blk->probs = act({B_, Al, T_, T_}, p + "attn.probs");
+    if (cfg.dropout > 0) blk->probs_dropped = act({B_, Al, T_, T_}, p + "attn.probs.dropped");
     blk->att = act({N_, Hl}, p + "attn.out");
     blk->x_mid = act({Nl_, H}, p + "residual.mid");
     blk->h2 = act({Nl_, H}, p + "ln2.out");
@@ -503,6 +506,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
              cfg.swiglu() ? "mlp.gate_up.out.grad" : "mlp.ffn1.out.grad");
   w.dres[0] = tmp({Nl_, H}, "residual.grad.0");
   w.dres[1] = tmp({Nl_, H}, "residual.grad.1");
+  if (cfg.dropout > 0) w.dbranch = tmp({Nl_, H}, "residual.branch.grad");
   if (fault == Fault::RankOrderSum) w.fault_buf = tmp({t * N_, H}, "fault.partials");
   if (fault == Fault::SpAllGatherChunkOrder) w.fault_buf = tmp({N_, H}, "fault.gathered");
 
@@ -653,6 +657,33 @@ void ShardedGpt::row_bias_backward(Parameter* bias, const Tensor& dres) {
   if (fault_ == Fault::RowBiasGradDividedByT) be_.scale_inplace(bias->grad, 1.0 / world_);
 }
 
+DropoutMask ShardedGpt::tokens_mask(const std::string& site) const {
+  if (cfg_.dropout == 0.0) return {};
+  // The residual stream is replicated without SP: every rank draws the same mask, as the
+  // reference does; the fault mixes the rank into the seed, as a per-rank RNG would.
+  const std::uint64_t seed =
+      fault_ == Fault::DropoutReplicatedPerRank ? seed_ + static_cast<std::uint64_t>(rank_) : seed_;
+  return dropout_rows(cfg_.dropout, seed, site, step_, tok0_, cfg_.hidden);
+}
+
+DropoutMask ShardedGpt::probs_mask(std::size_t l) const {
+  if (cfg_.dropout == 0.0) return {};
+  const std::int64_t Al = cfg_.heads / world_;
+  // Each rank draws its own heads' part; the fault indexes them locally, so every rank
+  // draws head 0's mask for its first head.
+  const std::int64_t head0 = fault_ == Fault::DropoutTpMaskSameOnRanks ? 0 : rank_ * Al;
+  return dropout_heads(cfg_.dropout, seed_, "dropout/h." + std::to_string(l) + ".attn.probs",
+                       step_, cfg_.heads, head0, Al, T_);
+}
+
+const Tensor& ShardedGpt::branch_grad(const Tensor& dres, const std::string& site) {
+  const DropoutMask mask = tokens_mask(site);
+  if (!mask.active()) return dres;
+  be_.copy(ws_->dbranch, dres);
+  be_.dropout(ws_->dbranch, mask);
+  return ws_->dbranch;
+}
+
 void ShardedGpt::snapshot_halves(Snapshots& into, const std::string& left,
                                  const std::string& right, const Tensor& t) {
   if (!record_) return;
@@ -783,6 +814,7 @@ void ShardedGpt::forward() {
     be_.embedding_forward(pos_emb, pos_, param("wpe.weight").value, 0);
     be_.add_inplace(x0_, pos_emb);
   }
+  be_.dropout(x0_, tokens_mask("dropout/embedding"));
 
   // ---- blocks ----
   const double scale = softmax_scale();
@@ -790,6 +822,7 @@ void ShardedGpt::forward() {
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
     Block& b = *blocks_[l];
     const std::string pt = "act/h." + std::to_string(l) + ".";
+    const std::string site = "dropout/h." + std::to_string(l) + ".";
     comm_.set_label("h." + std::to_string(l) + ".attn");
     norm_forward(b.h1, b.ln1_mean, b.ln1_rstd, *x, *b.ln1, b.ln1_b);
     enter_tp(b.h1_full, b.h1);
@@ -803,10 +836,12 @@ void ShardedGpt::forward() {
     }
     expand_kv(b.k_heads, b.k_out);
     expand_kv(b.v_heads, b.v_out);
-    be_.attention_forward(b.att, b.probs, b.q_out, b.k_heads, b.v_heads, B_, T_, Al, scale);
+    be_.attention_forward(b.att, b.probs, b.probs_dropped, b.q_out, b.k_heads, b.v_heads, B_, T_,
+                          Al, scale, probs_mask(l));
     row_forward(b.o, b.att, Hc);
     Tensor& attn_out = leave_tp_biased(leave_tp, b.o_b);
     snapshot(*fwd_snaps_, pt + "attn.o.out", point(pt + "attn.o.out"), attn_out);
+    be_.dropout(attn_out, tokens_mask(site + "attn.residual"));
     be_.copy(b.x_mid, *x);
     be_.add_inplace(b.x_mid, attn_out);
 
@@ -824,6 +859,7 @@ void ShardedGpt::forward() {
     else if (inv_) mlp_out = &leave_tp(/*own_only=*/true);  // the missing g: own chunks only
     const std::string out_point = pt + cfg_.mlp_linears().back() + ".out";
     snapshot(*fwd_snaps_, out_point, point(out_point), *mlp_out);
+    be_.dropout(*mlp_out, tokens_mask(site + "mlp.residual"));
     be_.copy(b.x_out, b.x_mid);
     be_.add_inplace(b.x_out, *mlp_out);
     x = &b.x_out;
@@ -957,15 +993,18 @@ void ShardedGpt::backward() {
     auto snap = [&](const char* name, const Tensor& t) {
       snapshot(snaps, pt + name, point(pt + name), t);
     };
-    // A residual's branch output has the residual's gradient: the sum passes it through.
+    // A residual's branch output has the residual's gradient (the sum passes it through),
+    // through the branch's dropout.
+    const std::string site = "dropout/h." + std::to_string(li) + ".";
     const auto mlp = cfg_.mlp_linears();
     snap("residual.out.grad", *dx);
-    snapshot(snaps, pt + mlp.back() + ".out.grad", point(pt + mlp.back() + ".out.grad"), *dx);
 
-    // x_out = x_mid + mlp(ln2(x_mid))
+    // x_out = x_mid + dropout(mlp(ln2(x_mid)))
     comm_.set_label("h." + std::to_string(li) + ".mlp");
-    const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(*dx) : *dx;
-    row_bias_backward(b.mlp_out_b, *dx);
+    const Tensor& dmlp_out = branch_grad(*dx, site + "mlp.residual");
+    snapshot(snaps, pt + mlp.back() + ".out.grad", point(pt + mlp.back() + ".out.grad"), dmlp_out);
+    const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(dmlp_out) : dmlp_out;
+    row_bias_backward(b.mlp_out_b, dmlp_out);
     row_backward(b.mlp_out, s.da, dmlp, b.a, Fc);
     if (cfg_.swiglu()) {
       snap("mlp.swiglu.out.grad", s.da);
@@ -983,16 +1022,17 @@ void ShardedGpt::backward() {
     snap("ln2.out.grad", dh2);
     norm_backward(*dx, *b.ln2, b.ln2_b, dh2, b.x_mid, b.ln2_mean, b.ln2_rstd);
     snap("residual.mid.grad", *dx);
-    snap("attn.o.out.grad", *dx);
 
-    // x_mid = x_in + attn(ln1(x_in))
+    // x_mid = x_in + dropout(attn(ln1(x_in)))
     comm_.set_label("h." + std::to_string(li) + ".attn");
-    const Tensor& dattn = g_backward(*dx);
-    row_bias_backward(b.o_b, *dx);
+    const Tensor& do_out = branch_grad(*dx, site + "attn.residual");
+    snap("attn.o.out.grad", do_out);
+    const Tensor& dattn = g_backward(do_out);
+    row_bias_backward(b.o_b, do_out);
     row_backward(b.o, s.datt, dattn, b.att, Hc);
     snap("attn.out.grad", s.datt);
     be_.attention_backward(s.dq, s.dk_heads, s.dv_heads, s.datt, b.q_out, b.k_heads, b.v_heads,
-                           b.probs, B_, T_, Al, scale);
+                           b.probs, b.probs_dropped, B_, T_, Al, scale, probs_mask(li));
     sum_kv_groups(s.dk, s.dk_heads);
     sum_kv_groups(s.dv, s.dv_heads);
     snap("attn.q.grad", s.dq);
@@ -1021,6 +1061,7 @@ void ShardedGpt::backward() {
   // ---- embeddings ----
   snapshot(snaps, "act/embedding.out.grad", point("act/embedding.out.grad"), *dx);
   comm_.set_label("embedding");
+  be_.dropout(*dx, tokens_mask("dropout/embedding"));  // dx is the embeddings' gradient now
   if (inv_ && sp) {
     // wpe's and (without loss parallel) wte's gradients sum over this rank's tokens: one
     // partial per token chunk, combined in chunk order.

@@ -103,6 +103,15 @@ class ShardedGpt final : public ShardedModel {
   void sum_over_kv_replicas(Tensor& grad);
   // A row-parallel bias's gradient from the residual stream's gradient dres [Nl,H].
   void row_bias_backward(Parameter* bias, const Tensor& dres);
+  // Dropout masks (backend/dropout_mask.h), drawn for this step by global index: over
+  // this rank's [Nl,H] tokens of the residual stream at `site` ("dropout/embedding",
+  // "dropout/h.0.attn.residual"), and over layer l's [B,A/t,T,T] attention probabilities.
+  // Inactive without dropout.
+  DropoutMask tokens_mask(const std::string& site) const;
+  DropoutMask probs_mask(std::size_t l) const;
+  // A residual branch's output gradient from the residual's, dres [Nl,H]: through its
+  // dropout (into the workspace), or dres itself without dropout.
+  const Tensor& branch_grad(const Tensor& dres, const std::string& site);
   // Snapshots of the two column halves of t (SwiGLU's [gate | up]) as two points.
   struct Snapshots;
   void snapshot_halves(Snapshots& into, const std::string& left, const std::string& right,
@@ -123,6 +132,7 @@ class ShardedGpt final : public ShardedModel {
   GptParallelism par_;
   Communicator& comm_;
   DType dtype_;
+  std::uint64_t seed_;  // the run's seed: weights, and the dropout masks' streams
   std::int64_t step_ = 0;
   double loss_ = 0.0;
 

@@ -53,6 +53,18 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
   expect_usage_error("verify --model gpt2 --preset small --tp-invariant --tp 1,2",
                      "--tp-invariant: not yet for this architecture");
   expect_usage_error("verify --model gpt2 --norm nonsense", "--norm");
+  expect_usage_error("verify --model gpt2 --dropout 1", "--dropout");
+  expect_usage_error("verify --model gpt2 --dropout -0.1", "--dropout");
+  expect_usage_error("verify --model mlp --dropout 0.1", "apply to --model gpt, gpt2 and llama");
+  expect_usage_error("verify --model gpt --preset small --dropout 0.1 --tp-invariant --tp 1,2",
+                     "--tp-invariant: not yet for this architecture");
+  // The dump's manifest has no architecture fields yet: check would replay the seed's GPT.
+  expect_usage_error("train --model gpt --preset small --dropout 0.1 --tp 1 --dump " +
+                         temp_path("dropout-dump"),
+                     "--dump: the dump format holds the seed's GPT architecture only");
+  expect_usage_error(
+      "verify --model gpt --preset small --tp 2 --inject-fault dropout-tp-mask-same-on-ranks",
+      "needs --dropout above 0");
   expect_usage_error("verify --kv-heads 2", "add --model mlp, gpt, gpt2 or llama");
   // A fault whose code path this architecture lacks is refused, not silently passed.
   expect_usage_error("verify --model gpt --preset small --tp 2 --inject-fault row-bias-before-reduce",

@@ -43,6 +43,8 @@
 #include "profile/timing_backend.h"
 
 namespace {
+// The attention ops' dropped probabilities, untouched without dropout.
+tpsim::Tensor unused_dropped;
 
 using namespace tpsim;
 using i64 = std::int64_t;
@@ -693,7 +695,8 @@ TEST_CASE("cpu backend: attention forward against a loop", "[backend]") {
              vt = env.make({B * T, h * d}, dt, v, "v");
       Tensor out = env.out({B * T, h * d}, dt, "attn.out");
       Tensor probs = env.out({B, h, T, T}, dt, "attn.probs");
-      env.be->attention_forward(out, probs, qt, kt, vt, B, T, h, scale);
+      env.be->attention_forward(out, probs, unused_dropped, qt, kt, vt, B, T, h, scale,
+                                DropoutMask{});
       Vec ro, rp;
       attention_ref(q, k, v, B, T, h, d, scale, ro, rp);
       const double tol = fwd_tol(dt, static_cast<double>(d + 2 * T));
@@ -707,6 +710,114 @@ TEST_CASE("cpu backend: attention forward against a loop", "[backend]") {
           for (i64 s = t + 1; s < T; ++s)
             REQUIRE(got_p[static_cast<std::size_t>((bj * T + t) * T + s)] == 0.0);
     }
+}
+
+TEST_CASE("cpu backend: dropout draws each slice's part of the full mask", "[backend][dropout]") {
+  Env env;
+  const i64 R = 60, C = 50;
+  const double p = 0.3;
+  const Vec x = env.randn(static_cast<std::size_t>(R * C));
+  for (DType dt : kFloatTypes) {
+    INFO(dtype_name(dt));
+    const Vec xr = round_to(dt, x);
+    Tensor full = env.make({R, C}, dt, xr, "x");
+    env.be->dropout(full, dropout_rows(p, 11, "dropout/test", 3, 0, C));
+    const Vec got = env.host(full);
+    // every element is 0 or x/(1-p) as the dtype rounds it, and about 1-p are kept
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      if (got[i] == 0.0 && xr[i] != 0.0) continue;
+      ++kept;
+      const double s32 = static_cast<float>(1.0 / (1.0 - p));
+      const Vec one = round_to(dt, Vec{xr[i] * s32});
+      if (dt == DType::F64) REQUIRE(got[i] == xr[i] * (1.0 / (1.0 - p)));
+      else REQUIRE(got[i] == one[0]);
+    }
+    // binomial: n = 3000 draws, sd sqrt(n p (1-p)) = 25; 5 sd either side
+    CHECK(std::abs(static_cast<double>(kept) - (1 - p) * R * C) < 5 * 25.1);
+    // a block of rows [20, 45) and columns [10, 30): its own call draws the same mask
+    Vec part;
+    for (i64 r = 20; r < 45; ++r)
+      for (i64 c = 10; c < 30; ++c) part.push_back(xr[static_cast<std::size_t>(r * C + c)]);
+    Tensor blk = env.make({25, 20}, dt, part, "x.block");
+    env.be->dropout(blk, dropout_rows(p, 11, "dropout/test", 3, 20, C, 10));
+    const Vec got_blk = env.host(blk);
+    for (i64 r = 0; r < 25; ++r)
+      for (i64 c = 0; c < 20; ++c)
+        REQUIRE(got_blk[static_cast<std::size_t>(r * 20 + c)] ==
+                got[static_cast<std::size_t>((r + 20) * C + c + 10)]);
+    // another step or site draws another mask; p = 0 changes nothing
+    Tensor other = env.make({R, C}, dt, xr, "x");
+    env.be->dropout(other, dropout_rows(p, 11, "dropout/test", 4, 0, C));
+    CHECK(env.host(other) != got);
+    Tensor none = env.make({R, C}, dt, xr, "x");
+    env.be->dropout(none, DropoutMask{});
+    CHECK(env.host(none) == xr);
+  }
+}
+
+TEST_CASE("cpu backend: attention dropout, a head slice's mask and its exact gradient",
+          "[backend][dropout]") {
+  Env env;
+  const i64 B = 2, T = 5, A = 4, d = 3, h = 2, head0 = 2;  // heads [2, 4) of 4
+  const double p = 0.3, scale = 0.8 / std::sqrt(static_cast<double>(d));
+  const auto n = static_cast<std::size_t>(B * T * A * d), nl = n / 2;
+  const Vec q = env.randn(n), k = env.randn(n), v = env.randn(n);
+  // every rank's columns: heads [head0, head0 + h)
+  auto cols = [&](const Vec& m) {
+    Vec r;
+    for (i64 row = 0; row < B * T; ++row)
+      for (i64 c = head0 * d; c < (head0 + h) * d; ++c)
+        r.push_back(m[static_cast<std::size_t>(row * A * d + c)]);
+    return r;
+  };
+  auto run = [&](i64 heads, i64 first, const Vec& qv, const Vec& kv, const Vec& vv, Tensor& probs,
+                 Tensor& dropped) {
+    const Shape s{B * T, heads * d};
+    Tensor qt = env.make(s, DType::F64, qv, "q"), kt = env.make(s, DType::F64, kv, "k"),
+           vt = env.make(s, DType::F64, vv, "v"), out = env.out(s, DType::F64, "out");
+    probs = env.out({B, heads, T, T}, DType::F64, "probs");
+    dropped = env.out({B, heads, T, T}, DType::F64, "dropped");
+    env.be->attention_forward(out, probs, dropped, qt, kt, vt, B, T, heads, scale,
+                              dropout_heads(p, 5, "dropout/test", 0, A, first, heads, T));
+    return env.host(out);
+  };
+  Tensor pf, df, ps, ds;
+  const Vec out_full = run(A, 0, q, k, v, pf, df);
+  const Vec out_slice = run(h, head0, cols(q), cols(k), cols(v), ps, ds);
+  const Vec probs = env.host(pf), dropped = env.host(df), dropped_slice = env.host(ds);
+  // the slice's dropped probabilities are the full run's, heads 2 and 3, bit for bit
+  for (i64 b = 0; b < B; ++b)
+    for (std::size_t e = 0; e < static_cast<std::size_t>(h * T * T); ++e)
+      REQUIRE(dropped_slice[static_cast<std::size_t>(b * h * T * T) + e] ==
+              dropped[static_cast<std::size_t>((b * A + head0) * T * T) + e]);
+  // dropped = probs · keep/(1-p), some dropped, the output from them
+  std::size_t zeroed = 0;
+  for (std::size_t i = 0; i < probs.size(); ++i) {
+    REQUIRE((dropped[i] == 0.0 || dropped[i] == probs[i] * (1.0 / (1.0 - p))));
+    zeroed += dropped[i] == 0.0 && probs[i] != 0.0;
+  }
+  CHECK(zeroed > 0);
+  check_close(cols(out_full), out_slice, filled(nl, max_abs(out_slice)), 1e-15, "slice out");
+
+  // backward against finite differences of Σ out·w, the mask held fixed
+  const Vec w = env.randn(nl);
+  const Shape s{B * T, h * d};
+  auto L = [&](const Vec& qkv) {
+    Tensor pp, dd;
+    return dot(run(h, head0, slice(qkv, 0, nl), slice(qkv, nl, nl), slice(qkv, 2 * nl, nl), pp,
+               dd), w);
+  };
+  Tensor qt = env.make(s, DType::F64, cols(q), "q"), kt = env.make(s, DType::F64, cols(k), "k"),
+         vt = env.make(s, DType::F64, cols(v), "v"), dout = env.make(s, DType::F64, w, "dout");
+  Tensor dq = env.out(s, DType::F64, "dq"), dk = env.out(s, DType::F64, "dk"),
+         dv = env.out(s, DType::F64, "dv");
+  env.be->attention_backward(dq, dk, dv, dout, qt, kt, vt, ps, ds, B, T, h, scale,
+                             dropout_heads(p, 5, "dropout/test", 0, A, head0, h, T));
+  const Vec fd = fd_grad(L, concat(concat(cols(q), cols(k)), cols(v)));
+  check_grad(env.host(dq), slice(fd, 0, nl), "dq");
+  check_grad(env.host(dk), slice(fd, nl, nl), "dk");
+  check_grad(env.host(dv), slice(fd, 2 * nl, nl), "dv");
 }
 
 TEST_CASE("cpu backend: attention backward against finite differences", "[backend]") {
@@ -723,7 +834,8 @@ TEST_CASE("cpu backend: attention backward against finite differences", "[backen
              vt = env.make(s2, dt, vv, "v");
       Tensor out = env.out(s2, dt, "out");
       probs = env.out({B, h, T, T}, dt, "probs");
-      env.be->attention_forward(out, probs, qt, kt, vt, B, T, h, scale);
+      env.be->attention_forward(out, probs, unused_dropped, qt, kt, vt, B, T, h, scale,
+                                DropoutMask{});
       return env.host(out);
     };
     auto backward = [&](DType dt, const Vec& qv, const Vec& kv, const Vec& vv) {
@@ -732,7 +844,8 @@ TEST_CASE("cpu backend: attention backward against finite differences", "[backen
       Tensor qt = env.make(s2, dt, qv, "q"), kt = env.make(s2, dt, kv, "k"),
              vt = env.make(s2, dt, vv, "v"), dout = env.make(s2, dt, round_to(dt, w), "dout");
       Tensor dq = env.out(s2, dt, "dq"), dk = env.out(s2, dt, "dk"), dv = env.out(s2, dt, "dv");
-      env.be->attention_backward(dq, dk, dv, dout, qt, kt, vt, probs, B, T, h, scale);
+      env.be->attention_backward(dq, dk, dv, dout, qt, kt, vt, probs, Tensor{}, B, T, h, scale,
+                                 DropoutMask{});
       return concat(concat(env.host(dq), env.host(dk)), env.host(dv));
     };
     auto L = [&](const Vec& qkv) {
@@ -773,7 +886,8 @@ TEST_CASE("cpu backend: attention backward at larger sizes, directional", "[back
     Tensor qt = env.make(s2, DType::F64, qv, "q"), kt = env.make(s2, DType::F64, kv, "k"),
            vt = env.make(s2, DType::F64, vv, "v");
     Tensor out = env.out(s2, DType::F64, "out"), probs = env.out({B, h, T, T}, DType::F64, "p");
-    env.be->attention_forward(out, probs, qt, kt, vt, B, T, h, scale);
+    env.be->attention_forward(out, probs, unused_dropped, qt, kt, vt, B, T, h, scale,
+                              DropoutMask{});
     if (probs_out) *probs_out = probs;
     return dot(env.host(out), w);
   };
@@ -783,7 +897,8 @@ TEST_CASE("cpu backend: attention backward at larger sizes, directional", "[back
          vt = env.make(s2, DType::F64, v, "v"), dout = env.make(s2, DType::F64, w, "dout");
   Tensor dq = env.out(s2, DType::F64, "dq"), dk = env.out(s2, DType::F64, "dk"),
          dv = env.out(s2, DType::F64, "dv");
-  env.be->attention_backward(dq, dk, dv, dout, qt, kt, vt, probs, B, T, h, scale);
+  env.be->attention_backward(dq, dk, dv, dout, qt, kt, vt, probs, Tensor{}, B, T, h, scale,
+                             DropoutMask{});
   const Vec g[3] = {env.host(dq), env.host(dk), env.host(dv)};
   const char* names[] = {"dq", "dk", "dv"};
   const double step = 1e-5;
@@ -825,8 +940,10 @@ TEST_CASE("cpu backend: a head's attention bits do not depend on how many heads 
       Tensor out = env.out(s2, dt, "out"), probs = env.out({1, heads, T, T}, dt, "p");
       Tensor dq = env.out(s2, dt, "dq"), dk = env.out(s2, dt, "dk"), dv = env.out(s2, dt, "dv");
       const double scale = 0.125;
-      env.be->attention_forward(out, probs, qt, kt, vt, 1, T, heads, scale);
-      env.be->attention_backward(dq, dk, dv, dout, qt, kt, vt, probs, 1, T, heads, scale);
+      env.be->attention_forward(out, probs, unused_dropped, qt, kt, vt, 1, T, heads, scale,
+                                DropoutMask{});
+      env.be->attention_backward(dq, dk, dv, dout, qt, kt, vt, probs, Tensor{}, 1, T, heads, scale,
+                                 DropoutMask{});
       return std::vector<Vec>{env.host(out), env.host(probs), env.host(dq), env.host(dk),
                               env.host(dv)};
     };
@@ -859,12 +976,12 @@ TEST_CASE("cpu backend: attention backward scratch is a freed Temporary", "[back
   auto& ledger = env.be->allocator().ledger();
   Tensor q = env.make(s2, DType::F64, env.randn(24), "q"), out = env.out(s2, DType::F64, "o"),
          probs = env.out({B, h, T, T}, DType::F64, "p");
-  env.be->attention_forward(out, probs, q, q, q, B, T, h, 0.5);
+  env.be->attention_forward(out, probs, unused_dropped, q, q, q, B, T, h, 0.5, DropoutMask{});
   Tensor dq = env.out(s2, DType::F64, "dq"), dk = env.out(s2, DType::F64, "dk"),
          dv = env.out(s2, DType::F64, "dv");
   const i64 before = ledger.current(MemCategory::Temporary);
   ledger.reset_peaks();
-  env.be->attention_backward(dq, dk, dv, q, q, q, q, probs, B, T, h, 0.5);
+  env.be->attention_backward(dq, dk, dv, q, q, q, q, probs, Tensor{}, B, T, h, 0.5, DropoutMask{});
   CHECK(ledger.current(MemCategory::Temporary) == before);
   CHECK(ledger.peak(MemCategory::Temporary) >= before + T * T * 8);
 }
@@ -1253,14 +1370,18 @@ TEST_CASE("cpu backend: shape and dtype mismatches name the tensor", "[backend]"
                 {"layernorm_forward", "rstd", "h.ln1.rstd", "f64"});
 
   Tensor q = env.out({6, 8}, f, "attn.q"), p = env.out({2, 2, 3, 4}, f, "attn.probs");
-  require_error([&] { env.be->attention_forward(q, p, q, q, q, 2, 3, 2, 1.0); },
+  require_error([&] { env.be->attention_forward(q, p, unused_dropped, q, q, q, 2, 3, 2, 1.0,
+                                                DropoutMask{}); },
                 {"attention_forward", "probs", "attn.probs", "[2,2,3,3]"});
-  require_error([&] { env.be->attention_forward(q, p, q, q, q, 2, 3, 3, 1.0); },
+  require_error([&] { env.be->attention_forward(q, p, unused_dropped, q, q, q, 2, 3, 3, 1.0,
+                                                DropoutMask{}); },
                 {"attention_forward", "attn.q", "h=3"});
   Tensor p3 = env.out({2, 2, 3, 3}, f, "attn.probs3"), kv = env.out({6, 8}, f, "attn.kv");
-  require_error([&] { env.be->attention_forward(q, p3, q, kv, kv, 2, 3, 2, 1.0); },
+  require_error([&] { env.be->attention_forward(q, p3, unused_dropped, q, kv, kv, 2, 3, 2, 1.0,
+                                                DropoutMask{}); },
                 {"attention_forward", "out", "attn.q", "overlaps"});
-  require_error([&] { env.be->attention_backward(q, kv, kv, kv, q, kv, kv, p3, 2, 3, 2, 1.0); },
+  require_error([&] { env.be->attention_backward(q, kv, kv, kv, q, kv, kv, p3, Tensor{}, 2, 3, 2,
+                                                 1.0, DropoutMask{}); },
                 {"attention_backward", "dq", "attn.q", "overlaps"});
 
   Tensor fids = env.out({4}, f, "input_ids"), table = env.out({5, 3}, f, "wte"),

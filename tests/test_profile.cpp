@@ -133,15 +133,17 @@ TEST_CASE("measured bytes equal the model for tp 1,2,4 with and without SP and L
 }
 
 TEST_CASE("the families: measured bytes equal the model, tensor by tensor", "[profile]") {
-  // GPT-2's biases; Llama's fused gate/up, RMSNorm (no mean), RoPE (no wpe), untied head,
-  // and GQA: 2 kv heads, so tp 1 and 2 expand them per query head and tp 4 replicates them
-  // (with the gathered k/v gradients' buffer).
+  // GPT-2's biases and dropout (the dropped probabilities kept beside the probabilities,
+  // and the branch gradient's buffer); Llama's fused gate/up, RMSNorm (no mean), RoPE (no
+  // wpe), untied head, and GQA: 2 kv heads, so tp 1 and 2 expand them per query head and
+  // tp 4 replicates them (with the gathered k/v gradients' buffer).
   for (const char* family : {"gpt2", "llama"})
     for (DType dt : {DType::F32, DType::BF16})
       for (bool sp : {false, true}) {
         RunOptions o = small_gpt(sp, !sp);
         apply_gpt_family(o.gpt, family);
         if (std::string(family) == "llama") o.gpt.kv_heads = 2;
+        else o.gpt.dropout = 0.1;
         o.dtype = dt;
         const ProfileResult res = profile(o);
         for (const auto& run : res.runs)

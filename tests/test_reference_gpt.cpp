@@ -180,13 +180,15 @@ TEST_CASE("reference GPT gradients match central finite differences", "[referenc
     CHECK(r.worst < 1e-6);
   }
   SECTION("the families: every architecture choice has its own backward") {
-    // GPT-2 (LayerNorm and Linear biases, tanh GELU) and Llama (RMSNorm, SwiGLU, RoPE,
-    // untied head) with grouped-query attention: 4 query heads on 2 kv heads, then one
-    // (MQA) with RoPE's interleaved pairs and Linear biases on top.
+    // GPT-2 (LayerNorm and Linear biases, tanh GELU, dropout 0.2: the step's masks are
+    // fixed, so the loss is differentiable and the gradient goes through them) and Llama
+    // (RMSNorm, SwiGLU, RoPE, untied head) with grouped-query attention: 4 query heads on
+    // 2 kv heads, then one (MQA) with RoPE's interleaved pairs and Linear biases on top.
     for (int variant = 0; variant < 3; ++variant) {
       GptConfig f = c;
       tpsim::apply_gpt_family(f, variant == 0 ? "gpt2" : "llama");
       f.ffn_hidden = 24;
+      if (variant == 0) f.dropout = 0.2;
       if (variant == 1) f.kv_heads = 2;
       if (variant == 2) {
         f.kv_heads = 1;

@@ -51,10 +51,13 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
     families[name.substr(0, name.find(" --") == std::string::npos ? name.find(" plain") : name.find(" --"))] += 1;
     for (const auto& t : c["tp"]) CHECK(t["max_rel_err"].get<double>() < 1e-12);
   }
-  CHECK(families == std::map<std::string, int>{
-                        {"gpt2", 4}, {"llama gqa", 4}, {"llama kv<tp", 4}, {"llama mqa", 4}});
+  CHECK(families == std::map<std::string, int>{{"gpt2 dropout 0.1", 4},
+                                               {"llama gqa", 4},
+                                               {"llama kv<tp", 4},
+                                               {"llama mqa", 4}});
   CHECK(j["cases"][9]["architecture"] ==
-        "LayerNorm+bias, Linear biases, tanh GELU F 288, learned positions, 12 heads, tied");
+        "LayerNorm+bias, Linear biases, tanh GELU F 288, learned positions, 12 heads, tied, "
+        "dropout 0.1");
 }
 
 TEST_CASE("flags of one configuration need --model", "[cli][sweep]") {
@@ -128,6 +131,11 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
       // 48 tokens at tp 4 are 12 per rank, half a sequence: positions 12.. become 0..
       {"rope-sp-positions-not-offset", {"reference", "act/h.0.attn.q", "", 4}},
       {"rope-style-mixed", {"reference", "act/h.0.attn.q", "rank 0/1", 1}},
+      // Rank 1 draws its own embedding mask where rank 0's (the reference's) belongs: the
+      // replica check fails there too, one row below.
+      {"dropout-replicated-per-rank", {"reference", "act/embedding.out", "rank 1/2 replica", 2}},
+      // Rank 1's heads 6..11 dropped by heads 0..5's mask: the attention output's shard.
+      {"dropout-tp-mask-same-on-ranks", {"reference", "act/h.0.attn.out", "rank 1/2 cols", 2}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.
       {"reassembly-shard-order", {"reassembled", "fc1.weight.grad", "reassembled from 2", 2}},
   };

@@ -69,14 +69,16 @@ class LoggingBackend final : public Backend {
                 (Tensor& di, Tensor& dw, const Tensor& d, const Tensor& i, const Tensor& w,
                  const Tensor& m, const Tensor& r),
                 (di, dw, d, i, w, m, r))
+  TPSIM_FORWARD(void, dropout, (Tensor& x, const DropoutMask& m), (x, m))
   TPSIM_FORWARD(void, attention_forward,
-                (Tensor& o, Tensor& p, const Tensor& q, const Tensor& k, const Tensor& v, i64 B,
-                 i64 T, i64 h, double s),
-                (o, p, q, k, v, B, T, h, s))
+                (Tensor& o, Tensor& p, Tensor& pd, const Tensor& q, const Tensor& k,
+                 const Tensor& v, i64 B, i64 T, i64 h, double s, const DropoutMask& m),
+                (o, p, pd, q, k, v, B, T, h, s, m))
   TPSIM_FORWARD(void, attention_backward,
                 (Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& d, const Tensor& q,
-                 const Tensor& k, const Tensor& v, const Tensor& p, i64 B, i64 T, i64 h, double s),
-                (dq, dk, dv, d, q, k, v, p, B, T, h, s))
+                 const Tensor& k, const Tensor& v, const Tensor& p, const Tensor& pd, i64 B,
+                 i64 T, i64 h, double s, const DropoutMask& m),
+                (dq, dk, dv, d, q, k, v, p, pd, B, T, h, s, m))
   TPSIM_FORWARD(void, embedding_forward, (Tensor& o, const Tensor& i, const Tensor& t, i64 r),
                 (o, i, t, r))
   TPSIM_FORWARD(void, embedding_backward, (Tensor& d, const Tensor& o, const Tensor& i, i64 r),

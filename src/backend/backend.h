@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/dropout_mask.h"
 #include "core/tensor.h"
 
 namespace tpsim {
@@ -123,18 +124,27 @@ class Backend {
   virtual void rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
                              bool interleaved) = 0;
 
+  // ---- dropout, by the counter-based mask (backend/dropout_mask.h) --------------------
+  // x[R,C] *= keep(r, c) / (1-p), in place. A diagonal scaling, so it is its own backward:
+  // the same call on the output's gradient gives the input's.
+  virtual void dropout(Tensor& x, const DropoutMask& mask) = 0;
+
   // ---- causal self-attention over h local heads of size d --------------------------
   // q, k, v, out: [B*T, h*d], head j in columns [j*d, (j+1)*d). probs: [B, h, T, T],
   // probs[b,j,t,s] = softmax over s <= t of scale · q[b,t,j]·k[b,s,j]; 0 for s > t.
-  // out[b,t,j] = Σ_s probs[b,j,t,s] · v[b,s,j].
-  virtual void attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
-                                 const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
-                                 double scale) = 0;
+  // out[b,t,j] = Σ_s dropped[b,j,t,s] · v[b,s,j], dropped = probs with dropout `mask` on
+  // the [B·h·T, T] rows (Megatron's attention_dropout), saved beside probs, whose softmax
+  // backward needs it undropped. Without dropout (!mask.active()) `dropped` is not touched
+  // (it may be an undefined tensor) and out reads probs.
+  virtual void attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
+                                 const Tensor& k, const Tensor& v, std::int64_t B, std::int64_t T,
+                                 std::int64_t h, double scale, const DropoutMask& mask) = 0;
   // dq, dk, dv [B*T, h*d] are overwritten.
   virtual void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
                                   const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& probs, std::int64_t B, std::int64_t T,
-                                  std::int64_t h, double scale) = 0;
+                                  const Tensor& probs, const Tensor& dropped, std::int64_t B,
+                                  std::int64_t T, std::int64_t h, double scale,
+                                  const DropoutMask& mask) = 0;
 
   // ---- embedding over a row range of a table ----------------------------------------
   // table [R,C] holds rows [row0, row0+R) of the full table. out[N,C]: row i is

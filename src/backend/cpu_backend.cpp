@@ -312,12 +312,20 @@ void layernorm_backward_kernel(T* dinp, T* dweight, const T* dout, const T* inp,
 // (tests/test_cpu_backend.cpp checks one head at h 8 against h 1 at T 256, d 64;
 // tests/test_tp_invariant.cpp holds the TP-invariant mode to it at tp 1, 2, 4, 8).
 
+// Row r of x[R,C] (row r of the mask's [R,C] view) times keep/(1-p), in place.
+template <class T>
+void dropout_row(T* x, i64 r, i64 C, const DropoutMask& mask) {
+  const T s = T(mask.scale());
+  for (i64 c = 0; c < C; ++c) x[c] = mask.keep(r, c) ? x[c] * s : T(0);
+}
+
 // For every batch row b and local head j, with Q, K, V the [T,d] blocks of q, k, v (row
 // stride h·d) and P the [T,T] block probs[b,j]:
-//   P = causal_softmax(scale · Q·Kᵀ),  O = P·V.
+//   P = causal_softmax(scale · Q·Kᵀ),  Pd = dropout(P) (when the mask is active),
+//   O = Pd·V.
 template <class T>
-void attention_forward_kernel(T* out, T* probs, const T* q, const T* k, const T* v, i64 B, i64 T_,
-                              i64 h, i64 d, T scale) {
+void attention_forward_kernel(T* out, T* probs, T* dropped, const T* q, const T* k, const T* v,
+                              i64 B, i64 T_, i64 h, i64 d, T scale, const DropoutMask& mask) {
   const i64 ld = h * d;
   for (i64 b = 0; b < B; ++b) {
     for (i64 j = 0; j < h; ++j) {
@@ -334,28 +342,38 @@ void attention_forward_kernel(T* out, T* probs, const T* q, const T* k, const T*
           vec::scaled_probs_f64(row, row, t + 1, mx, vec::sum_exp_f64(row, t + 1, mx), 1.0);
         std::fill(row + t + 1, row + T_, T(0));
       }
-      gemm_strided<T>(out + off, ld, pbj, T_, false, v + off, ld, false, T_, d, T_, T(1), T(0));
+      const T* pv = pbj;
+      if (mask.active()) {
+        T* dbj = dropped + (b * h + j) * T_ * T_;
+        std::copy_n(pbj, T_ * T_, dbj);
+        for (i64 t = 0; t < T_; ++t) dropout_row<T>(dbj + t * T_, (b * h + j) * T_ + t, T_, mask);
+        pv = dbj;
+      }
+      gemm_strided<T>(out + off, ld, pv, T_, false, v + off, ld, false, T_, d, T_, T(1), T(0));
     }
   }
 }
 // The exact gradient of the forward, per (b, j), with dO the [T,d] block of dout:
-//   dV = Pᵀ·dO
-//   dP = dO·Vᵀ                                (its upper triangle is discarded: P is 0 there)
+//   dV = Pdᵀ·dO
+//   dP = dropout(dO·Vᵀ)                       (the same mask; its upper triangle is
+//                                              discarded: P is 0 there)
 //   dS = scale · P ∘ (dP - rowsum(P ∘ dP))     (softmax backward, then the scale)
 //   dQ = dS·K,  dK = dSᵀ·Q
-// dscores is [T,T] scratch.
+// dscores is [T,T] scratch. Without dropout, Pd is P.
 template <class T>
 void attention_backward_kernel(T* dq, T* dk, T* dv, T* dscores, const T* dout, const T* q,
-                               const T* k, const T* v, const T* probs, i64 B, i64 T_, i64 h, i64 d,
-                               T scale) {
+                               const T* k, const T* v, const T* probs, const T* dropped, i64 B,
+                               i64 T_, i64 h, i64 d, T scale, const DropoutMask& mask) {
   const i64 ld = h * d;
   for (i64 b = 0; b < B; ++b) {
     for (i64 j = 0; j < h; ++j) {
       const i64 off = b * T_ * ld + j * d;
       const T* pbj = probs + (b * h + j) * T_ * T_;  // [T,T]
-      gemm_strided<T>(dv + off, ld, pbj, T_, true, dout + off, ld, false, T_, d, T_, T(1), T(0));
+      const T* pv = mask.active() ? dropped + (b * h + j) * T_ * T_ : pbj;
+      gemm_strided<T>(dv + off, ld, pv, T_, true, dout + off, ld, false, T_, d, T_, T(1), T(0));
       gemm_strided<T>(dscores, T_, dout + off, ld, false, v + off, ld, true, T_, T_, d, T(1), T(0));
       for (i64 t = 0; t < T_; ++t) {
+        if (mask.active()) dropout_row<T>(dscores + t * T_, (b * h + j) * T_ + t, t + 1, mask);
         ConstVec<T> p(pbj + t * T_, t + 1);
         Vec<T> ds(dscores + t * T_, t + 1);
         const T dot = (p * ds).sum();
@@ -878,35 +896,54 @@ void CpuBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor&
 
 // ---- attention ----------------------------------------------------------------------------
 
-void CpuBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
-                                   const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
-                                   double scale) {
-  const i64 d = check_attention_forward(device(), out, probs, q, k, v, B, T, h);
+void CpuBackend::dropout(Tensor& x, const DropoutMask& mask) {
+  const RowsCols s = check_dropout(device(), x, mask);
+  if (!mask.active()) return;
+  if (any_bf16({&x})) {
+    Bf16Widened w(scratch_);
+    Tensor f = w.inout(x);
+    dropout(f, mask);
+    return w.store();
+  }
+  on_float(x, [&](auto z) {
+    using T = decltype(z);
+    for (i64 r = 0; r < s.N; ++r) dropout_row<T>(x.data<T>() + r * s.C, r, s.C, mask);
+  });
+}
+
+void CpuBackend::attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
+                                   const Tensor& k, const Tensor& v, std::int64_t B, std::int64_t T,
+                                   std::int64_t h, double scale, const DropoutMask& mask) {
+  const i64 d = check_attention_forward(device(), out, probs, dropped, q, k, v, B, T, h, mask);
   if (any_bf16({&out, &probs, &q, &k, &v})) {
     // One fused kernel: the scores and probabilities stay f32 inside it (probs·v reads the
-    // f32 probabilities); probs is rounded to bf16 only where it is saved for backward.
+    // f32 probabilities, dropped or not); probs and dropped are rounded to bf16 only where
+    // they are saved for backward.
     Bf16Widened w(scratch_);
-    Tensor o = w.out(out), p = w.out(probs);
-    attention_forward(o, p, w.in(q), w.in(k), w.in(v), B, T, h, scale);
+    Tensor o = w.out(out), p = w.out(probs), pd = mask.active() ? w.out(dropped) : Tensor{};
+    attention_forward(o, p, pd, w.in(q), w.in(k), w.in(v), B, T, h, scale, mask);
     return w.store();
   }
   on_float(q, [&](auto z) {
     using F = decltype(z);
-    attention_forward_kernel<F>(out.data<F>(), probs.data<F>(), q.data<F>(), k.data<F>(),
-                                v.data<F>(), B, T, h, d, F(scale));
+    attention_forward_kernel<F>(out.data<F>(), probs.data<F>(),
+                                mask.active() ? dropped.data<F>() : nullptr, q.data<F>(),
+                                k.data<F>(), v.data<F>(), B, T, h, d, F(scale), mask);
   });
 }
 
 void CpuBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
                                     const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const Tensor& probs, std::int64_t B, std::int64_t T,
-                                    std::int64_t h, double scale) {
-  const i64 d = check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, B, T, h);
+                                    const Tensor& probs, const Tensor& dropped, std::int64_t B,
+                                    std::int64_t T, std::int64_t h, double scale,
+                                    const DropoutMask& mask) {
+  const i64 d =
+      check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, dropped, B, T, h, mask);
   if (any_bf16({&dq, &dk, &dv, &dout, &q, &k, &v, &probs})) {
     Bf16Widened w(scratch_);
     Tensor gq = w.out(dq), gk = w.out(dk), gv = w.out(dv);
-    attention_backward(gq, gk, gv, w.in(dout), w.in(q), w.in(k), w.in(v), w.in(probs), B, T, h,
-                       scale);
+    attention_backward(gq, gk, gv, w.in(dout), w.in(q), w.in(k), w.in(v), w.in(probs),
+                       mask.active() ? w.in(dropped) : Tensor{}, B, T, h, scale, mask);
     return w.store();
   }
   // A device kernel would need this scratch too, so it goes through the ledger.
@@ -915,7 +952,8 @@ void CpuBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Te
     using F = decltype(z);
     attention_backward_kernel<F>(dq.data<F>(), dk.data<F>(), dv.data<F>(), dscores.data<F>(),
                                  dout.data<F>(), q.data<F>(), k.data<F>(), v.data<F>(),
-                                 probs.data<F>(), B, T, h, d, F(scale));
+                                 probs.data<F>(), mask.active() ? dropped.data<F>() : nullptr, B,
+                                 T, h, d, F(scale), mask);
   });
 }
 

@@ -301,56 +301,78 @@ std::int64_t attention_dims(const OpCheck& c, const Tensor& q, std::int64_t B, s
 }
 }  // namespace
 
+namespace {
+void check_probability(const OpCheck& c, const DropoutMask& mask) {
+  if (!(mask.p >= 0.0 && mask.p < 1.0))
+    c.fail("dropout p = " + std::to_string(mask.p) + " is outside [0, 1)");
+}
+}  // namespace
+
+RowsCols check_dropout(Device dev, const Tensor& x, const DropoutMask& mask) {
+  OpCheck c("dropout", dev);
+  c.float_arg("x", x);
+  c.ndim("x", x, 2);
+  check_probability(c, mask);
+  return {x.dim(0), x.dim(1)};
+}
+
 std::int64_t check_attention_forward(Device dev, const Tensor& out, const Tensor& probs,
-                                     const Tensor& q, const Tensor& k, const Tensor& v,
-                                     std::int64_t B, std::int64_t T, std::int64_t h) {
+                                     const Tensor& dropped, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, std::int64_t B, std::int64_t T,
+                                     std::int64_t h, const DropoutMask& mask) {
   OpCheck c("attention_forward", dev);
   const std::int64_t d = attention_dims(c, q, B, T, h);
+  check_probability(c, mask);
   const std::string why = "q '" + q.tag() + "' is " + shape_str(q.shape()) +
                           ", B=" + std::to_string(B) + ", T=" + std::to_string(T) +
                           ", h=" + std::to_string(h);
-  for (const auto& [role, t, s] :
-       std::initializer_list<Want>{{"k", &k, q.shape()},
-                                   {"v", &v, q.shape()},
-                                   {"out", &out, q.shape()},
-                                   {"probs", &probs, Shape{B, h, T, T}}}) {
+  std::vector<Want> wants{{"k", &k, q.shape()},
+                          {"v", &v, q.shape()},
+                          {"out", &out, q.shape()},
+                          {"probs", &probs, Shape{B, h, T, T}}};
+  if (mask.active()) wants.push_back({"dropped", &dropped, Shape{B, h, T, T}});
+  for (const auto& [role, t, s] : wants) {
     c.same_dtype(role, *t, "q", q);
     c.shape(role, *t, s, why);
   }
   for (const auto& [role, t] : std::initializer_list<Arg>{{"q", &q}, {"k", &k}, {"v", &v}}) {
     c.no_overlap("out", out, role, *t);
     c.no_overlap("probs", probs, role, *t);
+    if (mask.active()) c.no_overlap("dropped", dropped, role, *t);
   }
   c.no_overlap("probs", probs, "out", out);
+  if (mask.active()) {
+    c.no_overlap("dropped", dropped, "out", out);
+    c.no_overlap("dropped", dropped, "probs", probs);
+  }
   return d;
 }
 
 std::int64_t check_attention_backward(Device dev, const Tensor& dq, const Tensor& dk,
                                       const Tensor& dv, const Tensor& dout, const Tensor& q,
                                       const Tensor& k, const Tensor& v, const Tensor& probs,
-                                      std::int64_t B, std::int64_t T, std::int64_t h) {
+                                      const Tensor& dropped, std::int64_t B, std::int64_t T,
+                                      std::int64_t h, const DropoutMask& mask) {
   OpCheck c("attention_backward", dev);
   const std::int64_t d = attention_dims(c, q, B, T, h);
+  check_probability(c, mask);
   const std::string why = "q '" + q.tag() + "' is " + shape_str(q.shape()) +
                           ", B=" + std::to_string(B) + ", T=" + std::to_string(T) +
                           ", h=" + std::to_string(h);
-  for (const auto& [role, t, s] :
-       std::initializer_list<Want>{{"k", &k, q.shape()},
-                                   {"v", &v, q.shape()},
-                                   {"dout", &dout, q.shape()},
-                                   {"dq", &dq, q.shape()},
-                                   {"dk", &dk, q.shape()},
-                                   {"dv", &dv, q.shape()},
-                                   {"probs", &probs, Shape{B, h, T, T}}}) {
+  std::vector<Want> wants{{"k", &k, q.shape()},      {"v", &v, q.shape()},
+                          {"dout", &dout, q.shape()}, {"dq", &dq, q.shape()},
+                          {"dk", &dk, q.shape()},    {"dv", &dv, q.shape()},
+                          {"probs", &probs, Shape{B, h, T, T}}};
+  if (mask.active()) wants.push_back({"dropped", &dropped, Shape{B, h, T, T}});
+  for (const auto& [role, t, s] : wants) {
     c.same_dtype(role, *t, "q", q);
     c.shape(role, *t, s, why);
   }
+  std::vector<Arg> ins{{"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"probs", &probs}};
+  if (mask.active()) ins.push_back({"dropped", &dropped});
   const auto outs = std::initializer_list<Arg>{{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
-  for (const auto& [orole, o] : outs) {
-    for (const auto& [irole, t] : std::initializer_list<Arg>{
-             {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"probs", &probs}})
-      c.no_overlap(orole, *o, irole, *t);
-  }
+  for (const auto& [orole, o] : outs)
+    for (const auto& [irole, t] : ins) c.no_overlap(orole, *o, irole, *t);
   c.no_overlap("dq", dq, "dk", dk);
   c.no_overlap("dq", dq, "dv", dv);
   c.no_overlap("dk", dk, "dv", dv);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "backend/dropout_mask.h"
 #include "core/tensor.h"
 
 namespace tpsim {
@@ -92,14 +93,19 @@ RowsCols check_swiglu_backward(Device dev, const Tensor& dgate_up, const Tensor&
 RowsCols check_rope(const char* op, Device dev, const Tensor& x, const Tensor& pos,
                     std::int64_t h, double theta);
 
-// Returns d, the head size.
+// Returns {R, C}: x [R,C] float; 0 <= p < 1.
+RowsCols check_dropout(Device dev, const Tensor& x, const DropoutMask& mask);
+
+// Returns d, the head size. `dropped` is checked (as probs) only when the mask is active.
 std::int64_t check_attention_forward(Device dev, const Tensor& out, const Tensor& probs,
-                                     const Tensor& q, const Tensor& k, const Tensor& v,
-                                     std::int64_t B, std::int64_t T, std::int64_t h);
+                                     const Tensor& dropped, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, std::int64_t B, std::int64_t T,
+                                     std::int64_t h, const DropoutMask& mask);
 std::int64_t check_attention_backward(Device dev, const Tensor& dq, const Tensor& dk,
                                       const Tensor& dv, const Tensor& dout, const Tensor& q,
                                       const Tensor& k, const Tensor& v, const Tensor& probs,
-                                      std::int64_t B, std::int64_t T, std::int64_t h);
+                                      const Tensor& dropped, std::int64_t B, std::int64_t T,
+                                      std::int64_t h, const DropoutMask& mask);
 
 struct EmbeddingDims {
   std::int64_t N, R, C;

@@ -1,7 +1,5 @@
-// A counter-based generator: every value is a pure function of (seed, stream, counter),
-// so any slice of a tensor can be generated on its own and match the full tensor bit for
-// bit, whatever the TP degree. The mixer is SplitMix64's finaliser applied to a combined
-// key; it passes the statistical needs of weight init, not of cryptography.
+// The counter-based generator's uniform and normal values, over the bits of
+// init/counter_bits.h.
 #pragma once
 
 #include <cmath>
@@ -9,36 +7,9 @@
 #include <numbers>
 #include <string_view>
 
+#include "init/counter_bits.h"
+
 namespace tpsim {
-
-// FNV-1a: turns a parameter name into a stream id.
-constexpr std::uint64_t name_hash(std::string_view s) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (char c : s) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-constexpr std::uint64_t mix64(std::uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// The part of counter_bits that depends on (seed, stream) only: a run of one tensor's
-// values computes it once.
-constexpr std::uint64_t counter_key(std::uint64_t seed, std::uint64_t stream) {
-  return mix64(mix64(seed + 0x9e3779b97f4a7c15ull) ^ stream);
-}
-constexpr std::uint64_t counter_bits_at(std::uint64_t key, std::uint64_t counter) {
-  return mix64(key + counter * 0x9e3779b97f4a7c15ull);
-}
-constexpr std::uint64_t counter_bits(std::uint64_t seed, std::uint64_t stream,
-                                     std::uint64_t counter) {
-  return counter_bits_at(counter_key(seed, stream), counter);
-}
 
 // Uniform in [0, 1) with 53 random bits.
 constexpr double uniform_of_bits(std::uint64_t bits) {

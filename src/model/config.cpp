@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 
 namespace tpsim {
 
@@ -65,6 +66,11 @@ std::string describe_architecture(const GptConfig& c) {
   s += ", " + std::to_string(c.heads) + " heads";
   if (c.kv() != c.heads) s += " / " + std::to_string(c.kv()) + " kv";
   s += c.tied_embeddings ? ", tied" : ", untied";
+  if (c.dropout > 0) {
+    std::ostringstream p;
+    p << c.dropout;
+    s += ", dropout " + p.str();
+  }
   return s;
 }
 
@@ -81,6 +87,11 @@ void check_gpt_architecture(const GptConfig& c) {
   if (c.rope() && c.head_dim() % 2 != 0)
     throw UsageError("--positions rope needs an even head size, got hidden/heads = " +
                      std::to_string(c.head_dim()));
+  if (!(c.dropout >= 0.0 && c.dropout < 1.0)) {
+    std::ostringstream p;
+    p << c.dropout;
+    throw UsageError("--dropout " + p.str() + ": a probability in [0, 1) is needed");
+  }
   if (c.rope() && !(c.rope_theta > 1.0))
     throw UsageError("--rope-theta must be > 1, got " + std::to_string(c.rope_theta));
 }

@@ -54,6 +54,11 @@ struct GptConfig {
   RopeStyle rope_style = RopeStyle::Half;
   std::int64_t kv_heads = 0;    // 0: heads (MHA); fewer: GQA; 1: MQA
   bool tied_embeddings = true;  // false: a separate "lm_head.weight" [V,H]
+  // Dropout probability on the embedding output, the attention probabilities and each
+  // block's two branch outputs before their residual add (GPT-2's embd_pdrop, attn_pdrop
+  // and resid_pdrop, one value). Masks come from the counter-based RNG by global index
+  // (backend/dropout_mask.h), so every TP layout draws the reference's mask.
+  double dropout = 0.0;
 
   std::int64_t head_dim() const { return hidden / heads; }
   std::int64_t ffn() const;

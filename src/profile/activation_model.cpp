@@ -54,6 +54,7 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   const std::int64_t KVl = (c.kv() % t == 0 ? c.kv() / t : 1) * d;
   const bool sp = q.sequence_parallel, lp = q.loss_parallel;
   const bool layer_norm = c.norm == NormKind::LayerNorm, rope = c.rope(), swiglu = c.swiglu();
+  const bool dropout = c.dropout > 0;
   const std::int64_t b = static_cast<std::int64_t>(dtype_size(q.dtype));
   // statistics, gradients and optimizer state: f32 for a bf16 model (sharded/parameter.h)
   const std::int64_t bc = static_cast<std::int64_t>(dtype_size(compute_dtype(q.dtype)));
@@ -128,6 +129,9 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
       add(A, p + "attn.v.heads", {N, Hl}, l);
     }
     add(A, p + "attn.probs", {q.B, Al, q.T, q.T}, l);
+    // with dropout, the dropped copy that multiplied v (the mask itself is never stored:
+    // backward draws it again from the counter-based RNG)
+    if (dropout) add(A, p + "attn.probs.dropped", {q.B, Al, q.T, q.T}, l);
     add(A, p + "attn.out", {N, Hl}, l);
     add(A, p + "residual.mid", {Nl, H}, l);
     add(A, p + "ln2.out", {Nl, H}, l);
@@ -180,6 +184,7 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     add(Tm, "mlp.ffn1.out.grad", {N, Fl}, -1);
   }
   add(Tm, "residual.grad.0", {Nl, H}, -1);
+  if (dropout) add(Tm, "residual.branch.grad", {Nl, H}, -1);  // a branch's, through its mask
   add(Tm, "residual.grad.1", {Nl, H}, -1);
   add(Tm, "ce.row_loss", {Nce}, -1, bc);
 

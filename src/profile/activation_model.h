@@ -13,10 +13,14 @@
 // Ours is counted in elements and multiplied by the dtype's bytes (4 for f32, 8 for f64,
 // 2 for bf16, whose LayerNorm and cross-entropy statistics, gradients, master weights and
 // Adam state are f32: 4), and differs from theirs in four ways:
-//  1. No dropout: the paper's masks (2sbh + as²b bytes) and the dropout output over the
-//     attention (2as²b) do not exist. What remains of their 34sbh + 5as²b at 2 bytes per
-//     element is 16sbh + as²b elements: LN inputs 2, QKV input 1, Q,K,V 3, softmax probs
-//     as²b, attention output (o's input) 1, ffn1 input 1, GELU input 4 and output 4.
+//  1. No masks: backward draws each dropout mask again from the counter-based RNG, so
+//     the paper's masks (2sbh + as²b bytes) do not exist; with dropout (config.dropout >
+//     0) the dropped probabilities that multiplied v (the paper's 2as²b) are kept, as²b/t
+//     more elements per layer, and without it they do not exist either. What remains of
+//     their 34sbh + 5as²b at 2 bytes per element is 16sbh + as²b elements: LN inputs 2,
+//     QKV input 1, Q,K,V 3, softmax probs as²b, attention output (o's input) 1, ffn1
+//     input 1, GELU input 4 and output 4 (the seed's architecture; the families' own
+//     tensors are listed in the .cpp).
 //  2. LayerNorm saves its mean and rstd (2 per LN row, 4sb per layer); the paper ignores
 //     them. Our LN has no bias, which changes no saved tensor.
 //  3. Under sequence parallelism only the local [N/t,H] LN outputs are saved; the all-

@@ -180,20 +180,26 @@ void TimingBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tens
 }
 // Attention's two batched products (q·kᵀ and probs·v) are 2·B·h·T·T·d each forward, the
 // full T×T as in the model's FLOP formula (the causal half is not subtracted).
-void TimingBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q,
-                                      const Tensor& k, const Tensor& v, std::int64_t B,
-                                      std::int64_t T, std::int64_t h, double scale) {
+void TimingBackend::dropout(Tensor& x, const DropoutMask& mask) {
+  Scope s(*this, "dropout", C::Activation);
+  inner_->dropout(x, mask);
+}
+void TimingBackend::attention_forward(Tensor& out, Tensor& probs, Tensor& dropped,
+                                      const Tensor& q, const Tensor& k, const Tensor& v,
+                                      std::int64_t B, std::int64_t T, std::int64_t h, double scale,
+                                      const DropoutMask& mask) {
   const double flops = 4.0 * static_cast<double>(q.numel()) * static_cast<double>(T);
   Scope s(*this, "attention_forward", C::Attention, flops);
-  inner_->attention_forward(out, probs, q, k, v, B, T, h, scale);
+  inner_->attention_forward(out, probs, dropped, q, k, v, B, T, h, scale, mask);
 }
 void TimingBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
                                        const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const Tensor& probs, std::int64_t B, std::int64_t T,
-                                       std::int64_t h, double scale) {
+                                       const Tensor& probs, const Tensor& dropped, std::int64_t B,
+                                       std::int64_t T, std::int64_t h, double scale,
+                                       const DropoutMask& mask) {
   const double flops = 8.0 * static_cast<double>(q.numel()) * static_cast<double>(T);
   Scope s(*this, "attention_backward", C::Attention, flops);
-  inner_->attention_backward(dq, dk, dv, dout, q, k, v, probs, B, T, h, scale);
+  inner_->attention_backward(dq, dk, dv, dout, q, k, v, probs, dropped, B, T, h, scale, mask);
 }
 void TimingBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
                                       std::int64_t row0) {

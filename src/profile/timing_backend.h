@@ -80,12 +80,14 @@ class TimingBackend final : public Backend {
                          const Tensor& weight, double eps) override;
   void layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout, const Tensor& inp,
                           const Tensor& weight, const Tensor& mean, const Tensor& rstd) override;
-  void attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
-                         const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
-                         double scale) override;
-  void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
-                          const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& probs,
-                          std::int64_t B, std::int64_t T, std::int64_t h, double scale) override;
+  void dropout(Tensor& x, const DropoutMask& mask) override;
+  void attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
+                         const Tensor& k, const Tensor& v, std::int64_t B, std::int64_t T,
+                         std::int64_t h, double scale, const DropoutMask& mask) override;
+  void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
+                          const Tensor& k, const Tensor& v, const Tensor& probs,
+                          const Tensor& dropped, std::int64_t B, std::int64_t T, std::int64_t h,
+                          double scale, const DropoutMask& mask) override;
   void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
                          std::int64_t row0) override;
   void embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,

@@ -39,6 +39,8 @@
 #include "model/config.h"
 
 namespace {
+// The attention ops' dropped probabilities, untouched without dropout.
+tpsim::Tensor unused_dropped;
 
 using namespace tpsim;
 using i64 = std::int64_t;
@@ -228,6 +230,9 @@ std::vector<Spec> elementwise_specs() {
                [](Backend& be, auto& t) { be.add_inplace(t[0], t[1]); }, VsCpu::Exact, 1});
   v.push_back({"scale_inplace", {data("t", {n}, 13)}, {0},
                [](Backend& be, auto& t) { be.scale_inplace(t[0], -0.3); }, VsCpu::Exact, 0});
+  const DropoutMask mask = dropout_rows(0.2, 5, "dropout/test", 1, 3, 40, 2);
+  v.push_back({"dropout", {data("x", {37, 29}, 12)}, {0},
+               [=](Backend& be, auto& t) { be.dropout(t[0], mask); }, VsCpu::Exact, 0});
   // the master weights' cast (f32 -> bf16, rounded) and back (exact)
   v.push_back({"copy f32 -> bf16", {stat("master", {n}, 14), data("value", {n}, 15)}, {1},
                [](Backend& be, auto& t) { be.copy(t[1], t[0]); }, VsCpu::Exact, 0});
@@ -281,21 +286,32 @@ Spec layernorm_backward_spec(i64 N, i64 C, unsigned seed) {
           VsCpu::Bound, 2};
 }
 
-Spec attention_forward_spec(i64 B, i64 T, i64 h, i64 d, unsigned seed) {
+// With dropout p > 0: local heads [1, 1+h) of h+2, so that the mask's head blocks are offset.
+DropoutMask attention_mask(double p, i64 T, i64 h, unsigned seed) {
+  return dropout_heads(p, seed, "dropout/test", 4, h + 2, 1, h, T);
+}
+
+Spec attention_forward_spec(i64 B, i64 T, i64 h, i64 d, unsigned seed, double p = 0.0) {
   const Shape s{B * T, h * d};
-  return {"attention_forward T=" + std::to_string(T),
+  const DropoutMask mask = attention_mask(p, T, h, seed);
+  std::vector<int> outs{3, 4};
+  if (p > 0) outs.push_back(5);
+  return {"attention_forward T=" + std::to_string(T) + " p=" + std::to_string(p),
           {data("q", s, seed), data("k", s, seed + 1), data("v", s, seed + 2),
-           data("out", s, seed + 3), data("probs", {B, h, T, T}, seed + 4)},
-          {3, 4},
+           data("out", s, seed + 3), data("probs", {B, h, T, T}, seed + 4),
+           data("dropped", {B, h, T, T}, seed + 5)},
+          outs,
           [=](Backend& be, auto& t) {
-            be.attention_forward(t[3], t[4], t[0], t[1], t[2], B, T, h, 1.0 / std::sqrt(double(d)));
+            be.attention_forward(t[3], t[4], t[5], t[0], t[1], t[2], B, T, h,
+                                 1.0 / std::sqrt(double(d)), mask);
           },
           VsCpu::Bound, 0};
 }
 
 // probs as the forward saves it: bf16 rows of a causal softmax (made on the host).
-Spec attention_backward_spec(i64 B, i64 T, i64 h, i64 d, unsigned seed) {
+Spec attention_backward_spec(i64 B, i64 T, i64 h, i64 d, unsigned seed, double p = 0.0) {
   const Shape s{B * T, h * d};
+  const DropoutMask mask = attention_mask(p, T, h, seed);
   Input probs = data("probs", {B, h, T, T}, seed + 4);
   for (i64 r = 0; r < B * h * T; ++r) {
     const i64 t = r % T;
@@ -304,14 +320,22 @@ Spec attention_backward_spec(i64 B, i64 T, i64 h, i64 d, unsigned seed) {
     for (i64 c = 0; c < T; ++c) z += c <= t ? std::exp(row[c]) : 0.0;
     for (i64 c = 0; c < T; ++c) row[c] = c <= t ? to_bf16(std::exp(row[c]) / z) : 0.0;
   }
-  return {"attention_backward T=" + std::to_string(T),
+  // the dropped copy as the forward would save it: probs through the mask, rounded
+  Input dropped = probs;
+  dropped.tag = "dropped";
+  for (i64 r = 0; r < B * h * T; ++r)
+    for (i64 c = 0; c < T; ++c) {
+      double& x = dropped.values[static_cast<std::size_t>(r * T + c)];
+      x = p > 0 ? (mask.keep(r, c) ? to_bf16(x * mask.scale()) : 0.0) : x;
+    }
+  return {"attention_backward T=" + std::to_string(T) + " p=" + std::to_string(p),
           {data("q", s, seed), data("k", s, seed + 1), data("v", s, seed + 2),
            data("dout", s, seed + 3), probs, data("dq", s, seed + 5), data("dk", s, seed + 6),
-           data("dv", s, seed + 7)},
+           data("dv", s, seed + 7), dropped},
           {5, 6, 7},
           [=](Backend& be, auto& t) {
-            be.attention_backward(t[5], t[6], t[7], t[3], t[0], t[1], t[2], t[4], B, T, h,
-                                  1.0 / std::sqrt(double(d)));
+            be.attention_backward(t[5], t[6], t[7], t[3], t[0], t[1], t[2], t[4], t[8], B, T, h,
+                                  1.0 / std::sqrt(double(d)), mask);
           },
           VsCpu::Bound, 3};
 }
@@ -526,7 +550,9 @@ TEST_CASE("cuda bf16 ops: LayerNorm with f32 statistics and main gradient", "[cu
 TEST_CASE("cuda bf16 ops: causal attention, f32 inside the call", "[cuda][bf16]") {
   TPSIM_REQUIRE_CUDA();
   judge_all({attention_forward_spec(2, 20, 2, 8, 140), attention_backward_spec(2, 20, 2, 8, 150),
-             attention_forward_spec(1, 300, 1, 3, 141)});
+             attention_forward_spec(1, 300, 1, 3, 141), attention_forward_spec(2, 20, 2, 8, 142,
+                                    0.25),
+             attention_backward_spec(2, 20, 2, 8, 152, 0.25)});
 }
 
 TEST_CASE("cuda bf16 ops: embedding and its scatter-add into an f32 or bf16 table",

@@ -23,6 +23,8 @@
 #include "model/config.h"
 
 namespace {
+// The attention ops' dropped probabilities, untouched without dropout.
+tpsim::Tensor unused_dropped;
 
 using namespace tpsim;
 using i64 = std::int64_t;
@@ -226,23 +228,38 @@ TEST_CASE("cuda ops: LayerNorm forward and backward (accumulating)", "[cuda]") {
   compare_layernorm(150, 96, 30, 2.0);  // N > 64: dweight sums over several row chunks
 }
 
-// Causal attention forward and backward, q/k/v [B·T, h·d].
-void compare_attention(i64 B, i64 T, i64 h, i64 d, unsigned seed) {
+// Causal attention forward and backward, q/k/v [B·T, h·d]; with dropout p > 0, local heads
+// [1, 1+h) of h+2, so that the mask's head blocks are offset.
+void compare_attention(i64 B, i64 T, i64 h, i64 d, unsigned seed, double p = 0.0) {
   const Shape s{B * T, h * d};
-  compare("attention T=" + std::to_string(T),
+  const DropoutMask mask = dropout_heads(p, seed, "dropout/test", 3, h + 2, 1, h, T);
+  std::vector<int> outs{3, 4, 6, 7, 8};
+  if (p > 0) outs.push_back(9);
+  compare("attention T=" + std::to_string(T) + " p=" + std::to_string(p),
           {f("q", s, seed), f("k", s, seed + 1), f("v", s, seed + 2), zeros("out", s),
            zeros("probs", {B, h, T, T}), f("dout", s, seed + 3), zeros("dq", s), zeros("dk", s),
-           zeros("dv", s)},
-          {3, 4, 6, 7, 8}, [=](Backend& be, auto& t) {
+           zeros("dv", s), zeros("dropped", {B, h, T, T})},
+          outs, [=](Backend& be, auto& t) {
             const double scale = 1.0 / std::sqrt(double(d));
-            be.attention_forward(t[3], t[4], t[0], t[1], t[2], B, T, h, scale);
-            be.attention_backward(t[6], t[7], t[8], t[5], t[0], t[1], t[2], t[4], B, T, h, scale);
+            be.attention_forward(t[3], t[4], t[9], t[0], t[1], t[2], B, T, h, scale, mask);
+            be.attention_backward(t[6], t[7], t[8], t[5], t[0], t[1], t[2], t[4], t[9], B, T, h,
+                                  scale, mask);
           });
 }
 
 TEST_CASE("cuda ops: causal attention forward and backward", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
   compare_attention(3, 20, 2, 8, 40);
+  compare_attention(3, 20, 2, 8, 41, 0.25);
+}
+
+TEST_CASE("cuda ops: dropout draws the CPU's mask, exactly", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  // rows 5.. of a [*, 40] tensor at columns 7..; a multiply by 1/(1-p) per kept element
+  // has nothing to contract or reorder
+  const DropoutMask mask = dropout_rows(0.3, 9, "dropout/test", 2, 5, 40, 7);
+  compare("dropout", {f("x", {300, 29}, 60)}, {0},
+          [=](Backend& be, auto& t) { be.dropout(t[0], mask); }, true);
 }
 
 TEST_CASE("cuda ops: masked embedding and its scatter-add", "[cuda]") {

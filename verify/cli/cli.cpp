@@ -109,6 +109,10 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                  "architecture: key/value heads (0: --heads; fewer: grouped-query; 1: multi-query)");
   cmd.add_flag("--tied-embeddings", raw.tied, "architecture: the LM head is wte");
   cmd.add_flag("--untied-embeddings", raw.untied, "architecture: the LM head is its own lm_head.weight");
+  cmd.add_option("--dropout", o.gpt.dropout,
+                 "architecture: dropout probability on the embeddings, attention probabilities "
+                 "and residual branches (0: none, the default); masks are drawn by global index, "
+                 "so every TP layout draws the same");
   cmd.add_option("-b,--batch-size", raw.batch_size, "batch rows (default: mlp 32, gpt 2)");
   cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
   cmd.add_option("--load", o.load_path, "start from weights in a safetensors file");

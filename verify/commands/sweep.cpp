@@ -60,22 +60,24 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
     }
   });
 
-  // The families, in the four modes: GPT-2's biases and tanh GELU at the GPT's degrees;
-  // Llama's SwiGLU, RMSNorm, RoPE and untied head with grouped-query attention three
-  // ways: 4 kv heads (a rank holds several, each read by 3 query heads), 2 (tp 4 exceeds
-  // them: each replicated on 2 ranks) and 1 (multi-query, with RoPE's interleaved pairs).
+  // The families, in the four modes: GPT-2's biases, tanh GELU and dropout 0.1 at the
+  // GPT's degrees; Llama's SwiGLU, RMSNorm, RoPE and untied head with grouped-query
+  // attention three ways: 4 kv heads (a rank holds several, each read by 3 query heads), 2
+  // (tp 4 exceeds them: each replicated on 2 ranks) and 1 (multi-query, with RoPE's
+  // interleaved pairs).
   auto family = [&](const std::string& name, const std::string& fam, std::int64_t kv,
-                    RopeStyle style, std::vector<int> tp) {
+                    RopeStyle style, double dropout, std::vector<int> tp) {
     RunOptions f = small_gpt(base, fam, std::move(tp));
     f.gpt.kv_heads = kv;
     f.gpt.rope_style = style;
+    f.gpt.dropout = dropout;
     f.batch = BatchKind::Boundary;
     for_each_mode(f, [&](const std::string& m) { all.push_back({name + " " + m, f}); });
   };
-  family("gpt2", "gpt2", 0, RopeStyle::Half, {1, 2, 3, 4});
-  family("llama gqa", "llama", 4, RopeStyle::Half, {1, 2, 4});
-  family("llama kv<tp", "llama", 2, RopeStyle::Half, {1, 2, 4});
-  family("llama mqa", "llama", 1, RopeStyle::Interleaved, {1, 2, 4});
+  family("gpt2 dropout 0.1", "gpt2", 0, RopeStyle::Half, 0.1, {1, 2, 3, 4});
+  family("llama gqa", "llama", 4, RopeStyle::Half, 0, {1, 2, 4});
+  family("llama kv<tp", "llama", 2, RopeStyle::Half, 0, {1, 2, 4});
+  family("llama mqa", "llama", 1, RopeStyle::Interleaved, 0, {1, 2, 4});
 
   std::vector<SweepCase> cases;
   std::string why;  // from a case of the fault's own model, which the sweep always has

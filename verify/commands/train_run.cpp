@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/launch.h"
+#include "sharded/gpt.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "verify/engine/divergence.h"
@@ -47,6 +48,12 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   const bool dump = !o.dump_dir.empty();
   if (dump && o.model != ModelKind::Gpt)
     throw UsageError("--dump: the dump format holds a GPT run; use --model gpt");
+  if (dump && !seed_architecture(o.gpt))
+    // The manifest (docs/dump-format.md) has no architecture fields yet: check would
+    // replay the seed's GPT against the run, and fail correct code.
+    throw UsageError("--dump: the dump format holds the seed's GPT architecture only (" +
+                     describe_architecture(GptConfig{}) + ", no dropout); this run is " +
+                     describe_architecture(o.gpt));
   if (dump && o.dtype == DType::BF16)
     throw UsageError("--dump: the dump format holds f32 or f64 tensors; a bf16 run is not "
                      "written as a dump yet");

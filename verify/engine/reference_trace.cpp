@@ -260,7 +260,7 @@ void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
     trace(o, m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, bounds,
           storage, slot, published, rebase);
   } else {
-    ref::Gpt<double> g(o.gpt, std::move(params));
+    ref::Gpt<double> g(o.gpt, std::move(params), o.seed);
     g.record_points(true);
     trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); },
           bounds, storage, slot, published, rebase);

@@ -116,6 +116,7 @@ FaultTarget fault_target(const RunOptions& o) {
   run.rope = g.rope();
   run.tied = g.tied_embeddings;
   run.two_kv_heads = g.kv() >= 2;
+  run.dropout = g.dropout > 0;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || (run.gpt && padded_vocab(g, par, t) > g.vocab_size);
@@ -179,6 +180,7 @@ void validate_run_options(const RunOptions& o) {
   check_int("--kv-heads", g.kv_heads, 0, g.heads);
   check_int("--ffn-hidden", g.ffn_hidden, 0, kMaxHidden);
   check_float("--rope-theta", g.rope_theta, 1, false, std::numeric_limits<double>::infinity());
+  check_float("--dropout", g.dropout, 0, true, 1);
   check_gpt_architecture(g);
   if (o.model == ModelKind::Mlp && !seed_architecture(g))
     throw UsageError("the architecture flags (--norm, --mlp, --kv-heads, ...) apply to --model "

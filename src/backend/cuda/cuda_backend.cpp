@@ -612,16 +612,34 @@ void CudaBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double thet
 // b·T·ld + j·d (row stride ld = h·d), and its probabilities the [T,T] block
 // probs[b,j] at (b·h + j)·T·T.
 
-void CudaBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
-                                    const Tensor& v, std::int64_t B, std::int64_t T,
-                                    std::int64_t h, double scale) {
-  const i64 d = check_attention_forward(device(), out, probs, q, k, v, B, T, h);
+void CudaBackend::dropout(Tensor& x, const DropoutMask& mask) {
+  const RowsCols s = check_dropout(device(), x, mask);
+  if (!mask.active()) return;
+  if (any_bf16({&x})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    Tensor f = w.inout(x);
+    dropout(f, mask);
+    return w.store();
+  }
+  CudaDeviceGuard guard(device_);
+  on_float(x, [&](auto z) {
+    using T = decltype(z);
+    K::dropout<T>(x.data<T>(), s.N, s.C, mask, stream_);
+  });
+}
+
+void CudaBackend::attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
+                                    const Tensor& k, const Tensor& v, std::int64_t B,
+                                    std::int64_t T, std::int64_t h, double scale,
+                                    const DropoutMask& mask) {
+  const i64 d = check_attention_forward(device(), out, probs, dropped, q, k, v, B, T, h, mask);
   if (any_bf16({&out, &probs, &q, &k, &v})) {
     // as on the CPU: scores and probabilities stay f32 inside the call (probs·v reads the
-    // f32 probabilities); probs is rounded to bf16 only where it is saved for backward
+    // f32 probabilities, dropped or not); probs and dropped are rounded to bf16 only where
+    // they are saved for backward
     Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out), p = w.out(probs);
-    attention_forward(o, p, w.in(q), w.in(k), w.in(v), B, T, h, scale);
+    Tensor o = w.out(out), p = w.out(probs), pd = mask.active() ? w.out(dropped) : Tensor{};
+    attention_forward(o, p, pd, w.in(q), w.in(k), w.in(v), B, T, h, scale, mask);
     return w.store();
   }
   CudaDeviceGuard guard(device_);
@@ -633,22 +651,31 @@ void CudaBackend::attention_forward(Tensor& out, Tensor& probs, const Tensor& q,
       gemm_rm<F>(cublas_, false, true, T, T, d, F(1), q.data<F>() + j * d, ld, T * ld,
                  k.data<F>() + j * d, ld, T * ld, F(0), P + j * T * T, T, h * T * T, B);
     K::causal_softmax<F>(P, B * h * T, T, F(scale), stream_);
+    const F* PV = P;  // what multiplies V: P, or its dropped copy
+    if (mask.active()) {
+      F* Pd = dropped.data<F>();
+      TPSIM_CUDA_CHECK(cudaMemcpyAsync(Pd, P, probs.nbytes(), cudaMemcpyDeviceToDevice, stream_));
+      K::dropout<F>(Pd, B * h * T, T, mask, stream_);
+      PV = Pd;
+    }
     for (i64 j = 0; j < h; ++j)  // O = P·V
-      gemm_rm<F>(cublas_, false, false, T, d, T, F(1), P + j * T * T, T, h * T * T,
+      gemm_rm<F>(cublas_, false, false, T, d, T, F(1), PV + j * T * T, T, h * T * T,
                  v.data<F>() + j * d, ld, T * ld, F(0), out.data<F>() + j * d, ld, T * ld, B);
   });
 }
 
 void CudaBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
                                      const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const Tensor& probs, std::int64_t B, std::int64_t T,
-                                     std::int64_t h, double scale) {
-  const i64 d = check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, B, T, h);
+                                     const Tensor& probs, const Tensor& dropped, std::int64_t B,
+                                     std::int64_t T, std::int64_t h, double scale,
+                                     const DropoutMask& mask) {
+  const i64 d =
+      check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, dropped, B, T, h, mask);
   if (any_bf16({&dq, &dk, &dv, &dout, &q, &k, &v, &probs})) {
     Bf16Widened w(*shadow_alloc_, &bf16_convert_);
     Tensor gq = w.out(dq), gk = w.out(dk), gv = w.out(dv);
-    attention_backward(gq, gk, gv, w.in(dout), w.in(q), w.in(k), w.in(v), w.in(probs), B, T, h,
-                       scale);
+    attention_backward(gq, gk, gv, w.in(dout), w.in(q), w.in(k), w.in(v), w.in(probs),
+                       mask.active() ? w.in(dropped) : Tensor{}, B, T, h, scale, mask);
     return w.store();
   }
   CudaDeviceGuard guard(device_);
@@ -659,17 +686,19 @@ void CudaBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const T
   on_float(q, [&](auto z) {
     using F = decltype(z);
     const F* P = probs.data<F>();
+    const F* PV = mask.active() ? dropped.data<F>() : P;  // what multiplied V
     F* dS = dscores.data<F>();
     const i64 sP = h * T * T, sX = T * ld;
     for (i64 j = 0; j < h; ++j) {
       const i64 x = j * d, p = j * T * T;
-      // dV = Pᵀ·dO
-      gemm_rm<F>(cublas_, true, false, T, d, T, F(1), P + p, T, sP, dout.data<F>() + x, ld, sX,
+      // dV = Pdᵀ·dO
+      gemm_rm<F>(cublas_, true, false, T, d, T, F(1), PV + p, T, sP, dout.data<F>() + x, ld, sX,
                  F(0), dv.data<F>() + x, ld, sX, B);
-      // dP = dO·Vᵀ
+      // dPd = dO·Vᵀ
       gemm_rm<F>(cublas_, false, true, T, T, d, F(1), dout.data<F>() + x, ld, sX,
                  v.data<F>() + x, ld, sX, F(0), dS + p, T, sP, B);
     }
+    if (mask.active()) K::dropout<F>(dS, B * h * T, T, mask, stream_);  // dP, by the same mask
     K::causal_softmax_backward<F>(dS, P, B * h * T, T, F(scale), stream_);
     for (i64 j = 0; j < h; ++j) {
       const i64 x = j * d, p = j * T * T;

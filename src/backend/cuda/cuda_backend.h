@@ -123,12 +123,14 @@ class CudaBackend final : public Backend {
   void rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
                      bool interleaved) override;
 
-  void attention_forward(Tensor& out, Tensor& probs, const Tensor& q, const Tensor& k,
-                         const Tensor& v, std::int64_t B, std::int64_t T, std::int64_t h,
-                         double scale) override;
+  void dropout(Tensor& x, const DropoutMask& mask) override;
+  void attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
+                         const Tensor& k, const Tensor& v, std::int64_t B, std::int64_t T,
+                         std::int64_t h, double scale, const DropoutMask& mask) override;
   void attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout, const Tensor& q,
-                          const Tensor& k, const Tensor& v, const Tensor& probs, std::int64_t B,
-                          std::int64_t T, std::int64_t h, double scale) override;
+                          const Tensor& k, const Tensor& v, const Tensor& probs,
+                          const Tensor& dropped, std::int64_t B, std::int64_t T, std::int64_t h,
+                          double scale, const DropoutMask& mask) override;
 
   void embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
                          std::int64_t row0) override;

@@ -61,6 +61,13 @@ void scale_inplace(T* t, i64 n, T a, cudaStream_t s) {
   for_each(n, s, [=] __device__(i64 i) { t[i] *= a; });
 }
 template <class T>
+void dropout(T* x, i64 R, i64 C, DropoutMask mask, cudaStream_t s) {
+  const T scale = T(mask.scale());
+  for_each(R * C, s, [=] __device__(i64 i) {
+    x[i] = mask.keep(i / C, i % C) ? x[i] * scale : T(0);
+  });
+}
+template <class T>
 void relu_forward(T* out, const T* inp, i64 n, cudaStream_t s) {
   for_each(n, s, [=] __device__(i64 i) { out[i] = cuda_math::relu(inp[i]); });
 }
@@ -127,6 +134,7 @@ void adam_update(T* param, const T* grad, T* m, T* v, i64 n, const cuda_math::Ad
   template void convert_to_f64<T>(double*, const T*, i64, cudaStream_t);                     \
   template void add_inplace<T>(T*, const T*, i64, cudaStream_t);                             \
   template void scale_inplace<T>(T*, i64, T, cudaStream_t);                                  \
+  template void dropout<T>(T*, i64, i64, DropoutMask, cudaStream_t);                         \
   template void relu_forward<T>(T*, const T*, i64, cudaStream_t);                            \
   template void relu_backward<T>(T*, const T*, const T*, i64, cudaStream_t);                 \
   template void gelu_forward<T>(T*, const T*, i64, cudaStream_t);                            \

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backend/cuda/math.h"
+#include "backend/dropout_mask.h"
 
 namespace tpsim::cuda_kernels {
 
@@ -27,6 +28,8 @@ void bf16_to_f64(double* dst, const std::uint16_t* src, i64 n, cudaStream_t s);
 void fill_u16(std::uint16_t* t, i64 n, std::uint16_t value, cudaStream_t s);
 template <class T> void add_inplace(T* dst, const T* src, i64 n, cudaStream_t s);
 template <class T> void scale_inplace(T* t, i64 n, T a, cudaStream_t s);
+// x[R,C] *= mask.keep(r, c) / (1-p), in place (backend/dropout_mask.h).
+template <class T> void dropout(T* x, i64 R, i64 C, DropoutMask mask, cudaStream_t s);
 template <class T> void relu_forward(T* out, const T* inp, i64 n, cudaStream_t s);
 template <class T> void relu_backward(T* dinp, const T* dout, const T* inp, i64 n, cudaStream_t s);
 template <class T> void gelu_forward(T* out, const T* inp, i64 n, cudaStream_t s);

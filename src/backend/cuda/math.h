@@ -22,11 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#define TPSIM_HD __host__ __device__
-#else
-#define TPSIM_HD
-#endif
+#include "core/host_device.h"
 
 namespace tpsim::cuda_math {
 
