@@ -41,7 +41,7 @@ gpt=(--model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 
      --batch-size 2)
 # The families (docs/models.md): GPT-2's biases, tanh GELU and dropout, Llama's RMSNorm,
 # SwiGLU, RoPE (both pairings) and GQA with kv heads replicated over ranks (tp 4 and 8 > 2
-# and 1).
+# and 1); recomputation, selective and full, bit for bit against the run without it.
 fam=(--vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32 --batch-size 2)
 failed=0
 for comm in sim nccl; do
@@ -53,6 +53,8 @@ for comm in sim nccl; do
         "${gpt[*]} --dtype bf16" "${gpt[*]} --loss-parallel --sequence-parallel --dtype bf16"
         "${fam[*]} --model gpt2 --dropout 0.1 --loss-parallel"
         "${fam[*]} --model gpt2 --dropout 0.1 --sequence-parallel --dtype bf16"
+        "${fam[*]} --model gpt2 --dropout 0.1 --recompute selective --loss-parallel --dtype f32"
+        "${fam[*]} --model llama --kv-heads 2 --recompute full --recompute-layers 2 --sequence-parallel --dtype bf16"
         "${fam[*]} --model llama --kv-heads 2 --sequence-parallel --dtype f32"
         "${fam[*]} --model llama --kv-heads 1 --rope-style interleaved --loss-parallel --sequence-parallel --dtype bf16")
   for args in "${runs[@]}"; do

@@ -141,6 +141,8 @@ check "verify gpt2 dropout f64 lp"                "$T" "${S[@]}" --model gpt2 "$
 check "verify gpt2 dropout bf16 sp"               "$T" "${S[@]}" --model gpt2 "${fam[@]}" --dropout 0.1 --sequence-parallel --dtype bf16
 check "verify llama kv 2 f32 sp"                  "$T" "${S[@]}" --model llama "${fam[@]}" --kv-heads 2 --sequence-parallel --dtype f32
 check "verify llama mqa interleaved bf16 lp+sp"   "$T" "${S[@]}" --model llama "${fam[@]}" --kv-heads 1 --rope-style interleaved --loss-parallel --sequence-parallel --dtype bf16
+check "verify gpt2 recompute selective f32 lp"    "$T" "${S[@]}" --model gpt2 "${fam[@]}" --dropout 0.1 --recompute selective --loss-parallel --dtype f32
+check "verify llama recompute full x2 bf16 sp"    "$T" "${S[@]}" --model llama "${fam[@]}" --kv-heads 2 --recompute full --recompute-layers 2 --sequence-parallel --dtype bf16
 check "verify small gpt f32 --comm nccl tp 1"     "$T" verify --backend cuda --comm nccl --model gpt --preset small --dtype f32 --tp 1
 if [ "$ngpu" -ge 2 ]; then
   check "verify small gpt f32 --comm nccl tp 1,2" "$T" verify --backend cuda --comm nccl --model gpt --preset small --dtype f32 --tp 1,2 --loss-parallel --sequence-parallel

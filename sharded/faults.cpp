@@ -89,6 +89,17 @@ const std::vector<FaultInfo>& all_faults() {
        "dropout: the head-split attention probabilities' mask indexed by local head, so every "
        "rank draws the same",
        {.mlp = false, .gpt = true, .dropout = true}},
+      {Fault::RecomputeFreshDropoutMasks, "recompute-fresh-dropout-masks",
+       "recompute: the rerun draws new dropout masks instead of the first pass's",
+       {.mlp = false, .gpt = true, .min_tp = 1, .dropout = true, .recompute = true}},
+      {Fault::RecomputeSpGatherSkipped, "recompute-sp-gather-skipped",
+       "recompute full under sequence-parallel: the rerun skips its all-gathers and reads the "
+       "stale gathered buffer",
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::On, .min_tp = 1,
+        .full_recompute = true}},
+      {Fault::RecomputeChunkInputToEveryLayer, "recompute-chunk-input-to-every-layer",
+       "recompute full: every block of a chunk rerun from the chunk's input (Megatron PR #290)",
+       {.mlp = false, .gpt = true, .min_tp = 1, .recompute_chunks = true}},
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},
@@ -148,6 +159,12 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
   if (s.two_kv_heads && !run.two_kv_heads)
     return "takes k from another rank's kv head, and with one kv head every rank holds the same";
   if (s.dropout && !run.dropout) return "breaks dropout; it needs --dropout above 0";
+  if (s.recompute && !run.recompute) return "breaks a recomputation; it needs --recompute";
+  if (s.full_recompute && !run.full_recompute)
+    return "breaks full recomputation; it needs --recompute full";
+  if (s.recompute_chunks && !run.recompute_chunks)
+    return "breaks a recompute chunk of several blocks; it needs --recompute full with "
+           "--recompute-layers 2 or more (and as many --layers)";
   if (s.sp_chunk_mid_sequence && !run.sp_chunk_mid_sequence)
     return "miscounts positions from a rank's first token, which at every degree of this run "
            "starts a sequence (batch x sequence / tp is a multiple of --seq-len)";

@@ -42,6 +42,11 @@ enum class Fault {
   DropoutReplicatedPerRank,  // a replicated region's dropout mask drawn per rank
   DropoutTpMaskSameOnRanks,  // the head-split attention dropout indexed locally: every rank
                              // draws the same mask
+  // activation recomputation
+  RecomputeFreshDropoutMasks,  // a recomputation draws new dropout masks, not the first pass's
+  RecomputeSpGatherSkipped,    // full recompute under SP: the rerun skips its all-gathers
+                               // and reads the stale gathered buffer
+  RecomputeChunkInputToEveryLayer,  // every block of a recompute chunk fed the chunk's input
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
 };
@@ -65,6 +70,9 @@ struct FaultScope {
   bool two_kv_heads = false;   // k's slices differ from rank to rank: 2 or more kv heads
   bool sp_chunk_mid_sequence = false;  // some rank's SP token chunk starts inside a sequence
   bool dropout = false;        // dropout > 0
+  bool recompute = false;      // --recompute selective or full
+  bool full_recompute = false;  // --recompute full
+  bool recompute_chunks = false;  // --recompute full in chunks of 2 or more blocks
 };
 
 struct FaultInfo {
@@ -92,6 +100,8 @@ struct FaultTarget {
   bool two_kv_heads = true;    // the model has 2 or more kv heads
   bool sp_chunk_mid_sequence = false;  // under SP, some degree's B·T/t is no multiple of T
   bool dropout = false;
+  bool recompute = false, full_recompute = false;
+  bool recompute_chunks = false;  // a full-recompute chunk holds 2 or more blocks
 };
 
 // "" when `f` changes such a run at some TP degree; otherwise why it cannot ("needs

@@ -171,6 +171,7 @@ struct ShardedGpt::Workspace {
   Tensor kv_grads;  // [t·G] GQA with kv heads replicated: every rank's k/v gradients
   Tensor dres[2];   // [Nl,H]   residual-stream gradients, ping-pong between blocks
   Tensor dbranch;   // [Nl,H]   a residual branch's gradient through its dropout (dropout only)
+  Tensor att_rerun; // [N,Hl]   selective recompute: the rerun attention's output, unused
   Tensor fault_buf; // [t·N,H] or [N,H], only for the rank-order and chunk-order faults
 };
 
@@ -211,7 +212,7 @@ struct ShardedGpt::Snapshots {
 
 void ShardedGpt::snapshot(Snapshots& into, const std::string& name, const ShardSpec& spec,
                           const Tensor& t) {
-  if (!record_) return;
+  if (!record_ || rerun_) return;
   if (into.used == into.obs.size()) into.obs.emplace_back();
   Observation& o = into.obs[into.used++];
   o.name = name;
@@ -261,6 +262,10 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   Vp_ = padded_vocab(cfg, par, t);
   n_valid_ = static_cast<std::int64_t>(batch.labels.size()) - batch.num_ignored();
 
+  if (par.recompute == RecomputeKind::Full &&
+      (par.recompute_layers < 1 || par.recompute_layers > std::max<std::int64_t>(cfg.layers, 1)))
+    throw UsageError("--recompute-layers " + std::to_string(par.recompute_layers) +
+                     ": a chunk of 1 to --layers (" + std::to_string(cfg.layers) + ") blocks");
   if (par.tp_invariant && !seed_architecture(cfg))
     throw UsageError("--tp-invariant: not yet for this architecture (it covers the seed's GPT, "
                      "--model gpt without --kv-heads, --ffn-hidden or other architecture flags)");
@@ -422,6 +427,22 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     }
     blk->mlp_out.weight = &param(p + mlp.back() + ".weight");
     blk->mlp_out_b = bias_of(p + mlp.back());
+    // Full recompute: the first chunk_layers() blocks own the activations, which every
+    // chunk's blocks share (block l the slot l mod chunk_layers()); the others alias them.
+    const std::size_t n = chunk_layers();
+    if (par.recompute == RecomputeKind::Full && static_cast<std::size_t>(l) >= n) {
+      const Block& slot = *blocks_[static_cast<std::size_t>(l) % n];
+      for (auto m : {&Block::h1, &Block::ln1_mean, &Block::ln1_rstd, &Block::h1_full, &Block::q_out,
+                     &Block::k_out, &Block::v_out, &Block::k_heads, &Block::v_heads, &Block::probs,
+                     &Block::probs_dropped, &Block::att, &Block::x_mid, &Block::h2,
+                     &Block::ln2_mean, &Block::ln2_rstd, &Block::h2_full, &Block::u, &Block::a,
+                     &Block::x_out})
+        (*blk).*m = slot.*m;
+      if (static_cast<std::size_t>(l) % n == 0)  // a chunk's input, all it keeps
+        chunk_in_.push_back(act({Nl_, H}, p + "recompute.input"));
+      blocks_.push_back(std::move(blk));
+      continue;
+    }
     blk->h1 = act({Nl_, H}, p + "ln1.out");
     if (layer_norm) blk->ln1_mean = stat({Nl_}, p + "ln1.mean");
     blk->ln1_rstd = stat({Nl_}, p + "ln1.rstd");
@@ -431,8 +452,18 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     blk->v_out = act({N_, KVl}, p + "attn.v");
     blk->k_heads = KVl == Hl ? blk->k_out : act({N_, Hl}, p + "attn.k.heads");
     blk->v_heads = KVl == Hl ? blk->v_out : act({N_, Hl}, p + "attn.v.heads");
-    blk->probs = act({B_, Al, T_, T_}, p + "attn.probs");
-    if (cfg.dropout > 0) blk->probs_dropped = act({B_, Al, T_, T_}, p + "attn.probs.dropped");
+    if (par.recompute != RecomputeKind::Selective) {
+      blk->probs = act({B_, Al, T_, T_}, p + "attn.probs");
+      if (cfg.dropout > 0) blk->probs_dropped = act({B_, Al, T_, T_}, p + "attn.probs.dropped");
+    } else if (l == 0) {  // selective: one [B,A/t,T,T] for every layer, made again in backward
+      blk->probs = be.empty({B_, Al, T_, T_}, dtype, MemCategory::Temporary, "attn.probs");
+      if (cfg.dropout > 0)
+        blk->probs_dropped = be.empty({B_, Al, T_, T_}, dtype, MemCategory::Temporary,
+                                      "attn.probs.dropped");
+    } else {
+      blk->probs = blocks_[0]->probs;
+      blk->probs_dropped = blocks_[0]->probs_dropped;
+    }
     blk->att = act({N_, Hl}, p + "attn.out");
     blk->x_mid = act({Nl_, H}, p + "residual.mid");
     blk->h2 = act({Nl_, H}, p + "ln2.out");
@@ -507,6 +538,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   w.dres[0] = tmp({Nl_, H}, "residual.grad.0");
   w.dres[1] = tmp({Nl_, H}, "residual.grad.1");
   if (cfg.dropout > 0) w.dbranch = tmp({Nl_, H}, "residual.branch.grad");
+  if (par.recompute == RecomputeKind::Selective) w.att_rerun = tmp({N_, Hl}, "attn.out.rerun");
   if (fault == Fault::RankOrderSum) w.fault_buf = tmp({t * N_, H}, "fault.partials");
   if (fault == Fault::SpAllGatherChunkOrder) w.fault_buf = tmp({N_, H}, "fault.gathered");
 
@@ -663,7 +695,7 @@ DropoutMask ShardedGpt::tokens_mask(const std::string& site) const {
   // reference does; the fault mixes the rank into the seed, as a per-rank RNG would.
   const std::uint64_t seed =
       fault_ == Fault::DropoutReplicatedPerRank ? seed_ + static_cast<std::uint64_t>(rank_) : seed_;
-  return dropout_rows(cfg_.dropout, seed, site, step_, tok0_, cfg_.hidden);
+  return dropout_rows(cfg_.dropout, seed, site, mask_step(), tok0_, cfg_.hidden);
 }
 
 DropoutMask ShardedGpt::probs_mask(std::size_t l) const {
@@ -673,7 +705,21 @@ DropoutMask ShardedGpt::probs_mask(std::size_t l) const {
   // draws head 0's mask for its first head.
   const std::int64_t head0 = fault_ == Fault::DropoutTpMaskSameOnRanks ? 0 : rank_ * Al;
   return dropout_heads(cfg_.dropout, seed_, "dropout/h." + std::to_string(l) + ".attn.probs",
-                       step_, cfg_.heads, head0, Al, T_);
+                       mask_step(), cfg_.heads, head0, Al, T_);
+}
+
+std::int64_t ShardedGpt::mask_step() const {
+  return rerun_ && fault_ == Fault::RecomputeFreshDropoutMasks ? step_ + 1 : step_;
+}
+
+std::size_t ShardedGpt::chunk_layers() const {
+  if (par_.recompute != RecomputeKind::Full) return 1;
+  return static_cast<std::size_t>(std::clamp<std::int64_t>(par_.recompute_layers, 1,
+                                                           std::max<std::int64_t>(cfg_.layers, 1)));
+}
+
+void ShardedGpt::forward_point(const std::string& name, const Tensor& t) {
+  if (par_.recompute == RecomputeKind::Full) snapshot(*fwd_snaps_, name, point(name), t);
 }
 
 const Tensor& ShardedGpt::branch_grad(const Tensor& dres, const std::string& site) {
@@ -686,7 +732,7 @@ const Tensor& ShardedGpt::branch_grad(const Tensor& dres, const std::string& sit
 
 void ShardedGpt::snapshot_halves(Snapshots& into, const std::string& left,
                                  const std::string& right, const Tensor& t) {
-  if (!record_) return;
+  if (!record_ || rerun_) return;
   const std::int64_t rows = t.dim(0), half = t.dim(1) / 2;
   std::vector<double>& both = into.scratch;  // [N, 2·half] on the host, sliced there
   be_.to_host_into(t, both);
@@ -748,16 +794,16 @@ void ShardedGpt::reduce_partials(Tensor& y) {
   for (int k = 1; k < world_; ++k) be_.add_inplace(y, all.narrow0(((rank_ + k) % world_) * n, n));
 }
 
-void ShardedGpt::forward() {
+void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
+  Block& b = *blocks_[l];
   const std::int64_t Al = cfg_.heads / world_;
   const bool sp = par_.sequence_parallel;
-  Parameter& wte = param("wte.weight");
-  Parameter& head = lm_head();
   Tensor& partial = ws_->partial;
   Tensor& reduced = ws_->reduced;
-  // f (copy_to_tp_region, or gather_from_sp_region under SP): in = this rank's tokens.
+  // f (copy_to_tp_region, or gather_from_sp_region under SP): in = this rank's tokens. A
+  // rerun's all-gather is the forward's again (the fault keeps the stale buffer instead).
   auto enter_tp = [&](Tensor& full, const Tensor& local) {
-    if (sp) gather_tokens(full, local);
+    if (sp && !(rerun_ && fault_ == Fault::RecomputeSpGatherSkipped)) gather_tokens(full, local);
     else (void)copy_to_tp_region_forward(local);  // identity: `full` aliases `local`
   };
   // g (reduce_from_tp_region, or reduce_scatter_to_sp_region under SP); in the invariant
@@ -792,6 +838,90 @@ void ShardedGpt::forward() {
     }
   };
   const std::int64_t Hc = inv_ ? inv_->Hc : 0, Fc = inv_ ? inv_->Fc : 0;
+  const double scale = softmax_scale();
+  const std::string pt = "act/h." + std::to_string(l) + ".";
+  const std::string site = "dropout/h." + std::to_string(l) + ".";
+  const std::string label = "h." + std::to_string(l) + (rerun_ ? ".recompute" : "");
+
+  comm_.set_label(label + (rerun_ ? "" : ".attn"));
+  norm_forward(b.h1, b.ln1_mean, b.ln1_rstd, x_in, *b.ln1, b.ln1_b);
+  forward_point(pt + "ln1.out", b.h1);
+  enter_tp(b.h1_full, b.h1);
+  col_forward(b.q, b.q_out, b.h1_full, Hc);
+  col_forward(b.k, b.k_out, b.h1_full, Hc);
+  col_forward(b.v, b.v_out, b.h1_full, Hc);
+  if (cfg_.rope()) {
+    be_.rope_forward(b.q_out, rope_pos_, Al, cfg_.rope_theta, rope_interleaved());
+    be_.rope_forward(b.k_out, rope_pos_, b.k_out.dim(1) / cfg_.head_dim(), cfg_.rope_theta,
+                     rope_interleaved());
+  }
+  forward_point(pt + "attn.q", b.q_out);
+  forward_point(pt + "attn.k", b.k_out);
+  forward_point(pt + "attn.v", b.v_out);
+  expand_kv(b.k_heads, b.k_out);
+  expand_kv(b.v_heads, b.v_out);
+  be_.attention_forward(b.att, b.probs, b.probs_dropped, b.q_out, b.k_heads, b.v_heads, B_, T_, Al,
+                        scale, probs_mask(l));
+  forward_point(pt + "attn.out", b.att);
+  row_forward(b.o, b.att, Hc);
+  Tensor& attn_out = leave_tp_biased(leave_tp, b.o_b);
+  snapshot(*fwd_snaps_, pt + "attn.o.out", point(pt + "attn.o.out"), attn_out);
+  be_.dropout(attn_out, tokens_mask(site + "attn.residual"));
+  be_.copy(b.x_mid, x_in);
+  be_.add_inplace(b.x_mid, attn_out);
+  forward_point(pt + "residual.mid", b.x_mid);
+
+  if (!rerun_) comm_.set_label(label + ".mlp");
+  norm_forward(b.h2, b.ln2_mean, b.ln2_rstd, b.x_mid, *b.ln2, b.ln2_b);
+  forward_point(pt + "ln2.out", b.h2);
+  enter_tp(b.h2_full, b.h2);
+  col_forward(b.mlp_in, b.u, b.h2_full, Fc);
+  if (cfg_.swiglu()) {
+    snapshot_halves(*fwd_snaps_, pt + "mlp.gate_proj.out", pt + "mlp.up_proj.out", b.u);
+    be_.swiglu_forward(b.a, b.u);
+    forward_point(pt + "mlp.swiglu.out", b.a);
+  } else {
+    forward_point(pt + "mlp.ffn1.out", b.u);
+    if (cfg_.mlp == MlpKind::GeluTanh) be_.gelu_tanh_forward(b.a, b.u);
+    else be_.gelu_forward(b.a, b.u);
+    forward_point(pt + "mlp.gelu.out", b.a);
+  }
+  row_forward(b.mlp_out, b.a, Fc);
+  Tensor* mlp_out = &partial;
+  if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp_biased(leave_tp, b.mlp_out_b);
+  else if (inv_) mlp_out = &leave_tp(/*own_only=*/true);  // the missing g: own chunks only
+  const std::string out_point = pt + cfg_.mlp_linears().back() + ".out";
+  snapshot(*fwd_snaps_, out_point, point(out_point), *mlp_out);
+  be_.dropout(*mlp_out, tokens_mask(site + "mlp.residual"));
+  be_.copy(b.x_out, b.x_mid);
+  be_.add_inplace(b.x_out, *mlp_out);
+  forward_point(pt + "residual.out", b.x_out);
+}
+
+const Tensor& ShardedGpt::block_input(std::size_t l) const {
+  if (l == 0) return x0_;
+  const std::size_t n = chunk_layers();
+  if (par_.recompute == RecomputeKind::Full && l % n == 0) return chunk_in_[l / n - 1];
+  return blocks_[l - 1]->x_out;
+}
+
+void ShardedGpt::rerun_chunk(std::size_t last) {
+  // The chunk's input is all it kept: its blocks run forward again from it, into the
+  // activations that the chunk's backward reads. The counter-based masks draw the first
+  // pass's dropout again (the fault draws fresh ones); under SP the all-gathers repeat.
+  const std::size_t first = last / chunk_layers() * chunk_layers();
+  rerun_ = true;
+  for (std::size_t l = first; l <= last; ++l)
+    // The fault (Megatron PR #290's bug): every block of the chunk fed the chunk's input.
+    block_forward(l, fault_ == Fault::RecomputeChunkInputToEveryLayer ? block_input(first)
+                                                                     : block_input(l));
+  rerun_ = false;
+}
+
+void ShardedGpt::forward() {
+  const bool sp = par_.sequence_parallel;
+  Parameter& wte = param("wte.weight");
+  Parameter& head = lm_head();
 
   // ---- embeddings: x0 [Nl,H] = wte[ids] + wpe[pos] ----
   comm_.set_label("embedding");
@@ -816,59 +946,21 @@ void ShardedGpt::forward() {
   }
   be_.dropout(x0_, tokens_mask("dropout/embedding"));
 
-  // ---- blocks ----
-  const double scale = softmax_scale();
-  const Tensor* x = &x0_;
+  // ---- blocks (full recompute: each chunk's input kept, its blocks' activations not) ----
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
-    Block& b = *blocks_[l];
-    const std::string pt = "act/h." + std::to_string(l) + ".";
-    const std::string site = "dropout/h." + std::to_string(l) + ".";
-    comm_.set_label("h." + std::to_string(l) + ".attn");
-    norm_forward(b.h1, b.ln1_mean, b.ln1_rstd, *x, *b.ln1, b.ln1_b);
-    enter_tp(b.h1_full, b.h1);
-    col_forward(b.q, b.q_out, b.h1_full, Hc);
-    col_forward(b.k, b.k_out, b.h1_full, Hc);
-    col_forward(b.v, b.v_out, b.h1_full, Hc);
-    if (cfg_.rope()) {
-      be_.rope_forward(b.q_out, rope_pos_, Al, cfg_.rope_theta, rope_interleaved());
-      be_.rope_forward(b.k_out, rope_pos_, b.k_out.dim(1) / cfg_.head_dim(), cfg_.rope_theta,
-                       rope_interleaved());
-    }
-    expand_kv(b.k_heads, b.k_out);
-    expand_kv(b.v_heads, b.v_out);
-    be_.attention_forward(b.att, b.probs, b.probs_dropped, b.q_out, b.k_heads, b.v_heads, B_, T_,
-                          Al, scale, probs_mask(l));
-    row_forward(b.o, b.att, Hc);
-    Tensor& attn_out = leave_tp_biased(leave_tp, b.o_b);
-    snapshot(*fwd_snaps_, pt + "attn.o.out", point(pt + "attn.o.out"), attn_out);
-    be_.dropout(attn_out, tokens_mask(site + "attn.residual"));
-    be_.copy(b.x_mid, *x);
-    be_.add_inplace(b.x_mid, attn_out);
-
-    comm_.set_label("h." + std::to_string(l) + ".mlp");
-    norm_forward(b.h2, b.ln2_mean, b.ln2_rstd, b.x_mid, *b.ln2, b.ln2_b);
-    enter_tp(b.h2_full, b.h2);
-    col_forward(b.mlp_in, b.u, b.h2_full, Fc);
-    if (cfg_.swiglu()) snapshot_halves(*fwd_snaps_, pt + "mlp.gate_proj.out", pt + "mlp.up_proj.out", b.u);
-    if (cfg_.swiglu()) be_.swiglu_forward(b.a, b.u);
-    else if (cfg_.mlp == MlpKind::GeluTanh) be_.gelu_tanh_forward(b.a, b.u);
-    else be_.gelu_forward(b.a, b.u);
-    row_forward(b.mlp_out, b.a, Fc);
-    Tensor* mlp_out = &partial;
-    if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp_biased(leave_tp, b.mlp_out_b);
-    else if (inv_) mlp_out = &leave_tp(/*own_only=*/true);  // the missing g: own chunks only
-    const std::string out_point = pt + cfg_.mlp_linears().back() + ".out";
-    snapshot(*fwd_snaps_, out_point, point(out_point), *mlp_out);
-    be_.dropout(*mlp_out, tokens_mask(site + "mlp.residual"));
-    be_.copy(b.x_out, b.x_mid);
-    be_.add_inplace(b.x_out, *mlp_out);
-    x = &b.x_out;
+    if (par_.recompute == RecomputeKind::Full && l > 0 && l % chunk_layers() == 0)
+      be_.copy(chunk_in_[l / chunk_layers() - 1], blocks_[l - 1]->x_out);
+    block_forward(l, block_input(l));
   }
+  const Tensor& x = blocks_.empty() ? x0_ : blocks_.back()->x_out;
 
   // ---- head: ln_f, logits = hf · wteᵀ, cross-entropy ----
   comm_.set_label("head");
-  norm_forward(hf_, lnf_mean_, lnf_rstd_, *x, param("ln_f.weight"), bias_of("ln_f"));
-  if (par_.loss_parallel) enter_tp(hf_full_, hf_);
+  norm_forward(hf_, lnf_mean_, lnf_rstd_, x, param("ln_f.weight"), bias_of("ln_f"));
+  if (par_.loss_parallel) {
+    if (sp) gather_tokens(hf_full_, hf_);
+    else (void)copy_to_tp_region_forward(hf_);  // identity: hf_full_ aliases hf_
+  }
   if (inv_)  // tiles: vocabulary columns (loss parallel), or this rank's tokens (SP alone)
     inv_->cg.gemm(logits_, hf_full_, false, head.value, true,
                   {sp && !par_.loss_parallel ? inv_->Nc : 0, par_.loss_parallel ? inv_->Vc : 0});
@@ -987,7 +1079,11 @@ void ShardedGpt::backward() {
   const double scale = softmax_scale();
   for (std::size_t li = blocks_.size(); li-- > 0;) {
     Block& b = *blocks_[li];
-    const Tensor& x_in = li == 0 ? x0_ : blocks_[li - 1]->x_out;
+    // Full recompute: at a chunk's last block, the chunk's forward again from its input.
+    if (par_.recompute == RecomputeKind::Full &&
+        (li + 1 == blocks_.size() || (li + 1) % chunk_layers() == 0))
+      rerun_chunk(li);
+    const Tensor& x_in = block_input(li);
     Tensor* dx_prev = dx == &s.dres[0] ? &s.dres[1] : &s.dres[0];
     const std::string pt = "act/h." + std::to_string(li) + ".";
     auto snap = [&](const char* name, const Tensor& t) {
@@ -1031,6 +1127,14 @@ void ShardedGpt::backward() {
     row_bias_backward(b.o_b, do_out);
     row_backward(b.o, s.datt, dattn, b.att, Hc);
     snap("attn.out.grad", s.datt);
+    if (par_.recompute == RecomputeKind::Selective) {
+      // The probabilities (and their dropped copy) from the kept q, k and v, as forward
+      // made them: the same op on the same bits, the same masks.
+      rerun_ = true;
+      be_.attention_forward(s.att_rerun, b.probs, b.probs_dropped, b.q_out, b.k_heads, b.v_heads,
+                            B_, T_, Al, scale, probs_mask(li));
+      rerun_ = false;
+    }
     be_.attention_backward(s.dq, s.dk_heads, s.dv_heads, s.datt, b.q_out, b.k_heads, b.v_heads,
                            b.probs, b.probs_dropped, B_, T_, Al, scale, probs_mask(li));
     sum_kv_groups(s.dk, s.dk_heads);
@@ -1130,28 +1234,35 @@ std::vector<Observation> ShardedGpt::observe_forward() {
   obs.push_back(observe("act/logits", point("act/logits"), logits_));
   if (!record_) return obs;
   auto add = [&](const std::string& n, const Tensor& t) { obs.push_back(observe(n, point(n), t)); };
+  // A block's points: in its own buffers, or, where full recomputation shares them
+  // between layers, as snapshotted in the first pass.
+  const bool shared = par_.recompute == RecomputeKind::Full;
+  auto add_block = [&](const std::string& n, const Tensor& t) {
+    if (shared) obs.push_back(fwd_snaps_->view(n));
+    else add(n, t);
+  };
   add("act/embedding.out", x0_);
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
     const Block& b = *blocks_[l];
     const std::string pt = "act/h." + std::to_string(l) + ".";
-    add(pt + "ln1.out", b.h1);
-    add(pt + "attn.q", b.q_out);
-    add(pt + "attn.k", b.k_out);
-    add(pt + "attn.v", b.v_out);
-    add(pt + "attn.out", b.att);
+    add_block(pt + "ln1.out", b.h1);
+    add_block(pt + "attn.q", b.q_out);
+    add_block(pt + "attn.k", b.k_out);
+    add_block(pt + "attn.v", b.v_out);
+    add_block(pt + "attn.out", b.att);
     obs.push_back(fwd_snaps_->view(pt + "attn.o.out"));
-    add(pt + "residual.mid", b.x_mid);
-    add(pt + "ln2.out", b.h2);
+    add_block(pt + "residual.mid", b.x_mid);
+    add_block(pt + "ln2.out", b.h2);
     if (cfg_.swiglu()) {
       obs.push_back(fwd_snaps_->view(pt + "mlp.gate_proj.out"));
       obs.push_back(fwd_snaps_->view(pt + "mlp.up_proj.out"));
-      add(pt + "mlp.swiglu.out", b.a);
+      add_block(pt + "mlp.swiglu.out", b.a);
     } else {
-      add(pt + "mlp.ffn1.out", b.u);
-      add(pt + "mlp.gelu.out", b.a);
+      add_block(pt + "mlp.ffn1.out", b.u);
+      add_block(pt + "mlp.gelu.out", b.a);
     }
     obs.push_back(fwd_snaps_->view(pt + cfg_.mlp_linears().back() + ".out"));
-    add(pt + "residual.out", b.x_out);
+    add_block(pt + "residual.out", b.x_out);
   }
   add("act/ln_f.out", hf_);
   return obs;

@@ -32,6 +32,9 @@ struct GptParallelism {
   // TP-invariant mode (sharded/tp_invariant.h): split reductions in canonical chunks,
   // GEMMs in canonical tiles, so that every TP degree computes the same bits.
   bool tp_invariant = false;
+  // Activation recomputation (model/config.h); recompute_layers is Full's chunk size.
+  RecomputeKind recompute = RecomputeKind::None;
+  std::int64_t recompute_layers = 1;
 };
 
 // The padded vocabulary: V rounded up to a multiple of t·M when loss parallel (of C·M,
@@ -73,6 +76,23 @@ class ShardedGpt final : public ShardedModel {
   struct Block;
   void forward();
   void backward();
+  // Block l's forward from its input x_in [Nl,H]; again in backward when rerun_ is set
+  // (full recomputation), when it records no points and labels its collectives
+  // "h.N.recompute".
+  void block_forward(std::size_t l, const Tensor& x_in);
+  // Block l's input: the embeddings, the previous block's output, or (full recompute, at a
+  // chunk's first block) the chunk's kept input.
+  const Tensor& block_input(std::size_t l) const;
+  // Full recompute: the blocks of the chunk that ends at block `last`, forward again.
+  void rerun_chunk(std::size_t last);
+  // Blocks per recompute chunk (full recompute), else 1.
+  std::size_t chunk_layers() const;
+  // A forward activation point whose buffer full recomputation shares between layers:
+  // snapshotted where it is produced (when recording, in the first pass only).
+  void forward_point(const std::string& name, const Tensor& t);
+  // The training step the dropout masks are drawn for: this one, on a rerun too (the
+  // fault draws a rerun's afresh, from the next step's).
+  std::int64_t mask_step() const;
   double softmax_scale() const;
   // gather_from_sp_region's forward (also re-gathers in backward), with its chunk-order fault.
   void gather_tokens(Tensor& full, const Tensor& local);
@@ -170,6 +190,8 @@ class ShardedGpt final : public ShardedModel {
   struct Workspace;  // temporaries, allocated once: big ones would page-fault every step
   std::unique_ptr<Workspace> ws_;
   bool record_ = false;  // activation points: snapshot the transient ones each step
+  bool rerun_ = false;   // a recomputation is running: no points, masks as the first pass
+  std::vector<Tensor> chunk_in_;  // full recompute: [Nl,H] input of each chunk but the first
   std::unique_ptr<Snapshots> fwd_snaps_, bwd_snaps_;
 };
 

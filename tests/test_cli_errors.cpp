@@ -54,6 +54,18 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
                      "--tp-invariant: not yet for this architecture");
   expect_usage_error("verify --model gpt2 --norm nonsense", "--norm");
   expect_usage_error("verify --model gpt2 --dropout 1", "--dropout");
+  expect_usage_error("verify --model gpt --recompute some", "--recompute");
+  expect_usage_error("verify --model gpt --recompute selective --recompute-layers 2",
+                     "--recompute-layers applies to --recompute full");
+  expect_usage_error("verify --model gpt --recompute full --recompute-layers 3", "--recompute-layers");
+  expect_usage_error("verify --model mlp --recompute full", "--recompute applies to --model gpt");
+  expect_usage_error("verify --recompute full", "add --model");
+  expect_usage_error("verify --model gpt2 --preset small --tp 2 --dropout 0.1 "
+                     "--inject-fault recompute-fresh-dropout-masks",
+                     "needs --recompute");
+  expect_usage_error("verify --model gpt2 --preset small --tp 2 --recompute full --sequence-parallel "
+                     "--inject-fault recompute-chunk-input-to-every-layer",
+                     "--recompute-layers 2 or more");
   expect_usage_error("verify --model gpt2 --dropout -0.1", "--dropout");
   expect_usage_error("verify --model mlp --dropout 0.1", "apply to --model gpt, gpt2 and llama");
   expect_usage_error("verify --model gpt --preset small --dropout 0.1 --tp-invariant --tp 1,2",

@@ -9,6 +9,7 @@
 
 #include "cli_runner.h"
 #include "profile/activation_model.h"
+#include "profile/paper_memory.h"
 #include "verify/setup/memory_check.h"
 #include "verify/commands/profile_run.h"
 
@@ -44,6 +45,17 @@ ProfileResult profile(const RunOptions& o) {
 std::int64_t tag_bytes(const RankProfile& r, const std::string& tag) {
   auto it = r.tags.find(tag);
   return it == r.tags.end() ? 0 : it->second.current;
+}
+
+// Every tensor the model predicts is the ledger's, byte for byte, and so is every category.
+void check_rank_equals_model(const TpProfile& run, const RankProfile& r) {
+  for (const auto& t : run.predicted->tensors) {
+    INFO(t.tag);
+    CHECK(tag_bytes(r, t.tag) == t.bytes);
+  }
+  for (int c = 0; c < kNumMemCategories; ++c)
+    CHECK(r.current[static_cast<std::size_t>(c)] ==
+          run.predicted->bytes(static_cast<MemCategory>(c)));
 }
 
 std::int64_t layer_measured(const RankProfile& r, int layer) {
@@ -150,15 +162,82 @@ TEST_CASE("the families: measured bytes equal the model, tensor by tensor", "[pr
           for (const auto& r : run.ranks) {
             INFO(family << " sp " << sp << " tp " << run.tp << " rank " << r.rank << " "
                         << dtype_name(dt));
-            for (const auto& t : run.predicted->tensors) {
-              INFO(t.tag);
-              CHECK(tag_bytes(r, t.tag) == t.bytes);
-            }
-            for (int c = 0; c < kNumMemCategories; ++c)
-              CHECK(r.current[static_cast<std::size_t>(c)] ==
-                    run.predicted->bytes(static_cast<MemCategory>(c)));
+            check_rank_equals_model(run, r);
           }
       }
+}
+
+TEST_CASE("recomputation: measured bytes equal the model, tensor by tensor", "[profile][recompute]") {
+  // Selective keeps no probabilities per layer (one shared buffer, with dropout's copy);
+  // full keeps each chunk's input and one chunk's activations, over 3 layers in chunks of
+  // 1 and 2 (the last chunk short).
+  for (auto [rc, n] : {std::pair{RecomputeKind::Selective, 1}, {RecomputeKind::Full, 1},
+                       {RecomputeKind::Full, 2}})
+    for (bool sp : {false, true}) {
+      RunOptions o = small_gpt(sp, !sp);
+      apply_gpt_family(o.gpt, "gpt2");
+      o.gpt.dropout = 0.1;
+      o.gpt.layers = 3;
+      o.recompute = rc;
+      o.recompute_layers = n;
+      const ProfileResult res = profile(o);
+      for (const auto& run : res.runs)
+        for (const auto& r : run.ranks) {
+          INFO("recompute " << static_cast<int>(rc) << " chunk " << n << " sp " << sp << " tp "
+                            << run.tp << " rank " << r.rank);
+          check_rank_equals_model(run, r);
+          // past the first chunk, full keeps each chunk's input alone: [Nl,H] f32
+          const std::int64_t input = o.batch_size * o.seq_len / (sp ? run.tp : 1) * o.gpt.hidden * 4;
+          if (rc == RecomputeKind::Full)
+            for (int l = n; l < 3; ++l) CHECK(layer_measured(r, l) == (l % n == 0 ? input : 0));
+        }
+    }
+}
+
+TEST_CASE("the recomputation paper's Table 2, and tpsim's layers term by term", "[profile][recompute]") {
+  // Its formulas, at the 22B configuration (s 2048, b 4, h 6144, a 64, t 8), in bytes.
+  const double sbh = 2048.0 * 4 * 6144, attn = 5.0 * 64 * 2048 / (6144.0 * 8);
+  CHECK(paper_layer_bytes(2048, 4, 6144, 64, 8, false, RecomputeKind::None) == sbh * (10 + 3 + attn));
+  CHECK(paper_layer_bytes(2048, 4, 6144, 64, 1, false, RecomputeKind::None) ==
+        sbh * (34 + 5.0 * 64 * 2048 / 6144));
+  CHECK(paper_layer_bytes(2048, 4, 6144, 64, 8, true, RecomputeKind::None) == sbh * (34.0 / 8 + attn));
+  CHECK(paper_layer_bytes(2048, 4, 6144, 64, 8, false, RecomputeKind::Selective) == sbh * 13);
+  CHECK(paper_layer_bytes(2048, 4, 6144, 64, 8, true, RecomputeKind::Selective) == sbh * 34 / 8);
+  CHECK(paper_layer_bytes(2048, 4, 6144, 64, 8, true, RecomputeKind::Full) == 2 * sbh);
+  // The term table: the paper's column sums to its formula, tpsim's to its model's layers.
+  for (auto [rc, sp] : {std::pair{RecomputeKind::None, false}, {RecomputeKind::None, true},
+                        {RecomputeKind::Selective, false}, {RecomputeKind::Selective, true},
+                        {RecomputeKind::Full, false}})
+    for (double dropout : {0.0, 0.1}) {
+      GptMemoryQuery q;
+      q.cfg.vocab_size = 101;
+      q.cfg.hidden = 48;
+      q.cfg.heads = 8;
+      q.cfg.layers = 3;
+      q.cfg.dropout = dropout;
+      q.B = 2;
+      q.T = 16;
+      q.t = 2;
+      q.sequence_parallel = sp;
+      q.recompute = rc;
+      const GptMemoryPrediction p = predict_gpt_memory(q);
+      double paper = 0, tpsim = 0, layers = 0;
+      for (const LayerTerm& t : layer_terms(q, p)) {
+        paper += t.paper;
+        tpsim += t.tpsim;
+      }
+      for (int l = 0; l < 3; ++l) layers += static_cast<double>(p.layer_activation_bytes(l));
+      INFO("recompute " << static_cast<int>(rc) << " sp " << sp << " dropout " << dropout);
+      CHECK(paper == Approx(paper_layer_bytes(16, 2, 48, 8, 2, sp, rc)).epsilon(1e-12));
+      CHECK(tpsim == Approx(layers / 3).epsilon(1e-12));
+    }
+  const auto r = testing::run_tpsim("profile --paper-table");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  for (const char* m : {"22B", "175B", "530B", "1T", "TP+SP+selective", "full"})
+    CHECK(r.out.find(m) != std::string::npos);
+  // 22B with TP alone, the paper's 1.234 GiB per layer
+  CHECK(r.out.find("TP                 1.234 |") != std::string::npos);
 }
 
 TEST_CASE("the families' model FLOPs are what their GEMMs and attention execute", "[profile]") {

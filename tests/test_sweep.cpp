@@ -14,12 +14,13 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
   const auto r = run_tpsim("verify --json " + json);
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
-  CHECK(r.out.find("verify: PASS: 25 cases") != std::string::npos);
+  CHECK(r.out.find("verify: PASS: 28 cases") != std::string::npos);
   const auto j = read_json(json);
   CHECK(j["sweep"] == true);
   CHECK(j["dtype"] == "f64");
-  // the MLP, the seed's GPT in 4 modes x 2 batches, GPT-2 and three Llamas in 4 modes
-  REQUIRE(j["cases"].size() == 25);
+  // the MLP, the seed's GPT in 4 modes x 2 batches, GPT-2 and three Llamas in 4 modes,
+  // GPT-2 with three kinds of recomputation
+  REQUIRE(j["cases"].size() == 28);
   CHECK(j["cases"][0]["model"] == "mlp");
   std::vector<int> mlp_tp, gpt_tp;
   for (const auto& t : j["cases"][0]["tp"]) mlp_tp.push_back(t["tp"]);
@@ -54,7 +55,10 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
   CHECK(families == std::map<std::string, int>{{"gpt2 dropout 0.1", 4},
                                                {"llama gqa", 4},
                                                {"llama kv<tp", 4},
-                                               {"llama mqa", 4}});
+                                               {"llama mqa", 4},
+                                               {"gpt2 selective recompute", 1},
+                                               {"gpt2 full recompute", 1},
+                                               {"gpt2 full recompute, chunk 2", 1}});
   CHECK(j["cases"][9]["architecture"] ==
         "LayerNorm+bias, Linear biases, tanh GELU F 288, learned positions, 12 heads, tied, "
         "dropout 0.1");
@@ -136,6 +140,17 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
       {"dropout-replicated-per-rank", {"reference", "act/embedding.out", "rank 1/2 replica", 2}},
       // Rank 1's heads 6..11 dropped by heads 0..5's mask: the attention output's shard.
       {"dropout-tp-mask-same-on-ranks", {"reference", "act/h.0.attn.out", "rank 1/2 cols", 2}},
+      // Recomputation's faults change only what backward computes again, so the run
+      // without recomputation beside it names them first, bit for bit, even at tp 1. The
+      // selective rerun's fresh attention mask: the first product of backward through it.
+      {"recompute-fresh-dropout-masks",
+       {"no recompute bit for bit", "act/h.1.attn.v.grad", "rank 0/1", 1}},
+      // A stale gathered buffer, then every block of the chunk from its input: the rerun
+      // MLP's input and output differ, and with them its weight gradients.
+      {"recompute-sp-gather-skipped",
+       {"no recompute bit for bit", "h.1.mlp.ffn1.weight.grad", "rank 0/1", 1}},
+      {"recompute-chunk-input-to-every-layer",
+       {"no recompute bit for bit", "h.1.mlp.ffn2.weight.grad", "rank 0/1", 1}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.
       {"reassembly-shard-order", {"reassembled", "fc1.weight.grad", "reassembled from 2", 2}},
   };

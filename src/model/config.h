@@ -82,6 +82,16 @@ std::string describe_architecture(const GptConfig& c);
 // divide hidden, kv heads divide heads, RoPE needs an even head size.
 void check_gpt_architecture(const GptConfig& c);
 
+// Activation recomputation, with Megatron's meanings (Korthikanti et al. 2022): what a
+// transformer block keeps for its backward, and what backward computes again.
+enum class RecomputeKind {
+  None,
+  Selective,  // the core attention (QKᵀ, softmax, dropout, ·V) rerun in backward from the
+              // kept q, k and v: no [B, heads, T, T] probabilities kept per layer
+  Full,       // only each chunk of `recompute_layers` blocks keeps its input; the chunk's
+              // blocks run forward again in backward (Megatron's "uniform" method)
+};
+
 // torch.optim.Adam: weight decay is L2 added to the gradient; bias-corrected moments.
 struct AdamConfig {
   double lr = 0.01;

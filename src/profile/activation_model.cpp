@@ -116,8 +116,17 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
 
   // ---- activations saved for backward ----
   add(A, "embedding.out", {Nl, H}, -1);
+  const bool selective = q.recompute == RecomputeKind::Selective;
+  const bool full = q.recompute == RecomputeKind::Full;
+  const int chunk = full ? static_cast<int>(std::clamp<std::int64_t>(q.recompute_layers, 1,
+                                                                       std::max<std::int64_t>(c.layers, 1)))
+                         : 1;
   for (int l = 0; l < static_cast<int>(c.layers); ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
+    if (full && l >= chunk) {  // shares the first chunk's buffers; keeps its chunk's input
+      if (l % chunk == 0) add(A, p + "recompute.input", {Nl, H}, l);
+      continue;
+    }
     add(A, p + "ln1.out", {Nl, H}, l);
     if (layer_norm) add(A, p + "ln1.mean", {Nl}, l, bc);
     add(A, p + "ln1.rstd", {Nl}, l, bc);
@@ -128,10 +137,13 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
       add(A, p + "attn.k.heads", {N, Hl}, l);
       add(A, p + "attn.v.heads", {N, Hl}, l);
     }
-    add(A, p + "attn.probs", {q.B, Al, q.T, q.T}, l);
     // with dropout, the dropped copy that multiplied v (the mask itself is never stored:
-    // backward draws it again from the counter-based RNG)
-    if (dropout) add(A, p + "attn.probs.dropped", {q.B, Al, q.T, q.T}, l);
+    // backward draws it again from the counter-based RNG); selective recompute keeps
+    // neither (one buffer for every layer, among the temporaries)
+    if (!selective) {
+      add(A, p + "attn.probs", {q.B, Al, q.T, q.T}, l);
+      if (dropout) add(A, p + "attn.probs.dropped", {q.B, Al, q.T, q.T}, l);
+    }
     add(A, p + "attn.out", {N, Hl}, l);
     add(A, p + "residual.mid", {Nl, H}, l);
     add(A, p + "ln2.out", {Nl, H}, l);
@@ -185,6 +197,11 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   }
   add(Tm, "residual.grad.0", {Nl, H}, -1);
   if (dropout) add(Tm, "residual.branch.grad", {Nl, H}, -1);  // a branch's, through its mask
+  if (selective && c.layers > 0) {  // the probabilities, made again per layer in backward
+    add(Tm, "attn.probs", {q.B, Al, q.T, q.T}, -1);
+    if (dropout) add(Tm, "attn.probs.dropped", {q.B, Al, q.T, q.T}, -1);
+  }
+  if (selective) add(Tm, "attn.out.rerun", {N, Hl}, -1);  // the rerun's output, discarded
   add(Tm, "residual.grad.1", {Nl, H}, -1);
   add(Tm, "ce.row_loss", {Nce}, -1, bc);
 

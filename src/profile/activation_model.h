@@ -30,6 +30,9 @@
 //     of no TP, the paper's 34/t.
 //  4. The LN inputs are the residual stream tensors x_mid and x_out of each block (x_out
 //     doubles as the next block's LN input), so a layer owns them rather than its input.
+// With recomputation (GptMemoryQuery::recompute) selective keeps no probabilities per
+// layer (one shared temporary) and full keeps, past the first chunk, only each chunk's
+// input [Nl,h]; profile/paper_memory.h sets these beside the paper's Table 2 term by term.
 //
 // Per layer, in elements (N = sb tokens, Nl = N or N/t under SP):
 //   no TP / TP:  4·N·h + 12·N·h/t + a·s²·b/t + 4·N
@@ -66,6 +69,11 @@ struct GptMemoryQuery {
   // The vocabulary pads to C·M at every t, and the mode's partials and their gathered
   // copies (sharded/gpt.cpp's Invariant, the cross-entropy's chunked exp-sum) are counted.
   int canonical_chunks = 0;
+  // Activation recomputation (sharded/gpt.h): selective keeps no probabilities per layer
+  // (one shared buffer, made again in backward); full keeps every chunk's input and the
+  // activations of the first chunk's blocks only, which every chunk reuses.
+  RecomputeKind recompute = RecomputeKind::None;
+  std::int64_t recompute_layers = 1;
 };
 
 struct PredictedTensor {

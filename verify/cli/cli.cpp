@@ -35,6 +35,7 @@ struct RawFlags {
   bool free_running = false;  // verify: f32 and bf16 steps not restarted from the reference
   // The architecture, over the --model family's choices: empty or 0 where not given.
   std::string norm, mlp, positions, rope_style;
+  std::string recompute;  // empty: none
   int norm_bias = 0, no_norm_bias = 0, linear_bias = 0, no_linear_bias = 0;
   int tied = 0, untied = 0;
 };
@@ -48,7 +49,8 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--lr", "--weight-decay", "--html", "--norm", "--norm-bias",
                                  "--no-norm-bias", "--linear-bias", "--no-linear-bias", "--mlp",
                                  "--ffn-hidden", "--positions", "--rope-theta", "--rope-style",
-                                 "--kv-heads", "--tied-embeddings", "--untied-embeddings"};
+                                 "--kv-heads", "--tied-embeddings", "--untied-embeddings",
+                                 "--dropout", "--recompute", "--recompute-layers"};
 
 // --preset small: the sweep's small GPT, for the fields the user did not set.
 void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
@@ -128,6 +130,13 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
       ->check(CLI::IsMember({"seed", "small"}));
   cmd.add_flag("--loss-parallel", o.loss_parallel,
                "gpt: split wte/lm_head by vocabulary; cross-entropy on sharded logits");
+  cmd.add_option("--recompute", raw.recompute,
+                 "gpt: activation recomputation, as Megatron's: none (the default), selective "
+                 "(the core attention again in backward from the kept q, k, v) or full (each "
+                 "chunk of blocks keeps only its input and runs again in backward)")
+      ->check(CLI::IsMember({"none", "selective", "full"}));
+  cmd.add_option("--recompute-layers", o.recompute_layers,
+                 "gpt with --recompute full: blocks per recompute chunk (default 1)");
   cmd.add_flag("--sequence-parallel", o.sequence_parallel,
                "gpt: split LayerNorm/residual regions by tokens (all-gather / reduce-scatter)");
   cmd.add_option("--make-vocab-divisible-by", o.make_vocab_divisible_by,
@@ -178,6 +187,9 @@ void apply_architecture(RunOptions& o, const RawFlags& raw) {
 void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, bool verify) {
   o.model = raw.model == "mlp" ? ModelKind::Mlp : ModelKind::Gpt;
   apply_architecture(o, raw);
+  o.recompute = raw.recompute == "selective" ? RecomputeKind::Selective
+                : raw.recompute == "full"    ? RecomputeKind::Full
+                                             : RecomputeKind::None;
   o.batch = raw.batch == "boundary" || (raw.batch.empty() && verify) ? BatchKind::Boundary
                                                                      : BatchKind::Random;
   if (!raw.preset.empty() && o.model != ModelKind::Gpt)
@@ -323,11 +335,17 @@ each on a boundary batch and a random one; --dtype, --steps, --seed, --inject-fa
   profile->add_option("--html", prof.html_path, "write each rank's memory timeline as an HTML/SVG plot");
   profile->add_flag("--predict", prof.predict_only,
                     "print the analytical memory model's figures per rank and run nothing");
+  profile->add_flag("--paper-table", prof.paper_table,
+                    "print Korthikanti et al. 2022's activation memory per layer for its four "
+                    "models (22B, 175B, 530B, 1T) beside tpsim's memory model, for TP, SP, "
+                    "selective and full recomputation, and run nothing");
   profile->footer(std::string(R"(
 Examples:
   tpsim profile --model gpt --tp 1,2 --steps 2
   tpsim profile --model gpt --tp 2 --loss-parallel --sequence-parallel --trace t.json
-  tpsim profile --model gpt --tp 1,2 --tp-invariant   # its cost: compare with the run without it)") + kFooter);
+  tpsim profile --model gpt --tp 1,2 --tp-invariant   # its cost: compare with the run without it
+  tpsim profile --model gpt2 --preset small --dropout 0.1 --recompute selective --tp 1,2
+  tpsim profile --paper-table   # the recomputation paper's Table 2, beside tpsim's model)") + kFooter);
 
   CheckOptions chk;
   auto* check = app.add_subcommand(

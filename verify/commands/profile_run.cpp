@@ -1,5 +1,6 @@
 #include "verify/commands/profile_run.h"
 
+#include <algorithm>
 #include <memory>
 #include <sstream>
 
@@ -21,7 +22,39 @@ std::string per_tp_path(const std::string& path, int tp, bool several) {
   return path.substr(0, dot) + tag + path.substr(dot);
 }
 
+namespace {
+
+// The slowest rank's mean step time (steps 2.. when there are several) of `o` at degree tp,
+// nothing recorded: the same run without recomputation, for its overhead.
+double plain_step_seconds(const RunOptions& o, const RunInputs& in, int tp) {
+  std::vector<double> mean(static_cast<std::size_t>(tp), 0.0);
+  launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+    auto model = make_sharded_model(o, in, be, comm);
+    if (!in.loaded.empty()) model->load_params(in.loaded);
+    double sum = 0;
+    int counted = 0;
+    for (int step = 1; step <= o.steps; ++step) {
+      const std::int64_t t0 = steady_now_ns();
+      model->forward_backward();
+      model->optimizer_step();
+      be.synchronize();
+      if (step > 1 || o.steps == 1) {
+        sum += static_cast<double>(steady_now_ns() - t0) * 1e-9;
+        ++counted;
+      }
+    }
+    mean[static_cast<std::size_t>(rank)] = counted ? sum / counted : 0.0;
+  });
+  return *std::max_element(mean.begin(), mean.end());
+}
+
+}  // namespace
+
 ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ostream& os) {
+  if (p.paper_table) {
+    print_paper_table(os);
+    return {};
+  }
   if (p.predict_only && o.model != ModelKind::Gpt)
     throw UsageError("profile --predict: the memory model is the gpt's");
   for (int tp : o.tp) {
@@ -87,6 +120,11 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
       rp.peak_total = ledger.peak_total();
       rp.tags = ledger.tags();
     });
+    if (o.recompute != RecomputeKind::None) {
+      RunOptions plain = o;
+      plain.recompute = RecomputeKind::None;
+      run.plain_step_s = plain_step_seconds(plain, in, tp);
+    }
     print_tp_profile(os, o, run);
     const std::string title = std::string("tpsim profile: ") + model_name(o.model) + ", tp " +
                               std::to_string(tp);

@@ -15,6 +15,7 @@ struct ProfileOptions {
   std::string trace_path;  // --trace FILE.json (".tp<N>" is inserted for a list of degrees)
   std::string html_path;   // --html FILE.html: the memory timeline plot
   bool predict_only = false;  // --predict: print the analytical model's figures, run nothing
+  bool paper_table = false;   // --paper-table: the recomputation paper's table, run nothing
 };
 
 // Path of the file for TP degree `tp` when several are profiled: "t.json" -> "t.tp2.json".

@@ -79,6 +79,24 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   family("llama kv<tp", "llama", 2, RopeStyle::Half, 0, {1, 2, 4});
   family("llama mqa", "llama", 1, RopeStyle::Interleaved, 0, {1, 2, 4});
 
+  // Recomputation, each checked bit for bit against the same run without it: selective,
+  // full in chunks of one block under SP (the rerun repeats its all-gathers), and full in
+  // a chunk of both blocks, with GPT-2's dropout (a rerun must draw the same masks).
+  auto recompute = [&](const std::string& name, const std::string& mode, RecomputeKind rc,
+                       std::int64_t chunk) {
+    RunOptions r = small_gpt(base, "gpt2", {1, 2, 4});
+    r.gpt.dropout = 0.1;
+    r.recompute = rc;
+    r.recompute_layers = chunk;
+    r.batch = BatchKind::Boundary;
+    r.loss_parallel = mode.find("loss") != std::string::npos;
+    r.sequence_parallel = mode.find("sequence") != std::string::npos;
+    all.push_back({"gpt2 " + name + " " + mode, r});
+  };
+  recompute("selective recompute", "--loss-parallel", RecomputeKind::Selective, 1);
+  recompute("full recompute", "--sequence-parallel", RecomputeKind::Full, 1);
+  recompute("full recompute, chunk 2", "plain", RecomputeKind::Full, 2);
+
   std::vector<SweepCase> cases;
   std::string why;  // from a case of the fault's own model, which the sweep always has
   const FaultScope& scope = fault_info(base.fault).scope;

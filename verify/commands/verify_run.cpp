@@ -278,10 +278,29 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
     auto model = make_sharded_model(o, in, be, comm);
     model->record_activation_points(true);
     if (!in.loaded.empty()) model->load_params(in.loaded);
+    // --recompute: the same model without recomputation beside it on this rank, a step
+    // ahead, whose every tensor the recomputing run must equal bit for bit.
+    std::unique_ptr<ShardedModel> baseline;
+    if (o.recompute != RecomputeKind::None) {
+      RunOptions plain = o;
+      plain.recompute = RecomputeKind::None;
+      plain.recompute_layers = 1;
+      baseline = make_sharded_model(plain, in, be, comm);
+      baseline->record_activation_points(true);
+      if (!in.loaded.empty()) baseline->load_params(in.loaded);
+    }
     RankFindings& mine = found[static_cast<std::size_t>(rank)];
     const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 run
     for (int step = 1; step <= o.steps; ++step) {
       if (o.resync && step > 1) model->load_params(ref.wait(step - 1).copies);
+      std::vector<Observation> base_fwd, base_grads;
+      if (baseline) {
+        if (o.resync && step > 1) baseline->load_params(ref.wait(step - 1).copies);
+        baseline->forward_backward();
+        base_fwd = baseline->observe_forward();
+        base_grads = baseline->observe_param_grads();
+        for (auto& a : baseline->observe_activation_grads()) base_grads.push_back(std::move(a));
+      }
       comm.clear_records();
       const double loss = model->forward_backward();
       if (step == 1) mine.comm_step1 = totals(comm.records());
@@ -302,6 +321,12 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       for (auto& a : model->observe_activation_grads()) grads.push_back(std::move(a));
       sort_in_tensor_order(fwd, order);
       sort_in_tensor_order(grads, order);
+      // --recompute: first against the run without it, so that a step where recomputation
+      // changed a bit names that check first.
+      if (baseline) {
+        check.check_recomputed(fwd, base_fwd, Phase::Forward);
+        check.check_recomputed(grads, base_grads, Phase::Backward);
+      }
       const std::size_t checked_before = mine.step.size();
       check.check(fwd, Phase::Forward);
       check.check(grads, Phase::Backward);
@@ -313,6 +338,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
         check.check_bitwise(fwd, one, Phase::Forward);
         check.check_bitwise(grads, one, Phase::Backward);
       }
+
       // A non-finite loss or gradient that the reference shares is a diverged run, not a
       // mismatch; one that it does not share failed a comparison above and is reported
       // as the mismatch it is.
@@ -333,6 +359,10 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
         check_finite(loss, grads, rank, step);
       model->optimizer_step();
       auto params = model->observe_params();
+      if (baseline) {
+        baseline->optimizer_step();
+        check.check_recomputed(params, baseline->observe_params(), Phase::Update);
+      }
       check.check(params, Phase::Update);
       if (record_tp1) {
         tp1->record(step, params);

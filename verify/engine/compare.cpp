@@ -273,6 +273,34 @@ Comparison compare_bitwise(const Observation& obs, const std::vector<double>& tp
   return c;
 }
 
+Comparison compare_recomputed(const Observation& obs, const Observation& baseline) {
+  // The shard against the baseline's, index for index (a whole tensor of the local
+  // shape), for the error's scale; then bit for bit, as compare_bitwise.
+  ShardSpec local = obs.spec;
+  local.full_shape = obs.spec.local_shape();
+  local.split_dim = -1;
+  local.world = 1;
+  local.offset = 0;
+  Comparison c = compare_view({obs.name, local, obs.values}, baseline.values.data(),
+                              baseline.values.size(), 0.0, 0.0);
+  c.shard = obs.spec.shard_str();
+  c.rank = obs.spec.rank;
+  c.tp = obs.spec.world;
+  c.full_shape = obs.spec.full_shape;
+  c.what = kRecomputeCheck;
+  c.pass = obs.values.size() == baseline.values.size();
+  c.worst = -1;
+  for (std::size_t k = 0; k < obs.values.size() && c.pass; ++k) {
+    const double a = obs.values[k], b = baseline.values[k];
+    if (std::memcmp(&a, &b, sizeof a) == 0) continue;
+    c.pass = false;
+    c.worst = full_index(obs.spec, static_cast<std::int64_t>(k));
+    c.sharded_at_worst = a;
+    c.reference_at_worst = b;
+  }
+  return c;
+}
+
 std::string format_index(const Comparison& c) { return index_str(c.full_shape, c.worst); }
 
 }  // namespace tpsim

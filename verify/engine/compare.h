@@ -19,6 +19,7 @@ inline constexpr const char* kReferenceCheck = "reference";        // a shard vs
 inline constexpr const char* kReplicaCheck = "replica of rank 0";  // bit for bit
 inline constexpr const char* kReassembledCheck = "reassembled";    // the gathered full tensor
 inline constexpr const char* kInvariantCheck = "tp 1 bit for bit";  // --tp-invariant
+inline constexpr const char* kRecomputeCheck = "no recompute bit for bit";  // --recompute
 const char* phase_name(Phase p);
 
 struct Comparison {
@@ -96,6 +97,10 @@ double with_allowance(double tolerance, double allowance, double reference_norm)
 Comparison compare_bitwise(const Observation& obs, const std::vector<double>& tp1_full);
 // A replicated tensor on `obs.spec.rank` against rank 0's copy: bit-identical or a fail.
 Comparison compare_replica(const Observation& obs, const Observation& rank0);
+// --recompute: a shard against the same shard of the same rank's run without
+// recomputation, bit for bit. `worst` is the first element whose bits differ, as a flat
+// index of the full tensor.
+Comparison compare_recomputed(const Observation& obs, const Observation& baseline);
 
 std::string format_index(const Comparison& c);  // "(3,17)" or "-"
 
@@ -103,7 +108,8 @@ std::string format_index(const Comparison& c);  // "(3,17)" or "-"
 // under a norm-wise bound below 1 (a relative error of 100% is within any bound of 1 or
 // more, so that comparison is no check).
 inline bool is_real_check(const Comparison& c) {
-  return c.what == kReplicaCheck || c.what == kInvariantCheck || c.tolerance < 1;
+  return c.what == kReplicaCheck || c.what == kInvariantCheck || c.what == kRecomputeCheck ||
+         c.tolerance < 1;
 }
 
 }  // namespace tpsim

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <tuple>
 
 #include "core/finite.h"
@@ -159,6 +160,20 @@ void StepChecker::check_bitwise(const std::vector<Observation>& obs, const Tenso
     auto it = tp1.find(o.name);
     if (it == tp1.end()) throw Error("verify --tp-invariant: tp 1 has no tensor '" + o.name + "'");
     Comparison c = compare_bitwise(o, it->second);
+    stamp(c, phase);
+    out_.push_back(std::move(c));
+  }
+}
+
+void StepChecker::check_recomputed(const std::vector<Observation>& obs,
+                                   const std::vector<Observation>& baseline, Phase phase) {
+  std::map<std::string_view, const Observation*> by_name;
+  for (const auto& b : baseline) by_name[b.name] = &b;
+  for (const auto& o : obs) {
+    const auto it = by_name.find(o.name);
+    if (it == by_name.end())
+      throw Error("verify --recompute: the run without recomputation has no tensor '" + o.name + "'");
+    Comparison c = compare_recomputed(o, *it->second);
     stamp(c, phase);
     out_.push_back(std::move(c));
   }

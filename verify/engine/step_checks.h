@@ -51,6 +51,10 @@ class StepChecker {
                       const std::vector<Comparison>* rank0_checks = nullptr);
   // --tp-invariant: every observation against tp 1's same tensor of this step, bit for bit.
   void check_bitwise(const std::vector<Observation>& obs, const TensorMap& tp1, Phase phase);
+  // --recompute: every observation against the same rank's run without recomputation,
+  // bit for bit (the same names, any order).
+  void check_recomputed(const std::vector<Observation>& obs,
+                        const std::vector<Observation>& baseline, Phase phase);
 
  private:
   static constexpr int kAfterShardChecks = 1 << 24;

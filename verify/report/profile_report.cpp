@@ -6,6 +6,7 @@
 #include <set>
 #include <unistd.h>
 
+#include "profile/paper_memory.h"
 #include "sharded/gpt.h"
 #include "sharded/tp_invariant.h"
 #include "verify/setup/inputs.h"
@@ -31,6 +32,18 @@ double model_flops_per_step(const RunOptions& o) {
   return 3.0 * (L * layer + 2.0 * N * H * V);
 }
 
+double recompute_flops_per_step(const RunOptions& o) {
+  if (o.model != ModelKind::Gpt || o.recompute == RecomputeKind::None) return 0.0;
+  const GptConfig& c = o.gpt;
+  const double N = static_cast<double>(o.batch_size * o.seq_len), H = static_cast<double>(c.hidden);
+  const double L = static_cast<double>(c.layers), T = static_cast<double>(o.seq_len);
+  const double F = static_cast<double>(c.ffn());
+  const double KVd = static_cast<double>(c.kv() * c.head_dim()), m = c.swiglu() ? 3.0 : 2.0;
+  const double attention = 4.0 * N * T * H;
+  if (o.recompute == RecomputeKind::Selective) return L * attention;
+  return L * (2.0 * N * (2.0 * H * H + 2.0 * H * KVd + m * H * F) + attention);
+}
+
 // How model_flops_per_step counts, for the reports.
 std::string model_flops_formula(const RunOptions& o) {
   if (o.model == ModelKind::Mlp) return "6·B·(in·hidden + hidden·out)";
@@ -47,6 +60,48 @@ std::string f(const char* fm, double v) {
   return buf;
 }
 std::string mib(std::int64_t bytes) { return f("%.3f", static_cast<double>(bytes) / 1048576.0); }
+
+const char* recompute_name(RecomputeKind r) {
+  switch (r) {
+    case RecomputeKind::Selective: return "selective";
+    case RecomputeKind::Full: return "full";
+    case RecomputeKind::None: break;
+  }
+  return "none";
+}
+
+// The run's layers beside the paper's Table 2, term by term (profile/paper_memory.h).
+void print_paper_terms(std::ostream& os, const RunOptions& o, const TpProfile& run) {
+  const GptMemoryQuery& q = run.query;
+  const auto terms = layer_terms(q, *run.predicted);
+  const double paper = paper_layer_bytes(static_cast<double>(q.T), static_cast<double>(q.B),
+                                         static_cast<double>(q.cfg.hidden),
+                                         static_cast<double>(q.cfg.heads), q.t,
+                                         q.sequence_parallel, q.recompute);
+  os << "  per layer against Korthikanti et al. 2022, Table 2 (2-byte activations, 1-byte "
+        "masks; s "
+     << q.T << ", b " << q.B << ", h " << q.cfg.hidden << ", a " << q.cfg.heads << ", t " << q.t
+     << (q.sequence_parallel ? ", sequence parallel" : "") << ", recompute "
+     << recompute_name(q.recompute) << "), bytes per rank; tpsim's " << dtype_name(o.dtype)
+     << " tensors, averaged over the " << q.cfg.layers << " layers:\n";
+  std::size_t w = 4;
+  for (const auto& t : terms) w = std::max(w, t.term.size());
+  double sum_paper = 0, sum_tpsim = 0;
+  for (const auto& t : terms) {
+    os << "    " << t.term << std::string(w - t.term.size(), ' ') << "  "
+       << f("%12.0f", t.paper) << "  " << f("%12.0f", t.tpsim) << "  " << t.kept << "\n";
+    sum_paper += t.paper;
+    sum_tpsim += t.tpsim;
+  }
+  os << "    total" << std::string(w - 5, ' ') << "  " << f("%12.0f", sum_paper) << "  "
+     << f("%12.0f", sum_tpsim) << "  (the paper's formula gives " << f("%.0f", paper)
+     << "; tpsim counts " << dtype_size(o.dtype) << " B per activation, "
+     << dtype_size(compute_dtype(o.dtype)) << " B per statistic)\n";
+  if (q.recompute == RecomputeKind::Full)
+    os << "    (full: the paper counts the kept input alone; tpsim also holds one chunk's "
+          "activations, rebuilt per chunk in backward: the rows above, shared by every "
+          "chunk)\n";
+}
 
 // A fixed-width text table: the first column left-aligned, the others right-aligned.
 class Table {
@@ -313,6 +368,7 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
     if (o.sequence_parallel)
       os << "  (sequence parallel saves only local LN outputs; the gathered [N,H] input of "
             "q/k/v and ffn1 is a shared temporary, gathered again in backward)\n";
+    print_paper_terms(os, o, run);
     // The logits: the one tensor loss parallel exists to shrink.
     std::int64_t logits = 0, largest = 0;
     for (const auto& r : ranks) {
@@ -455,6 +511,20 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
   os << ")\n  achieved: "
      << f("%.2f", step_s > 0 ? run.model_flops_per_step / step_s * 1e-9 : 0.0)
      << " GFLOP/s (model FLOPs / the slowest rank's step time)\n";
+  if (const double extra = recompute_flops_per_step(o); extra > 0) {
+    os << "  recompute " << recompute_name(o.recompute) << ": +" << f("%.4g", extra)
+       << " FLOPs per step, " << f("%.1f%%", 100.0 * extra / run.model_flops_per_step)
+       << " of the model's ("
+       << (o.recompute == RecomputeKind::Selective
+               ? "each layer's QKᵀ and P·V again, 4·B·T²·H"
+               : "every block's forward again")
+       << "); executed/model above includes it\n";
+    if (run.plain_step_s > 0 && step_s > 0)
+      os << "  step time " << f("%.2f", step_s * 1e3) << " ms with it, "
+         << f("%.2f", run.plain_step_s * 1e3) << " ms without (the same run again): "
+         << f("%+.1f%%", 100.0 * (step_s / run.plain_step_s - 1.0)) << " (CPU, this machine; "
+         << "noisy at small sizes)\n";
+  }
 }
 
 void print_memory_prediction(const RunOptions& o, std::ostream& os) {
@@ -508,6 +578,70 @@ void print_memory_prediction(const RunOptions& o, std::ostream& os) {
   }
   os << "  model FLOPs per step " << f("%.4g", model_flops_per_step(o)) << " ("
      << model_flops_formula(o) << ")\n";
+}
+
+void print_paper_table(std::ostream& os) {
+  os << "Korthikanti et al. 2022, Table 2 per Table 3 configuration (s 2048, v 51200, TP 8, "
+        "16-bit activations, dropout), activation bytes per layer per rank, GiB: the paper's "
+        "formula | tpsim's model in bf16 with dropout 0.1 (its layers' activations / L), and "
+        "each as a share of its TP baseline\n";
+  struct Mode {
+    const char* name;
+    bool sp;
+    RecomputeKind rc;
+  };
+  const Mode modes[] = {{"TP", false, RecomputeKind::None},
+                        {"TP+SP", true, RecomputeKind::None},
+                        {"TP+selective", false, RecomputeKind::Selective},
+                        {"TP+SP+selective", true, RecomputeKind::Selective},
+                        {"full", false, RecomputeKind::Full}};
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  for (const PaperModel& m : paper_models()) {
+    os << "  " << m.name << " (a " << m.heads << ", h " << m.hidden << ", L " << m.layers
+       << ", micro-batch " << m.batch << ")\n";
+    double paper_base = 0, tpsim_base = 0;
+    for (const Mode& md : modes) {
+      GptMemoryQuery q;
+      q.cfg.vocab_size = 51200;
+      q.cfg.block_size = 2048;
+      q.cfg.hidden = m.hidden;
+      q.cfg.heads = m.heads;
+      q.cfg.layers = m.layers;
+      q.cfg.dropout = 0.1;  // the paper's models train with dropout
+      q.B = m.batch;
+      q.T = 2048;
+      q.t = 8;
+      q.sequence_parallel = md.sp;
+      q.loss_parallel = true;
+      q.dtype = DType::BF16;
+      q.recompute = md.rc;
+      const GptMemoryPrediction p = predict_gpt_memory(q);
+      double tpsim = 0;
+      for (int l = 0; l < m.layers; ++l) tpsim += static_cast<double>(p.layer_activation_bytes(l));
+      tpsim /= static_cast<double>(m.layers);
+      const double paper = paper_layer_bytes(2048, static_cast<double>(m.batch),
+                                             static_cast<double>(m.hidden),
+                                             static_cast<double>(m.heads), 8, md.sp, md.rc);
+      if (md.rc == RecomputeKind::None && !md.sp) {
+        paper_base = paper;
+        tpsim_base = tpsim;
+      }
+      os << "    " << md.name << std::string(16 - std::string(md.name).size(), ' ')
+         << f("%8.3f", paper / gib) << " | " << f("%8.3f", tpsim / gib) << "   "
+         << f("%5.1f%%", 100.0 * paper / paper_base) << " | "
+         << f("%5.1f%%", 100.0 * tpsim / tpsim_base) << "\n";
+    }
+  }
+  os << "  The differences, term by term (profile prints them for any run):\n"
+        "  - dropout: the paper keeps 1-byte masks (sbh per residual branch, as²b over the\n"
+        "    attention); tpsim keeps none and draws each mask again in backward: the paper's\n"
+        "    5as²b/t is 4as²b/t here (the probabilities and their dropped copy), its 34sbh\n"
+        "    is 32sbh. Without dropout tpsim keeps no dropped copy either: 2as²b/t.\n"
+        "  - tpsim keeps LayerNorm's mean and rstd (4sb per layer, in f32: 16sb bytes),\n"
+        "    which the paper does not count.\n"
+        "  - full: the paper counts the kept input, 2sbh, whole on every rank; tpsim keeps\n"
+        "    each layer's input too (the rank's token shard under SP), and one layer's\n"
+        "    activations at a time for the rerun, which is 1/L of them per layer here.\n";
 }
 
 void print_profile_comparison(std::ostream& os, const ProfileResult& result) {

@@ -21,6 +21,9 @@ struct TpProfile {
   std::optional<GptMemoryPrediction> predicted;  // gpt only
   GptMemoryQuery query;
   double model_flops_per_step = 0;  // the formula's, whole model (all ranks together)
+  // --recompute: the slowest rank's mean step time of the same run without recomputation
+  // (0 when not measured), beside this run's for the overhead.
+  double plain_step_s = 0;
 };
 
 struct ProfileResult {
@@ -33,6 +36,9 @@ struct ProfileResult {
 // layer, plus 2·N·H·V for the LM head, with N = B·T. The MLP: 6·B·(in·hidden + hidden·out).
 double model_flops_per_step(const RunOptions& o);
 std::string model_flops_formula(const RunOptions& o);  // how it counts, in a few symbols
+// The FLOPs --recompute adds to a step (whole model): selective, each layer's core
+// attention forward again (4·B·T²·H: QKᵀ and P·V); full, every block's forward again.
+double recompute_flops_per_step(const RunOptions& o);
 
 // One degree's report (memory, activations, time, collectives, FLOPs).
 void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& run);
@@ -40,6 +46,13 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
 // The model's figures for each TP degree of `o` (gpt, degrees already checked), for sizes
 // too large to run: profile --predict.
 void print_memory_prediction(const RunOptions& o, std::ostream& os);
+
+// profile --predict --paper-table: Korthikanti et al. 2022's four configurations (Table 3:
+// s 2048, TP 8, 16-bit activations) with the paper's Table 2 activation bytes per layer
+// beside tpsim's model of the same configuration in bf16, for TP alone, with sequence
+// parallelism, selective recomputation, both, and full recomputation, each also as a
+// share of the TP baseline, and every difference explained.
+void print_paper_table(std::ostream& os);
 
 // Several degrees side by side, per rank (the largest over ranks).
 void print_profile_comparison(std::ostream& os, const ProfileResult& result);

@@ -22,10 +22,14 @@ std::string describe(const Comparison& c) {
   std::string s = c.tensor + " (" + c.shard + ", step " + std::to_string(c.step) + ", " +
                   phase_name(c.phase) + ")";
   const bool replica = c.what == kReplicaCheck;
-  if (c.what == kInvariantCheck)  // the first differing element, its bits in hex
-    return s + ": differs from tp 1 in its bits, first at " + format_index(c) + ": " +
+  if (c.what == kInvariantCheck || c.what == kRecomputeCheck) {
+    // the first differing element, its bits in hex
+    const std::string other = c.what == kInvariantCheck ? "tp 1" : "the run without recompute";
+    return s + ": differs from " + other + " in its bits, first at " + format_index(c) + ": " +
            fmt("%.9g", c.sharded_at_worst) + " (" + fmt("%a", c.sharded_at_worst) + ") vs " +
-           fmt("%.9g", c.reference_at_worst) + " (" + fmt("%a", c.reference_at_worst) + ", tp 1)";
+           fmt("%.9g", c.reference_at_worst) + " (" + fmt("%a", c.reference_at_worst) + ", " +
+           other + ")";
+  }
   if (!replica)
     s += ": rel err " + fmt("%.2e", c.rel_err) + " > " + fmt(c.tolerance < 1e-3 ? "%.0e" : "%.2e", c.tolerance) +
          (c.tolerance > 0 ? " (" + fmt("%.3g", c.rel_err / c.tolerance) + " x its bound)" : "");
@@ -41,6 +45,7 @@ const char* check_mark(const Comparison& c) {
   if (c.what == kReplicaCheck) return " =r0";
   if (c.what == kReassembledCheck) return " =full";
   if (c.what == kInvariantCheck) return " =tp1";
+  if (c.what == kRecomputeCheck) return " =norc";
   return "";
 }
 

@@ -59,6 +59,8 @@ std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunI
   par.sequence_parallel = o.sequence_parallel;
   par.make_vocab_divisible_by = o.make_vocab_divisible_by;
   par.tp_invariant = o.tp_invariant;
+  par.recompute = o.recompute;
+  par.recompute_layers = o.recompute_layers;
   return std::make_unique<ShardedGpt>(o.gpt, in.gpt_batch, o.adam, par, be, comm, o.dtype,
                                       o.seed, o.fault);
 }

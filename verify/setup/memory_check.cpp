@@ -124,6 +124,8 @@ GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
   q.dtype = o.dtype;
   q.adam = adam;
   q.canonical_chunks = o.model == ModelKind::Gpt && o.tp_invariant ? kCanonicalChunks : 0;
+  q.recompute = o.recompute;
+  q.recompute_layers = o.recompute_layers;
   return q;
 }
 
@@ -132,7 +134,14 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
   // query (yet): only what lives in host memory counts.
   const bool host_ranks = o.device.backend == BackendKind::Cpu;
   std::vector<double> groups;
-  for (int t : o.tp) groups.push_back(host_ranks ? t * rank_bytes(o, t, o.dtype, true) : 0.0);
+  // verify --recompute: each rank runs the model without recomputation beside it.
+  RunOptions plain = o;
+  plain.recompute = RecomputeKind::None;
+  const bool baseline = command == "verify" && o.recompute != RecomputeKind::None;
+  for (int t : o.tp)
+    groups.push_back(host_ranks ? t * (rank_bytes(o, t, o.dtype, true) +
+                                       (baseline ? rank_bytes(plain, t, o.dtype, true) : 0.0))
+                                : 0.0);
   std::ostringstream d;
   double total = 0;
   if (command == "verify") {

@@ -32,6 +32,8 @@ struct RunOptions {
   bool loss_parallel = false;
   bool sequence_parallel = false;
   bool tp_invariant = false;  // --tp-invariant: every TP degree computes the same bits
+  RecomputeKind recompute = RecomputeKind::None;  // --recompute
+  std::int64_t recompute_layers = 1;               // --recompute-layers (full's chunk)
   std::int64_t make_vocab_divisible_by = 1;
   BatchKind batch = BatchKind::Random;  // without --data
   std::string load_path;   // --load W.safetensors

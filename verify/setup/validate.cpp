@@ -117,6 +117,9 @@ FaultTarget fault_target(const RunOptions& o) {
   run.tied = g.tied_embeddings;
   run.two_kv_heads = g.kv() >= 2;
   run.dropout = g.dropout > 0;
+  run.recompute = o.recompute != RecomputeKind::None;
+  run.full_recompute = o.recompute == RecomputeKind::Full;
+  run.recompute_chunks = run.full_recompute && o.recompute_layers >= 2 && g.layers >= 2;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || (run.gpt && padded_vocab(g, par, t) > g.vocab_size);
@@ -181,6 +184,12 @@ void validate_run_options(const RunOptions& o) {
   check_int("--ffn-hidden", g.ffn_hidden, 0, kMaxHidden);
   check_float("--rope-theta", g.rope_theta, 1, false, std::numeric_limits<double>::infinity());
   check_float("--dropout", g.dropout, 0, true, 1);
+  if (o.recompute == RecomputeKind::Full)
+    check_int("--recompute-layers", o.recompute_layers, 1, std::max<std::int64_t>(g.layers, 1));
+  else if (o.recompute_layers != 1)
+    throw UsageError("--recompute-layers applies to --recompute full");
+  if (o.model == ModelKind::Mlp && o.recompute != RecomputeKind::None)
+    throw UsageError("--recompute applies to --model gpt, gpt2 and llama");
   check_gpt_architecture(g);
   if (o.model == ModelKind::Mlp && !seed_architecture(g))
     throw UsageError("the architecture flags (--norm, --mlp, --kv-heads, ...) apply to --model "
