@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The false-alarm sweep: many clean (fault-free) `tpsim verify` runs over randomized small
 configurations, every model (the MLP; the GPT as the seed's, GPT-2 and Llama with
-grouped-query attention; dropout 0.1 or 0.3 in two of five GPT runs), mode and dtype,
---tp-invariant on and off, TP 1, 2, 3, 4, 8 where the heads allow, lr up to 0.03, up to
-5 steps, both batch kinds. A verifier must never fail correct code, so every run must PASS
-with every check real (no bound of 1 or more); the sweep prints each false alarm with its
-command, and the closest margin: the largest measured/bound of any passing run, i.e. how
-near a clean run came to failing.
+grouped-query attention; dropout 0.1 or 0.3 in two of five GPT runs, recomputation in
+about one of seven), mode and dtype, --tp-invariant on and off, TP 1, 2, 3, 4, 8 where the
+heads allow, lr up to 0.03, up to 5 steps, both batch kinds. A verifier must never fail
+correct code, so every run must PASS with every check real (no bound of 1 or more); the
+sweep prints each false alarm with its command, and the closest margin: the largest
+measured/bound of any passing run, i.e. how near a clean run came to failing.
 
 Usage: scripts/false_alarm_sweep.py TPSIM_BINARY [--count N] [--seconds S] [--seed K]
                                     [--jobs J] [--out FILE.jsonl]
@@ -61,9 +61,11 @@ def gpt_config(rng, invariant):
             seq += 1
         else:
             seq, batch = 16, batch + 1
-    args = ["--model", family, "--vocab-size", str(rng.randint(101, 2053)),
+    vocab = rng.randint(101, 2053)
+    layers = rng.randint(1, 3)
+    args = ["--model", family, "--vocab-size", str(vocab),
             "--block-size", "64", "--hidden", str(hidden), "--heads", str(heads),
-            "--layers", str(rng.randint(1, 3)), "--batch-size", str(batch),
+            "--layers", str(layers), "--batch-size", str(batch),
             "--seq-len", str(seq), "--batch", "boundary" if boundary else "random"]
     if family == "llama":
         args += ["--kv-heads", str(kv), "--rope-style", rng.choice(["half", "interleaved"])]
@@ -77,6 +79,11 @@ def gpt_config(rng, invariant):
     dtypes = ["f64", "f32"] if family == "gpt2" else ["f64", "f32", "bf16"]
     if not invariant and rng.random() < 0.4:  # (--tp-invariant has no dropout)
         args += ["--dropout", str(rng.choice([0.1, 0.3]))]
+    if rng.random() < 0.15:  # recomputation: also bit for bit against the run without it
+        kind = rng.choice(["selective", "full"])
+        args += ["--recompute", kind]
+        if kind == "full":
+            args += ["--recompute-layers", str(rng.randint(1, layers))]
     return args, degrees, dtypes
 
 

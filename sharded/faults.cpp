@@ -82,9 +82,10 @@ const std::vector<FaultInfo>& all_faults() {
        "RoPE: the other convention's pairs rotated (half vs interleaved)",
        {.mlp = false, .gpt = true, .min_tp = 1, .rope = true}},
       {Fault::DropoutReplicatedPerRank, "dropout-replicated-per-rank",
-       "dropout: a replicated region's mask (embeddings, residual branches without SP) drawn "
-       "per rank, so the replicas differ",
-       {.mlp = false, .gpt = true, .sequence_parallel = Needs::Off, .dropout = true}},
+       "dropout: the residual stream's masks (embeddings, residual branches) drawn from a "
+       "per-rank seed: without SP the replicas differ, under SP every rank but 0 draws "
+       "another mask for its tokens",
+       {.mlp = false, .gpt = true, .dropout = true}},
       {Fault::DropoutTpMaskSameOnRanks, "dropout-tp-mask-same-on-ranks",
        "dropout: the head-split attention probabilities' mask indexed by local head, so every "
        "rank draws the same",

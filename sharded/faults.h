@@ -39,7 +39,8 @@ enum class Fault {
   SwigluContiguousSplit,   // the fused [gate; up] split contiguously, not [G_r; U_r] per rank
   RopeSpPositionsNotOffset,// RoPE positions counted from the rank's first token under SP
   RopeStyleMixed,          // RoPE rotates the other convention's pairs (half vs interleaved)
-  DropoutReplicatedPerRank,  // a replicated region's dropout mask drawn per rank
+  DropoutReplicatedPerRank,  // a replicated region's dropout mask drawn per rank (a
+                             // per-rank seed for the residual stream's masks)
   DropoutTpMaskSameOnRanks,  // the head-split attention dropout indexed locally: every rank
                              // draws the same mask
   // activation recomputation

@@ -92,22 +92,31 @@ TEST_CASE("ledger: per-tag current and peak, prefix sums, op labels", "[profile]
 }
 
 TEST_CASE("the analytical layer formula equals the model's tensor list", "[profile]") {
+  // with every recomputation: selective, and full in chunks of 1 and 2 over 3 layers
+  const std::pair<RecomputeKind, int> kRecompute[] = {
+      {RecomputeKind::None, 1}, {RecomputeKind::Selective, 1}, {RecomputeKind::Full, 1},
+      {RecomputeKind::Full, 2}};
   for (DType dt : {DType::F64, DType::BF16})
   for (int t : {1, 2, 4, 8})
-    for (bool sp : {false, true}) {
-      GptMemoryQuery q;
-      q.cfg.hidden = 64;
-      q.cfg.heads = 8;
-      q.cfg.layers = 3;
-      q.B = 4;
-      q.T = 24;
-      q.t = t;
-      q.sequence_parallel = sp;
-      q.dtype = dt;
-      const auto p = predict_gpt_memory(q);
-      INFO("t " << t << " sp " << sp << " " << dtype_name(dt));
-      for (int l = 0; l < 3; ++l) CHECK(p.layer_activation_bytes(l) == layer_activation_bytes_formula(q));
-    }
+    for (bool sp : {false, true})
+      for (auto [rc, chunk] : kRecompute) {
+        GptMemoryQuery q;
+        q.cfg.hidden = 64;
+        q.cfg.heads = 8;
+        q.cfg.layers = 3;
+        q.B = 4;
+        q.T = 24;
+        q.t = t;
+        q.sequence_parallel = sp;
+        q.dtype = dt;
+        q.recompute = rc;
+        q.recompute_layers = chunk;
+        const auto p = predict_gpt_memory(q);
+        INFO("t " << t << " sp " << sp << " " << dtype_name(dt) << " recompute "
+                  << static_cast<int>(rc) << " chunk " << chunk);
+        for (int l = 0; l < 3; ++l)
+          CHECK(p.layer_activation_bytes(l) == layer_activation_bytes_formula(q, l));
+      }
 }
 
 TEST_CASE("measured bytes equal the model for tp 1,2,4 with and without SP and LP", "[profile]") {

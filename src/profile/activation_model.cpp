@@ -235,35 +235,37 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   return out;
 }
 
-std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q) {
+std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q, int layer) {
   check_query(q);
   const std::int64_t s = q.T, bb = q.B, h = q.cfg.hidden, a = q.cfg.heads, t = q.t;
-  const std::int64_t sbh = s * bb * h, sb = s * bb, attn = a * s * s * bb / t;
+  const std::int64_t sbh = s * bb * h, sb = s * bb;
+  const std::int64_t b = static_cast<std::int64_t>(dtype_size(q.dtype));
+  const std::int64_t chunk = std::clamp<std::int64_t>(q.recompute_layers, 1, std::max<std::int64_t>(q.cfg.layers, 1));
+  if (q.recompute == RecomputeKind::Full && layer >= chunk)  // a chunk's input, or nothing
+    return layer % chunk == 0 ? (q.sequence_parallel ? sbh / t : sbh) * b : 0;
+  const std::int64_t attn = q.recompute == RecomputeKind::Selective ? 0 : a * s * s * bb / t;
   // data in the model's dtype, LayerNorm's mean and rstd in the compute dtype
   const std::int64_t data = q.sequence_parallel ? 16 * sbh / t + attn : 4 * sbh + 12 * sbh / t + attn;
   const std::int64_t stats = q.sequence_parallel ? 4 * sb / t : 4 * sb;
-  return data * static_cast<std::int64_t>(dtype_size(q.dtype)) +
-         stats * static_cast<std::int64_t>(dtype_size(compute_dtype(q.dtype)));
+  return data * b + stats * static_cast<std::int64_t>(dtype_size(compute_dtype(q.dtype)));
 }
 
 std::string layer_activation_formula_text(const GptMemoryQuery& q) {
   std::ostringstream os;
   const auto b = dtype_size(q.dtype), bc = dtype_size(compute_dtype(q.dtype));
-  if (b == bc) {
-    if (q.sequence_parallel)
-      os << "(16sbh/t + as^2b/t + 4sb/t) x " << b << " B";
-    else if (q.t > 1)
-      os << "(4sbh + 12sbh/t + as^2b/t + 4sb) x " << b << " B";
-    else
-      os << "(16sbh + as^2b + 4sb) x " << b << " B";
-  } else {  // bf16 data, f32 LayerNorm statistics
-    if (q.sequence_parallel)
-      os << "(16sbh/t + as^2b/t) x " << b << " B + 4sb/t x " << bc << " B";
-    else if (q.t > 1)
-      os << "(4sbh + 12sbh/t + as^2b/t) x " << b << " B + 4sb x " << bc << " B";
-    else
-      os << "(16sbh + as^2b) x " << b << " B + 4sb x " << bc << " B";
-  }
+  const bool sp = q.sequence_parallel;
+  const std::string attn = q.recompute == RecomputeKind::Selective ? ""
+                           : sp || q.t > 1                         ? " + as^2b/t"
+                                                                   : " + as^2b";
+  const std::string data = sp ? "16sbh/t" : q.t > 1 ? "4sbh + 12sbh/t" : "16sbh";
+  const std::string stats = sp ? "4sb/t" : "4sb";
+  if (b == bc)
+    os << "(" << data << attn << " + " << stats << ") x " << b << " B";
+  else  // bf16 data, f32 LayerNorm statistics
+    os << "(" << data << attn << ") x " << b << " B + " << stats << " x " << bc << " B";
+  if (q.recompute == RecomputeKind::Full)
+    os << " in the first chunk's layers; past it, " << (sp ? "sbh/t" : "sbh") << " x " << b
+       << " B at each chunk's first layer (its input) and 0 elsewhere";
   return os.str();
 }
 

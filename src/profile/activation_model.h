@@ -37,6 +37,7 @@
 // Per layer, in elements (N = sb tokens, Nl = N or N/t under SP):
 //   no TP / TP:  4·N·h + 12·N·h/t + a·s²·b/t + 4·N
 //   TP + SP:     16·N·h/t + a·s²·b/t + 4·N/t
+// and with dropout one more a·s²·b/t, the dropped probabilities.
 // Outside the layers: the embedding output [Nl,h], ln_f's output and stats, its gathered
 // copy (SP with loss parallel), the logits [rows, V or Vp/t] and three [rows] vectors of
 // the cross-entropy (row max, exp-sum, target logit). rows is N, or N/t under SP without
@@ -99,11 +100,14 @@ struct GptMemoryPrediction {
 // Rank `rank`'s tensors (ranks differ only in which rows they own, not in sizes).
 GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q);
 
-// The closed-form activation bytes of one layer (the formula above), computed without
-// the tensor list so that a test can hold the two against each other.
-std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q);
+// The closed-form activation bytes of layer `layer` (the formula above; the seed's
+// architecture), computed without the tensor list so that a test can hold the two against
+// each other. Selective recomputation drops the as²b/t term; full recomputation keeps the
+// whole layer in the first chunk only, and past it each chunk's input, sbh (sbh/t under
+// SP), at its first layer.
+std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q, int layer = 0);
 
-// The formula as text for the report, e.g. "sbh(4 + 12/t)·4 + as²b/t·4 + 4sb·4".
+// The formula of layer 0 as text for the report, e.g. "(4sbh + 12sbh/t + as^2b/t + 4sb) x 4 B".
 std::string layer_activation_formula_text(const GptMemoryQuery& q);
 
 }  // namespace tpsim

@@ -36,10 +36,13 @@ struct LayerTerm {
 // The paper's terms for the query's configuration (its s, b, h, a, t, SP and recompute;
 // the paper's 2-byte activations), and tpsim's activation tensors of the prediction `p`
 // (of the same query) mapped onto them, per layer averaged over the layers. tpsim's
-// tensors that the paper does not list (LayerNorm statistics, a full-recompute chunk's
-// working set, GQA's expanded kv heads) are terms of their own with paper = 0. The tpsim
-// column sums to the prediction's activation bytes over the layers / L; a tensor no term
-// claims throws Error, so the table cannot silently miss one.
+// tensors that the paper does not list (LayerNorm statistics, GQA's expanded kv heads)
+// are terms of their own with paper = 0; under full recomputation the paper counts the
+// layer input alone (2sbh, its own term) and a chunk's working set is booked under the
+// ordinary terms, whose paper bytes are then 0. The embedding output (layer 0's input) is
+// outside the layers, as in the memory model. The tpsim column sums to the prediction's
+// activation bytes over the layers / L; a tensor no term claims throws Error, so the table
+// cannot silently miss one.
 std::vector<LayerTerm> layer_terms(const GptMemoryQuery& q, const GptMemoryPrediction& p);
 
 // The paper's Table 3 configurations (s 2048, v 51200, TP 8): name, heads, hidden, layers,

@@ -24,28 +24,48 @@ std::string per_tp_path(const std::string& path, int tp, bool several) {
 
 namespace {
 
-// The slowest rank's mean step time (steps 2.. when there are several) of `o` at degree tp,
-// nothing recorded: the same run without recomputation, for its overhead.
-double plain_step_seconds(const RunOptions& o, const RunInputs& in, int tp) {
-  std::vector<double> mean(static_cast<std::size_t>(tp), 0.0);
-  launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+// Runs `o` at degree run.tp with every op timed and every byte recorded, into run.ranks.
+void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
+  const int tp = run.tp;
+  run.ranks.assign(static_cast<std::size_t>(tp), RankProfile{});
+  std::vector<TimingBackend*> timing(static_cast<std::size_t>(tp), nullptr);
+  DeviceOptions dev = o.device;
+  auto inner_wrap = dev.wrap;
+  dev.wrap = [&timing, inner_wrap](int rank, std::unique_ptr<Backend> be) {
+    if (inner_wrap) be = inner_wrap(rank, std::move(be));
+    auto tb = std::make_unique<TimingBackend>(std::move(be));
+    timing[static_cast<std::size_t>(rank)] = tb.get();
+    return std::unique_ptr<Backend>(std::move(tb));
+  };
+  launch_ranks(dev, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+    TimingBackend& tb = *timing[static_cast<std::size_t>(rank)];
+    MemoryLedger& ledger = be.allocator().ledger();
+    ledger.set_timeline(true);
+    tb.set_phase("construct");
     auto model = make_sharded_model(o, in, be, comm);
     if (!in.loaded.empty()) model->load_params(in.loaded);
-    double sum = 0;
-    int counted = 0;
+    RankProfile& rp = run.ranks[static_cast<std::size_t>(rank)];
+    rp.rank = rank;
     for (int step = 1; step <= o.steps; ++step) {
       const std::int64_t t0 = steady_now_ns();
+      tb.set_phase("step " + std::to_string(step) + " forward/backward");
       model->forward_backward();
+      tb.set_phase("step " + std::to_string(step) + " optimizer");
       model->optimizer_step();
-      be.synchronize();
-      if (step > 1 || o.steps == 1) {
-        sum += static_cast<double>(steady_now_ns() - t0) * 1e-9;
-        ++counted;
-      }
+      rp.steps.push_back({t0, steady_now_ns()});
     }
-    mean[static_cast<std::size_t>(rank)] = counted ? sum / counted : 0.0;
+    tb.set_phase("");
+    rp.ops = tb.records();
+    rp.collectives = comm.records();
+    rp.memory = ledger.timeline();
+    rp.memory_t0_ns = ledger.t0_ns();
+    for (int c = 0; c < kNumMemCategories; ++c) {
+      rp.current[static_cast<std::size_t>(c)] = ledger.current(static_cast<MemCategory>(c));
+      rp.peak[static_cast<std::size_t>(c)] = ledger.peak(static_cast<MemCategory>(c));
+    }
+    rp.peak_total = ledger.peak_total();
+    rp.tags = ledger.tags();
   });
-  return *std::max_element(mean.begin(), mean.end());
 }
 
 }  // namespace
@@ -76,54 +96,20 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
   for (int tp : o.tp) {
     TpProfile run;
     run.tp = tp;
-    run.ranks.resize(static_cast<std::size_t>(tp));
     run.model_flops_per_step = model_flops_per_step(o);
     if (o.model == ModelKind::Gpt) {
       run.query = memory_query(o, tp, o.steps > 0);
       run.predicted = predict_gpt_memory(run.query);
     }
-    std::vector<TimingBackend*> timing(static_cast<std::size_t>(tp), nullptr);
-    DeviceOptions dev = o.device;
-    auto inner_wrap = dev.wrap;
-    dev.wrap = [&timing, inner_wrap](int rank, std::unique_ptr<Backend> be) {
-      if (inner_wrap) be = inner_wrap(rank, std::move(be));
-      auto tb = std::make_unique<TimingBackend>(std::move(be));
-      timing[static_cast<std::size_t>(rank)] = tb.get();
-      return std::unique_ptr<Backend>(std::move(tb));
-    };
-    launch_ranks(dev, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
-      TimingBackend& tb = *timing[static_cast<std::size_t>(rank)];
-      MemoryLedger& ledger = be.allocator().ledger();
-      ledger.set_timeline(true);
-      tb.set_phase("construct");
-      auto model = make_sharded_model(o, in, be, comm);
-      if (!in.loaded.empty()) model->load_params(in.loaded);
-      RankProfile& rp = run.ranks[static_cast<std::size_t>(rank)];
-      rp.rank = rank;
-      for (int step = 1; step <= o.steps; ++step) {
-        const std::int64_t t0 = steady_now_ns();
-        tb.set_phase("step " + std::to_string(step) + " forward/backward");
-        model->forward_backward();
-        tb.set_phase("step " + std::to_string(step) + " optimizer");
-        model->optimizer_step();
-        rp.steps.push_back({t0, steady_now_ns()});
-      }
-      tb.set_phase("");
-      rp.ops = tb.records();
-      rp.collectives = comm.records();
-      rp.memory = ledger.timeline();
-      rp.memory_t0_ns = ledger.t0_ns();
-      for (int c = 0; c < kNumMemCategories; ++c) {
-        rp.current[static_cast<std::size_t>(c)] = ledger.current(static_cast<MemCategory>(c));
-        rp.peak[static_cast<std::size_t>(c)] = ledger.peak(static_cast<MemCategory>(c));
-      }
-      rp.peak_total = ledger.peak_total();
-      rp.tags = ledger.tags();
-    });
+    profile_ranks(o, in, run);
     if (o.recompute != RecomputeKind::None) {
+      // the same run without recomputation, timed the same way, for the overhead
       RunOptions plain = o;
       plain.recompute = RecomputeKind::None;
-      run.plain_step_s = plain_step_seconds(plain, in, tp);
+      TpProfile without;
+      without.tp = tp;
+      profile_ranks(plain, in, without);
+      run.plain_step_s = slowest_step_seconds(without);
     }
     print_tp_profile(os, o, run);
     const std::string title = std::string("tpsim profile: ") + model_name(o.model) + ", tp " +

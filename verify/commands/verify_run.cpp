@@ -278,8 +278,8 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
     auto model = make_sharded_model(o, in, be, comm);
     model->record_activation_points(true);
     if (!in.loaded.empty()) model->load_params(in.loaded);
-    // --recompute: the same model without recomputation beside it on this rank, a step
-    // ahead, whose every tensor the recomputing run must equal bit for bit.
+    // --recompute: the same model without recomputation beside it on this rank, run just
+    // before it each step, whose every tensor the recomputing run must equal bit for bit.
     std::unique_ptr<ShardedModel> baseline;
     if (o.recompute != RecomputeKind::None) {
       RunOptions plain = o;

@@ -167,6 +167,9 @@ void StepChecker::check_bitwise(const std::vector<Observation>& obs, const Tenso
 
 void StepChecker::check_recomputed(const std::vector<Observation>& obs,
                                    const std::vector<Observation>& baseline, Phase phase) {
+  if (obs.size() != baseline.size())
+    throw Error("verify --recompute: " + std::to_string(obs.size()) + " tensors against " +
+                std::to_string(baseline.size()) + " of the run without recomputation");
   std::map<std::string_view, const Observation*> by_name;
   for (const auto& b : baseline) by_name[b.name] = &b;
   for (const auto& o : obs) {

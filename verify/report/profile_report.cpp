@@ -260,6 +260,12 @@ nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
 
 }  // namespace
 
+double slowest_step_seconds(const TpProfile& run) {
+  double s = 0;
+  for (const auto& r : run.ranks) s = std::max(s, step_stats(r).step_s);
+  return s;
+}
+
 void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& run) {
   const int t = run.tp;
   const auto& ranks = run.ranks;
@@ -360,7 +366,8 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
     if (seed_architecture(o.gpt))
       os << "  per layer, formula " << layer_activation_formula_text(run.query) << " with s "
          << o.seq_len << ", b " << o.batch_size << ", h " << o.gpt.hidden << ", a " << o.gpt.heads
-         << ", t " << t << " = " << layer_activation_bytes_formula(run.query) << " B\n";
+         << ", t " << t << " = " << layer_activation_bytes_formula(run.query) << " B"
+         << (o.recompute == RecomputeKind::Full ? " (layer 0)" : "") << "\n";
     else  // the closed form is the seed's; another architecture has only its tensor list
       os << "  per layer, the model's tensors (" << describe_architecture(o.gpt)
          << "; the closed form covers the seed's GPT only) = "
@@ -521,7 +528,7 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
        << "); executed/model above includes it\n";
     if (run.plain_step_s > 0 && step_s > 0)
       os << "  step time " << f("%.2f", step_s * 1e3) << " ms with it, "
-         << f("%.2f", run.plain_step_s * 1e3) << " ms without (the same run again): "
+         << f("%.2f", run.plain_step_s * 1e3) << " ms without (the same run again, timed alike): "
          << f("%+.1f%%", 100.0 * (step_s / run.plain_step_s - 1.0)) << " (CPU, this machine; "
          << "noisy at small sizes)\n";
   }

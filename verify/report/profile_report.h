@@ -40,6 +40,10 @@ std::string model_flops_formula(const RunOptions& o);  // how it counts, in a fe
 // attention forward again (4·B·T²·H: QKᵀ and P·V); full, every block's forward again.
 double recompute_flops_per_step(const RunOptions& o);
 
+// The slowest rank's mean step time over the steps that count (steps 2.. when there are
+// several), as the report prints it.
+double slowest_step_seconds(const TpProfile& run);
+
 // One degree's report (memory, activations, time, collectives, FLOPs).
 void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& run);
 

@@ -134,14 +134,17 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
   // query (yet): only what lives in host memory counts.
   const bool host_ranks = o.device.backend == BackendKind::Cpu;
   std::vector<double> groups;
-  // verify --recompute: each rank runs the model without recomputation beside it.
+  // --recompute: verify runs the model without recomputation beside it on each rank;
+  // profile runs it after, for its step time.
   RunOptions plain = o;
   plain.recompute = RecomputeKind::None;
-  const bool baseline = command == "verify" && o.recompute != RecomputeKind::None;
-  for (int t : o.tp)
-    groups.push_back(host_ranks ? t * (rank_bytes(o, t, o.dtype, true) +
-                                       (baseline ? rank_bytes(plain, t, o.dtype, true) : 0.0))
-                                : 0.0);
+  const bool recompute = o.model == ModelKind::Gpt && o.recompute != RecomputeKind::None;
+  for (int t : o.tp) {
+    const double mine = rank_bytes(o, t, o.dtype, true);
+    const double without = recompute ? rank_bytes(plain, t, o.dtype, true) : 0.0;
+    const double rank = command == "verify" ? mine + without : std::max(mine, without);
+    groups.push_back(host_ranks ? t * rank : 0.0);
+  }
   std::ostringstream d;
   double total = 0;
   if (command == "verify") {

@@ -117,8 +117,8 @@ FaultTarget fault_target(const RunOptions& o) {
   run.tied = g.tied_embeddings;
   run.two_kv_heads = g.kv() >= 2;
   run.dropout = g.dropout > 0;
-  run.recompute = o.recompute != RecomputeKind::None;
-  run.full_recompute = o.recompute == RecomputeKind::Full;
+  run.recompute = o.recompute != RecomputeKind::None && g.layers >= 1;
+  run.full_recompute = o.recompute == RecomputeKind::Full && g.layers >= 1;
   run.recompute_chunks = run.full_recompute && o.recompute_layers >= 2 && g.layers >= 2;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
