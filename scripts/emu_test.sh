@@ -5,8 +5,8 @@
 #   2. tpsim verify --backend cuda for the MLP and a small GPT (plain, --loss-parallel,
 #      --sequence-parallel; f64, f32 and bf16), and for GPT-2 and Llama (grouped-query,
 #      both RoPE pairings), at TP 1,2,4,8, with --comm sim and the emulated --comm nccl;
-#   3. verify --tp-invariant on a tiny GPT in f32 and bf16 under the emulator's split-K by
-#      shape (TPSIM_EMU_CUBLAS_SPLITK=shape): bit-identical to TP 1.
+#   3. verify --tp-invariant on a tiny GPT and GPT-2 in f32 and bf16 under the emulator's
+#      split-K by shape (TPSIM_EMU_CUBLAS_SPLITK=shape): bit-identical to TP 1.
 # Called by scripts/test.sh; about 5 minutes of runs on 2 cores, plus the build.
 # EMU_ASAN=1 also builds build-emu-asan/ with ASan/UBSan and runs the self-tests and
 # device tests there (slower: not part of CI), so that a host access out of bounds or
@@ -70,16 +70,20 @@ for comm in sim nccl; do
 done
 # The TP-invariant mode, with cuBLAS's sums made shape-dependent (cuda_emu's split-K by
 # shape), so that bit-identity across degrees comes from the canonical tiles.
-tiny=(--model gpt --vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 1 --batch-size 2
+tiny=(--vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 1 --batch-size 2
       --seq-len 16 --loss-parallel --sequence-parallel --tp-invariant)
+# GPT-2 (biases, tanh GELU, dropout) in the same mode.
 for dt in f32 bf16; do
-  if out=$(TPSIM_EMU_CUBLAS_SPLITK=shape build-emu/tpsim verify --backend cuda --comm sim \
-             --tp 1,2,4,8 --dtype "$dt" "${tiny[@]}" 2>&1); then
-    echo "ok   --tp-invariant --dtype $dt (split-K by shape): $(grep '^verify:' <<<"$out")"
-  else
-    failed=1
-    echo "FAIL --tp-invariant --dtype $dt (split-K by shape):"
-    tail -n 20 <<<"$out"
-  fi
+  for model in "--model gpt" "--model gpt2 --dropout 0.1"; do
+    # shellcheck disable=SC2086
+    if out=$(TPSIM_EMU_CUBLAS_SPLITK=shape build-emu/tpsim verify --backend cuda --comm sim \
+               --tp 1,2,4,8 --dtype "$dt" "${tiny[@]}" $model 2>&1); then
+      echo "ok   --tp-invariant $model --dtype $dt (split-K by shape): $(grep '^verify:' <<<"$out")"
+    else
+      failed=1
+      echo "FAIL --tp-invariant $model --dtype $dt (split-K by shape):"
+      tail -n 20 <<<"$out"
+    fi
+  done
 done
 exit "$failed"

@@ -233,6 +233,11 @@ bool seed_architecture(const GptConfig& c) {
          c.kv() == c.heads && c.tied_embeddings == seed.tied_embeddings && c.dropout == 0.0;
 }
 
+bool tp_invariant_architecture(const GptConfig& c) {
+  return c.norm == NormKind::LayerNorm && c.mlp != MlpKind::SwiGLU && c.ffn() == 4 * c.hidden &&
+         !c.rope() && c.kv() == c.heads && c.tied_embeddings;
+}
+
 Parameter& ShardedGpt::lm_head() {
   return param(cfg_.tied_embeddings ? "wte.weight" : "lm_head.weight");
 }
@@ -266,9 +271,10 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
       (par.recompute_layers < 1 || par.recompute_layers > std::max<std::int64_t>(cfg.layers, 1)))
     throw UsageError("--recompute-layers " + std::to_string(par.recompute_layers) +
                      ": a chunk of 1 to --layers (" + std::to_string(cfg.layers) + ") blocks");
-  if (par.tp_invariant && !seed_architecture(cfg))
-    throw UsageError("--tp-invariant: not yet for this architecture (it covers the seed's GPT, "
-                     "--model gpt without --kv-heads, --ffn-hidden or other architecture flags)");
+  if (par.tp_invariant && !tp_invariant_architecture(cfg))
+    throw UsageError("--tp-invariant: not yet for this architecture (it covers the seed's GPT "
+                     "and GPT-2: LayerNorm, biases, GELU at 4H, learned positions, tied; not "
+                     "RMSNorm, SwiGLU, RoPE, --kv-heads or an untied head)");
   check_gpt_architecture(cfg);
   if (cfg.heads % t != 0)
     throw UsageError("--heads " + std::to_string(cfg.heads) + " do not split over tp " +
@@ -584,26 +590,40 @@ void ShardedGpt::combine(Tensor& out, std::int64_t row0, bool own_only, bool fro
   combine_partials(be_, comm_, v.k, out, v.local, v.gathered, acc, row0, order);
 }
 
-void ShardedGpt::ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
-                             const Tensor& mean, const Tensor& rstd) {
-  if (!inv_ || !par_.sequence_parallel)
-    return be_.layernorm_backward(dinp, p.grad, dout, inp, p.value, mean, rstd);
+void ShardedGpt::token_chunk_sum(Tensor& grad, bool own_only,
+                                 const std::function<void(Tensor&, std::int64_t, std::int64_t)>& add) {
   Invariant& v = *inv_;
   const int Cl = v.k.local();
-  const std::int64_t H = p.grad.numel(), n = v.Nc;
+  const std::int64_t H = grad.numel(), n = v.Nc;
   Tensor local = v.grad_local.narrow0(0, Cl * H).reshape({Cl, H});          // [C/t,H]
   Tensor all = v.grad_gathered.narrow0(0, v.k.C * H).reshape({v.k.C, H});  // [C,H]
   for (int j = 0; j < Cl; ++j) {
     Tensor pj = local.narrow0(j, 1).reshape({H});
     be_.fill(pj, 0.0);
-    Tensor dx = dinp.narrow0(j * n, n);
-    be_.layernorm_backward(dx, pj, dout.narrow0(j * n, n), inp.narrow0(j * n, n), p.value,
-                           mean.narrow0(j * n, n), rstd.narrow0(j * n, n));
+    add(pj, j * n, n);
   }
-  Tensor out = p.grad.reshape({1, H}), none;
+  Tensor out = grad.reshape({1, H}), none;
   combine_partials(be_, comm_, v.k, out, local, all, none, 0,
-                   fault_ == Fault::SpLnGradNotSummed ? CombineOrder::OwnOnly
-                                                      : CombineOrder::Canonical);
+                   own_only ? CombineOrder::OwnOnly : CombineOrder::Canonical);
+}
+
+void ShardedGpt::ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
+                             const Tensor& mean, const Tensor& rstd) {
+  if (!inv_ || !par_.sequence_parallel)
+    return be_.layernorm_backward(dinp, p.grad, dout, inp, p.value, mean, rstd);
+  token_chunk_sum(p.grad, fault_ == Fault::SpLnGradNotSummed,
+                  [&](Tensor& pj, std::int64_t row0, std::int64_t n) {
+                    Tensor dx = dinp.narrow0(row0, n);
+                    be_.layernorm_backward(dx, pj, dout.narrow0(row0, n), inp.narrow0(row0, n),
+                                           p.value, mean.narrow0(row0, n), rstd.narrow0(row0, n));
+                  });
+}
+
+void ShardedGpt::token_bias_backward(Parameter& bias, const Tensor& dout, bool own_only) {
+  if (!inv_ || !par_.sequence_parallel) return be_.bias_backward(bias.grad, dout);
+  token_chunk_sum(bias.grad, own_only, [&](Tensor& pj, std::int64_t row0, std::int64_t n) {
+    be_.bias_backward(pj, dout.narrow0(row0, n));
+  });
 }
 
 void ShardedGpt::norm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
@@ -618,7 +638,7 @@ void ShardedGpt::norm_backward(Tensor& dinp, Parameter& w, Parameter* b, const T
   if (cfg_.norm == NormKind::RMSNorm)
     return be_.rmsnorm_backward(dinp, w.grad, dout, inp, w.value, rstd);
   ln_backward(dinp, w, dout, inp, mean, rstd);
-  if (b) be_.bias_backward(b->grad, dout);
+  if (b) token_bias_backward(*b, dout, fault_ == Fault::SpNormBiasGradNotSummed);
 }
 
 Parameter* ShardedGpt::bias_of(const std::string& module) {
@@ -685,7 +705,7 @@ void ShardedGpt::row_bias_backward(Parameter* bias, const Tensor& dres) {
   // gradient sums dres over them (over every token, or, under SP, this rank's, summed
   // over ranks with the other replicated parameters).
   if (!bias) return;
-  be_.bias_backward(bias->grad, dres);
+  token_bias_backward(*bias, dres);
   if (fault_ == Fault::RowBiasGradDividedByT) be_.scale_inplace(bias->grad, 1.0 / world_);
 }
 
@@ -817,7 +837,10 @@ void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
   // g, then a row-parallel layer's bias, added once to the sum (the fault: on every rank's
   // partial, before it: t·b).
   auto leave_tp_biased = [&](auto& leave, Parameter* bias) -> Tensor& {
-    if (bias && fault_ == Fault::RowBiasBeforeReduce) be_.add_bias(partial, bias->value);
+    if (bias && fault_ == Fault::RowBiasBeforeReduce) {  // (invariant: into its first chunk's)
+      Tensor p = inv_ ? inv_->local.narrow0(0, N_) : partial;
+      be_.add_bias(p, bias->value);
+    }
     Tensor& y = leave();
     if (bias && fault_ != Fault::RowBiasBeforeReduce) be_.add_bias(y, bias->value);
     return y;
@@ -825,8 +848,9 @@ void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
   // Column-parallel forward; invariant: in output tiles of `tile` columns.
   auto col_forward = [&](const ColumnParallelLinear& lin, Tensor& out, const Tensor& in,
                          std::int64_t tile) {
-    if (inv_) inv_->cg.gemm(out, in, false, lin.weight->value, true, {0, tile});
-    else lin.forward(be_, out, in);
+    if (!inv_) return lin.forward(be_, out, in);
+    inv_->cg.gemm(out, in, false, lin.weight->value, true, {0, tile});
+    if (lin.bias) be_.add_bias(out, lin.bias->value);
   };
   // Row-parallel forward into `partial`; invariant: one partial per canonical chunk of
   // `kc` inputs, into the invariant workspace.
@@ -1012,6 +1036,8 @@ void ShardedGpt::backward() {
                           std::int64_t tile, bool accumulate) {
     if (!inv_) return lin.backward(be_, s.dh_full, dout, in, accumulate);
     inv_->cg.gemm(lin.weight->grad, dout, true, in, false, {tile, 0});
+    // (each column summed over every token in row order: the same at any degree)
+    if (lin.bias) be_.bias_backward(lin.bias->grad, dout);
     for (int j = 0; j < inv_->k.local(); ++j) {
       Tensor pj = inv_->local.narrow0(j * N_, N_);  // [N,H]
       inv_->cg.gemm_k_chunk(pj, dout, false, lin.weight->value, false, j * tile, tile,

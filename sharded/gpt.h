@@ -14,6 +14,7 @@
 //    all-reduced at the end of backward.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,8 +42,13 @@ struct GptParallelism {
 // C = kCanonicalChunks, in the TP-invariant mode: the same padding at every degree), else V.
 std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t);
 
-// Whether `c` is the seed's architecture (the TP-invariant mode's domain, so far).
+// Whether `c` is the seed's architecture.
 bool seed_architecture(const GptConfig& c);
+// Whether the TP-invariant mode covers `c`: LayerNorm (with or without bias), Linear
+// biases, exact or tanh GELU at 4H, learned positions, one kv head per head, tied
+// embeddings, any dropout: the seed's GPT and GPT-2. Not yet RMSNorm, SwiGLU, RoPE, GQA or
+// an untied head.
+bool tp_invariant_architecture(const GptConfig& c);
 
 // Throws UsageError unless tp t splits the kv heads: t divides them, or is a multiple of
 // them (each kv head then replicated on t/kv_heads ranks).
@@ -105,6 +111,14 @@ class ShardedGpt final : public ShardedModel {
   // gradient (a sum over this rank's tokens) as canonical token-chunk partials, combined.
   void ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
                    const Tensor& mean, const Tensor& rstd);
+  // A replicated bias's gradient, dout [Nl,H] summed over this rank's tokens (+=); in the
+  // TP-invariant mode under SP as canonical token-chunk partials, combined in chunk order
+  // (own_only: the not-summed fault's own chunks).
+  void token_bias_backward(Parameter& bias, const Tensor& dout, bool own_only = false);
+  // The TP-invariant mode under SP: grad [H] = the canonical sum over the token chunks of
+  // the partials that add(partial [H], first row, rows) makes of this rank's chunks.
+  void token_chunk_sum(Tensor& grad, bool own_only,
+                       const std::function<void(Tensor&, std::int64_t, std::int64_t)>& add);
   // The architecture's norm (LayerNorm, with its bias if any, or RMSNorm: `mean` unused).
   void norm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
                     const Parameter& w, const Parameter* b);

@@ -12,13 +12,15 @@ using namespace tpsim::testing;
 namespace {
 
 // 8 heads so that tp 8 exists; 32 tokens, 8 chunks of 4 under SP; V 61 pads under LP.
-const std::string kTiny =
-    "profile --model gpt --vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 2 "
-    "--batch-size 2 --seq-len 16 --steps 2 ";
+const std::string kTinySizes =
+    "--vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 2 --batch-size 2 "
+    "--seq-len 16 --steps 2 ";
+const std::string kTiny = "profile --model gpt " + kTinySizes;
 
-nlohmann::json profile_json(const std::string& flags, const std::string& name) {
+nlohmann::json profile_json(const std::string& flags, const std::string& name,
+                            const std::string& model = "gpt") {
   const std::string json = temp_path(name);
-  const auto r = run_tpsim(kTiny + flags + " --json " + json);
+  const auto r = run_tpsim("profile --model " + model + " " + kTinySizes + flags + " --json " + json);
   INFO(flags << "\n" << r.out);
   REQUIRE(r.exit_code == 0);
   return read_json(json);
@@ -83,18 +85,20 @@ TEST_CASE("profile --tp-invariant refuses what train and verify refuse, in the s
 
 TEST_CASE("profile --tp-invariant: the collectives differ from a plain run as the mode's model predicts",
           "[profile][tp-invariant][cli]") {
+  // GPT-2 too: under SP its replicated biases are combined as the LayerNorm weights are
+  for (const std::string model : {"gpt", "gpt2"})
   for (const std::string mode : {"", "--loss-parallel", "--sequence-parallel",
                                  "--loss-parallel --sequence-parallel"})
     for (const std::string dtype : {"f32", "bf16"}) {
       const std::string flags = "--tp 1,2,4 --dtype " + dtype + " " + mode;
-      std::string name = "pinv-" + dtype + mode + ".json";
+      std::string name = "pinv-" + model + dtype + mode + ".json";
       for (char& ch : name)
         if (ch == ' ') ch = '_';
-      const auto plain = profile_json(flags, "plain" + name);
-      const auto inv = profile_json(flags + " --tp-invariant", "inv" + name);
+      const auto plain = profile_json(flags, "plain" + name, model);
+      const auto inv = profile_json(flags + " --tp-invariant", "inv" + name, model);
       for (std::size_t i = 0; i < 3; ++i) {
         const int tp = inv["tp"][i]["tp"];
-        INFO(flags << ", tp " << tp);
+        INFO(model << " " << flags << ", tp " << tp);
         const auto& p = plain["tp"][i]["ranks"][0]["collectives_per_step"];
         const auto& q = inv["tp"][i]["ranks"][0]["collectives_per_step"];
         const auto& m = inv["tp"][i]["tp_invariant_comm_predicted"];

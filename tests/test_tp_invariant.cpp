@@ -119,6 +119,34 @@ TEST_CASE("verify --tp-invariant at tp 1,2,4,8 is bit for bit in f32 and bf16, e
     }
 }
 
+TEST_CASE("--tp-invariant covers GPT-2: its biases, tanh GELU and dropout, bit for bit",
+          "[tp-invariant][cli]") {
+  // Column-parallel biases sum every token in row order at any degree; under SP the
+  // row-parallel and LayerNorm biases, replicated, sum canonical token chunks as the
+  // LayerNorm weights do; dropout's masks are the reference's slice at any degree.
+  for (const char* dtype : {"f32", "bf16"})
+    for (const char* mode : {"", "--loss-parallel --sequence-parallel"}) {
+      const auto r = run_tpsim("verify --model gpt2 --vocab-size 61 --block-size 16 --hidden 32 "
+                               "--heads 8 --layers 2 --batch-size 2 --seq-len 16 --dropout 0.1 "
+                               "--steps 3 --tp 1,2,4,8 --tp-invariant --dtype " + std::string(dtype) +
+                               " " + mode);
+      INFO(dtype << " " << mode << "\n" << r.out);
+      REQUIRE(r.exit_code == 0);
+      CHECK(r.out.find("every tensor of every step bit-identical to tp 1") != std::string::npos);
+    }
+  // The families' bias faults break the bits at tp 2
+  for (const char* fault : {"row-bias-before-reduce", "row-bias-grad-divided-by-t",
+                            "sp-norm-bias-grad-not-summed"}) {
+    const auto r = run_tpsim("verify --model gpt2 --vocab-size 61 --block-size 16 --hidden 32 "
+                             "--heads 8 --layers 1 --batch-size 2 --seq-len 16 --steps 2 --tp 1,2 "
+                             "--tp-invariant --dtype f32 --sequence-parallel --inject-fault " +
+                             std::string(fault));
+    INFO(fault << "\n" << r.out);
+    CHECK(r.exit_code == 1);
+    CHECK(r.out.find("first bit difference from tp 1 at tp 2") != std::string::npos);
+  }
+}
+
 TEST_CASE("a single-element difference in one rank is reported by tensor, shard, step and index",
           "[tp-invariant]") {
   // tp 1's full ffn2 gradient [8,16]; tp 2's rank 1 holds columns [8,16), one of which has

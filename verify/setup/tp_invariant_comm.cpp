@@ -37,9 +37,12 @@ TpInvariantComm predict_tp_invariant_comm(const RunOptions& o, int tp) {
     add(c.added_all_gather, 1, Cl * N * ec);
     add(c.removed_all_reduce, 1, N * ec);
   }
-  if (sp) {  // replicated gradients summed over tokens: 2L + 1 LayerNorms, wpe, wte
-    add(c.added_all_gather, 2 * L + 1, Cl * H * ec);
-    add(c.removed_all_reduce, 2 * L + 1, H * ec);
+  if (sp) {  // replicated gradients summed over tokens: 2L + 1 LayerNorms (and their
+             // biases), the row-parallel biases (2 per layer), wpe, wte
+    const std::int64_t norms = (2 * L + 1) * (o.gpt.norm_bias ? 2 : 1);
+    const std::int64_t row_biases = o.gpt.linear_bias ? 2 * L : 0;
+    add(c.added_all_gather, norms + row_biases, Cl * H * ec);
+    add(c.removed_all_reduce, norms + row_biases, H * ec);
     add(c.added_all_gather, 1, Cl * wpe * ec);
     add(c.removed_all_reduce, 1, wpe * ec);
     if (!lp) {
