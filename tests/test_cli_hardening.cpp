@@ -89,7 +89,7 @@ TEST_CASE("every number is parsed as 64-bit and range-checked before any work", 
                "the model would hold about");
 }
 
-TEST_CASE("--help shows every default", "[cli]") {
+TEST_CASE("tpsim --help shows every default", "[cli]") {
   const auto r = run_tpsim("train --help");
   INFO(r.out);
   REQUIRE(r.exit_code == 0);

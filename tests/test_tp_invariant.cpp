@@ -119,7 +119,7 @@ TEST_CASE("verify --tp-invariant at tp 1,2,4,8 is bit for bit in f32 and bf16, e
     }
 }
 
-TEST_CASE("--tp-invariant covers GPT-2: its biases, tanh GELU and dropout, bit for bit",
+TEST_CASE("the TP-invariant mode covers GPT-2: its biases, tanh GELU and dropout, bit for bit",
           "[tp-invariant][cli]") {
   // Column-parallel biases sum every token in row order at any degree; under SP the
   // row-parallel and LayerNorm biases, replicated, sum canonical token chunks as the
