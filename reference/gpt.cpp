@@ -173,12 +173,13 @@ template <class S>
 struct Dropout {
   double p = 0.0;  // 0: none
   std::uint64_t key = 0;
+  S kept = S(1);  // a kept element's factor, 1/(1-p)
 
   Dropout(double prob, std::uint64_t seed, const std::string& site, std::int64_t step)
-      : p(prob), key(dropout_key(seed, site, step)) {}
+      : p(prob), key(dropout_key(seed, site, step)), kept(static_cast<S>(1.0 / (1.0 - prob))) {}
   bool on() const { return p > 0.0; }
   S factor(std::uint64_t i) const {
-    return uniform_of_bits(counter_bits_at(key, i)) >= p ? static_cast<S>(1.0 / (1.0 - p)) : S(0);
+    return uniform_of_bits(counter_bits_at(key, i)) >= p ? kept : S(0);
   }
   // m [R, C] *= mask, element (r, c) at index first + r*C + c.
   template <class M>

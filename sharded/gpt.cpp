@@ -733,9 +733,8 @@ std::int64_t ShardedGpt::mask_step() const {
 }
 
 std::size_t ShardedGpt::chunk_layers() const {
-  if (par_.recompute != RecomputeKind::Full) return 1;
-  return static_cast<std::size_t>(std::clamp<std::int64_t>(par_.recompute_layers, 1,
-                                                           std::max<std::int64_t>(cfg_.layers, 1)));
+  return static_cast<std::size_t>(
+      recompute_chunk_layers(par_.recompute, par_.recompute_layers, cfg_.layers));
 }
 
 void ShardedGpt::forward_point(const std::string& name, const Tensor& t) {

@@ -316,7 +316,8 @@ void layernorm_backward_kernel(T* dinp, T* dweight, const T* dout, const T* inp,
 template <class T>
 void dropout_row(T* x, i64 r, i64 C, const DropoutMask& mask) {
   const T s = T(mask.scale());
-  for (i64 c = 0; c < C; ++c) x[c] = mask.keep(r, c) ? x[c] * s : T(0);
+  const i64 i0 = mask.row_index(r);
+  for (i64 c = 0; c < C; ++c) x[c] = mask.keep_index(i0 + c) ? x[c] * s : T(0);
 }
 
 // For every batch row b and local head j, with Q, K, V the [T,d] blocks of q, k, v (row

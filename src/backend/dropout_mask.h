@@ -28,12 +28,15 @@ struct DropoutMask {
   std::int64_t block_stride = 0;
 
   TPSIM_HD bool active() const { return p > 0.0; }
-  TPSIM_HD std::int64_t index(std::int64_t r, std::int64_t c) const {
-    return first + (r / block_rows) * block_stride + (r % block_rows) * row_stride + c;
+  // The global index of row r's first element: a row's elements follow it one by one.
+  TPSIM_HD std::int64_t row_index(std::int64_t r) const {
+    return first + (r / block_rows) * block_stride + (r % block_rows) * row_stride;
   }
-  TPSIM_HD bool keep(std::int64_t r, std::int64_t c) const {
-    return (counter_bits_at(key, static_cast<std::uint64_t>(index(r, c))) >> 11) >= threshold;
+  // Whether the element at global index i is kept.
+  TPSIM_HD bool keep_index(std::int64_t i) const {
+    return (counter_bits_at(key, static_cast<std::uint64_t>(i)) >> 11) >= threshold;
   }
+  TPSIM_HD bool keep(std::int64_t r, std::int64_t c) const { return keep_index(row_index(r) + c); }
   // 1/(1-p), in double; a kernel casts it to its compute type.
   TPSIM_HD double scale() const { return 1.0 / (1.0 - p); }
 };

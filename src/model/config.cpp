@@ -74,6 +74,12 @@ std::string describe_architecture(const GptConfig& c) {
   return s;
 }
 
+std::int64_t recompute_chunk_layers(RecomputeKind kind, std::int64_t requested,
+                                    std::int64_t layers) {
+  if (kind != RecomputeKind::Full) return 1;
+  return std::clamp<std::int64_t>(requested, 1, std::max<std::int64_t>(layers, 1));
+}
+
 void check_gpt_architecture(const GptConfig& c) {
   if (c.heads < 1 || c.hidden % c.heads != 0)
     throw UsageError("--hidden " + std::to_string(c.hidden) + " is not divisible by --heads " +

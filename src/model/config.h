@@ -92,6 +92,11 @@ enum class RecomputeKind {
               // blocks run forward again in backward (Megatron's "uniform" method)
 };
 
+// Blocks per recompute chunk: `requested` (--recompute-layers) within [1, layers] under
+// full recomputation, else 1. The sharded model and the memory model share this one rule.
+std::int64_t recompute_chunk_layers(RecomputeKind kind, std::int64_t requested,
+                                    std::int64_t layers);
+
 // torch.optim.Adam: weight decay is L2 added to the gradient; bias-corrected moments.
 struct AdamConfig {
   double lr = 0.01;

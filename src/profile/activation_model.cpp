@@ -118,9 +118,7 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   add(A, "embedding.out", {Nl, H}, -1);
   const bool selective = q.recompute == RecomputeKind::Selective;
   const bool full = q.recompute == RecomputeKind::Full;
-  const int chunk = full ? static_cast<int>(std::clamp<std::int64_t>(q.recompute_layers, 1,
-                                                                       std::max<std::int64_t>(c.layers, 1)))
-                         : 1;
+  const int chunk = static_cast<int>(recompute_chunk_layers(q.recompute, q.recompute_layers, c.layers));
   for (int l = 0; l < static_cast<int>(c.layers); ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
     if (full && l >= chunk) {  // shares the first chunk's buffers; keeps its chunk's input
@@ -240,7 +238,7 @@ std::int64_t layer_activation_bytes_formula(const GptMemoryQuery& q, int layer) 
   const std::int64_t s = q.T, bb = q.B, h = q.cfg.hidden, a = q.cfg.heads, t = q.t;
   const std::int64_t sbh = s * bb * h, sb = s * bb;
   const std::int64_t b = static_cast<std::int64_t>(dtype_size(q.dtype));
-  const std::int64_t chunk = std::clamp<std::int64_t>(q.recompute_layers, 1, std::max<std::int64_t>(q.cfg.layers, 1));
+  const std::int64_t chunk = recompute_chunk_layers(q.recompute, q.recompute_layers, q.cfg.layers);
   if (q.recompute == RecomputeKind::Full && layer >= chunk)  // a chunk's input, or nothing
     return layer % chunk == 0 ? (q.sequence_parallel ? sbh / t : sbh) * b : 0;
   const std::int64_t attn = q.recompute == RecomputeKind::Selective ? 0 : a * s * s * bb / t;

@@ -62,12 +62,6 @@ std::string block_part(const std::string& tag) {
   return dot == std::string::npos ? "" : tag.substr(dot + 1);
 }
 
-std::string shape_text(const Shape& s) {
-  std::string r = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) r += (i ? "," : "") + std::to_string(s[i]);
-  return r + "]";
-}
-
 }  // namespace
 
 std::vector<LayerTerm> layer_terms(const GptMemoryQuery& q, const GptMemoryPrediction& p) {
@@ -102,7 +96,7 @@ std::vector<LayerTerm> layer_terms(const GptMemoryQuery& q, const GptMemoryPredi
       throw Error("layer_terms: activation '" + pt.tag + "' is no term of the paper's table");
     out[it->second].tpsim += static_cast<double>(pt.bytes) / L;
     const auto bytes_per = pt.bytes / std::max<std::int64_t>(1, shape_numel(pt.shape));
-    kept[it->second].emplace(part, part + " " + shape_text(pt.shape) + " x " +
+    kept[it->second].emplace(part, part + " " + shape_str(pt.shape) + " x " +
                                        std::to_string(bytes_per) + " B");
   }
   for (std::size_t i = 0; i < out.size(); ++i) {

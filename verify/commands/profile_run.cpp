@@ -1,6 +1,5 @@
 #include "verify/commands/profile_run.h"
 
-#include <algorithm>
 #include <memory>
 #include <sstream>
 

@@ -32,13 +32,18 @@ RunOptions small_gpt(const RunOptions& base, const std::string& family, std::vec
   return o;
 }
 
+// Sets `o`'s parallelism modes from a case name's part ("plain", "--loss-parallel", ...).
+void set_mode(RunOptions& o, const std::string& mode) {
+  o.loss_parallel = mode.find("loss") != std::string::npos;
+  o.sequence_parallel = mode.find("sequence") != std::string::npos;
+}
+
 // Calls add(mode) with `o` set to each of the four parallelism modes in turn.
 template <class F>
 void for_each_mode(RunOptions& o, F&& add) {
   for (const std::string m : {"plain", "--loss-parallel", "--sequence-parallel",
                               "--loss-parallel --sequence-parallel"}) {
-    o.loss_parallel = m.find("loss") != std::string::npos;
-    o.sequence_parallel = m.find("sequence") != std::string::npos;
+    set_mode(o, m);
     add(m);
   }
 }
@@ -89,8 +94,7 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
     r.recompute = rc;
     r.recompute_layers = chunk;
     r.batch = BatchKind::Boundary;
-    r.loss_parallel = mode.find("loss") != std::string::npos;
-    r.sequence_parallel = mode.find("sequence") != std::string::npos;
+    set_mode(r, mode);
     all.push_back({"gpt2 " + name + " " + mode, r});
   };
   recompute("selective recompute", "--loss-parallel", RecomputeKind::Selective, 1);

@@ -257,6 +257,13 @@ class Tp1Reader {
   int last_done_ = 0;
 };
 
+// A step's backward observations: the parameter gradients, then the activation gradients.
+std::vector<Observation> observe_gradients(ShardedModel& model) {
+  auto grads = model.observe_param_grads();
+  for (auto& a : model.observe_activation_grads()) grads.push_back(std::move(a));
+  return grads;
+}
+
 TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
                    double tol, Tp1Feed* tp1) {
   auto t0 = std::chrono::steady_clock::now();
@@ -298,8 +305,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
         if (o.resync && step > 1) baseline->load_params(ref.wait(step - 1).copies);
         baseline->forward_backward();
         base_fwd = baseline->observe_forward();
-        base_grads = baseline->observe_param_grads();
-        for (auto& a : baseline->observe_activation_grads()) base_grads.push_back(std::move(a));
+        base_grads = observe_gradients(*baseline);
       }
       comm.clear_records();
       const double loss = model->forward_backward();
@@ -317,8 +323,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       auto& slot = replica_slots[static_cast<std::size_t>(rank)];
       model->recycle(std::move(slot));
       auto fwd = model->observe_forward();
-      auto grads = model->observe_param_grads();
-      for (auto& a : model->observe_activation_grads()) grads.push_back(std::move(a));
+      auto grads = observe_gradients(*model);
       sort_in_tensor_order(fwd, order);
       sort_in_tensor_order(grads, order);
       // --recompute: first against the run without it, so that a step where recomputation

@@ -15,33 +15,41 @@
 
 namespace tpsim {
 
+namespace {
+// One block's forward FLOPs, split as its Linears' 2N·(2H² for q and o, 2H·KV·d for k and
+// v, m·H·F for the MLP's m matrices) and its core attention's 4NTH (QKᵀ and P·V, whole
+// squares, as the kernels compute them).
+struct LayerFlops {
+  double linears = 0, attention = 0;
+};
+LayerFlops layer_forward_flops(const RunOptions& o) {
+  const GptConfig& c = o.gpt;
+  const double N = static_cast<double>(o.batch_size * o.seq_len), H = static_cast<double>(c.hidden);
+  const double T = static_cast<double>(o.seq_len), F = static_cast<double>(c.ffn());
+  const double KVd = static_cast<double>(c.kv() * c.head_dim()), m = c.swiglu() ? 3.0 : 2.0;
+  return {2.0 * N * (2.0 * H * H + 2.0 * H * KVd + m * H * F), 4.0 * N * T * H};
+}
+}  // namespace
+
 double model_flops_per_step(const RunOptions& o) {
   if (o.model == ModelKind::Mlp)
     return 6.0 * static_cast<double>(o.mlp.batch) *
            static_cast<double>(o.mlp.in * o.mlp.hidden + o.mlp.hidden * o.mlp.out);
-  // 3x the forward (the backward is twice it): per layer 2N·(2H² for q and o, 2H·KV·d
-  // for k and v, m·H·F for the MLP's m matrices) and 4NTH for QKᵀ and P·V (whole squares,
-  // as the kernels compute them), and the head's 2NHV. For the seed's GPT (KV·d = H, m = 2,
-  // F = 4H) it is Narayanan et al. 2021's 72·B·T·L·H²·(1 + T/6H + V/12HL).
-  const GptConfig& c = o.gpt;
-  const double N = static_cast<double>(o.batch_size * o.seq_len), H = static_cast<double>(c.hidden);
-  const double L = static_cast<double>(c.layers), T = static_cast<double>(o.seq_len);
-  const double V = static_cast<double>(c.vocab_size), F = static_cast<double>(c.ffn());
-  const double KVd = static_cast<double>(c.kv() * c.head_dim()), m = c.swiglu() ? 3.0 : 2.0;
-  const double layer = 2.0 * N * (2.0 * H * H + 2.0 * H * KVd + m * H * F) + 4.0 * N * T * H;
-  return 3.0 * (L * layer + 2.0 * N * H * V);
+  // 3x the forward (the backward is twice it): L blocks and the head's 2NHV. For the
+  // seed's GPT (KV·d = H, m = 2, F = 4H) it is Narayanan et al. 2021's
+  // 72·B·T·L·H²·(1 + T/6H + V/12HL).
+  const LayerFlops f = layer_forward_flops(o);
+  const double N = static_cast<double>(o.batch_size * o.seq_len);
+  const double L = static_cast<double>(o.gpt.layers);
+  return 3.0 * (L * (f.linears + f.attention) +
+                2.0 * N * static_cast<double>(o.gpt.hidden * o.gpt.vocab_size));
 }
 
 double recompute_flops_per_step(const RunOptions& o) {
-  if (o.model != ModelKind::Gpt || o.recompute == RecomputeKind::None) return 0.0;
-  const GptConfig& c = o.gpt;
-  const double N = static_cast<double>(o.batch_size * o.seq_len), H = static_cast<double>(c.hidden);
-  const double L = static_cast<double>(c.layers), T = static_cast<double>(o.seq_len);
-  const double F = static_cast<double>(c.ffn());
-  const double KVd = static_cast<double>(c.kv() * c.head_dim()), m = c.swiglu() ? 3.0 : 2.0;
-  const double attention = 4.0 * N * T * H;
-  if (o.recompute == RecomputeKind::Selective) return L * attention;
-  return L * (2.0 * N * (2.0 * H * H + 2.0 * H * KVd + m * H * F) + attention);
+  if (o.recompute == RecomputeKind::None) return 0.0;  // (the MLP has none: validate.cpp)
+  const LayerFlops f = layer_forward_flops(o);
+  const double L = static_cast<double>(o.gpt.layers);
+  return L * (o.recompute == RecomputeKind::Selective ? f.attention : f.linears + f.attention);
 }
 
 // How model_flops_per_step counts, for the reports.
