@@ -1,6 +1,8 @@
 #include "comm/rank_runner.h"
 
 #include <exception>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -21,49 +23,71 @@ std::string what_of(const std::exception_ptr& e) {
   }
 }
 
-}  // namespace
-
-void run_ranks(ThreadCommGroup& group, const RankFn& fn) {
-  if (!fn) throw UsageError("run_ranks: no rank function given");
-  const int n = group.world_size();
-
-  std::mutex mu;
-  std::exception_ptr first;  // the root cause: recorded before the abort it triggers
-  auto on_error = [&](int rank, std::exception_ptr e) {
+// The first error of a run's ranks, the root cause: recorded before the abort of every
+// group that it triggers, so the CommErrors that abort causes on the peers come after it.
+class FirstError {
+ public:
+  explicit FirstError(std::vector<ThreadCommGroup*> groups) : groups_(std::move(groups)) {}
+  void record(const std::string& who, std::exception_ptr e) {
     {
-      std::lock_guard<std::mutex> lk(mu);
-      if (!first) first = e;
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!first_) first_ = e;
     }
-    group.abort("rank " + std::to_string(rank) + " failed: " + what_of(e));
-  };
-  auto body = [&](int rank) {
-    try {
-      ThreadComm comm(group, rank);
-      // The communicator outlives this catch: were it destroyed first, its peers would
-      // fail with "rank left the group" before the real error is recorded.
-      try {
-        fn(rank, comm);
-      } catch (...) {
-        on_error(rank, std::current_exception());
-      }
-    } catch (...) {
-      on_error(rank, std::current_exception());
-    }
-  };
+    abort_all(who + " failed: " + what_of(e));
+  }
+  void abort_all(const std::string& why) {
+    for (ThreadCommGroup* g : groups_) g->abort(why);
+  }
+  void rethrow() const {
+    if (first_) std::rethrow_exception(first_);
+  }
 
+ private:
+  std::vector<ThreadCommGroup*> groups_;
+  std::mutex mu_;
+  std::exception_ptr first_;
+};
+
+// n rank threads running body(rank); an exception that escapes body is recorded in
+// `errors`. body itself records what its rank function throws while the rank's
+// communicators still live: were they destroyed first, peers would fail with "rank left
+// the group" before the real error is recorded.
+void run_threads(int n, FirstError& errors, const std::function<void(int rank)>& body) {
+  auto guarded = [&](int rank) {
+    try {
+      body(rank);
+    } catch (...) {
+      errors.record("rank " + std::to_string(rank), std::current_exception());
+    }
+  };
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(n));
   try {
-    for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+    for (int r = 0; r < n; ++r) threads.emplace_back(guarded, r);
   } catch (...) {
     // The ranks already started would wait for the missing ones until the timeout.
-    group.abort("run_ranks: could not start all " + std::to_string(n) + " rank threads: " +
-                what_of(std::current_exception()));
+    errors.abort_all("run_ranks: could not start all " + std::to_string(n) + " rank threads: " +
+                     what_of(std::current_exception()));
     for (auto& t : threads) t.join();
     throw;
   }
   for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+  errors.rethrow();
+}
+
+}  // namespace
+
+void run_ranks(ThreadCommGroup& group, const RankFn& fn) {
+  if (!fn) throw UsageError("run_ranks: no rank function given");
+  FirstError errors({&group});
+  run_threads(group.world_size(), errors, [&](int rank) {
+    ThreadComm comm(group, rank);
+    try {
+      fn(rank, comm);
+    } catch (...) {
+      errors.record("rank " + std::to_string(rank), std::current_exception());
+    }
+  });
 }
 
 void run_ranks(int world_size, double timeout_s, const RankFn& fn) {
@@ -72,6 +96,30 @@ void run_ranks(int world_size, double timeout_s, const RankFn& fn) {
                      std::to_string(world_size));
   ThreadCommGroup group(world_size, timeout_s);
   run_ranks(group, fn);
+}
+
+void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn) {
+  if (!fn) throw UsageError("run_mesh: no rank function given");
+  if (dp < 1 || tp < 1)
+    throw UsageError("run_mesh: the mesh must be at least 1 x 1, got dp " + std::to_string(dp) +
+                     " x tp " + std::to_string(tp));
+  std::vector<std::unique_ptr<ThreadCommGroup>> tp_groups, dp_groups;
+  std::vector<ThreadCommGroup*> all;
+  for (int d = 0; d < dp; ++d) tp_groups.push_back(std::make_unique<ThreadCommGroup>(tp, timeout_s));
+  for (int r = 0; r < tp; ++r) dp_groups.push_back(std::make_unique<ThreadCommGroup>(dp, timeout_s));
+  for (auto& g : tp_groups) all.push_back(g.get());
+  for (auto& g : dp_groups) all.push_back(g.get());
+  FirstError errors(all);
+  run_threads(dp * tp, errors, [&](int rank) {
+    const MeshRank at{rank, rank / tp, rank % tp};
+    ThreadComm tp_comm(*tp_groups[static_cast<std::size_t>(at.dp_rank)], at.tp_rank);
+    ThreadComm dp_comm(*dp_groups[static_cast<std::size_t>(at.tp_rank)], at.dp_rank);
+    try {
+      fn(at, tp_comm, dp_comm);
+    } catch (...) {
+      errors.record("rank " + std::to_string(rank), std::current_exception());
+    }
+  });
 }
 
 }  // namespace tpsim

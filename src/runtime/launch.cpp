@@ -23,8 +23,8 @@ std::string backend_description(BackendKind kind) {
   return kind == BackendKind::Cuda ? cuda_backend_description() : "cpu";
 }
 
-void check_launch(const DeviceOptions& dev, int world) {
-  if (dev.backend == BackendKind::Cuda) return check_cuda_launch(dev, world);
+void check_launch(const DeviceOptions& dev, int world, int dp) {
+  if (dev.backend == BackendKind::Cuda) return check_cuda_launch(dev, world, dp);
   if (dev.comm == CommKind::Nccl || dev.comm == CommKind::Sim)
     throw UsageError("--comm nccl/sim need --backend cuda; CPU ranks use --comm threads");
 }
@@ -34,15 +34,22 @@ bool groups_may_run_concurrently(const DeviceOptions& dev) {
 }
 
 void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
+  launch_mesh(dev, 1, world, timeout_s,
+              [&](const MeshRank& at, Backend& be, Communicator& tp, Communicator&) {
+                fn(at.rank, be, tp);
+              });
+}
+
+void launch_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn) {
   if (dev.backend == BackendKind::Cuda) {
-    launch_cuda_ranks(dev, world, timeout_s, fn);
+    launch_cuda_mesh(dev, dp, tp, timeout_s, fn);
     return;
   }
-  check_launch(dev, world);
-  run_ranks(world, timeout_s, [&](int rank, Communicator& comm) {
+  check_launch(dev, dp * tp, dp);
+  run_mesh(dp, tp, timeout_s, [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
     std::unique_ptr<Backend> be = make_cpu_backend();
-    if (dev.wrap) be = dev.wrap(rank, std::move(be));
-    fn(rank, *be, comm);
+    if (dev.wrap) be = dev.wrap(at.rank, std::move(be));
+    fn(at, *be, tp_comm, dp_comm);
   });
 }
 

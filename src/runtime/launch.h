@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
+#include "comm/rank_runner.h"
 
 namespace tpsim {
 
@@ -29,8 +30,8 @@ std::string backend_description(BackendKind kind);
 
 // Throws UsageError now if launch_ranks(dev, world, ...) could not place its ranks (no
 // GPU, too few for --comm nccl, CPU ranks with a device communicator), so that a run
-// refuses before it spends time on the reference.
-void check_launch(const DeviceOptions& dev, int world);
+// refuses before it spends time on the reference. `dp` > 1: a dp × (world/dp) mesh.
+void check_launch(const DeviceOptions& dev, int world, int dp = 1);
 
 // Whether several groups of ranks may run at the same time (verify runs its TP groups
 // concurrently when they may). NCCL documents several communicators working on one GPU at
@@ -44,5 +45,12 @@ using RankMain = std::function<void(int rank, Backend& be, Communicator& comm)>;
 // rank (the others are aborted, never left hanging). Throws UsageError for a device
 // request that cannot be met (e.g. --backend cuda without a GPU).
 void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
+
+// Tensor parallelism inside data parallelism: dp·tp ranks in Megatron's order (comm/
+// rank_runner.h, MeshRank), each with a communicator on its TP group and one on its DP
+// group, of the kind launch_ranks would give (threads; NCCL or SimComm on CUDA).
+using MeshMain =
+    std::function<void(const MeshRank& at, Backend& be, Communicator& tp, Communicator& dp)>;
+void launch_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
 
 }  // namespace tpsim

@@ -10,8 +10,9 @@ namespace tpsim {
 
 // Defined by launch_cuda.cpp where it is linked in (the emulator), by launch_cuda_module.cpp
 // where it is a module loaded on demand (TPSIM_CUDA), by launch_no_cuda.cpp otherwise.
-void check_cuda_launch(const DeviceOptions& dev, int world);
-void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
+void check_cuda_launch(const DeviceOptions& dev, int world, int dp);
+void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+                      const MeshMain& fn);
 // What --backend cuda runs on in this build: "cuda", "cuda (EMULATED on the CPU)", or
 // "cuda (not built)".
 std::string cuda_backend_description();
@@ -19,8 +20,8 @@ std::string cuda_backend_description();
 // What the module hands the launcher: the two functions above, behind the C symbol
 // kCudaLauncherSymbol (a function returning a pointer to this table).
 struct CudaLauncher {
-  void (*check)(const DeviceOptions& dev, int world);
-  void (*launch)(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
+  void (*check)(const DeviceOptions& dev, int world, int dp);
+  void (*launch)(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
 };
 inline constexpr const char* kCudaLauncherSymbol = "tpsim_cuda_launcher";
 

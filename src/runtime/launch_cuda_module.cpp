@@ -47,10 +47,13 @@ const CudaLauncher& launcher() {
 
 }  // namespace
 
-void check_cuda_launch(const DeviceOptions& dev, int world) { launcher().check(dev, world); }
+void check_cuda_launch(const DeviceOptions& dev, int world, int dp) {
+  launcher().check(dev, world, dp);
+}
 
-void launch_cuda_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
-  launcher().launch(dev, world, timeout_s, fn);
+void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+                      const MeshMain& fn) {
+  launcher().launch(dev, dp, tp, timeout_s, fn);
 }
 
 std::string cuda_backend_description() { return "cuda"; }

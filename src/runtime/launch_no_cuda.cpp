@@ -4,12 +4,12 @@
 
 namespace tpsim {
 
-void check_cuda_launch(const DeviceOptions&, int) {
+void check_cuda_launch(const DeviceOptions&, int, int) {
   throw UsageError("--backend cuda: this tpsim was built without the CUDA toolkit");
 }
 
-void launch_cuda_ranks(const DeviceOptions& dev, int world, double, const RankMain&) {
-  check_cuda_launch(dev, world);
+void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double, const MeshMain&) {
+  check_cuda_launch(dev, dp * tp, dp);
 }
 
 std::string cuda_backend_description() { return "cuda (not built)"; }
