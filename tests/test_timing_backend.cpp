@@ -96,6 +96,7 @@ class LoggingBackend final : public Backend {
                  i64 c, i64 v, double sc),
                 (d, l, m, s, g, c, v, sc))
   TPSIM_FORWARD(double, sum, (const Tensor& t), (t))
+  TPSIM_FORWARD(double, sum_squares, (const Tensor& t), (t))
   TPSIM_FORWARD(double, mse_forward, (const Tensor& y, const Tensor& t), (y, t))
   TPSIM_FORWARD(void, mse_backward, (Tensor& d, const Tensor& y, const Tensor& t), (d, y, t))
   TPSIM_FORWARD(void, sgd_update, (Tensor& p, const Tensor& g, double lr), (p, g, lr))

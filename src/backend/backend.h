@@ -178,6 +178,10 @@ class Backend {
                            std::int64_t valid, double scale) = 0;
   // Σ of a float tensor, accumulated in f64 (for the loss and MSE).
   virtual double sum(const Tensor& t) = 0;
+  // Σ x² of a float tensor, each square taken and accumulated in f64 (a gradient norm for
+  // clipping: in f64 whatever the dtype, so that only the order of its additions differs
+  // from the reference's).
+  virtual double sum_squares(const Tensor& t) = 0;
   // Whether every element of a float tensor is finite (no NaN, no ±inf). This default
   // reads one sum(), finite exactly when every element is, except that finite f64 values
   // can overflow it: then it looks at the host copy.

@@ -1084,16 +1084,14 @@ void CpuBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor
   });
 }
 
-double CpuBackend::sum(const Tensor& t) {
-  OpCheck("sum", device()).float_arg("t", t);
-  if (any_bf16({&t})) {
-    Bf16Widened w(scratch_);
-    return sum(w.in(t));
-  }
-  // Eight lanes from the first element, added in one fixed order: the result depends on
-  // the values alone. Eigen's sum() peels the elements before the first aligned address,
-  // so a slice summed where it lies (a canonical chunk of TP-invariant mode's loss at one
-  // offset on TP 1, at another on TP 8) could round differently by its address.
+namespace {
+// Σ term(x) over a float tensor's elements, in f64, in eight lanes from the first element
+// added in one fixed order: the result depends on the values alone. Eigen's sum() peels
+// the elements before the first aligned address, so a slice summed where it lies (a
+// canonical chunk of TP-invariant mode's loss at one offset on TP 1, at another on TP 8)
+// could round differently by its address.
+template <class Term>
+double lane_sum(const Tensor& t, Term term) {
   double acc = 0.0;
   on_float(t, [&](auto z) {
     using T = decltype(z);
@@ -1102,11 +1100,30 @@ double CpuBackend::sum(const Tensor& t) {
     double lane[8] = {};
     i64 i = 0;
     for (; i + 8 <= n; i += 8)
-      for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[i + l]);
-    for (int l = 0; i < n; ++i, ++l) lane[l] += static_cast<double>(x[i]);
+      for (int l = 0; l < 8; ++l) lane[l] += term(static_cast<double>(x[i + l]));
+    for (int l = 0; i < n; ++i, ++l) lane[l] += term(static_cast<double>(x[i]));
     for (double v : lane) acc += v;
   });
   return acc;
+}
+}  // namespace
+
+double CpuBackend::sum(const Tensor& t) {
+  OpCheck("sum", device()).float_arg("t", t);
+  if (any_bf16({&t})) {
+    Bf16Widened w(scratch_);
+    return sum(w.in(t));
+  }
+  return lane_sum(t, [](double v) { return v; });
+}
+
+double CpuBackend::sum_squares(const Tensor& t) {
+  OpCheck("sum_squares", device()).float_arg("t", t);
+  if (any_bf16({&t})) {
+    Bf16Widened w(scratch_);
+    return sum_squares(w.in(t));
+  }
+  return lane_sum(t, [](double v) { return v * v; });
 }
 
 bool CpuBackend::all_finite(const Tensor& t) {

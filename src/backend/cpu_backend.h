@@ -91,6 +91,7 @@ class CpuBackend final : public Backend {
                    const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
                    std::int64_t valid, double scale) override;
   double sum(const Tensor& t) override;
+  double sum_squares(const Tensor& t) override;
   bool all_finite(const Tensor& t) override;  // exact in every dtype, reads t once
 
   double mse_forward(const Tensor& y, const Tensor& target) override;

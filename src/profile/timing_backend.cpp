@@ -240,6 +240,10 @@ double TimingBackend::sum(const Tensor& t) {
   Scope s(*this, "sum", C::CrossEntropy);
   return inner_->sum(t);
 }
+double TimingBackend::sum_squares(const Tensor& t) {
+  Scope s(*this, "sum_squares", C::Optimizer);
+  return inner_->sum_squares(t);
+}
 // Forwarded, not left to the default: the inner backend's test reads t once, exactly.
 bool TimingBackend::all_finite(const Tensor& t) {
   Scope s(*this, "all_finite", C::Memory);

@@ -103,6 +103,7 @@ class TimingBackend final : public Backend {
                    const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
                    std::int64_t valid, double scale) override;
   double sum(const Tensor& t) override;
+  double sum_squares(const Tensor& t) override;
   bool all_finite(const Tensor& t) override;
   double mse_forward(const Tensor& y, const Tensor& target) override;
   void mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) override;

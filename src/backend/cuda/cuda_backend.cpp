@@ -886,6 +886,21 @@ double CudaBackend::sum(const Tensor& t) {
   return read_sum();
 }
 
+double CudaBackend::sum_squares(const Tensor& t) {
+  OpCheck("sum_squares", device()).float_arg("t", t);
+  if (any_bf16({&t})) {
+    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
+    return sum_squares(w.in(t));
+  }
+  if (t.numel() == 0) return 0.0;
+  CudaDeviceGuard guard(device_);
+  on_float(t, [&](auto z) {
+    using T = decltype(z);
+    K::sum_sq_f64<T>(sum_result_, sum_partial_, t.data<T>(), t.numel(), stream_);
+  });
+  return read_sum();
+}
+
 // ---- MSE ----------------------------------------------------------------------------------
 
 double CudaBackend::mse_forward(const Tensor& y, const Tensor& target) {

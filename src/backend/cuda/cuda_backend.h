@@ -148,6 +148,7 @@ class CudaBackend final : public Backend {
                    const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
                    std::int64_t valid, double scale) override;
   double sum(const Tensor& t) override;
+  double sum_squares(const Tensor& t) override;
 
   double mse_forward(const Tensor& y, const Tensor& target) override;
   void mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) override;

@@ -53,6 +53,8 @@ void adam_update(T* param, const T* grad, T* m, T* v, i64 n, const cuda_math::Ad
 inline constexpr int kSumBlocks = 256;
 // result = Σ x[n]
 template <class T> void sum_f64(double* result, double* partial, const T* x, i64 n, cudaStream_t s);
+// result = Σ x[n]², each square in f64
+template <class T> void sum_sq_f64(double* result, double* partial, const T* x, i64 n, cudaStream_t s);
 // result = Σ (a - b)² with the difference squared in T
 template <class T>
 void sum_sq_diff_f64(double* result, double* partial, const T* a, const T* b, i64 n, cudaStream_t s);

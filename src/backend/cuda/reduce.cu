@@ -85,6 +85,11 @@ void sum_f64(double* result, double* partial, const T* x, i64 n, cudaStream_t s)
 }
 
 template <class T>
+void sum_sq_f64(double* result, double* partial, const T* x, i64 n, cudaStream_t s) {
+  sum_terms(result, partial, n, s, [=] __device__(i64 i) { return double(x[i]) * double(x[i]); });
+}
+
+template <class T>
 void sum_sq_diff_f64(double* result, double* partial, const T* a, const T* b, i64 n, cudaStream_t s) {
   sum_terms(result, partial, n, s, [=] __device__(i64 i) {
     const T d = a[i] - b[i];  // squared in T, as the CPU backend does, summed in f64
@@ -105,6 +110,8 @@ void reduce_ranks(void* dst, const RankPtrs& src, int k, i64 n, int dtype, bool 
 
 template void sum_f64<float>(double*, double*, const float*, i64, cudaStream_t);
 template void sum_f64<double>(double*, double*, const double*, i64, cudaStream_t);
+template void sum_sq_f64<float>(double*, double*, const float*, i64, cudaStream_t);
+template void sum_sq_f64<double>(double*, double*, const double*, i64, cudaStream_t);
 template void sum_sq_diff_f64<float>(double*, double*, const float*, const float*, i64, cudaStream_t);
 template void sum_sq_diff_f64<double>(double*, double*, const double*, const double*, i64,
                                       cudaStream_t);
