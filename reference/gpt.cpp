@@ -402,6 +402,18 @@ void Gpt<S>::set_params(ParamSet<S> params) {
 }
 
 template <class S>
+double Gpt<S>::clip_gradients(double max_norm) {
+  double coef = 1.0;
+  const double norm = clip_grad_norm(grads_, max_norm, &coef);
+  if (coef != 1.0)  // the terms scale with their sum; their squared norms by coef²
+    for (auto& [name, t] : terms_) {
+      t.rows_sq *= static_cast<S>(coef * coef);
+      t.cols_sq *= static_cast<S>(coef * coef);
+    }
+  return norm;
+}
+
+template <class S>
 void Gpt<S>::adam_step(const AdamConfig& adam) {
   adam_.step(adam, params_, grads_);
 }

@@ -37,6 +37,9 @@ class Gpt {
   S forward_backward(const GptBatch& batch);
   // One torch.optim.Adam step on grads(); the internal step counter starts at 1.
   void adam_step(const AdamConfig& adam);
+  // Clips grads() by their global L2 norm (reference/optim.h, clip_grad_norm), the term
+  // scales with them; returns the norm before clipping.
+  double clip_gradients(double max_norm);
 
   const Matrix<S>& logits() const { return logits_; }
   // With recording on, forward_backward also keeps the activation points of

@@ -21,6 +21,23 @@ void sgd_update(ParamSet<S>& params, const ParamSet<S>& grads, double lr) {
   }
 }
 
+// torch.nn.utils.clip_grad_norm_ with the L2 norm: total = sqrt(Σ over every gradient of
+// Σ g²); when coef = max_norm / (total + 1e-6) is below 1, every gradient is multiplied by
+// it. Returns total, and coef (1 when nothing was scaled) in *coef_out.
+template <class S>
+double clip_grad_norm(ParamSet<S>& grads, double max_norm, double* coef_out = nullptr) {
+  double sq = 0.0;
+  for (const auto& [name, g] : grads) sq += g.template cast<double>().squaredNorm();
+  const double total = std::sqrt(sq);
+  double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0)
+    for (auto& [name, g] : grads) g *= static_cast<S>(coef);
+  else
+    coef = 1.0;
+  if (coef_out) *coef_out = coef;
+  return total;
+}
+
 // torch.optim.Adam (not AdamW): weight decay is L2 added to the gradient, moments are
 // bias-corrected, eps is added after the square root. The step counter starts at 1 with
 // the first call. State (m, v) is per parameter name and survives a change of the

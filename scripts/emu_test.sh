@@ -68,6 +68,24 @@ for comm in sim nccl; do
     fi
   done
 done
+# Data parallelism around TP (docs/models.md): a DP group beside each TP group, each of
+# the communicator's kind, with the clip norm's collective over the TP group; batch 4, two
+# rows per replica.
+dp=(--vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32 --batch-size 4
+    --dp 2)
+for comm in sim nccl; do
+  for args in "${dp[*]} --model gpt --clip-grad 0.5 --loss-parallel" \
+              "${dp[*]} --model llama --kv-heads 2 --clip-grad 0.3 --sequence-parallel --dtype bf16"; do
+    # shellcheck disable=SC2086
+    if out=$(build-emu/tpsim verify --backend cuda --comm "$comm" --tp 1,2,4 $args 2>&1); then
+      echo "ok   --comm $comm $args: $(grep '^verify:' <<<"$out")"
+    else
+      failed=1
+      echo "FAIL --comm $comm $args:"
+      tail -n 20 <<<"$out"
+    fi
+  done
+done
 # The TP-invariant mode, with cuBLAS's sums made shape-dependent (cuda_emu's split-K by
 # shape), so that bit-identity across degrees comes from the canonical tiles.
 tiny=(--vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 1 --batch-size 2

@@ -2,7 +2,8 @@
 """The false-alarm sweep: many clean (fault-free) `tpsim verify` runs over randomized small
 configurations, every model (the MLP; the GPT as the seed's, GPT-2 and Llama with
 grouped-query attention; dropout 0.1 or 0.3 in two of five GPT runs, recomputation in
-about one of seven), mode and dtype, --tp-invariant on and off, TP 1, 2, 3, 4, 8 where the
+about one of seven, data parallelism in one of five and clipping in one of four), mode
+and dtype, --tp-invariant on and off, TP 1, 2, 3, 4, 8 where the
 heads allow, lr up to 0.03, up to 5 steps, both batch kinds. A verifier must never fail
 correct code, so every run must PASS with every check real (no bound of 1 or more); the
 sweep prints each false alarm with its command, and the closest margin: the largest
@@ -61,6 +62,12 @@ def gpt_config(rng, invariant):
             seq += 1
         else:
             seq, batch = 16, batch + 1
+    # Data parallelism around TP in about one of five runs (the batch grows by dp, so that
+    # it splits into replicas; the tokens stay divisible for SP), and gradient clipping at
+    # a cap drawn around the norm (~1): sometimes it acts, sometimes not.
+    dp = rng.choice([2, 3, 4]) if not invariant and rng.random() < 0.2 else 1
+    batch *= dp
+    clip = f"{10 ** rng.uniform(-1, 0.7):.3g}" if not invariant and rng.random() < 0.25 else None
     vocab = rng.randint(101, 2053)
     layers = rng.randint(1, 3)
     args = ["--model", family, "--vocab-size", str(vocab),
@@ -69,6 +76,10 @@ def gpt_config(rng, invariant):
             "--seq-len", str(seq), "--batch", "boundary" if boundary else "random"]
     if family == "llama":
         args += ["--kv-heads", str(kv), "--rope-style", rng.choice(["half", "interleaved"])]
+    if dp > 1:
+        args += ["--dp", str(dp)]
+    if clip:
+        args += ["--clip-grad", clip]
     if lp:
         args.append("--loss-parallel")
     if sp:

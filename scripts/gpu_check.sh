@@ -143,6 +143,10 @@ check "verify llama kv 2 f32 sp"                  "$T" "${S[@]}" --model llama "
 check "verify llama mqa interleaved bf16 lp+sp"   "$T" "${S[@]}" --model llama "${fam[@]}" --kv-heads 1 --rope-style interleaved --loss-parallel --sequence-parallel --dtype bf16
 check "verify gpt2 recompute selective f32 lp"    "$T" "${S[@]}" --model gpt2 "${fam[@]}" --dropout 0.1 --recompute selective --loss-parallel --dtype f32
 check "verify llama recompute full x2 bf16 sp"    "$T" "${S[@]}" --model llama "${fam[@]}" --kv-heads 2 --recompute full --recompute-layers 2 --sequence-parallel --dtype bf16
+dpr=(--vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32 --batch-size 4
+     --dp 2 --tp 1,2,4)
+check "verify gpt dp 2 clip f32 lp"               "$T" "${S[@]}" --model gpt "${dpr[@]}" --clip-grad 0.5 --loss-parallel --dtype f32
+check "verify llama dp 2 clip bf16 sp"            "$T" "${S[@]}" --model llama "${dpr[@]}" --kv-heads 2 --clip-grad 0.3 --sequence-parallel --dtype bf16
 check "verify small gpt f32 --comm nccl tp 1"     "$T" verify --backend cuda --comm nccl --model gpt --preset small --dtype f32 --tp 1
 if [ "$ngpu" -ge 2 ]; then
   check "verify small gpt f32 --comm nccl tp 1,2" "$T" verify --backend cuda --comm nccl --model gpt --preset small --dtype f32 --tp 1,2 --loss-parallel --sequence-parallel

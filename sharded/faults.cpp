@@ -101,6 +101,29 @@ const std::vector<FaultInfo>& all_faults() {
       {Fault::RecomputeChunkInputToEveryLayer, "recompute-chunk-input-to-every-layer",
        "recompute full: every block of a chunk rerun from the chunk's input (Megatron PR #290)",
        {.mlp = false, .gpt = true, .min_tp = 1, .recompute_chunks = true}},
+      {Fault::TpAllReduceOnDpGroup, "tp-all-reduce-on-dp-group",
+       "data parallel: a TP all-reduce (the step's first) issued on the DP group",
+       {.mlp = false, .gpt = true, .min_tp = 1, .min_dp = 2}},
+      {Fault::DpGradAveraged, "dp-grad-averaged",
+       "data parallel: gradients averaged over the DP group where the token-weighted loss "
+       "needs their sum (off by a factor dp, as a sum where an average is due)",
+       {.mlp = false, .gpt = true, .min_tp = 1, .min_dp = 2}},
+      {Fault::DpGradOverWorld, "dp-grad-over-world",
+       "data parallel: gradients divided by the world size dp x tp",
+       {.mlp = false, .gpt = true, .min_tp = 1, .min_dp = 2}},
+      {Fault::DpLossPerReplicaMean, "dp-loss-per-replica-mean",
+       "data parallel: each replica's loss the mean over its own labels, averaged over DP "
+       "(not token-weighted)",
+       {.mlp = false, .gpt = true, .min_tp = 1, .min_dp = 2}},
+      {Fault::DpNormGradSyncSkipped, "dp-norm-grad-sync-skipped",
+       "data parallel: the DP all-reduce of replicated norm weights' gradients skipped",
+       {.mlp = false, .gpt = true, .min_tp = 1, .min_dp = 2}},
+      {Fault::ClipNormReplicatedTimesT, "clip-norm-replicated-times-t",
+       "clipping: the global norm counts each TP-replicated parameter once per rank",
+       {.mlp = false, .gpt = true, .clip = true}},
+      {Fault::ClipNormRank0ShardsOnly, "clip-norm-rank0-shards-only",
+       "clipping: the global norm from rank 0's shards only, missing the other ranks'",
+       {.mlp = false, .gpt = true, .clip = true}},
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},
@@ -166,6 +189,10 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
   if (s.recompute_chunks && !run.recompute_chunks)
     return "breaks a recompute chunk of several blocks; it needs --recompute full with "
            "--recompute-layers 2 or more (and as many --layers)";
+  if (run.dp < s.min_dp)
+    return "breaks a data-parallel collective; it needs --dp " + std::to_string(s.min_dp) +
+           " or more";
+  if (s.clip && !run.clip) return "breaks gradient clipping; it needs --clip-grad above 0";
   if (s.sp_chunk_mid_sequence && !run.sp_chunk_mid_sequence)
     return "miscounts positions from a rank's first token, which at every degree of this run "
            "starts a sequence (batch x sequence / tp is a multiple of --seq-len)";

@@ -48,6 +48,16 @@ enum class Fault {
   RecomputeSpGatherSkipped,    // full recompute under SP: the rerun skips its all-gathers
                                // and reads the stale gathered buffer
   RecomputeChunkInputToEveryLayer,  // every block of a recompute chunk fed the chunk's input
+  // data parallelism around TP, and gradient clipping (sharded/data_parallel.h)
+  TpAllReduceOnDpGroup,    // a TP all-reduce (the first of each step) issued on the DP group
+  DpGradAveraged,          // DP gradients averaged over dp, where the token-weighted loss
+                           // makes their sum the gradient (a factor dp: sum vs average)
+  DpGradOverWorld,         // DP gradients divided by the world size dp·t
+  DpLossPerReplicaMean,    // each replica's loss the mean over its own tokens, averaged
+                           // over DP: not token-weighted
+  DpNormGradSyncSkipped,   // the DP all-reduce of replicated norm weight gradients skipped
+  ClipNormReplicatedTimesT,  // the clip norm counts a TP-replicated parameter t times
+  ClipNormRank0ShardsOnly,   // the clip norm from rank 0's shards only (broadcast, not summed)
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
 };
@@ -74,6 +84,8 @@ struct FaultScope {
   bool recompute = false;      // --recompute selective or full
   bool full_recompute = false;  // --recompute full
   bool recompute_chunks = false;  // --recompute full in chunks of 2 or more blocks
+  int min_dp = 1;              // below it no DP collective runs
+  bool clip = false;           // --clip-grad above 0
 };
 
 struct FaultInfo {
@@ -103,6 +115,8 @@ struct FaultTarget {
   bool dropout = false;
   bool recompute = false, full_recompute = false;
   bool recompute_chunks = false;  // a full-recompute chunk holds 2 or more blocks
+  int dp = 1;
+  bool clip = false;
 };
 
 // "" when `f` changes such a run at some TP degree; otherwise why it cannot ("needs

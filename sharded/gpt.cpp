@@ -265,7 +265,9 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   Nl_ = par.sequence_parallel ? N_ / t : N_;
   tok0_ = par.sequence_parallel ? Nl_ * r : 0;
   Vp_ = padded_vocab(cfg, par, t);
-  n_valid_ = static_cast<std::int64_t>(batch.labels.size()) - batch.num_ignored();
+  n_valid_ = par.loss_tokens > 0
+                 ? par.loss_tokens
+                 : static_cast<std::int64_t>(batch.labels.size()) - batch.num_ignored();
 
   if (par.recompute == RecomputeKind::Full &&
       (par.recompute_layers < 1 || par.recompute_layers > std::max<std::int64_t>(cfg.layers, 1)))
@@ -715,7 +717,8 @@ DropoutMask ShardedGpt::tokens_mask(const std::string& site) const {
   // reference does; the fault mixes the rank into the seed, as a per-rank RNG would.
   const std::uint64_t seed =
       fault_ == Fault::DropoutReplicatedPerRank ? seed_ + static_cast<std::uint64_t>(rank_) : seed_;
-  return dropout_rows(cfg_.dropout, seed, site, mask_step(), tok0_, cfg_.hidden);
+  return dropout_rows(cfg_.dropout, seed, site, mask_step(), par_.batch_row0 * T_ + tok0_,
+                      cfg_.hidden);
 }
 
 DropoutMask ShardedGpt::probs_mask(std::size_t l) const {
@@ -724,8 +727,10 @@ DropoutMask ShardedGpt::probs_mask(std::size_t l) const {
   // Each rank draws its own heads' part; the fault indexes them locally, so every rank
   // draws head 0's mask for its first head.
   const std::int64_t head0 = fault_ == Fault::DropoutTpMaskSameOnRanks ? 0 : rank_ * Al;
-  return dropout_heads(cfg_.dropout, seed_, "dropout/h." + std::to_string(l) + ".attn.probs",
-                       mask_step(), cfg_.heads, head0, Al, T_);
+  DropoutMask m = dropout_heads(cfg_.dropout, seed_, "dropout/h." + std::to_string(l) + ".attn.probs",
+                                mask_step(), cfg_.heads, head0, Al, T_);
+  m.first += par_.batch_row0 * m.block_stride;  // this replica's first batch row
+  return m;
 }
 
 std::int64_t ShardedGpt::mask_step() const {

@@ -36,6 +36,12 @@ struct GptParallelism {
   // Activation recomputation (model/config.h); recompute_layers is Full's chunk size.
   RecomputeKind recompute = RecomputeKind::None;
   std::int64_t recompute_layers = 1;
+  // Data parallelism (sharded/data_parallel.h): the model's batch is rows [batch_row0,
+  // batch_row0 + B) of the global batch, whose dropout masks it draws, and its loss is its
+  // tokens' share of the global mean over loss_tokens non-ignored labels (0: its own
+  // batch's count, the mean over its own tokens).
+  std::int64_t batch_row0 = 0;
+  std::int64_t loss_tokens = 0;
 };
 
 // The padded vocabulary: V rounded up to a multiple of t·M when loss parallel (of C·M,

@@ -14,13 +14,13 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
   const auto r = run_tpsim("verify --json " + json);
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
-  CHECK(r.out.find("verify: PASS: 28 cases") != std::string::npos);
+  CHECK(r.out.find("verify: PASS: 34 cases") != std::string::npos);
   const auto j = read_json(json);
   CHECK(j["sweep"] == true);
   CHECK(j["dtype"] == "f64");
   // the MLP, the seed's GPT in 4 modes x 2 batches, GPT-2 and three Llamas in 4 modes,
-  // GPT-2 with three kinds of recomputation
-  REQUIRE(j["cases"].size() == 28);
+  // GPT-2 with three kinds of recomputation, data parallelism (6)
+  REQUIRE(j["cases"].size() == 34);
   CHECK(j["cases"][0]["model"] == "mlp");
   std::vector<int> mlp_tp, gpt_tp;
   for (const auto& t : j["cases"][0]["tp"]) mlp_tp.push_back(t["tp"]);
@@ -58,7 +58,10 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
                                                {"llama mqa", 4},
                                                {"gpt2 selective recompute", 1},
                                                {"gpt2 full recompute", 1},
-                                               {"gpt2 full recompute, chunk 2", 1}});
+                                               {"gpt2 full recompute, chunk 2", 1},
+                                               {"gpt dp 2", 1},
+                                               {"gpt dp 2 clip 0.5", 4},
+                                               {"llama kv<tp dp 2 clip 0.5", 1}});
   CHECK(j["cases"][9]["architecture"] ==
         "LayerNorm+bias, Linear biases, tanh GELU F 288, learned positions, 12 heads, tied, "
         "dropout 0.1");
@@ -151,6 +154,20 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
        {"no recompute bit for bit", "h.1.mlp.ffn1.weight.grad", "rank 0/1", 1}},
       {"recompute-chunk-input-to-every-layer",
        {"no recompute bit for bit", "h.1.mlp.ffn2.weight.grad", "rank 0/1", 1}},
+      // Data parallelism, on the first DP case (no clipping): attention's g summed over the
+      // DP group instead of the TP group, at tp 1 already (its group of one is no sum).
+      {"tp-all-reduce-on-dp-group", {"reference", "act/h.0.attn.o.out", "dp 0/2", 1}},
+      // A DP gradient scaled wrong: the first parameter gradient, ln_f's (tied head: no
+      // lm_head). Divided by the world size equals divided by dp at tp 1.
+      {"dp-grad-averaged", {"reference", "ln_f.weight.grad", "dp 0/2", 1}},
+      {"dp-grad-over-world", {"reference", "ln_f.weight.grad", "dp 0/2", 1}},
+      // The replicas' own means: the boundary batch's first row ignores a label more.
+      {"dp-loss-per-replica-mean", {"reference", "loss", "dp 0/2", 1}},
+      {"dp-norm-grad-sync-skipped", {"reference", "ln_f.weight.grad", "dp 0/2", 1}},
+      // The clip norm is the first tensor a wrong norm reaches (the clipped gradients come
+      // after it); replicated tensors exist only from tp 2.
+      {"clip-norm-replicated-times-t", {"reference", "grad_norm", "dp 0/2, rank 0/2", 2}},
+      {"clip-norm-rank0-shards-only", {"reference", "grad_norm", "dp 0/2, rank 0/2", 2}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.
       {"reassembly-shard-order", {"reassembled", "fc1.weight.grad", "reassembled from 2", 2}},
   };

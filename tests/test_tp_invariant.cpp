@@ -221,8 +221,13 @@ TEST_CASE("verify --tp-invariant catches every built-in fault in f32 and bf16, n
       {"gpt-qk-head-mismatch", "", "act/h.0.attn.k", "act/h.0.attn.k"},
       {"gpt-local-softmax-scale", "", "act/h.0.attn.out", "act/h.0.attn.out"},
       {"gpt-untied-embedding-grad", "", "wte.weight.grad", ""},
-      // (its scope asks for tp >= 3, where the plain mode's replicas differ)
-      {"rank-dependent-sum-order", "", "act/h.0.attn.o.out", "act/h.0.attn.o.out", "4", wider},
+      // (its scope asks for tp >= 3, where the plain mode's replicas differ). Whether another
+      // order of g's f32 partial sums changes a bf16-rounded bit depends on the data: on the
+      // boundary batch no element changes in this run (the fault then changes nothing to
+      // catch); on the random batch attention's g or the MLP's does.
+      {"rank-dependent-sum-order", "--batch random",
+       "act/h.0.attn.o.out|act/h.0.mlp.ffn2.out", "act/h.0.attn.o.out|act/h.0.mlp.ffn2.out", "4",
+       wider},
       {"vocab-range-off-by-one", "--loss-parallel", "act/embedding.out", "act/embedding.out"},
       // (in bf16 the first two may be within their bound at tp 1: tp 2's bits catch them)
       {"padded-logits-in-softmax", "--loss-parallel", "loss|act/logits.grad", "act/logits.grad"},
@@ -245,7 +250,7 @@ TEST_CASE("verify --tp-invariant catches every built-in fault in f32 and bf16, n
       CHECK(one_of(e.first, j["first_failure"]["tensor"]));
       if (e.bits.empty()) continue;
       REQUIRE_FALSE(j["first_bit_difference"].is_null());
-      CHECK(j["first_bit_difference"]["tensor"] == e.bits);
+      CHECK(one_of(e.bits, j["first_bit_difference"]["tensor"]));
       const std::string shard = j["first_bit_difference"]["shard"];
       CHECK(shard.find("/" + e.tp) != std::string::npos);  // a shard of that tp
     }

@@ -187,12 +187,16 @@ GptBatch make_boundary_gpt_batch(const GptConfig& c, std::int64_t B, std::int64_
   GptBatch b = make_gpt_batch(c, B, T, seed);
   const std::int64_t L = T - 1;  // labels per row
   const std::int64_t ignored_tail = T / 10, mid = L / 2;
-  auto ignored = [&](std::int64_t t) { return t == mid || t >= L - ignored_tail; };
+  // The first row ignores one label more, a quarter in, so that data-parallel replicas hold
+  // different counts of labels (a loss not weighted by tokens cannot hide).
+  auto ignored = [&](std::int64_t r, std::int64_t t) {
+    return t == mid || t >= L - ignored_tail || (r == 0 && t == L / 4 && L / 4 != mid);
+  };
   // The label slots, row by row; label (r,t) is the token at (r,t+1).
   std::vector<std::int64_t> slots;
   for (std::int64_t r = 0; r < B; ++r)
     for (std::int64_t t = 0; t < L; ++t)
-      if (!ignored(t)) slots.push_back(r * T + t + 1);
+      if (!ignored(r, t)) slots.push_back(r * T + t + 1);
   std::vector<std::int64_t> place;
   for (std::size_t i = 0; i < boundary_ids.size(); ++i) {
     place.push_back(boundary_ids[i]);
@@ -214,7 +218,7 @@ GptBatch make_boundary_gpt_batch(const GptConfig& c, std::int64_t B, std::int64_
   }
   for (std::int64_t r = 0; r < B; ++r)
     for (std::int64_t t = 0; t < L; ++t)
-      b.labels[r * L + t] = ignored(t) ? kIgnoreIndex : b.input_ids[r * T + t + 1];
+      b.labels[r * L + t] = ignored(r, t) ? kIgnoreIndex : b.input_ids[r * T + t + 1];
   check_gpt_batch(c, b);
   return b;
 }

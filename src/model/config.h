@@ -149,7 +149,8 @@ GptBatch make_gpt_batch(const GptConfig& c, std::int64_t B, std::int64_t T, std:
 // The seed's batch made to land on boundaries that uniform ids miss: every id of
 // `boundary_ids` (say 0, V-1 and each shard's first and last id) is placed as a label, the
 // first two of them twice in a row (repeated tokens), and one label in the middle of each
-// row is ignored besides the last T/10. Throws UsageError if the ids do not fit the batch.
+// row is ignored besides the last T/10, and in the first row one more, a quarter in (the
+// rows of data-parallel replicas then hold different counts of labels). Throws UsageError if the ids do not fit the batch.
 GptBatch make_boundary_gpt_batch(const GptConfig& c, std::int64_t B, std::int64_t T,
                                  std::uint64_t seed, const std::vector<std::int64_t>& boundary_ids);
 

@@ -50,7 +50,8 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--no-norm-bias", "--linear-bias", "--no-linear-bias", "--mlp",
                                  "--ffn-hidden", "--positions", "--rope-theta", "--rope-style",
                                  "--kv-heads", "--tied-embeddings", "--untied-embeddings",
-                                 "--dropout", "--recompute", "--recompute-layers"};
+                                 "--dropout", "--recompute", "--recompute-layers", "--dp",
+                                 "--clip-grad"};
 
 // --preset small: the sweep's small GPT, for the fields the user did not set.
 void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
@@ -137,6 +138,13 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
       ->check(CLI::IsMember({"none", "selective", "full"}));
   cmd.add_option("--recompute-layers", o.recompute_layers,
                  "gpt with --recompute full: blocks per recompute chunk (default 1)");
+  cmd.add_option("--dp", o.dp,
+                 "gpt: data-parallel replicas around each TP group (dp x tp ranks, TP fastest); "
+                 "each takes its rows of the batch, the loss is token-weighted over the global "
+                 "batch, gradients are summed over the DP group (default 1)");
+  cmd.add_option("--clip-grad", o.clip_grad,
+                 "gpt: clip the gradients to this global L2 norm (every parameter counted "
+                 "once), as torch.nn.utils.clip_grad_norm_; 0, the default: no clipping");
   cmd.add_flag("--sequence-parallel", o.sequence_parallel,
                "gpt: split LayerNorm/residual regions by tokens (all-gather / reduce-scatter)");
   cmd.add_option("--make-vocab-divisible-by", o.make_vocab_divisible_by,

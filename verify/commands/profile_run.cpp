@@ -74,6 +74,9 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
     print_paper_table(os);
     return {};
   }
+  if (o.dp > 1 || o.clip_grad > 0)
+    throw UsageError("profile: not yet with --dp or --clip-grad (its memory and time model is "
+                     "one TP group's, without clipping); verify and train take them");
   if (p.predict_only && o.model != ModelKind::Gpt)
     throw UsageError("profile --predict: the memory model is the gpt's");
   for (int tp : o.tp) {

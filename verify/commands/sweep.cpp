@@ -101,6 +101,29 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   recompute("full recompute", "--sequence-parallel", RecomputeKind::Full, 1);
   recompute("full recompute, chunk 2", "plain", RecomputeKind::Full, 2);
 
+  // Data parallelism around TP: 2 replicas of tp 1 and 2 (4 ranks), on the boundary batch,
+  // whose replicas hold different counts of labels. First without clipping, so that a DP
+  // fault is named at the gradient it breaks; then, in the four modes, with clipping at
+  // 0.5, below the norm (about 1.6 at step 1): the clipped gradients and the norm are
+  // checked too. Then Llama with kv heads replicated over tp 4, under SP, as 2 x 4 ranks.
+  auto data_parallel = [&](const std::string& fam, std::vector<int> tp,
+                           double clip, std::int64_t kv) {
+    RunOptions d = small_gpt(base, fam, std::move(tp));
+    d.dp = 2;
+    d.clip_grad = clip;
+    d.gpt.kv_heads = kv;
+    d.batch = BatchKind::Boundary;
+    return d;
+  };
+  RunOptions dp = data_parallel("gpt", {1, 2}, 0, 0);
+  set_mode(dp, "plain");
+  all.push_back({"gpt dp 2 plain", dp});
+  dp = data_parallel("gpt", {1, 2}, 0.5, 0);
+  for_each_mode(dp, [&](const std::string& m) { all.push_back({"gpt dp 2 clip 0.5 " + m, dp}); });
+  dp = data_parallel("llama", {4}, 0.5, 2);
+  set_mode(dp, "--sequence-parallel");
+  all.push_back({"llama kv<tp dp 2 clip 0.5 --sequence-parallel", dp});
+
   std::vector<SweepCase> cases;
   std::string why;  // from a case of the fault's own model, which the sweep always has
   const FaultScope& scope = fault_info(base.fault).scope;

@@ -43,7 +43,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   if (o.tp.size() != 1) throw UsageError("train: --tp takes one degree (verify takes a list)");
   const int tp = o.tp[0];
   check_tp_degree(o, tp);
-  check_launch(o.device, tp);
+  check_launch(o.device, tp * o.dp, o.dp);
   check_memory(o, "train");
   const bool dump = !o.dump_dir.empty();
   if (dump && o.model != ModelKind::Gpt)
@@ -61,12 +61,17 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
 
-  os << "tpsim train: model " << model_name(o.model) << ", tp " << tp << ", "
+  os << "tpsim train: model " << model_name(o.model) << ", tp " << tp
+     << (o.dp > 1 ? ", dp " + std::to_string(o.dp) : std::string()) << ", "
      << dtype_name(o.dtype) << ", " << o.steps << " steps, seed " << o.seed << "\n";
-  for (int r = 0; r < tp; ++r) os << "rank: " << r << ", world size: " << tp << "\n";
+  for (int r = 0; r < tp * o.dp; ++r) os << "rank: " << r << ", world size: " << tp * o.dp << "\n";
 
-  launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
-    auto model = make_sharded_model(o, in, be, comm);
+  launch_mesh(o.device, o.dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be,
+                                                   Communicator& comm, Communicator& dp_comm) {
+    // `rank`: the TP rank; only the first replica's rank 0 reports and writes.
+    const int rank = at.rank == 0 ? 0 : std::max(1, at.tp_rank);
+    auto model = make_sharded_model(o, in, be, comm,
+                                    o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     RankDump rank_dump(o.dtype);
     if (dump) {
@@ -89,7 +94,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
         rank_dump.add(step, model->observe_activation_grads());
         rank_dump.add(step, model->observe_param_grads());
       }
-      check_finite_grads(loss, *model, be, rank, step);
+      check_finite_grads(loss, *model, be, at.rank, step);
       if (o.model == ModelKind::Mlp) {
         // fc1's gradient, reassembled from the shards (every rank joins the gather).
         auto grads = model->gather_grads(comm);
@@ -114,7 +119,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (dump) rank_dump.add(step, model->observe_params());
     }
-    if (dump) rank_dump.write(rank_file(o.dump_dir, rank));
+    if (dump) rank_dump.write(rank_file(o.dump_dir, at.tp_rank));
     if (!o.save_final.empty()) {
       auto full = model->gather_params(comm);
       // bf16 values are exact in f32, which safetensors readers all take

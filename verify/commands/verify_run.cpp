@@ -54,6 +54,8 @@ class ReferenceFeed {
     std::lock_guard lock(mu_);
     published_ = step;
     losses_.push_back(at(step).loss);
+    if (const auto it = at(step).tensors.find("grad_norm"); it != at(step).tensors.end())
+      grad_norms_.push_back(it->second[0]);
     cv_.notify_all();
   }
   void fail(std::exception_ptr e) {
@@ -106,6 +108,10 @@ class ReferenceFeed {
     std::lock_guard lock(mu_);
     return losses_;
   }
+  std::vector<double> grad_norms() {
+    std::lock_guard lock(mu_);
+    return grad_norms_;
+  }
 
  private:
   RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
@@ -117,6 +123,7 @@ class ReferenceFeed {
   StepBarrier readers_;                // the ranks' finished steps, under mu_
   int published_ = 0;
   std::vector<double> losses_;         // per published step
+  std::vector<double> grad_norms_;     // per published step, with --clip-grad
   double waited_s_ = 0;                // in slot(), producer thread only
   std::exception_ptr error_;
 };
@@ -126,7 +133,8 @@ class ReferenceFeed {
 struct RankFindings {
   std::vector<Comparison> step;
   std::vector<double> losses;
-  CollectiveTotals comm_step1;
+  std::vector<double> grad_norms;  // --clip-grad
+  CollectiveTotals comm_step1, dp_comm_step1;
 };
 
 CollectiveTotals totals(const std::vector<CollectiveRecord>& records) {
@@ -267,22 +275,30 @@ std::vector<Observation> observe_gradients(ShardedModel& model) {
 TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
                    double tol, Tp1Feed* tp1) {
   auto t0 = std::chrono::steady_clock::now();
+  const int dp = o.dp, world = dp * tp;
   TpResult r;
   r.tp = tp;
-  StepFolder folder(tp, r);
-  std::vector<RankFindings> found(static_cast<std::size_t>(tp));
-  // Replicated observations of the current step, one slot per rank.
-  std::vector<std::vector<Observation>> replica_slots(static_cast<std::size_t>(tp));
+  r.dp = dp;
+  StepFolder folder(world, r);
+  std::vector<RankFindings> found(static_cast<std::size_t>(world));
+  // Replicated observations of the current step, one slot per rank of the mesh.
+  std::vector<std::vector<Observation>> replica_slots(static_cast<std::size_t>(world));
   // Checks run in the order the tensors are produced, so the first failure is the first
   // op that diverged (the MLP's few tensors come in that order already).
   const std::vector<std::string> order =
-      o.model == ModelKind::Gpt ? gpt_tensor_order(o.gpt) : std::vector<std::string>{};
+      o.model == ModelKind::Gpt ? gpt_tensor_order(o.gpt, o.clip_grad > 0) : std::vector<std::string>{};
 
-  launch_ranks(o.device, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+  launch_mesh(o.device, dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be, Communicator& comm,
+                                              Communicator& dp_comm) {
+    const int rank = at.tp_rank;
+    const auto me = static_cast<std::size_t>(at.rank);
+    const auto tp0 = static_cast<std::size_t>(at.dp_rank * tp);  // rank 0 of my TP group
+    const auto dp0 = static_cast<std::size_t>(at.tp_rank);       // my TP rank on replica 0
+    Communicator* dpc = o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr;
     FeedReader reader(ref);
     const bool record_tp1 = tp1 && tp == 1, against_tp1 = tp1 && tp != 1;
     Tp1Reader tp1_reader(against_tp1 ? tp1 : nullptr);
-    auto model = make_sharded_model(o, in, be, comm);
+    auto model = make_sharded_model(o, in, be, comm, dpc);
     model->record_activation_points(true);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     // --recompute: the same model without recomputation beside it on this rank, run just
@@ -292,11 +308,11 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       RunOptions plain = o;
       plain.recompute = RecomputeKind::None;
       plain.recompute_layers = 1;
-      baseline = make_sharded_model(plain, in, be, comm);
+      baseline = make_sharded_model(plain, in, be, comm, dpc);
       baseline->record_activation_points(true);
       if (!in.loaded.empty()) baseline->load_params(in.loaded);
     }
-    RankFindings& mine = found[static_cast<std::size_t>(rank)];
+    RankFindings& mine = found[me];
     const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 run
     for (int step = 1; step <= o.steps; ++step) {
       if (o.resync && step > 1) model->load_params(ref.wait(step - 1).copies);
@@ -308,24 +324,31 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
         base_grads = observe_gradients(*baseline);
       }
       comm.clear_records();
+      dp_comm.clear_records();
       const double loss = model->forward_backward();
-      if (step == 1) mine.comm_step1 = totals(comm.records());
+      if (step == 1) {
+        mine.comm_step1 = totals(comm.records());
+        mine.dp_comm_step1 = totals(dp_comm.records());
+      }
       mine.losses.push_back(loss);
 
       StepChecker check(ref.wait(step), tol, step, tp, mine.step);
       check.use_bounds(bounds);
+      if (dp > 1) check.use_replica(at.dp_rank, dp, at.rank);
       // Rank 0's replicated tensors are compared with the reference; the others' with rank
       // 0's bit for bit, and take rank 0's numbers when equal (logits, wte and their
       // gradients: a third of tp 2's compared values).
       if (rank != 0) check.defer_replicated();
       // Last step's observations go back to the model to be refilled: past the second
       // barrier below, no rank reads another's slot any more.
-      auto& slot = replica_slots[static_cast<std::size_t>(rank)];
+      auto& slot = replica_slots[me];
       model->recycle(std::move(slot));
       auto fwd = model->observe_forward();
       auto grads = observe_gradients(*model);
       sort_in_tensor_order(fwd, order);
       sort_in_tensor_order(grads, order);
+      for (const auto& g : grads)
+        if (g.name == "grad_norm") mine.grad_norms.push_back(g.values[0]);
       // --recompute: first against the run without it, so that a step where recomputation
       // changed a bit names that check first.
       if (baseline) {
@@ -385,9 +408,13 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
           slot.push_back(std::move(ob));
           phases.push_back(phase);
         }
+      // --dp: and every replica's parameters and gradients against replica 0's.
       comm.barrier();
-      if (rank != 0) check.check_replicas(slot, replica_slots[0], phases, &found[0].step);
+      if (dp > 1) dp_comm.barrier();
+      if (rank != 0) check.check_replicas(slot, replica_slots[tp0], phases, &found[tp0].step);
+      if (at.dp_rank != 0) check.check_dp_replicas(slot, replica_slots[dp0], phases);
       comm.barrier();
+      if (dp > 1) dp_comm.barrier();
 
       // After the last step, the reassembly that --save-final uses: a shard placed at the
       // wrong offset passes every per-shard check and corrupts only the saved tensors.
@@ -405,7 +432,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
         for (const Parameter& p : model->params()) {
           auto grad = full_of(p, p.grad);
           auto value = full_of(p, p.value);
-          if (rank != 0) continue;
+          if (at.rank != 0) continue;
           check.check_reassembled(p.spec.name + ".grad", p.spec.full_shape, std::move(grad),
                                   Phase::Backward);
           check.check_reassembled(p.spec.name, p.spec.full_shape, std::move(value),
@@ -419,7 +446,9 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   });
 
   r.losses = found[0].losses;
+  r.grad_norms = found[0].grad_norms;
   r.comm_step1 = found[0].comm_step1;
+  r.dp_comm_step1 = found[0].dp_comm_step1;
   r.seconds = seconds_since(t0);
   return r;
 }
@@ -427,8 +456,9 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
 // The TP groups that run at once: every rank holds its own model (a replicated wte is
 // 100 MB in f64), so at most kMaxRanksInFlight ranks run at once; a larger group runs
 // alone, and so does every group when they may not share the devices (NCCL).
-std::vector<std::vector<std::size_t>> waves_of(const std::vector<int>& tps, bool concurrent,
+std::vector<std::vector<std::size_t>> waves_of(std::vector<int> tps, int dp, bool concurrent,
                                                int max_in_flight) {
+  for (int& t : tps) t *= dp;  // a group's ranks
   std::vector<std::vector<std::size_t>> waves;
   int in_flight = 0;
   for (std::size_t i = 0; i < tps.size(); ++i) {
@@ -447,7 +477,7 @@ std::vector<std::vector<std::size_t>> waves_of(const std::vector<int>& tps, bool
 VerifyReport run_verify(const RunOptions& o) {
   for (int tp : o.tp) {
     check_tp_degree(o, tp);
-    check_launch(o.device, tp);
+    check_launch(o.device, tp * o.dp, o.dp);
   }
   check_memory(o, "verify");
   VerifyReport rep;
@@ -481,18 +511,18 @@ VerifyReport run_verify(const RunOptions& o) {
         rest.push_back(o.tp[i]);
         index.push_back(i);
       }
-    for (auto& w : waves_of(rest, concurrent, kMaxRanksInFlight - 1)) {
+    for (auto& w : waves_of(rest, o.dp, concurrent, kMaxRanksInFlight - 1)) {
       for (auto& i : w) i = index[i];
       w.insert(w.begin(), one);
       waves.push_back(std::move(w));
     }
     if (waves.empty()) waves.push_back({one});
   } else {
-    waves = waves_of(o.tp, concurrent, kMaxRanksInFlight);
+    waves = waves_of(o.tp, o.dp, concurrent, kMaxRanksInFlight);
   }
   for (std::size_t w = 0; w < waves.size(); ++w) {
     int consumers = 0;
-    for (std::size_t i : waves[w]) consumers += o.tp[i];
+    for (std::size_t i : waves[w]) consumers += o.tp[i] * o.dp;
     ReferenceFeed ref(consumers, o.resync);
     Tp1Feed tp1(consumers - 1);  // read by every rank of the wave but tp 1's
     double ref_seconds = 0;
@@ -533,6 +563,7 @@ VerifyReport run_verify(const RunOptions& o) {
     rep.tp1_record_bytes = std::max(rep.tp1_record_bytes, tp1.peak_bytes());
     if (w == 0) {
       rep.reference_losses = ref.losses();
+      rep.reference_grad_norms = ref.grad_norms();
       rep.reference_seconds = ref_seconds;
     }
   }

@@ -221,6 +221,20 @@ Comparison compare_to_reference(const Observation& obs, std::span<const double> 
                       terms ? terms->block_norm(obs.spec) : 0.0);
 }
 
+Comparison compare_dp_replica(const Observation& obs, const Observation& replica0, int d, int dp,
+                              int rank) {
+  // Index for index over this rank's block: the same block on both replicas.
+  Observation local{obs.name, replicate(ParamSpec{obs.name, obs.spec.local_shape(), {}}, 0, 1),
+                    ObservedValues::view(obs.values.data(), obs.values.size())};
+  Comparison c = compare_replica(local, replica0);
+  c.full_shape = obs.spec.full_shape;
+  c.shard = "dp " + std::to_string(d) + "/" + std::to_string(dp) + ", " + obs.spec.shard_str();
+  c.rank = rank;
+  c.tp = obs.spec.world;
+  c.what = kDpReplicaCheck;
+  return c;
+}
+
 Comparison compare_replica(const Observation& obs, const Observation& rank0) {
   // The norm-wise error against rank 0 is reported for scale, but replicas pass only
   // when bit-identical: every rank applies the same ops to the same bits.

@@ -17,6 +17,7 @@ enum class Phase { Forward, Backward, Update };
 // What a comparison checked (Comparison::what, and "check" in the JSON report).
 inline constexpr const char* kReferenceCheck = "reference";        // a shard vs its slice
 inline constexpr const char* kReplicaCheck = "replica of rank 0";  // bit for bit
+inline constexpr const char* kDpReplicaCheck = "replica of dp replica 0";  // bit for bit, --dp
 inline constexpr const char* kReassembledCheck = "reassembled";    // the gathered full tensor
 inline constexpr const char* kInvariantCheck = "tp 1 bit for bit";  // --tp-invariant
 inline constexpr const char* kRecomputeCheck = "no recompute bit for bit";  // --recompute
@@ -102,13 +103,24 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0);
 // index of the full tensor.
 Comparison compare_recomputed(const Observation& obs, const Observation& baseline);
 
+// --dp: a shard on DP replica d (of the mesh's rank `rank`) against the same shard on
+// replica 0, bit for bit: after the DP sync every replica holds the same gradients and
+// parameters. The shard reads "dp d/D, <its TP shard>".
+Comparison compare_dp_replica(const Observation& obs, const Observation& replica0, int d, int dp,
+                              int rank);
+
 std::string format_index(const Comparison& c);  // "(3,17)" or "-"
+
+// A replica check: within the TP group (against rank 0) or across DP (against replica 0).
+inline bool is_replica_check(const std::string& what) {
+  return what == kReplicaCheck || what == kDpReplicaCheck;
+}
 
 // Whether a comparison could fail: a bit-for-bit check always can; a reference check only
 // under a norm-wise bound below 1 (a relative error of 100% is within any bound of 1 or
 // more, so that comparison is no check).
 inline bool is_real_check(const Comparison& c) {
-  return c.what == kReplicaCheck || c.what == kInvariantCheck || c.what == kRecomputeCheck ||
+  return is_replica_check(c.what) || c.what == kInvariantCheck || c.what == kRecomputeCheck ||
          c.tolerance < 1;
 }
 

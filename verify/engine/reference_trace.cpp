@@ -125,7 +125,8 @@ class OwnBounds {
       return;
     }
     if (!on_) return;
-    const double grad_bound = base_ + st.carried;
+    // Clipping adds the coefficient's relative error, at most the gradients' own.
+    const double grad_bound = (base_ + st.carried) * (st.clipped ? 2.0 : 1.0);
     std::vector<double> relative;
     for (const auto& [name, w] : model.params()) {
       const ref::Matrix<double>& g = model.grads().at(name);
@@ -162,7 +163,9 @@ class OwnBounds {
       const ref::Matrix<double>& g = model.grads().at(name);
       const auto n = static_cast<std::size_t>(g.size());
       double rho = 0.0;
-      for (int t : tp_) rho = std::max(rho, bf16_->bound(name + ".grad", st.step, t));
+      for (int t : tp_)
+        rho = std::max(rho, bf16_->bound(name + ".grad", st.step, t) +
+                                (st.clipped ? bf16_->largest_gradient_bound(st.step, t) : 0.0));
       const double e = n ? rho * gradient_scale(st, name, g) / std::sqrt(static_cast<double>(n)) : 0.0;
       const ref::Matrix<double>& m = opt.first_moment().at(name);
       const ref::Matrix<double>& v = opt.second_moment().at(name);
@@ -199,6 +202,7 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
            const char* output_name, Update&& update, OwnBounds& bounds, RefStorage storage,
            const std::function<RefStep&(int)>& slot, const std::function<void(int)>& published,
            const RebaseFn& rebase) {
+  ref::Matrix<double> grad_norm(1, 1);  // [1,1] --clip-grad's norm, viewed in place
   for (int s = 1; s <= steps; ++s) {
     // In place, step s-1's readers must be done before the model overwrites what they view.
     RefStep* st = storage == RefStorage::InPlace ? &slot(s) : nullptr;
@@ -217,7 +221,15 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
         bounds.restart();  // the step starts from the producer's weights: nothing carried
       }
     const double loss = model.forward_backward(batch);
+    bool clipped = false;
+    if constexpr (requires { model.clip_gradients(1.0); })
+      if (o.clip_grad > 0) {
+        grad_norm(0, 0) = model.clip_gradients(o.clip_grad);
+        clipped = o.clip_grad / (grad_norm(0, 0) + 1e-6) < 1.0;
+      }
     if (!st) st = &slot(s);
+    st->clipped = clipped;
+    if (o.clip_grad > 0) StepWriter(*st, storage).put("grad_norm", grad_norm);
     st->step = s;
     st->loss = loss;
     StepWriter w(*st, storage);

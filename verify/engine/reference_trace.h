@@ -41,6 +41,10 @@ struct RefStep {
   // near a stationary point (the k projection's bias gradient always, without RoPE: it is
   // 0 exactly).
   std::map<std::string, TermScale> term_scale;
+  // --clip-grad: whether clipping scaled this step's gradients ("<param>.grad" are then the
+  // clipped ones, and "grad_norm" is the norm before clipping). A clipped gradient's bound
+  // adds the norm's relative error (StepChecker::tolerance_of).
+  bool clipped = false;
 };
 
 // How a step reaches its readers.

@@ -28,6 +28,7 @@ struct TensorSteps {
 
 struct TpResult {
   int tp = 1;
+  int dp = 1;                       // --dp: the group is dp replicas of this TP degree
   bool pass = true;
   double max_rel_err = 0.0;         // over every reference and reassembled comparison
   double max_err_over_tol = 0.0;    // the same, as a multiple of each one's tolerance
@@ -43,7 +44,9 @@ struct TpResult {
   // and its other checks, in (order, rank) order: the HTML report draws them side by side.
   std::vector<Comparison> first_failure_shards;
   std::vector<double> losses;       // per step, rank 0's
-  CollectiveTotals comm_step1;      // rank 0's collectives during step 1
+  std::vector<double> grad_norms;   // --clip-grad: per step, rank 0's norm before clipping
+  CollectiveTotals comm_step1;      // rank 0's collectives during step 1, on its TP group
+  CollectiveTotals dp_comm_step1;   // and on its DP group
   double seconds = 0.0;
 };
 
@@ -70,6 +73,7 @@ struct VerifyReport {
     return first;
   }
   std::vector<double> reference_losses;
+  std::vector<double> reference_grad_norms;  // --clip-grad
   double reference_seconds = 0.0;
   std::vector<TpResult> results;
   bool pass = true;

@@ -15,7 +15,33 @@ Comparison StepChecker::reference_check(const Observation& o) const {
   const TensorView loss_value(&ref_.loss, 1);
   if (o.name == "loss") full = &loss_value;
   if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
+  TensorView rows;  // --dp: the replica's rows of an activation point
+  if (replicas_ > 1 && o.name.starts_with("act/")) {
+    if (full->size() % static_cast<std::size_t>(replicas_) != 0)
+      throw Error("verify --dp: the reference's " + o.name + " has " + std::to_string(full->size()) +
+                  " values, which do not split over " + std::to_string(replicas_) + " replicas");
+    const std::size_t n = full->size() / static_cast<std::size_t>(replicas_);
+    rows = full->subspan(n * static_cast<std::size_t>(replica_), n);
+    full = &rows;
+  }
   return compare_to_reference(o, *full, tolerance_of(o.name), allowance_of(o.name), scale_of(o.name));
+}
+
+void StepChecker::check_dp_replicas(const std::vector<Observation>& mine,
+                                    const std::vector<Observation>& replica0,
+                                    const std::vector<Phase>& phases) {
+  if (mine.size() != replica0.size())
+    throw Error("verify --dp: " + std::to_string(mine.size()) + " tensors against replica 0's " +
+                std::to_string(replica0.size()));
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    const std::string& n = mine[i].name;
+    if (n.starts_with("act/")) continue;  // each replica's own rows
+    if (replica0[i].name != n)
+      throw Error("verify --dp: tensor " + n + " against replica 0's " + replica0[i].name);
+    Comparison c = compare_dp_replica(mine[i], replica0[i], replica_, replicas_, world_rank_);
+    stamp(c, phases[i]);
+    out_.push_back(std::move(c));
+  }
 }
 
 const TermScale* StepChecker::scale_of(const std::string& tensor) const {
@@ -183,11 +209,19 @@ void StepChecker::check_recomputed(const std::vector<Observation>& obs,
 }
 
 double StepChecker::tolerance_of(const std::string& tensor) const {
-  if (bounds_) return bounds_->bound(tensor, step_, world_);
+  // --clip-grad (tolerance.cpp, "Clipping"): the norm's relative error is at most the
+  // gradients' largest, and a clipped gradient adds it, through the coefficient.
+  const auto norm_error = [&] {
+    return bounds_ ? bounds_->largest_gradient_bound(step_, world_) : tol_ + ref_.carried;
+  };
+  if (tensor == "grad_norm") return norm_error();
+  const bool clipped = ref_.clipped && tensor.ends_with(".grad") && !tensor.starts_with("act/");
+  const double clip = clipped ? norm_error() : 0.0;
+  if (bounds_) return bounds_->bound(tensor, step_, world_) + clip;
   // An updated weight carries its error in its allowance; everything else is computed
   // from weights that carry ref_.carried.
   if (ref_.update_allowance.count(tensor)) return tol_;
-  return tol_ + ref_.carried;
+  return tol_ + ref_.carried + clip;
 }
 
 double StepChecker::allowance_of(const std::string& tensor) const {
@@ -203,6 +237,10 @@ void StepChecker::stamp(Comparison& c, Phase phase) {
   c.step = step_;
   c.phase = phase;
   c.order = order_++;
+  if (replicas_ > 1 && c.what != kDpReplicaCheck) {
+    c.shard = "dp " + std::to_string(replica_) + "/" + std::to_string(replicas_) + ", " + c.shard;
+    c.rank = world_rank_;
+  }
 }
 
 void StepFolder::hand_in(int step, std::vector<Comparison>&& cs) {
@@ -234,7 +272,7 @@ void StepFolder::fold_per_step(const Comparison& c) {
   // A replica check has no tolerance to measure by: it marks the cell off the scale only
   // where the reference checks pass (see finish_replicas), so that a shard far from the
   // reference shows how far, though its replicas differ too.
-  if (c.what == kReplicaCheck) {
+  if (is_replica_check(c.what)) {
     if (!c.pass) replica_failed_.push_back(it->second);
     if (std::isnan(row[s])) row[s] = 0;
     return;
@@ -259,14 +297,14 @@ namespace {
 // How bad a comparison is: its error as a multiple of its tolerance, so that with
 // per-tensor, per-step bounds (bf16) the worst row is the one nearest its bound.
 double severity(const Comparison& c) {
-  return c.tolerance > 0 && c.what != kReplicaCheck ? c.rel_err / c.tolerance : c.rel_err;
+  return c.tolerance > 0 && !is_replica_check(c.what) ? c.rel_err / c.tolerance : c.rel_err;
 }
 }  // namespace
 
 void StepFolder::fold(const Comparison& c) {
   r_.comparisons += 1;
   fold_per_step(c);
-  if (c.what != kReplicaCheck && c.what != kInvariantCheck) {
+  if (!is_replica_check(c.what) && c.what != kInvariantCheck) {
     r_.max_rel_err = std::max(r_.max_rel_err, c.rel_err);
     if (c.tolerance > 0) r_.max_err_over_tol = std::max(r_.max_err_over_tol, c.rel_err / c.tolerance);
     if (!is_real_check(c)) {

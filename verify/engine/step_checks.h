@@ -51,6 +51,19 @@ class StepChecker {
                       const std::vector<Comparison>* rank0_checks = nullptr);
   // --tp-invariant: every observation against tp 1's same tensor of this step, bit for bit.
   void check_bitwise(const std::vector<Observation>& obs, const TensorMap& tp1, Phase phase);
+  // --dp: this rank is on DP replica d of dp, world rank `rank`: its activation points are
+  // its replica's rows of the reference's (every point's batch rows are its outermost
+  // dimension, and the replicas' rows are consecutive), and its comparisons carry "dp d/D"
+  // and the world rank.
+  void use_replica(int d, int dp, int rank) {
+    replica_ = d;
+    replicas_ = dp;
+    world_rank_ = rank;
+  }
+  // --dp, a replica other than 0: every parameter gradient, parameter, the loss and the
+  // clip norm against the same rank of replica 0, bit for bit (phases as check_replicas).
+  void check_dp_replicas(const std::vector<Observation>& mine,
+                         const std::vector<Observation>& replica0, const std::vector<Phase>& phases);
   // --recompute: every observation against the same rank's run without recomputation,
   // bit for bit (the same names, any order).
   void check_recomputed(const std::vector<Observation>& obs,
@@ -88,6 +101,7 @@ class StepChecker {
   std::vector<Checked> checked_;
   bool defer_ = false;
   std::vector<Pending> pending_;
+  int replica_ = 0, replicas_ = 1, world_rank_ = -1;  // use_replica
 };
 
 // Folds a TP group's comparisons into its TpResult one step at a time, as the step's last

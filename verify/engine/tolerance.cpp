@@ -53,6 +53,16 @@ double f32_tolerance(const RunOptions& o, double* k_max_out) { return chain_boun
 
 }  // namespace
 
+// ---- Clipping (--clip-grad) and the data-parallel sum ---------------------------------
+// The clip norm n = ‖G‖ over every gradient is computed from gradients of relative error
+// at most ρ_max (the largest gradient bound), and |‖G'‖ − ‖G‖| <= ‖G' − G‖ <= ρ_max·‖G‖: so
+// n's relative error is at most ρ_max (its own f64 sum of squares adds ~u64), and that is
+// the bound "grad_norm" is held to. The coefficient C/(n + 1e-6) carries the same relative
+// error into every clipped gradient: a clipped gradient's bound is its own plus ρ_max, and
+// the update's error model takes the gradient error that much larger.
+// The DP all-reduce adds dp − 1 additions of the replicas' partial gradients, each a sum
+// over its own tokens: like a TP sum, its error is relative to the terms (the per-token
+// terms of RefStep::term_scale), within the chain bound's factor.
 // ---- The update: the optimizer's share, from the run's own values (f32 and f64) ----
 //
 // The bounds above hold a tensor's error through forward and backward. An updated weight
@@ -273,7 +283,7 @@ double norm_tolerance(const RunOptions& o) {
 }
 
 ToleranceModel::ToleranceModel(const RunOptions& o)
-    : per_tensor_(o.dtype == DType::BF16), resync_(o.resync), tp_(o.tp) {
+    : per_tensor_(o.dtype == DType::BF16), resync_(o.resync), clip_(o.clip_grad > 0), tp_(o.tp) {
   if (o.dtype == DType::F64) {
     uniform_ = largest_ = kF64Tolerance;
     return;
@@ -437,10 +447,18 @@ void ToleranceModel::build_weights(int ti) {
     const auto su = static_cast<std::size_t>(s);
     mx[su] = 0.0;  // filled below, after every parameter's step s
     std::vector<double> next(params_.size());
+    // Clipping: every gradient also carries the coefficient's error, at most the largest
+    // gradient's ("Clipping").
+    double clip = 0.0;
+    if (clip_)
+      for (const Param& q : params_) {
+        const std::string g = q.name + ".grad";
+        clip = std::max(clip, chain(q.grad_depth, sums_before(g), reads(g), s, ti));
+      }
     for (std::size_t p = 0; p < params_.size(); ++p) {
       const Param& q = params_[p];
       const std::string g = q.name + ".grad";
-      const double rho_g = chain(q.grad_depth, sums_before(g), reads(g), s, ti);
+      const double rho_g = chain(q.grad_depth, sums_before(g), reads(g), s, ti) + clip;
       const double flips = q.every_element_may_flip ? 2.0 : std::min(kFlip * std::sqrt(rho_g), 2.0);
       const double update = adam_ ? flips * q.lr_over_rms : rho_g;
       next[p] = (resync_ ? u_acc_ : master[p]) + update;
@@ -449,6 +467,12 @@ void ToleranceModel::build_weights(int ti) {
     }
     master = next;
   }
+}
+
+double ToleranceModel::largest_gradient_bound(int step, int tp) const {
+  double b = 0.0;
+  for (const Param& p : params_) b = std::max(b, bound(p.name + ".grad", step, tp));
+  return b;
 }
 
 double ToleranceModel::bound(const std::string& tensor, int step, int tp) const {

@@ -60,6 +60,10 @@ class ToleranceModel {
   double bound(const std::string& tensor, int step, int tp) const;
   // The largest bound of the run (every tensor, step and TP degree).
   double largest() const { return largest_; }
+  // The largest bound of a parameter gradient at `step` in TP degree `tp`: what the global
+  // gradient norm's relative error can be (|‖a‖ − ‖b‖| <= ‖a − b‖), and so a clipping
+  // coefficient's (tolerance.cpp, "Clipping").
+  double largest_gradient_bound(int step, int tp) const;
   // The first step at which some tensor's bound at some TP degree is at least `x`; 0 when
   // none is. A norm-wise relative bound of 1 or more is a check that cannot fail.
   int first_step_with_bound_at_least(double x) const;
@@ -89,7 +93,7 @@ class ToleranceModel {
   bool per_tensor_ = false;
   double uniform_ = 0.0;  // the bound of a run without per-tensor bounds
   double u_store_ = 0.0, u_acc_ = 0.0, k_max_ = 0.0;
-  bool adam_ = true, resync_ = false;
+  bool adam_ = true, resync_ = false, clip_ = false;
   int steps_ = 1, max_depth_ = 1, max_sums_ = 0;
   std::vector<int> tp_;  // the run's TP degrees
   std::unordered_map<std::string, int> depth_;      // tensor -> i

@@ -272,7 +272,7 @@ std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
     const double lv = std::isinf(v) ? sc.hi : std::clamp(std::log10(v), sc.lo, sc.hi);
     o << "<rect class=\"bar\" x=\"" << L + bw * k + 0.5 << "\" y=\"" << Y(lv) << "\" width=\""
       << bw - 1 << "\" height=\"" << Y(sc.lo) - Y(lv) << "\" fill=\""
-      << (c.what == std::string(kReplicaCheck) || c.what == std::string(kInvariantCheck) ||
+      << (is_replica_check(c.what) || c.what == std::string(kInvariantCheck) ||
                   c.what == std::string(kRecomputeCheck)
               ? kOffScale
               : cell_colour(v, sc))
@@ -288,6 +288,7 @@ std::string shard_card(const Comparison& c, double tolerance, const Scale& sc) {
     << fmt("%.3e", c.max_abs) << " at " << html_escape(format_index(c)) << "<br>"
     << fmt("%.9g", c.sharded_at_worst) << " vs " << fmt("%.9g", c.reference_at_worst)
     << (c.what == std::string(kReplicaCheck)     ? " (rank 0)"
+        : c.what == std::string(kDpReplicaCheck) ? " (dp replica 0)"
         : c.what == std::string(kInvariantCheck) ? " (tp 1; max |err| is the largest, the index the first to differ)"
         : c.what == std::string(kRecomputeCheck)
             ? " (without recompute; max |err| is the largest, the index the first to differ)"

@@ -21,7 +21,7 @@ std::string tp_list(const RunOptions& o) {
 std::string describe(const Comparison& c) {
   std::string s = c.tensor + " (" + c.shard + ", step " + std::to_string(c.step) + ", " +
                   phase_name(c.phase) + ")";
-  const bool replica = c.what == kReplicaCheck;
+  const bool replica = is_replica_check(c.what);
   if (c.what == kInvariantCheck || c.what == kRecomputeCheck) {
     // the first differing element, its bits in hex
     const std::string other = c.what == kInvariantCheck ? "tp 1" : "the run without recompute";
@@ -42,7 +42,8 @@ std::string describe(const Comparison& c) {
 
 // Rows of the table: a shard against the reference carries no mark.
 const char* check_mark(const Comparison& c) {
-  if (c.what == kReplicaCheck) return " =r0";
+  if (c.what == kDpReplicaCheck) return " =dp0";
+  if (is_replica_check(c.what)) return " =r0";
   if (c.what == kReassembledCheck) return " =full";
   if (c.what == kInvariantCheck) return " =tp1";
   if (c.what == kRecomputeCheck) return " =norc";
@@ -53,7 +54,7 @@ void print_row(std::ostream& os, const Comparison& c) {
   char line[512];
   // err/tol: the measured error as a multiple of its tolerance (its derived bound in bf16)
   const std::string ratio =
-      c.what == kReplicaCheck || !(c.tolerance > 0) ? "-" : fmt("%.3f", c.rel_err / c.tolerance);
+      is_replica_check(c.what) || !(c.tolerance > 0) ? "-" : fmt("%.3f", c.rel_err / c.tolerance);
   std::snprintf(line, sizeof line, "  %-30s %-28s %4d  %-9s %-8s %-9s %-14s %s\n",
                 (c.tensor + check_mark(c)).c_str(), c.shard.c_str(),
                 c.step, fmt("%.2e", c.rel_err).c_str(), ratio.c_str(),
@@ -78,7 +79,7 @@ nlohmann::json to_json(const Comparison& c) {
           {"rel_err", num(c.rel_err)}, {"max_abs", num(c.max_abs)}, {"worst_index", idx},
           {"sharded", num(c.sharded_at_worst)}, {"reference", num(c.reference_at_worst)},
           {"tolerance", c.tolerance},
-          {"err_over_tolerance", c.tolerance > 0 && c.what != kReplicaCheck
+          {"err_over_tolerance", c.tolerance > 0 && !is_replica_check(c.what)
                                      ? num(c.rel_err / c.tolerance) : nlohmann::json(nullptr)},
           {"real_check", is_real_check(c)},
           // rel_err's denominator: the reference's norm, or (a gradient summed over tokens
@@ -113,7 +114,10 @@ std::string describe_failure(const Comparison& c) { return describe(c); }
 
 std::string verify_config_line(const RunOptions& o) {
   return "tpsim verify: model " + model_description(o) + ", " + dtype_name(o.dtype) +
-         " sharded vs f64 reference, tp " + tp_list(o) + ", " + std::to_string(o.steps) +
+         " sharded vs f64 reference, tp " + tp_list(o) +
+         (o.dp > 1 ? " x dp " + std::to_string(o.dp) : std::string()) +
+         (o.clip_grad > 0 ? ", clip-grad " + fmt("%g", o.clip_grad) : std::string()) + ", " +
+         std::to_string(o.steps) +
          " steps, seed " + std::to_string(o.seed) + (o.resync ? ", resync" : "") + ", backend " +
          backend_description(o.device.backend);
 }
@@ -163,17 +167,33 @@ std::string verify_verdict(const RunOptions& o, const VerifyReport& r) {
 namespace {
 
 void print_collectives(std::ostream& os, const TpResult& t) {
-  os << "  collectives per rank in step 1:";
-  bool any = false;
-  for (int k = 0; k < kNumCollectiveKinds; ++k) {
-    if (t.comm_step1.count[k] == 0) continue;
-    any = true;
-    os << " " << collective_name(static_cast<CollectiveKind>(k)) << " x"
-       << t.comm_step1.count[k] << " (" << format_bytes(static_cast<double>(t.comm_step1.bytes[k]))
-       << ")";
+  auto group = [&](const char* what, const CollectiveTotals& c, int size) {
+    os << "  collectives per rank in step 1" << what << ":";
+    bool any = false;
+    for (int k = 0; k < kNumCollectiveKinds; ++k) {
+      if (c.count[k] == 0) continue;
+      any = true;
+      os << " " << collective_name(static_cast<CollectiveKind>(k)) << " x" << c.count[k] << " ("
+         << format_bytes(static_cast<double>(c.bytes[k])) << ")";
+    }
+    os << (any ? "" : " none");
+    if (any) os << "; bus volume " << format_bytes(bus_bytes(c, size));
+    os << "\n";
+  };
+  group(t.dp > 1 ? ", TP group" : "", t.comm_step1, t.tp);
+  if (t.dp > 1) group(", DP group", t.dp_comm_step1, t.dp);
+}
+
+// --clip-grad: the norm before clipping at every step, and its error against the
+// reference's.
+void print_grad_norms(std::ostream& os, const TpResult& t, const std::vector<double>& ref) {
+  if (t.grad_norms.empty()) return;
+  os << "  grad norm per step (rel err vs reference):";
+  for (std::size_t s = 0; s < t.grad_norms.size(); ++s) {
+    os << " " << fmt("%.6g", t.grad_norms[s]);
+    if (s < ref.size() && ref[s] != 0)
+      os << " (" << fmt("%.1e", std::abs(t.grad_norms[s] - ref[s]) / std::abs(ref[s])) << ")";
   }
-  os << (any ? "" : " none");
-  if (any) os << "; bus volume " << format_bytes(bus_bytes(t.comm_step1, t.tp));
   os << "\n";
 }
 
@@ -190,12 +210,18 @@ void print_tolerance_and_reference(std::ostream& os, const VerifyReport& r) {
   os << "reference losses:";
   for (double l : r.reference_losses) os << " " << fmt("%.10g", l);
   os << "  (" << fmt("%.2f", r.reference_seconds) << " s)\n";
+  if (!r.reference_grad_norms.empty()) {
+    os << "reference grad norms (before clipping):";
+    for (double n : r.reference_grad_norms) os << " " << fmt("%.10g", n);
+    os << "\n";
+  }
 }
 
 // Per TP group: its table of the worst comparison per tensor, its collectives, its failures.
 void print_tp_results(std::ostream& os, const VerifyReport& r, bool collectives) {
   for (const auto& t : r.results) {
-    os << "\nTP " << t.tp << ": " << (t.pass ? "PASS" : "FAIL") << ", largest rel err "
+    os << "\nTP " << t.tp << (t.dp > 1 ? " x DP " + std::to_string(t.dp) : std::string()) << ": "
+       << (t.pass ? "PASS" : "FAIL") << ", largest rel err "
        << fmt("%.2e", t.max_rel_err) << ", largest err/tol " << fmt("%.3f", t.max_err_over_tol)
        << " (" << fmt("%.2f", t.seconds) << " s)\n";
     char head[256];
@@ -205,6 +231,7 @@ void print_tp_results(std::ostream& os, const VerifyReport& r, bool collectives)
     os << head;
     for (const auto& c : t.worst) print_row(os, c);
     if (collectives) print_collectives(os, t);
+    print_grad_norms(os, t, r.reference_grad_norms);
     if (!t.pass) {
       os << "  failures (" << t.failures.size() << "):\n";
       std::size_t shown = 0;
@@ -281,10 +308,12 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
   j["real_checks"] = r.real_checks();
   j["pass"] = r.pass;
   j["reference"] = {{"losses", r.reference_losses}, {"seconds", r.reference_seconds}};
+  if (!r.reference_grad_norms.empty()) j["reference"]["grad_norms"] = r.reference_grad_norms;
   j["tp"] = nlohmann::json::array();
   for (const auto& t : r.results) {
     nlohmann::json jt;
     jt["tp"] = t.tp;
+    jt["dp"] = t.dp;
     jt["pass"] = t.pass;
     jt["max_rel_err"] = t.max_rel_err;
     jt["max_err_over_tolerance"] = t.max_err_over_tol;
@@ -298,6 +327,15 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
                                                                {"bytes", t.comm_step1.bytes[k]}};
     jt["collectives_step1"] = comm;
     jt["bus_bytes_step1"] = bus_bytes(t.comm_step1, t.tp);
+    if (t.dp > 1) {
+      nlohmann::json dpc = nlohmann::json::object();
+      for (int k = 0; k < kNumCollectiveKinds; ++k)
+        dpc[collective_name(static_cast<CollectiveKind>(k))] = {
+            {"count", t.dp_comm_step1.count[k]}, {"bytes", t.dp_comm_step1.bytes[k]}};
+      jt["dp_collectives_step1"] = dpc;
+      jt["dp_bus_bytes_step1"] = bus_bytes(t.dp_comm_step1, t.dp);
+    }
+    if (!t.grad_norms.empty()) jt["grad_norms"] = t.grad_norms;
     jt["tensors"] = nlohmann::json::array();
     for (const auto& c : t.worst) jt["tensors"].push_back(to_json(c));
     jt["failures"] = nlohmann::json::array();

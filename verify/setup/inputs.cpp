@@ -4,6 +4,7 @@
 #include <set>
 
 #include "io/checkpoint.h"
+#include "sharded/data_parallel.h"
 #include "sharded/gpt.h"
 #include "sharded/mlp.h"
 
@@ -45,12 +46,29 @@ RunInputs prepare_inputs(const RunOptions& o) {
   } else {
     in.gpt_batch = make_gpt_batch(o.gpt, o.batch_size, o.seq_len, o.seed);
   }
+  if (o.model == ModelKind::Gpt && in.gpt_batch.B % o.dp != 0)
+    throw UsageError("--dp " + std::to_string(o.dp) + ": the batch's " +
+                     std::to_string(in.gpt_batch.B) + " rows do not split evenly over the replicas");
   if (!o.load_path.empty()) in.loaded = load_weights(o.load_path, param_specs(o));
   return in;
 }
 
+GptBatch replica_batch(const GptBatch& global, int d, int dp) {
+  if (dp < 1 || global.B % dp != 0)
+    throw UsageError("--dp " + std::to_string(dp) + ": the batch's " + std::to_string(global.B) +
+                     " rows do not split evenly over the replicas (choose --batch-size)");
+  GptBatch b;
+  b.B = global.B / dp;
+  b.T = global.T;
+  const auto ids = static_cast<std::ptrdiff_t>(b.B * b.T), labels = static_cast<std::ptrdiff_t>(b.B * (b.T - 1));
+  b.input_ids.assign(global.input_ids.begin() + d * ids, global.input_ids.begin() + (d + 1) * ids);
+  b.labels.assign(global.labels.begin() + d * labels, global.labels.begin() + (d + 1) * labels);
+  return b;
+}
+
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
-                                                 Backend& be, Communicator& comm) {
+                                                 Backend& be, Communicator& comm,
+                                                 Communicator* dp) {
   if (o.model == ModelKind::Mlp)
     return std::make_unique<ShardedMlp>(o.mlp, in.mlp_batch, be, comm, o.dtype, o.seed, o.lr,
                                         o.fault);
@@ -61,8 +79,30 @@ std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunI
   par.tp_invariant = o.tp_invariant;
   par.recompute = o.recompute;
   par.recompute_layers = o.recompute_layers;
-  return std::make_unique<ShardedGpt>(o.gpt, in.gpt_batch, o.adam, par, be, comm, o.dtype,
-                                      o.seed, o.fault);
+  if (o.dp == 1 && o.clip_grad == 0)
+    return std::make_unique<ShardedGpt>(o.gpt, in.gpt_batch, o.adam, par, be, comm, o.dtype,
+                                        o.seed, o.fault);
+  if (!dp) throw Error("make_sharded_model: --dp or --clip-grad without a DP group");
+  const int d = dp->rank(), n = dp->world_size();
+  if (n != o.dp)
+    throw Error("make_sharded_model: --dp " + std::to_string(o.dp) + " but a DP group of " +
+                std::to_string(n));
+  const GptBatch batch = replica_batch(in.gpt_batch, d, n);
+  par.batch_row0 = batch.B * d;
+  DataParallelOptions opt;
+  opt.clip_grad = o.clip_grad;
+  // The global batch's labels; the fault averages the replicas' own means instead, as
+  // dp·(its own count) would: equal only where every replica holds as many labels.
+  par.loss_tokens = o.fault == Fault::DpLossPerReplicaMean
+                        ? n * std::max<std::int64_t>(1, static_cast<std::int64_t>(batch.labels.size()) -
+                                                          batch.num_ignored())
+                        : static_cast<std::int64_t>(in.gpt_batch.labels.size()) -
+                              in.gpt_batch.num_ignored();
+  auto make = [&](Communicator& tp) -> std::unique_ptr<ShardedModel> {
+    return std::make_unique<ShardedGpt>(o.gpt, batch, o.adam, par, be, tp, o.dtype, o.seed,
+                                        o.fault);
+  };
+  return std::make_unique<DataParallelModel>(make, be, comm, *dp, opt, o.fault);
 }
 
 }  // namespace tpsim

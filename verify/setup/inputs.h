@@ -29,8 +29,14 @@ std::vector<ParamSpec> param_specs(const RunOptions& o);
 // splits the vocabulary), ascending.
 std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o);
 
-// The sharded model of `o.model` for one rank.
+// The sharded model of `o.model` for one rank, on its TP group `comm`; with --dp or
+// --clip-grad, of the DP replica that its DP group `dp` gives (null: the only one),
+// wrapped in the DP sync and clipping (sharded/data_parallel.h).
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
-                                                 Backend& be, Communicator& comm);
+                                                 Backend& be, Communicator& comm,
+                                                 Communicator* dp = nullptr);
+
+// Replica d's rows of the global batch (d of `dp` replicas; B must divide by dp).
+GptBatch replica_batch(const GptBatch& global, int d, int dp);
 
 }  // namespace tpsim

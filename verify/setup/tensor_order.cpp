@@ -5,7 +5,7 @@
 
 namespace tpsim {
 
-std::vector<std::string> gpt_tensor_order(const GptConfig& c) {
+std::vector<std::string> gpt_tensor_order(const GptConfig& c, bool clipped) {
   std::vector<std::string> o;
   auto block = [](std::int64_t l) { return "h." + std::to_string(l) + "."; };
   const auto mlp = c.mlp_linears();  // {ffn1, ffn2} or {gate_proj, up_proj, down_proj}
@@ -60,6 +60,13 @@ std::vector<std::string> gpt_tensor_order(const GptConfig& c) {
   o.push_back("act/embedding.out.grad");
   if (!c.rope()) o.push_back("wpe.weight.grad");
   o.push_back("wte.weight.grad");  // last: (tied) the LM head's share, then the lookup's
+  if (clipped) {
+    const auto backward = std::find(o.begin(), o.end(), "act/logits.grad");
+    const auto params = std::stable_partition(backward, o.end(), [](const std::string& n) {
+      return n.starts_with("act/");
+    });
+    o.insert(params, "grad_norm");
+  }
 
   // ---- optimizer step ----
   for (const auto& p : gpt_param_specs(c)) o.push_back(p.name);

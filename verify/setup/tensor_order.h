@@ -15,7 +15,11 @@ namespace tpsim {
 // the forward's activation points in forward order, then the loss; then backward, last op
 // first, activation and parameter gradients interleaved as backward produces them; then
 // the parameters after the optimizer step, in forward order.
-std::vector<std::string> gpt_tensor_order(const GptConfig& c);
+//
+// `clipped` (--clip-grad): the parameter gradients are final only once clipped, after the
+// global norm that all of them make: the backward's activation gradients, then
+// "grad_norm", then the parameter gradients in backward order.
+std::vector<std::string> gpt_tensor_order(const GptConfig& c, bool clipped = false);
 
 // Stable sort of `obs` by position in `order`; names not in `order` keep their relative
 // order, after every name that is.

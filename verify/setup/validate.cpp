@@ -120,6 +120,8 @@ FaultTarget fault_target(const RunOptions& o) {
   run.recompute = o.recompute != RecomputeKind::None && g.layers >= 1;
   run.full_recompute = o.recompute == RecomputeKind::Full && g.layers >= 1;
   run.recompute_chunks = run.full_recompute && o.recompute_layers >= 2 && g.layers >= 2;
+  run.dp = o.dp;
+  run.clip = o.clip_grad > 0;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || (run.gpt && padded_vocab(g, par, t) > g.vocab_size);
@@ -201,6 +203,25 @@ void validate_run_options(const RunOptions& o) {
                      ", --batch-size " + std::to_string(o.batch_size) + ", --seq-len " +
                      std::to_string(o.seq_len) + ": the model would hold about " +
                      num(gpt_values(o)) + " values (allowed at most " + num(kMaxValues) + ")");
+
+  check_int("--dp", o.dp, 1, kMaxRanks);
+  for (int t : o.tp)
+    if (static_cast<std::int64_t>(t) * o.dp > kMaxRanks)
+      throw UsageError("--dp " + std::to_string(o.dp) + " x --tp " + std::to_string(t) + " = " +
+                       std::to_string(static_cast<std::int64_t>(t) * o.dp) +
+                       " ranks (allowed at most " + std::to_string(kMaxRanks) + ")");
+  check_float("--clip-grad", o.clip_grad, 0, true, std::numeric_limits<double>::infinity());
+  if (o.model == ModelKind::Mlp && (o.dp > 1 || o.clip_grad > 0))
+    throw UsageError("--dp and --clip-grad apply to --model gpt, gpt2 and llama");
+  if (o.model == ModelKind::Gpt && o.dp > 1 && o.data_path.empty() && o.batch_size % o.dp != 0)
+    throw UsageError("--dp " + std::to_string(o.dp) + ": --batch-size " +
+                     std::to_string(o.batch_size) + " does not split evenly over the replicas");
+  if (o.tp_invariant && (o.dp > 1 || o.clip_grad > 0))
+    throw UsageError("--tp-invariant: not yet with --dp or --clip-grad (their sums over the "
+                     "groups are not in canonical order)");
+  if (!o.dump_dir.empty() && o.dp > 1)
+    throw UsageError("--dump: not yet with --dp (docs/dump-format.md has no data-parallel "
+                     "layout); dump one replica's run with --dp 1");
 
   if (o.tp_invariant) check_tp_invariant(o);
 

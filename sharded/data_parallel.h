@@ -1,0 +1,69 @@
+// Tensor parallelism inside data parallelism, as Megatron's DDP wraps a TP model, and
+// gradient clipping by the global norm.
+//
+// dp·t ranks form a 2-D mesh (comm/rank_runner.h, MeshRank): each DP replica is one TP
+// group that runs the model on its rows of the global batch. Its loss is its tokens' share
+// of the global mean, Σ_replica ℓ / N_global over the global batch's N_global non-ignored
+// labels (token-weighted, as Megatron and torchtitan compute it), so that the replicas'
+// gradients summed over the DP group are exactly the global batch's gradient, whatever
+// each replica's count of ignored labels, and every activation gradient is the reference's
+// own rows. After backward:
+//   1. the loss and every parameter gradient are all-reduced (summed) over the DP group;
+//   2. with clipping, the global L2 norm over every parameter: a TP-split parameter's
+//      squares summed over the TP group, a TP-replicated one (a norm, a row-parallel bias)
+//      counted once, a GQA kv block held by several ranks counted once; the DP group needs
+//      no sum, its gradients being identical after step 1. Gradients are then scaled by
+//      C/(norm + 1e-6) when that is below 1 (torch.nn.utils.clip_grad_norm_).
+// The norm is observed as "grad_norm"; the observed parameter gradients are the clipped
+// ones, which the optimizer then uses.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "sharded/sharded_model.h"
+
+namespace tpsim {
+
+struct DataParallelOptions {
+  double clip_grad = 0.0;  // 0: no clipping
+};
+
+// The global L2 norm of every parameter's gradient over the TP group (see above), and the
+// clipping it implies: returns the norm; scales the gradients when max_norm/(norm + 1e-6)
+// is below 1. Collective over the TP group.
+double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& params,
+                      double max_norm, Fault fault = Fault::None);
+
+class DataParallelModel final : public ShardedModel {
+ public:
+  // `make` builds the replica's model on the TP communicator it is given (under
+  // Fault::TpAllReduceOnDpGroup, one that misroutes an all-reduce to the DP group).
+  using MakeModel = std::function<std::unique_ptr<ShardedModel>(Communicator& tp)>;
+  DataParallelModel(const MakeModel& make, Backend& be, Communicator& tp, Communicator& dp,
+                    const DataParallelOptions& opt, Fault fault);
+  ~DataParallelModel() override;
+
+  // The replica's forward and backward, then the DP sync and clipping; the global loss.
+  double forward_backward() override;
+  void optimizer_step() override { inner_->optimizer_step(); }
+  // The replica's forward, its "loss" the global one.
+  std::vector<Observation> observe_forward() override;
+  // The replica's activation gradients, and with clipping the step's "grad_norm".
+  std::vector<Observation> observe_activation_grads() override;
+  std::vector<Parameter>& params() override { return inner_->params(); }
+  void record_activation_points(bool on) override { inner_->record_activation_points(on); }
+
+ private:
+  class Misrouted;
+  void sync_gradients();
+  std::unique_ptr<Misrouted> misrouted_;  // the fault's TP communicator, or null
+  Communicator& tp_;
+  Communicator& dp_;
+  DataParallelOptions opt_;
+  std::unique_ptr<ShardedModel> inner_;
+  double loss_ = 0.0, grad_norm_ = 0.0;
+};
+
+}  // namespace tpsim
