@@ -26,6 +26,10 @@
 
 namespace tpsim {
 
+// Every collective on the DP group is labelled with this prefix ("dp.loss", "dp.grad_sync
+// h.0.ln1.weight"), so that a profile can tell the two groups' traffic apart.
+inline constexpr const char* kDpLabelPrefix = "dp.";
+
 struct DataParallelOptions {
   double clip_grad = 0.0;  // 0: no clipping
 };

@@ -659,3 +659,30 @@ TEST_CASE("check judges each step from the producer's weights of the step before
   CHECK(j["tensor"] == "h.0.mlp.ffn1.weight");
   CHECK(j["step"] == 150);
 }
+
+TEST_CASE("check: a clipped run's dump, its norm checked and a wrong norm caught", "[check][cli][dp]") {
+  const std::string dir = make_dump("clipped", "--tp 2 --dtype f64 --clip-grad 0.5 --loss-parallel");
+  CHECK(read_manifest_json(dir)["optimizer"]["clip_grad"] == 0.5);
+  const auto ok = check(dir);
+  INFO(ok.out);
+  REQUIRE(ok.exit_code == 0);
+  CHECK(ok.out.find("grad_norm") != std::string::npos);
+
+  // The norm rank 0 says it clipped by, 1% off: named first (before the clipped gradients).
+  auto f = st::read_safetensors(rank_path(dir, 0));
+  auto& t = f.tensors.at("step1/grad_norm");
+  auto v = t.to_f64();
+  v[0] *= 1.01;
+  t = st::st_from_f64(t.shape, v, t.dtype);
+  st::write_safetensors(rank_path(dir, 0), f);
+  const auto bad = check(dir);
+  INFO(bad.out);
+  CHECK(bad.exit_code == 1);
+  CHECK(bad.out.find("check: FAIL: first mismatch: grad_norm (rank 0/2") != std::string::npos);
+
+  // A norm in a dump whose manifest clips nothing is refused, naming it.
+  auto m = read_manifest_json(dir);
+  m["optimizer"].erase("clip_grad");
+  write_manifest_json(dir, m);
+  expect_bad_dump(dir, "step1/grad_norm", "no optimizer.clip_grad");
+}

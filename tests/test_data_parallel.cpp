@@ -208,7 +208,6 @@ TEST_CASE("flags --dp and --clip-grad refuse what they cannot do, in one line, e
       {"verify --model mlp --dp 2", "apply to --model gpt"},
       {"verify --model gpt --clip-grad -1", "--clip-grad"},
       {"verify --model gpt --preset small --tp 1,2 --dp 2 --tp-invariant", "--tp-invariant"},
-      {"profile --model gpt --preset small --dp 2", "not yet"},
       {"train --model gpt --preset small --dp 2 --dump /tmp/tpsim-dp-dump", "--dump"},
       {"verify --model gpt --preset small --tp 4 --dp 32 --batch-size 32", "ranks"},
       {"verify --model gpt --preset small --inject-fault dp-grad-averaged", "needs --dp 2"},
@@ -236,4 +235,18 @@ TEST_CASE("train --dp: every replica's loss is the global batch's", "[cli][dp]")
   REQUIRE(la.size() == 3);
   for (std::size_t s = 0; s < 3; ++s)
     CHECK(lb[s].get<double>() == Approx(la[s].get<double>()).epsilon(1e-12));
+}
+
+TEST_CASE("profile --dp: each replica's memory equals the model, the two groups' traffic apart",
+          "[cli][dp][profile]") {
+  const auto r = run_tpsim("profile --model gpt --preset small --tp 2 --dp 2 --clip-grad 0.5 "
+                           "--steps 2");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("dp 2 (each replica 1 rows)"));
+  CHECK_THAT(r.out, Contains("every tensor of every rank equals the model, byte for byte"));
+  CHECK_THAT(r.out, Contains("rank 3"));
+  // Per step on the DP group: the loss, and one all-reduce per parameter (2 layers of
+  // ln1, q, k, v, o, ln2, ffn1, ffn2; wte, wpe, ln_f: 19).
+  CHECK_THAT(r.out, Contains("all_reduce (dp)  20 / "));
 }

@@ -68,6 +68,7 @@ RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const Gp
   o.gpt = m.config;
   o.adam = m.adam;
   o.lr = m.adam.lr;
+  o.clip_grad = m.clip_grad;
   o.loss_parallel = m.parallel.loss_parallel;
   o.sequence_parallel = m.parallel.sequence_parallel;
   o.make_vocab_divisible_by = m.parallel.make_vocab_divisible_by;
@@ -121,7 +122,7 @@ CheckResult run_check(const CheckOptions& c) {
   TpResult tpr;
   tpr.tp = world;
   StepFolder folder(world, tpr);
-  const auto order = gpt_tensor_order(o.gpt);
+  const auto order = gpt_tensor_order(o.gpt, o.clip_grad > 0);
   RefStep ref;
   TensorMap producer;  // the producer's weights after the last step checked
   double ref_seconds = 0;

@@ -1,5 +1,6 @@
 #include "verify/commands/profile_run.h"
 
+#include <algorithm>
 #include <memory>
 #include <sstream>
 
@@ -23,11 +24,12 @@ std::string per_tp_path(const std::string& path, int tp, bool several) {
 
 namespace {
 
-// Runs `o` at degree run.tp with every op timed and every byte recorded, into run.ranks.
+// Runs `o` at degree run.tp (with --dp, its dp replicas: dp·tp ranks) with every op timed
+// and every byte recorded, into run.ranks.
 void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
-  const int tp = run.tp;
-  run.ranks.assign(static_cast<std::size_t>(tp), RankProfile{});
-  std::vector<TimingBackend*> timing(static_cast<std::size_t>(tp), nullptr);
+  const int tp = run.tp, world = tp * o.dp;
+  run.ranks.assign(static_cast<std::size_t>(world), RankProfile{});
+  std::vector<TimingBackend*> timing(static_cast<std::size_t>(world), nullptr);
   DeviceOptions dev = o.device;
   auto inner_wrap = dev.wrap;
   dev.wrap = [&timing, inner_wrap](int rank, std::unique_ptr<Backend> be) {
@@ -36,12 +38,15 @@ void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
     timing[static_cast<std::size_t>(rank)] = tb.get();
     return std::unique_ptr<Backend>(std::move(tb));
   };
-  launch_ranks(dev, tp, o.timeout_s, [&](int rank, Backend& be, Communicator& comm) {
+  launch_mesh(dev, o.dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be, Communicator& comm,
+                                             Communicator& dp_comm) {
+    const int rank = at.rank;
     TimingBackend& tb = *timing[static_cast<std::size_t>(rank)];
     MemoryLedger& ledger = be.allocator().ledger();
     ledger.set_timeline(true);
     tb.set_phase("construct");
-    auto model = make_sharded_model(o, in, be, comm);
+    auto model = make_sharded_model(o, in, be, comm,
+                                    o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     RankProfile& rp = run.ranks[static_cast<std::size_t>(rank)];
     rp.rank = rank;
@@ -55,7 +60,13 @@ void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
     }
     tb.set_phase("");
     rp.ops = tb.records();
+    // The TP group's collectives, then the DP group's (labelled dp.*), in time order.
     rp.collectives = comm.records();
+    for (const auto& c : dp_comm.records()) rp.collectives.push_back(c);
+    std::stable_sort(rp.collectives.begin(), rp.collectives.end(),
+                     [](const CollectiveRecord& a, const CollectiveRecord& b) {
+                       return a.t_begin_ns < b.t_begin_ns;
+                     });
     rp.memory = ledger.timeline();
     rp.memory_t0_ns = ledger.t0_ns();
     for (int c = 0; c < kNumMemCategories; ++c) {
@@ -74,14 +85,11 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
     print_paper_table(os);
     return {};
   }
-  if (o.dp > 1 || o.clip_grad > 0)
-    throw UsageError("profile: not yet with --dp or --clip-grad (its memory and time model is "
-                     "one TP group's, without clipping); verify and train take them");
   if (p.predict_only && o.model != ModelKind::Gpt)
     throw UsageError("profile --predict: the memory model is the gpt's");
   for (int tp : o.tp) {
     check_tp_degree(o, tp);
-    check_launch(o.device, tp);
+    check_launch(o.device, tp * o.dp, o.dp);
   }
   if (p.predict_only) {
     print_memory_prediction(o, os);

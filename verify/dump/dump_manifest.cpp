@@ -190,6 +190,7 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
     m.adam.beta2 = f.number_or("beta2", m.adam.beta2, 0.0, 1.0);
     m.adam.eps = f.number_or("eps", m.adam.eps, 0.0, 1.0);
     m.adam.weight_decay = f.number_or("weight_decay", m.adam.weight_decay, 0.0, 1e6);
+    m.clip_grad = f.number_or("clip_grad", 0.0, 0.0, 1e300);
     f.no_others();
   }
   if (const json* par = top.get("parallel")) {
@@ -238,6 +239,7 @@ nlohmann::json manifest_json(const DumpManifest& m) {
                     {"make_vocab_divisible_by", m.parallel.make_vocab_divisible_by}}},
       {"names", convention_name(m.names)},
   };
+  if (m.clip_grad > 0) j["optimizer"]["clip_grad"] = m.clip_grad;
   if (!m.layouts.empty()) {
     json l = json::object();
     for (const auto& [name, layout] : m.layouts)

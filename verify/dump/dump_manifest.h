@@ -32,6 +32,10 @@ struct DumpManifest {
   GptConfig config;
   DType dtype = DType::F64;
   AdamConfig adam{1e-3, 0.9, 0.999, 1e-8, 0.0};  // torch.optim.Adam's defaults
+  // optimizer.clip_grad: the cap of torch.nn.utils.clip_grad_norm_ before each step (0:
+  // none); the dump then holds step{s}/grad_norm, the norm before clipping, and its
+  // gradients are the clipped ones.
+  double clip_grad = 0.0;
   GptParallelism parallel;
   NameConvention names = NameConvention::Tpsim;
   std::map<std::string, DumpLayout> layouts;  // by name in the dump's convention

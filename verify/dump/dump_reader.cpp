@@ -71,6 +71,7 @@ class RankReader {
                            std::to_string(rank_) + "; required every step)");
       };
       need("loss");
+      if (m_.clip_grad > 0) need("grad_norm");
       for (const auto& [n, p] : params_) {
         need(n + ".grad");
         need(n);
@@ -149,6 +150,10 @@ class RankReader {
   Placed placed(const std::string& full, const std::string& name) const {
     std::string base = name;
     if (name == "loss") return {replicate(ParamSpec{name, {1}, {}}, rank_, m_.world_size), Where::Forward, base};
+    if (name == "grad_norm") {
+      if (m_.clip_grad == 0) fail(full, "a clip norm, but the manifest has no optimizer.clip_grad");
+      return {replicate(ParamSpec{name, {1}, {}}, rank_, m_.world_size), Where::Backward, base};
+    }
     const bool grad = name.ends_with(".grad");
     if (grad) base = name.substr(0, name.size() - 5);
     if (name.starts_with("act/")) {
@@ -196,7 +201,7 @@ class RankReader {
                  const Shape& shape) const {
     Placed p = placed(full, name);
     const Shape want = p.spec.local_shape();
-    const bool scalar_loss = name == "loss" && shape.empty();
+    const bool scalar_loss = (name == "loss" || name == "grad_norm") && shape.empty();
     if (shape != want && !scalar_loss)
       fail(full, "shape " + shape_str(shape) + " is not rank " + std::to_string(rank_) +
                      "'s shard " + shape_str(want) + " of " + shape_str(p.spec.full_shape) + " (" +
@@ -252,7 +257,7 @@ struct DumpReader::Rank {
 DumpReader::DumpReader(const std::string& dir, const DumpManifest& m, std::int64_t tokens)
     : layouts_(layouts_in_tpsim_names(m)) {
   check_rank_files(dir, m.world_size);
-  const auto order = gpt_tensor_order(m.config);
+  const auto order = gpt_tensor_order(m.config, m.clip_grad > 0);
   // Every rank file checked and sized against what the manifest implies before any is
   // read: a manifest cannot claim more steps than the files hold, and a file cannot be
   // larger than the steps need (a sparse file declaring terabytes).

@@ -23,6 +23,7 @@ DumpManifest manifest_of(const RunOptions& o, int tp) {
   m.config = o.gpt;
   m.dtype = o.dtype;
   m.adam = o.adam;
+  m.clip_grad = o.clip_grad;
   m.parallel.loss_parallel = o.loss_parallel;
   m.parallel.sequence_parallel = o.sequence_parallel;
   m.parallel.make_vocab_divisible_by = o.make_vocab_divisible_by;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "profile/paper_memory.h"
+#include "sharded/data_parallel.h"
 #include "sharded/gpt.h"
 #include "sharded/tp_invariant.h"
 #include "verify/setup/inputs.h"
@@ -143,6 +144,8 @@ struct StepStats {
   double step_s = 0, compute_s = 0, comm_s = 0;
   std::array<double, kNumOpClasses> class_s{};
   std::array<std::int64_t, kNumCollectiveKinds> coll_bytes{}, coll_count{};
+  // --dp: the DP group's share of the above (sharded/data_parallel.h's dp.* labels)
+  std::array<std::int64_t, kNumCollectiveKinds> dp_coll_bytes{}, dp_coll_count{};
   std::int64_t comm_bytes = 0;
   double flops_executed = 0;
   int steps = 0;
@@ -167,6 +170,10 @@ StepStats step_stats(const RankProfile& r) {
       s.comm_s += static_cast<double>(c.t_end_ns - c.t_begin_ns) * 1e-9;
       s.coll_bytes[static_cast<std::size_t>(c.kind)] += c.bytes;
       s.coll_count[static_cast<std::size_t>(c.kind)] += 1;
+      if (c.label.starts_with(kDpLabelPrefix)) {
+        s.dp_coll_bytes[static_cast<std::size_t>(c.kind)] += c.bytes;
+        s.dp_coll_count[static_cast<std::size_t>(c.kind)] += 1;
+      }
       s.comm_bytes += c.bytes;
     }
   }
@@ -176,8 +183,8 @@ StepStats step_stats(const RankProfile& r) {
     s.compute_s /= n;
     s.comm_s /= n;
     for (auto& c : s.class_s) c /= n;
-    for (auto& c : s.coll_bytes) c /= s.steps;
-    for (auto& c : s.coll_count) c /= s.steps;
+    for (auto* a : {&s.coll_bytes, &s.coll_count, &s.dp_coll_bytes, &s.dp_coll_count})
+      for (auto& c : *a) c /= s.steps;
     s.comm_bytes /= s.steps;
     s.flops_executed /= n;
   }
@@ -232,7 +239,9 @@ nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
     for (int k = 0; k < kNumCollectiveKinds; ++k)
       coll[collective_name(static_cast<CollectiveKind>(k))] = {
           {"count", s.coll_count[static_cast<std::size_t>(k)]},
-          {"bytes", s.coll_bytes[static_cast<std::size_t>(k)]}};
+          {"bytes", s.coll_bytes[static_cast<std::size_t>(k)]},
+          {"dp_count", s.dp_coll_count[static_cast<std::size_t>(k)]},
+          {"dp_bytes", s.dp_coll_bytes[static_cast<std::size_t>(k)]}};
     ranks.push_back({{"rank", r.rank}, {"memory", mem}, {"peak", peak},
                      {"peak_total", r.peak_total}, {"step_seconds", s.step_s},
                      {"compute_seconds", s.compute_s}, {"comm_seconds", s.comm_s},
@@ -284,6 +293,10 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
   if (o.model == ModelKind::Gpt)
     os << ", H " << o.gpt.hidden << ", A " << o.gpt.heads << ", L " << o.gpt.layers << ", V "
        << o.gpt.vocab_size << ", batch " << o.batch_size << " x seq " << o.seq_len
+       << (o.dp > 1 ? ", dp " + std::to_string(o.dp) + " (each replica " +
+                          std::to_string(o.batch_size / o.dp) + " rows)"
+                    : std::string())
+       << (o.clip_grad > 0 ? ", clip-grad" : "")
        << (o.loss_parallel ? ", loss parallel" : "")
        << (o.sequence_parallel ? ", sequence parallel" : "")
        << (o.tp_invariant ? ", tp-invariant" : "");
@@ -478,21 +491,29 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
   }
 
   // ---- communication per rank ----
-  if (t > 1) {
-    os << "\ncollectives per rank per step: count / bytes of the tensor argument\n";
+  if (t > 1 || o.dp > 1) {
+    os << "\ncollectives per rank per step: count / bytes of the tensor argument"
+       << (o.dp > 1 ? ", on the TP group and (dp) on the DP group" : "") << "\n";
     std::vector<std::string> h = {"collective"};
     for (const auto& c : rank_cols) h.push_back(c);
     Table tb(h);
-    for (int k = 0; k < kNumCollectiveKinds; ++k) {
-      bool any = false;
-      for (const auto& s : st) any |= s.coll_count[static_cast<std::size_t>(k)] > 0;
-      if (!any) continue;
-      std::vector<std::string> row = {collective_name(static_cast<CollectiveKind>(k))};
-      for (const auto& s : st)
-        row.push_back(std::to_string(s.coll_count[static_cast<std::size_t>(k)]) + " / " +
-                      std::to_string(s.coll_bytes[static_cast<std::size_t>(k)]));
-      tb.row(row);
-    }
+    for (const bool dp : {false, true})
+      for (int k = 0; k < kNumCollectiveKinds; ++k) {
+        const auto ki = static_cast<std::size_t>(k);
+        auto count = [&](const StepStats& s) {
+          return dp ? s.dp_coll_count[ki] : s.coll_count[ki] - s.dp_coll_count[ki];
+        };
+        auto bytes = [&](const StepStats& s) {
+          return dp ? s.dp_coll_bytes[ki] : s.coll_bytes[ki] - s.dp_coll_bytes[ki];
+        };
+        bool any = false;
+        for (const auto& s : st) any |= count(s) > 0;
+        if (!any) continue;
+        std::vector<std::string> row = {std::string(collective_name(static_cast<CollectiveKind>(k))) +
+                                        (dp ? " (dp)" : "")};
+        for (const auto& s : st) row.push_back(std::to_string(count(s)) + " / " + std::to_string(bytes(s)));
+        tb.row(row);
+      }
     tb.print(os);
     if (o.tp_invariant) {
       const TpInvariantComm c = predict_tp_invariant_comm(o, t);

@@ -115,7 +115,7 @@ double tp_invariant_rank_bytes(const RunOptions& o, int tp) {
 GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
   GptMemoryQuery q;
   q.cfg = o.gpt;
-  q.B = o.batch_size;
+  q.B = o.batch_size / std::max(1, o.dp);  // a data-parallel replica's rows
   q.T = o.seq_len;
   q.t = tp;
   q.sequence_parallel = o.sequence_parallel;
@@ -143,8 +143,10 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
     const double mine = rank_bytes(o, t, o.dtype, true);
     const double without = recompute ? rank_bytes(plain, t, o.dtype, true) : 0.0;
     const double rank = command == "verify" ? mine + without : std::max(mine, without);
-    groups.push_back(host_ranks ? t * rank : 0.0);
+    groups.push_back(host_ranks ? t * o.dp * rank : 0.0);
   }
+  std::vector<int> ranks_per_group;  // a group is its dp replicas of degree t
+  for (int t : o.tp) ranks_per_group.push_back(t * o.dp);
   std::ostringstream d;
   double total = 0;
   if (command == "verify") {
@@ -168,7 +170,7 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
       }
       ranks = one + (rest.empty() ? 0.0 : peak_groups(rest, rest_bytes, kMaxRanksInFlight - 1));
     } else {
-      ranks = peak_groups(o.tp, groups, kMaxRanksInFlight);
+      ranks = peak_groups(ranks_per_group, groups, kMaxRanksInFlight);
     }
     total = ref + ranks;
     d << "reference " << gib(ref) << " + ranks running at once " << gib(ranks);
@@ -180,7 +182,7 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
     }
   } else {
     total = *std::max_element(groups.begin(), groups.end());
-    d << "the largest TP group";
+    d << (o.dp > 1 ? "the largest TP group's replicas" : "the largest TP group");
   }
   if (detail) *detail = d.str();
   return total;

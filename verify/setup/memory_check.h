@@ -16,7 +16,8 @@ namespace tpsim {
 // group runs alone). The memory check predicts the same schedule.
 inline constexpr int kMaxRanksInFlight = 8;
 
-// The activation model's question for rank memory of `o` at TP degree `tp`.
+// The activation model's question for rank memory of `o` at TP degree `tp` (with --dp, of
+// a replica's rows of the batch).
 GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam);
 
 // --tp-invariant: the float64 full tensors that verify keeps of one TP 1 step for the other
