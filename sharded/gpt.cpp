@@ -234,8 +234,7 @@ bool seed_architecture(const GptConfig& c) {
 }
 
 bool tp_invariant_architecture(const GptConfig& c) {
-  return c.norm == NormKind::LayerNorm && c.mlp != MlpKind::SwiGLU && c.ffn() == 4 * c.hidden &&
-         !c.rope() && c.kv() == c.heads && c.tied_embeddings;
+  return c.mlp != MlpKind::SwiGLU && c.ffn() == 4 * c.hidden && c.kv() == c.heads;
 }
 
 Parameter& ShardedGpt::lm_head() {
@@ -274,9 +273,9 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     throw UsageError("--recompute-layers " + std::to_string(par.recompute_layers) +
                      ": a chunk of 1 to --layers (" + std::to_string(cfg.layers) + ") blocks");
   if (par.tp_invariant && !tp_invariant_architecture(cfg))
-    throw UsageError("--tp-invariant: not yet for this architecture (it covers the seed's GPT "
-                     "and GPT-2: LayerNorm, biases, GELU at 4H, learned positions, tied; not "
-                     "RMSNorm, SwiGLU, RoPE, --kv-heads or an untied head)");
+    throw UsageError("--tp-invariant: not yet for this architecture (it covers either norm, "
+                     "biases, GELU at 4H, either positions, tied or untied heads; not SwiGLU, "
+                     "--ffn-hidden other than 4H, or --kv-heads below --heads)");
   check_gpt_architecture(cfg);
   if (cfg.heads % t != 0)
     throw UsageError("--heads " + std::to_string(cfg.heads) + " do not split over tp " +
@@ -569,7 +568,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     if (t > 1) v.gathered = be.empty({C * N_, H}, cd, MemCategory::CommBuffer, "invariant.gathered");
     if (cd != dtype) v.acc = be.empty({N_, H}, cd, MemCategory::Temporary, "invariant.sum");
     if (par.sequence_parallel) {
-      const std::int64_t G = std::max(H, param("wpe.weight").value.numel());
+      const std::int64_t G =
+          std::max(H, cfg.rope() ? std::int64_t{0} : param("wpe.weight").value.numel());
       v.grad_local = be.empty({Cl * G}, cd, MemCategory::Temporary, "invariant.grad.partials");
       v.grad_gathered = be.empty({C * G}, cd, MemCategory::CommBuffer, "invariant.grad.gathered");
       if (!par.loss_parallel) {
@@ -609,15 +609,22 @@ void ShardedGpt::token_chunk_sum(Tensor& grad, bool own_only,
                    own_only ? CombineOrder::OwnOnly : CombineOrder::Canonical);
 }
 
-void ShardedGpt::ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
-                             const Tensor& mean, const Tensor& rstd) {
-  if (!inv_ || !par_.sequence_parallel)
+void ShardedGpt::norm_weight_backward(Tensor& dinp, Parameter& p, const Tensor& dout,
+                                      const Tensor& inp, const Tensor& mean, const Tensor& rstd) {
+  const bool rms = cfg_.norm == NormKind::RMSNorm;  // (`mean` unused)
+  if (!inv_ || !par_.sequence_parallel) {
+    if (rms) return be_.rmsnorm_backward(dinp, p.grad, dout, inp, p.value, rstd);
     return be_.layernorm_backward(dinp, p.grad, dout, inp, p.value, mean, rstd);
+  }
   token_chunk_sum(p.grad, fault_ == Fault::SpLnGradNotSummed,
                   [&](Tensor& pj, std::int64_t row0, std::int64_t n) {
                     Tensor dx = dinp.narrow0(row0, n);
-                    be_.layernorm_backward(dx, pj, dout.narrow0(row0, n), inp.narrow0(row0, n),
-                                           p.value, mean.narrow0(row0, n), rstd.narrow0(row0, n));
+                    if (rms)
+                      be_.rmsnorm_backward(dx, pj, dout.narrow0(row0, n), inp.narrow0(row0, n),
+                                           p.value, rstd.narrow0(row0, n));
+                    else
+                      be_.layernorm_backward(dx, pj, dout.narrow0(row0, n), inp.narrow0(row0, n),
+                                             p.value, mean.narrow0(row0, n), rstd.narrow0(row0, n));
                   });
 }
 
@@ -637,9 +644,7 @@ void ShardedGpt::norm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Ten
 
 void ShardedGpt::norm_backward(Tensor& dinp, Parameter& w, Parameter* b, const Tensor& dout,
                                const Tensor& inp, const Tensor& mean, const Tensor& rstd) {
-  if (cfg_.norm == NormKind::RMSNorm)
-    return be_.rmsnorm_backward(dinp, w.grad, dout, inp, w.value, rstd);
-  ln_backward(dinp, w, dout, inp, mean, rstd);
+  norm_weight_backward(dinp, w, dout, inp, mean, rstd);
   if (b) token_bias_backward(*b, dout, fault_ == Fault::SpNormBiasGradNotSummed);
 }
 
@@ -1075,6 +1080,13 @@ void ShardedGpt::backward() {
       if (fault_ == Fault::GptUntiedEmbeddingGrad) be_.fill(pj, 0.0);
       else be_.gemm(pj, dlogits.narrow0(j * n, n), true, hf_full_.narrow0(j * n, n), false);
     }
+    if (!cfg_.tied_embeddings) {
+      // An untied head's gradient is complete: combined now, in the same buffers, which
+      // then start again from zero for the embedding's share of wte's.
+      Tensor none;
+      combine_partials(be_, comm_, inv_->k, head.grad, inv_->wte_local, inv_->wte_gathered, none, 0);
+      be_.fill(inv_->wte_local, 0.0);
+    }
   } else if (inv_) {
     inv_->cg.gemm(*dwte_head, dlogits, true, hf_full_, false,
                   {par_.loss_parallel ? inv_->Vc : 0, 0});
@@ -1200,17 +1212,20 @@ void ShardedGpt::backward() {
     // wpe's and (without loss parallel) wte's gradients sum over this rank's tokens: one
     // partial per token chunk, combined in chunk order.
     const int Cl = inv_->k.local();
-    Parameter& wpe = param("wpe.weight");  // (the invariant mode is the seed's model's)
-    const std::int64_t n = inv_->Nc, P = wpe.value.dim(0), H = wpe.value.dim(1);
-    Tensor local = inv_->grad_local.narrow0(0, Cl * P * H).reshape({Cl * P, H});
-    Tensor all = inv_->grad_gathered.narrow0(0, inv_->k.C * P * H).reshape({inv_->k.C * P, H});
-    for (int j = 0; j < Cl; ++j) {
-      Tensor pj = local.narrow0(j * P, P);
-      be_.fill(pj, 0.0);
-      be_.embedding_backward(pj, dx->narrow0(j * n, n), pos_.narrow0(j * n, n), 0);
-    }
+    const std::int64_t n = inv_->Nc;
     Tensor none;
-    combine_partials(be_, comm_, inv_->k, wpe.grad, local, all, none, 0);
+    if (!cfg_.rope()) {  // (RoPE has no wpe)
+      Parameter& wpe = param("wpe.weight");
+      const std::int64_t P = wpe.value.dim(0), H = wpe.value.dim(1);
+      Tensor local = inv_->grad_local.narrow0(0, Cl * P * H).reshape({Cl * P, H});
+      Tensor all = inv_->grad_gathered.narrow0(0, inv_->k.C * P * H).reshape({inv_->k.C * P, H});
+      for (int j = 0; j < Cl; ++j) {
+        Tensor pj = local.narrow0(j * P, P);
+        be_.fill(pj, 0.0);
+        be_.embedding_backward(pj, dx->narrow0(j * n, n), pos_.narrow0(j * n, n), 0);
+      }
+      combine_partials(be_, comm_, inv_->k, wpe.grad, local, all, none, 0);
+    }
     if (wte_chunked) {
       const std::int64_t V = wte.value.dim(0);
       for (int j = 0; j < Cl; ++j) {

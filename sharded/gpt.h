@@ -50,10 +50,11 @@ std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t);
 
 // Whether `c` is the seed's architecture.
 bool seed_architecture(const GptConfig& c);
-// Whether the TP-invariant mode covers `c`: LayerNorm (with or without bias), Linear
-// biases, exact or tanh GELU at 4H, learned positions, one kv head per head, tied
-// embeddings, any dropout: the seed's GPT and GPT-2. Not yet RMSNorm, SwiGLU, RoPE, GQA or
-// an untied head.
+// Whether the TP-invariant mode covers `c`: LayerNorm (with or without bias) or RMSNorm,
+// Linear biases, exact or tanh GELU at 4H, learned positions or RoPE, one kv head per
+// head, a tied or untied head, any dropout: the seed's GPT, GPT-2, and Llama's norm,
+// positions and head. Not yet SwiGLU or GQA, whose GEMMs' canonical tiles assume 4H and
+// one kv head per query head.
 bool tp_invariant_architecture(const GptConfig& c);
 
 // Throws UsageError unless tp t splits the kv heads: t divides them, or is a multiple of
@@ -113,10 +114,11 @@ class ShardedGpt final : public ShardedModel {
   // TP-invariant mode: out = the canonical sum of the partials in the invariant workspace
   // (rows [row0, row0 + out rows) of each), as f's backward or g would sum the ranks' shares.
   void combine(Tensor& out, std::int64_t row0, bool own_only = false, bool from_own_rank = false);
-  // LayerNorm backward; under the TP-invariant mode with sequence parallel, its weight
-  // gradient (a sum over this rank's tokens) as canonical token-chunk partials, combined.
-  void ln_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
-                   const Tensor& mean, const Tensor& rstd);
+  // The norm's backward (LayerNorm or RMSNorm) but its bias; under the TP-invariant mode
+  // with sequence parallel, its weight gradient (a sum over this rank's tokens) as
+  // canonical token-chunk partials, combined.
+  void norm_weight_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
+                            const Tensor& mean, const Tensor& rstd);
   // A replicated bias's gradient, dout [Nl,H] summed over this rank's tokens (+=); in the
   // TP-invariant mode under SP as canonical token-chunk partials, combined in chunk order
   // (own_only: the not-summed fault's own chunks).

@@ -147,6 +147,32 @@ TEST_CASE("the TP-invariant mode covers GPT-2: its biases, tanh GELU and dropout
   }
 }
 
+TEST_CASE("the TP-invariant mode covers Llama's RMSNorm, RoPE and untied head, bit for bit",
+          "[tp-invariant][cli]") {
+  // RMSNorm's weight under SP sums canonical token chunks as LayerNorm's does; RoPE rotates
+  // each element by its global position alone; an untied head's gradient under SP without
+  // loss parallel is combined from token chunks as wte's is. (Not yet: SwiGLU, GQA.)
+  const std::string llama =
+      "verify --model llama --mlp gelu --ffn-hidden 128 --kv-heads 8 --vocab-size 61 "
+      "--block-size 16 --hidden 32 --heads 8 --layers 2 --batch-size 2 --seq-len 16 --steps 3 "
+      "--tp-invariant ";
+  for (const char* dtype : {"f32", "bf16"})
+    for (const char* mode : {"", "--loss-parallel", "--sequence-parallel",
+                             "--loss-parallel --sequence-parallel"})
+      for (const char* rope : {"half", "interleaved"}) {
+        const auto r = run_tpsim(llama + "--tp 1,2,4,8 --dtype " + dtype + " --rope-style " + rope +
+                                 " " + mode);
+        INFO(dtype << " " << mode << " " << rope << "\n" << r.out);
+        REQUIRE(r.exit_code == 0);
+        CHECK(r.out.find("every tensor of every step bit-identical to tp 1") != std::string::npos);
+      }
+  // RMSNorm's SP weight gradient not summed breaks the bits at tp 2
+  const auto r = run_tpsim(llama + "--dtype f32 --sequence-parallel --tp 1,2 "
+                           "--inject-fault sp-ln-grad-not-summed");
+  INFO(r.out);
+  CHECK(r.exit_code == 1);
+}
+
 TEST_CASE("a single-element difference in one rank is reported by tensor, shard, step and index",
           "[tp-invariant]") {
   // tp 1's full ffn2 gradient [8,16]; tp 2's rank 1 holds columns [8,16), one of which has

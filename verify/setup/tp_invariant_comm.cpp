@@ -37,17 +37,20 @@ TpInvariantComm predict_tp_invariant_comm(const RunOptions& o, int tp) {
     add(c.added_all_gather, 1, Cl * N * ec);
     add(c.removed_all_reduce, 1, N * ec);
   }
-  if (sp) {  // replicated gradients summed over tokens: 2L + 1 LayerNorms (and their
-             // biases), the row-parallel biases (2 per layer), wpe, wte
+  if (sp) {  // replicated gradients summed over tokens: 2L + 1 norms (and LayerNorm
+             // biases), the row-parallel biases (2 per layer), wpe, wte (and lm_head)
     const std::int64_t norms = (2 * L + 1) * (o.gpt.norm_bias ? 2 : 1);
     const std::int64_t row_biases = o.gpt.linear_bias ? 2 * L : 0;
     add(c.added_all_gather, norms + row_biases, Cl * H * ec);
     add(c.removed_all_reduce, norms + row_biases, H * ec);
-    add(c.added_all_gather, 1, Cl * wpe * ec);
-    add(c.removed_all_reduce, 1, wpe * ec);
-    if (!lp) {
-      add(c.added_all_gather, 1, Cl * V * H * ec);
-      add(c.removed_all_reduce, 1, V * H * ec);
+    if (wpe > 0) {  // (RoPE has none)
+      add(c.added_all_gather, 1, Cl * wpe * ec);
+      add(c.removed_all_reduce, 1, wpe * ec);
+    }
+    if (!lp) {  // wte, and an untied head's weight
+      const std::int64_t heads = o.gpt.tied_embeddings ? 1 : 2;
+      add(c.added_all_gather, heads, Cl * V * H * ec);
+      add(c.removed_all_reduce, heads, V * H * ec);
       add(c.added_all_gather, 1, Cl * f64);  // the loss over row chunks
       add(c.removed_all_reduce, 1, f64);
     }

@@ -142,9 +142,9 @@ void check_tp_invariant(const RunOptions& o) {
   const int C = kCanonicalChunks;
   if (o.model != ModelKind::Gpt) throw UsageError("--tp-invariant: applies to --model gpt");
   if (!tp_invariant_architecture(o.gpt))
-    throw UsageError("--tp-invariant: not yet for this architecture (it covers the seed's GPT "
-                     "and GPT-2: LayerNorm, biases, GELU at 4H, learned positions, tied; not "
-                     "RMSNorm, SwiGLU, RoPE, --kv-heads or an untied head)");
+    throw UsageError("--tp-invariant: not yet for this architecture (it covers either norm, "
+                     "biases, GELU at 4H, either positions, tied or untied heads; not SwiGLU, "
+                     "--ffn-hidden other than 4H, or --kv-heads below --heads)");
   for (int t : o.tp)
     if (C % t != 0)
       throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
