@@ -565,8 +565,16 @@ TEST_CASE("check: reports go where the user said, the --dumps path escaped",
     INFO(r.out);
     REQUIRE(r.exit_code == 0);
     CHECK(fs::is_fifo(fifo));
-    for (int i = 0; i < 50 && read_text(got).empty(); ++i) usleep(100000);
-    CHECK(nlohmann::json::parse(read_text(got))["pass"] == true);
+    // cat copies as it reads, after check has exited: wait for the whole report (a file
+    // that is only non-empty may hold its first part; this raced under load, CI 2026-12-06).
+    std::string text;
+    for (int i = 0; i < 100; ++i) {
+      text = read_text(got);
+      if (!text.empty() && nlohmann::json::accept(text)) break;
+      usleep(100000);
+    }
+    REQUIRE(nlohmann::json::accept(text));
+    CHECK(nlohmann::json::parse(text)["pass"] == true);
   }
   SECTION("--json /dev/null: written in place, /dev/null stays a device") {
     const auto r = check(dir, "--json /dev/null");
