@@ -109,6 +109,13 @@ for dt in f32 bf16; do
     check "verify --tp-invariant seed gpt $dt ${mode:-plain} tp 1,2,4,8" \
       "$T" "${S[@]}" --model gpt --tp 1,2,4,8 --steps 3 --tp-invariant --dtype "$dt" $mode
   done
+  # GPT-2 and Llama (SwiGLU, GQA with 8 kv heads, RoPE, RMSNorm, untied), LP+SP
+  check "verify --tp-invariant gpt2 $dt lp+sp tp 1,2,4,8" "$T" "${S[@]}" --model gpt2 \
+    --preset small --hidden 64 --heads 8 --dropout 0.1 --tp 1,2,4,8 --steps 3 --tp-invariant \
+    --dtype "$dt" --loss-parallel --sequence-parallel
+  check "verify --tp-invariant llama $dt lp+sp tp 1,2,4,8" "$T" "${S[@]}" --model llama \
+    --preset small --hidden 64 --heads 8 --kv-heads 8 --tp 1,2,4,8 --steps 3 --tp-invariant \
+    --dtype "$dt" --loss-parallel --sequence-parallel
 done
 
 # compute-sanitizer (memcheck: out-of-bounds and misaligned accesses; initcheck: reads of

@@ -176,8 +176,9 @@ struct ShardedGpt::Workspace {
 };
 
 // The TP-invariant mode's state. Canonical sizes, the same at every TP degree: Hc = H/C
-// (a tile of q, k, v and o's inputs), Fc = 4H/C (ffn1's outputs, ffn2's inputs), Vc = Vp/C
-// (loss parallel), Nc = N/C (sequence parallel's token chunks).
+// (a tile of q and o's inputs), Kc = KV·d/C (of k and v), Fc = F/C (the MLP's outputs, of
+// each SwiGLU half, and the last Linear's inputs), Vc = Vp/C (loss parallel), Nc = N/C
+// (sequence parallel's token chunks).
 struct ShardedGpt::Invariant {
   Invariant(Backend& be, int r, int t) : cg(be) {
     k.rank = r;
@@ -185,7 +186,7 @@ struct ShardedGpt::Invariant {
   }
   CanonicalChunks k;
   CanonicalGemm cg;
-  std::int64_t Hc = 0, Fc = 0, Vc = 0, Nc = 0;
+  std::int64_t Hc = 0, Kc = 0, Fc = 0, Vc = 0, Nc = 0;
   Tensor local;     // [C/t·N,H]  this rank's partials of a split reduction (compute dtype)
   Tensor gathered;  // [C·N,H]    every rank's (tp > 1)
   Tensor acc;       // [N,H]      the f32 sum of a bf16 output, rounded once
@@ -234,7 +235,8 @@ bool seed_architecture(const GptConfig& c) {
 }
 
 bool tp_invariant_architecture(const GptConfig& c) {
-  return c.mlp != MlpKind::SwiGLU && c.ffn() == 4 * c.hidden && c.kv() == c.heads;
+  // The canonical tiles: KV·d and F cut into kCanonicalChunks (H's are checked with it).
+  return (c.kv() * c.head_dim()) % kCanonicalChunks == 0 && c.ffn() % kCanonicalChunks == 0;
 }
 
 Parameter& ShardedGpt::lm_head() {
@@ -273,9 +275,11 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     throw UsageError("--recompute-layers " + std::to_string(par.recompute_layers) +
                      ": a chunk of 1 to --layers (" + std::to_string(cfg.layers) + ") blocks");
   if (par.tp_invariant && !tp_invariant_architecture(cfg))
-    throw UsageError("--tp-invariant: not yet for this architecture (it covers either norm, "
-                     "biases, GELU at 4H, either positions, tied or untied heads; not SwiGLU, "
-                     "--ffn-hidden other than 4H, or --kv-heads below --heads)");
+    throw UsageError("--tp-invariant: the canonical tiles cut the k and v width (--kv-heads x "
+                     "head size) and the MLP width F into " + std::to_string(kCanonicalChunks) +
+                     " chunks; this architecture's are " +
+                     std::to_string(cfg.kv() * cfg.head_dim()) + " and " +
+                     std::to_string(cfg.ffn()));
   check_gpt_architecture(cfg);
   if (cfg.heads % t != 0)
     throw UsageError("--heads " + std::to_string(cfg.heads) + " do not split over tp " +
@@ -556,10 +560,15 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
                        std::to_string(C) + ", and hidden " + std::to_string(H) +
                        (par.sequence_parallel ? " and batch x sequence " + std::to_string(N_) : "") +
                        " be a multiple of " + std::to_string(C) + " (the canonical chunks)");
+    if (t > cfg.kv())
+      throw UsageError("--tp-invariant: tp " + std::to_string(t) + " exceeds the " +
+                       std::to_string(cfg.kv()) + " kv heads (their replicas' gradient sums "
+                       "are not in canonical order yet)");
     inv_ = std::make_unique<Invariant>(be, r, t);
     Invariant& v = *inv_;
     v.Hc = H / C;
-    v.Fc = 4 * H / C;
+    v.Kc = cfg.kv() * cfg.head_dim() / C;
+    v.Fc = cfg.ffn() / C;
     v.Vc = Vp_ / C;
     v.Nc = N_ / C;
     const DType cd = compute_dtype(dtype);
@@ -870,7 +879,8 @@ void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
       inv_->cg.gemm_k_chunk(pj, in, false, lin.weight->value, true, j * kc, kc);
     }
   };
-  const std::int64_t Hc = inv_ ? inv_->Hc : 0, Fc = inv_ ? inv_->Fc : 0;
+  const std::int64_t Hc = inv_ ? inv_->Hc : 0, Kc = inv_ ? inv_->Kc : 0,
+                     Fc = inv_ ? inv_->Fc : 0;
   const double scale = softmax_scale();
   const std::string pt = "act/h." + std::to_string(l) + ".";
   const std::string site = "dropout/h." + std::to_string(l) + ".";
@@ -881,8 +891,8 @@ void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
   forward_point(pt + "ln1.out", b.h1);
   enter_tp(b.h1_full, b.h1);
   col_forward(b.q, b.q_out, b.h1_full, Hc);
-  col_forward(b.k, b.k_out, b.h1_full, Hc);
-  col_forward(b.v, b.v_out, b.h1_full, Hc);
+  col_forward(b.k, b.k_out, b.h1_full, Kc);
+  col_forward(b.v, b.v_out, b.h1_full, Kc);
   if (cfg_.rope()) {
     be_.rope_forward(b.q_out, rope_pos_, Al, cfg_.rope_theta, rope_interleaved());
     be_.rope_forward(b.k_out, rope_pos_, b.k_out.dim(1) / cfg_.head_dim(), cfg_.rope_theta,
@@ -1041,16 +1051,21 @@ void ShardedGpt::backward() {
   // Column-parallel backward: dW written; the input gradient's share into dh_full (+= when
   // accumulate). Invariant: dW in tiles of `tile` output rows, the input gradient as one
   // partial per canonical chunk of `tile` outputs, into the invariant workspace.
+  // SwiGLU's fused [G_r | U_r] (`halves`): canonical chunk j of the input gradient is gate
+  // chunk j's product plus up chunk j's, in that order, at every degree.
   auto col_backward = [&](const ColumnParallelLinear& lin, const Tensor& dout, const Tensor& in,
-                          std::int64_t tile, bool accumulate) {
+                          std::int64_t tile, bool accumulate, bool halves = false) {
     if (!inv_) return lin.backward(be_, s.dh_full, dout, in, accumulate);
     inv_->cg.gemm(lin.weight->grad, dout, true, in, false, {tile, 0});
     // (each column summed over every token in row order: the same at any degree)
     if (lin.bias) be_.bias_backward(lin.bias->grad, dout);
+    const std::int64_t half = dout.dim(1) / 2;  // this rank's F/t
     for (int j = 0; j < inv_->k.local(); ++j) {
       Tensor pj = inv_->local.narrow0(j * N_, N_);  // [N,H]
       inv_->cg.gemm_k_chunk(pj, dout, false, lin.weight->value, false, j * tile, tile,
                             accumulate ? 1.0 : 0.0);
+      if (halves)
+        inv_->cg.gemm_k_chunk(pj, dout, false, lin.weight->value, false, half + j * tile, tile, 1.0);
     }
   };
   // Row-parallel backward; invariant: both products in tiles of `tile` input columns.
@@ -1060,7 +1075,8 @@ void ShardedGpt::backward() {
     inv_->cg.gemm(lin.weight->grad, dout, true, in, false, {0, tile});
     inv_->cg.gemm(dinp, dout, false, lin.weight->value, false, {0, tile});
   };
-  const std::int64_t Hc = inv_ ? inv_->Hc : 0, Fc = inv_ ? inv_->Fc : 0;
+  const std::int64_t Hc = inv_ ? inv_->Hc : 0, Kc = inv_ ? inv_->Kc : 0,
+                     Fc = inv_ ? inv_->Fc : 0;
   // SP without loss parallel, invariant: wte's gradient sums over this rank's tokens, so
   // it is kept as token-chunk partials until the embedding has added its share.
   const bool wte_chunked = inv_ && sp && !par_.loss_parallel;
@@ -1155,7 +1171,7 @@ void ShardedGpt::backward() {
       snap("mlp.ffn1.out.grad", s.du);
     }
     if (sp) gather_tokens(b.h2_full, b.h2);  // not saved: gather again
-    col_backward(b.mlp_in, s.du, b.h2_full, Fc, /*accumulate=*/false);
+    col_backward(b.mlp_in, s.du, b.h2_full, Fc, /*accumulate=*/false, cfg_.swiglu());
     Tensor& dh2 = f_backward();
     snap("ln2.out.grad", dh2);
     norm_backward(*dx, *b.ln2, b.ln2_b, dh2, b.x_mid, b.ln2_mean, b.ln2_rstd);
@@ -1193,8 +1209,8 @@ void ShardedGpt::backward() {
     }
     if (sp) gather_tokens(b.h1_full, b.h1);
     col_backward(b.q, s.dq, b.h1_full, Hc, /*accumulate=*/false);
-    col_backward(b.k, s.dk, b.h1_full, Hc, /*accumulate=*/true);
-    col_backward(b.v, s.dv, b.h1_full, Hc, /*accumulate=*/true);
+    col_backward(b.k, s.dk, b.h1_full, Kc, /*accumulate=*/true);
+    col_backward(b.v, s.dv, b.h1_full, Kc, /*accumulate=*/true);
     Tensor* dh1 = &s.dh_full;
     if (sp || fault_ != Fault::GptMissingF) dh1 = &f_backward();
     else if (inv_) dh1 = &f_backward(/*own_only=*/true);  // the missing f: own chunks only

@@ -50,11 +50,11 @@ std::int64_t padded_vocab(const GptConfig& c, const GptParallelism& p, int t);
 
 // Whether `c` is the seed's architecture.
 bool seed_architecture(const GptConfig& c);
-// Whether the TP-invariant mode covers `c`: LayerNorm (with or without bias) or RMSNorm,
-// Linear biases, exact or tanh GELU at 4H, learned positions or RoPE, one kv head per
-// head, a tied or untied head, any dropout: the seed's GPT, GPT-2, and Llama's norm,
-// positions and head. Not yet SwiGLU or GQA, whose GEMMs' canonical tiles assume 4H and
-// one kv head per query head.
+// Whether the TP-invariant mode's canonical tiles fit `c`: the k and v width (kv heads x
+// head size) and the MLP width F divide into kCanonicalChunks. Every other choice is
+// covered (either norm, biases, either GELU or SwiGLU, learned positions or RoPE, GQA, a
+// tied or untied head, dropout); a TP degree above the kv heads is refused apart (the
+// replicas' gradient sums are not canonical yet).
 bool tp_invariant_architecture(const GptConfig& c);
 
 // Throws UsageError unless tp t splits the kv heads: t divides them, or is a multiple of

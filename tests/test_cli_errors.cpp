@@ -50,8 +50,8 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
   expect_usage_error("verify --model llama --rope-theta 0.5", "--rope-theta");
   expect_usage_error("verify --model llama --preset small --ffn-hidden 102 --tp 4",
                      "does not divide the MLP width F = 102");
-  expect_usage_error("verify --model llama --preset small --tp-invariant --tp 1,2",
-                     "--tp-invariant: not yet for this architecture");
+  expect_usage_error("verify --model llama --preset small --kv-heads 2 --tp-invariant --tp 1,2,4",
+                     "--tp-invariant: tp 4 exceeds the 2 kv heads");
   expect_usage_error("verify --model gpt2 --norm nonsense", "--norm");
   expect_usage_error("verify --model gpt2 --dropout 1", "--dropout");
   expect_usage_error("verify --model gpt --recompute some", "--recompute");
@@ -68,8 +68,8 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
                      "--recompute-layers 2 or more");
   expect_usage_error("verify --model gpt2 --dropout -0.1", "--dropout");
   expect_usage_error("verify --model mlp --dropout 0.1", "apply to --model gpt, gpt2 and llama");
-  expect_usage_error("verify --model gpt2 --preset small --kv-heads 4 --tp-invariant --tp 1,2",
-                     "--tp-invariant: not yet for this architecture");
+  expect_usage_error("verify --model gpt2 --preset small --kv-heads 3 --tp-invariant --tp 1,2",
+                     "--tp-invariant: the canonical tiles cut the k and v width");
   // The dump's manifest has no architecture fields yet: check would replay the seed's GPT.
   expect_usage_error("train --model gpt --preset small --dropout 0.1 --tp 1 --dump " +
                          temp_path("dropout-dump"),

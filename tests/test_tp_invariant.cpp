@@ -147,30 +147,34 @@ TEST_CASE("the TP-invariant mode covers GPT-2: its biases, tanh GELU and dropout
   }
 }
 
-TEST_CASE("the TP-invariant mode covers Llama's RMSNorm, RoPE and untied head, bit for bit",
+TEST_CASE("the TP-invariant mode covers Llama: RMSNorm, SwiGLU, RoPE, GQA, an untied head",
           "[tp-invariant][cli]") {
-  // RMSNorm's weight under SP sums canonical token chunks as LayerNorm's does; RoPE rotates
-  // each element by its global position alone; an untied head's gradient under SP without
-  // loss parallel is combined from token chunks as wte's is. (Not yet: SwiGLU, GQA.)
+  // RMSNorm's weight under SP sums canonical token chunks as LayerNorm's does; SwiGLU's
+  // input gradient takes gate chunk j then up chunk j into canonical chunk j; k and v are
+  // tiled in KV·d/8 columns; RoPE rotates each element by its global position alone; an
+  // untied head's gradient under SP without loss parallel is combined from token chunks as
+  // wte's is. GQA with 2 kv heads at tp 1, 2 (tp 4 would replicate them: refused).
   const std::string llama =
-      "verify --model llama --mlp gelu --ffn-hidden 128 --kv-heads 8 --vocab-size 61 "
-      "--block-size 16 --hidden 32 --heads 8 --layers 2 --batch-size 2 --seq-len 16 --steps 3 "
-      "--tp-invariant ";
+      "verify --model llama --vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 2 "
+      "--batch-size 2 --seq-len 16 --steps 3 --tp-invariant ";
   for (const char* dtype : {"f32", "bf16"})
     for (const char* mode : {"", "--loss-parallel", "--sequence-parallel",
                              "--loss-parallel --sequence-parallel"})
-      for (const char* rope : {"half", "interleaved"}) {
-        const auto r = run_tpsim(llama + "--tp 1,2,4,8 --dtype " + dtype + " --rope-style " + rope +
-                                 " " + mode);
-        INFO(dtype << " " << mode << " " << rope << "\n" << r.out);
+      for (const char* shape : {"--kv-heads 8 --tp 1,2,4,8 --rope-style half",
+                                "--kv-heads 2 --tp 1,2 --rope-style interleaved",
+                                "--kv-heads 8 --tp 1,2,4,8 --mlp gelu --ffn-hidden 64"}) {
+        const auto r = run_tpsim(llama + shape + " --dtype " + dtype + " " + mode);
+        INFO(dtype << " " << mode << " " << shape << "\n" << r.out);
         REQUIRE(r.exit_code == 0);
         CHECK(r.out.find("every tensor of every step bit-identical to tp 1") != std::string::npos);
       }
   // RMSNorm's SP weight gradient not summed breaks the bits at tp 2
-  const auto r = run_tpsim(llama + "--dtype f32 --sequence-parallel --tp 1,2 "
-                           "--inject-fault sp-ln-grad-not-summed");
-  INFO(r.out);
-  CHECK(r.exit_code == 1);
+  for (const char* fault : {"sp-ln-grad-not-summed", "swiglu-gate-up-contiguous-split"}) {
+    const auto r = run_tpsim(llama + "--kv-heads 8 --dtype f32 --sequence-parallel --tp 1,2 "
+                             "--inject-fault " + std::string(fault));
+    INFO(fault << "\n" << r.out);
+    CHECK(r.exit_code == 1);
+  }
 }
 
 TEST_CASE("a single-element difference in one rank is reported by tensor, shard, step and index",

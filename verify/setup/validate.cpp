@@ -141,17 +141,24 @@ namespace {
 void check_tp_invariant(const RunOptions& o) {
   const int C = kCanonicalChunks;
   if (o.model != ModelKind::Gpt) throw UsageError("--tp-invariant: applies to --model gpt");
-  if (!tp_invariant_architecture(o.gpt))
-    throw UsageError("--tp-invariant: not yet for this architecture (it covers either norm, "
-                     "biases, GELU at 4H, either positions, tied or untied heads; not SwiGLU, "
-                     "--ffn-hidden other than 4H, or --kv-heads below --heads)");
-  for (int t : o.tp)
+  for (int t : o.tp) {
     if (C % t != 0)
       throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
                        std::to_string(C) + ", the number of canonical chunks");
+    if (t > o.gpt.kv())
+      throw UsageError("--tp-invariant: tp " + std::to_string(t) + " exceeds the " +
+                       std::to_string(o.gpt.kv()) + " kv heads (their replicas' gradient sums "
+                       "are not in canonical order yet)");
+  }
   if (o.gpt.hidden % C != 0)
     throw UsageError("--tp-invariant: --hidden " + std::to_string(o.gpt.hidden) +
                      " is not a multiple of " + std::to_string(C) + " (the canonical chunks)");
+  if (!tp_invariant_architecture(o.gpt))
+    throw UsageError("--tp-invariant: the canonical tiles cut the k and v width (--kv-heads x "
+                     "head size) and the MLP width F into " + std::to_string(kCanonicalChunks) +
+                     " chunks; this architecture's are " +
+                     std::to_string(o.gpt.kv() * o.gpt.head_dim()) + " and " +
+                     std::to_string(o.gpt.ffn()));
   if (!o.dump_dir.empty())  // its vocabulary padding (8·M at every t) is no layout the format names
     throw UsageError("--tp-invariant: --dump is not supported (docs/dump-format.md has no "
                      "layout for the mode's canonical vocabulary padding)");
