@@ -44,6 +44,18 @@ gpt=(--model gpt --vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 
 # and 1); recomputation, selective and full, bit for bit against the run without it.
 fam=(--vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32 --batch-size 2)
 failed=0
+# check_run COMM TP ARGS: one emulated verify run, its verdict printed, its failure kept.
+check_run() {
+  local comm=$1 tp=$2 args=$3 out
+  # shellcheck disable=SC2086
+  if out=$(build-emu/tpsim verify --backend cuda --comm "$comm" --tp "$tp" $args 2>&1); then
+    echo "ok   --comm $comm $args: $(grep '^verify:' <<<"$out")"
+  else
+    failed=1
+    echo "FAIL --comm $comm $args:"
+    tail -n 20 <<<"$out"
+  fi
+}
 for comm in sim nccl; do
   # f64 (the GPT's default) checks indexing to 1e-10; the f32 runs per communicator check
   # the float kernels' arithmetic at f32's tolerance, the bf16 runs the mixed-precision path
@@ -57,16 +69,7 @@ for comm in sim nccl; do
         "${fam[*]} --model llama --kv-heads 2 --recompute full --recompute-layers 2 --sequence-parallel --dtype bf16"
         "${fam[*]} --model llama --kv-heads 2 --sequence-parallel --dtype f32"
         "${fam[*]} --model llama --kv-heads 1 --rope-style interleaved --loss-parallel --sequence-parallel --dtype bf16")
-  for args in "${runs[@]}"; do
-    # shellcheck disable=SC2086
-    if out=$(build-emu/tpsim verify --backend cuda --comm "$comm" --tp 1,2,4,8 $args 2>&1); then
-      echo "ok   --comm $comm $args: $(grep '^verify:' <<<"$out")"
-    else
-      failed=1
-      echo "FAIL --comm $comm $args:"
-      tail -n 20 <<<"$out"
-    fi
-  done
+  for args in "${runs[@]}"; do check_run "$comm" 1,2,4,8 "$args"; done
 done
 # Data parallelism around TP (docs/models.md): a DP group beside each TP group, each of
 # the communicator's kind, with the clip norm's collective over the TP group; batch 4, two
@@ -76,14 +79,7 @@ dp=(--vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 
 for comm in sim nccl; do
   for args in "${dp[*]} --model gpt --clip-grad 0.5 --loss-parallel" \
               "${dp[*]} --model llama --kv-heads 2 --clip-grad 0.3 --sequence-parallel --dtype bf16"; do
-    # shellcheck disable=SC2086
-    if out=$(build-emu/tpsim verify --backend cuda --comm "$comm" --tp 1,2,4 $args 2>&1); then
-      echo "ok   --comm $comm $args: $(grep '^verify:' <<<"$out")"
-    else
-      failed=1
-      echo "FAIL --comm $comm $args:"
-      tail -n 20 <<<"$out"
-    fi
+    check_run "$comm" 1,2,4 "$args"
   done
 done
 # The TP-invariant mode, with cuBLAS's sums made shape-dependent (cuda_emu's split-K by

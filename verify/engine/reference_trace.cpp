@@ -229,10 +229,10 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
       }
     if (!st) st = &slot(s);
     st->clipped = clipped;
-    if (o.clip_grad > 0) StepWriter(*st, storage).put("grad_norm", grad_norm);
     st->step = s;
     st->loss = loss;
     StepWriter w(*st, storage);
+    if (o.clip_grad > 0) w.put("grad_norm", grad_norm);
     if constexpr (requires { model.output(); })
       w.put(output_name, model.output());
     else

@@ -46,9 +46,10 @@ RunInputs prepare_inputs(const RunOptions& o) {
   } else {
     in.gpt_batch = make_gpt_batch(o.gpt, o.batch_size, o.seq_len, o.seed);
   }
-  if (o.model == ModelKind::Gpt && in.gpt_batch.B % o.dp != 0)
-    throw UsageError("--dp " + std::to_string(o.dp) + ": the batch's " +
-                     std::to_string(in.gpt_batch.B) + " rows do not split evenly over the replicas");
+  if (o.dp > 1 && in.gpt_batch.B % o.dp != 0)  // (the MLP refuses --dp)
+    throw UsageError("--dp " + std::to_string(o.dp) + ": a batch of " +
+                     std::to_string(in.gpt_batch.B) + " rows does not split evenly over the "
+                     "replicas (choose --batch-size)");
   if (!o.load_path.empty()) in.loaded = load_weights(o.load_path, param_specs(o));
   return in;
 }

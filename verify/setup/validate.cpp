@@ -136,6 +136,19 @@ FaultTarget fault_target(const RunOptions& o) {
 
 namespace {
 
+// The MLP's refusals of the GPT's flags, each naming its flag.
+void check_no_gpt_flags(const RunOptions& o) {
+  if (o.loss_parallel || o.sequence_parallel)
+    throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
+  if (o.recompute != RecomputeKind::None)
+    throw UsageError("--recompute applies to --model gpt, gpt2 and llama");
+  if (!seed_architecture(o.gpt))
+    throw UsageError("the architecture flags (--norm, --mlp, --kv-heads, ...) apply to --model "
+                     "gpt, gpt2 and llama");
+  if (o.dp > 1 || o.clip_grad > 0)
+    throw UsageError("--dp and --clip-grad apply to --model gpt, gpt2 and llama");
+}
+
 // The TP-invariant mode's rules (sharded/tp_invariant.h): kCanonicalChunks chunks of every
 // split extent, the same at every degree.
 void check_tp_invariant(const RunOptions& o) {
@@ -179,8 +192,7 @@ void validate_run_options(const RunOptions& o) {
               std::numeric_limits<double>::infinity());
   check_float("--timeout", o.timeout_s, 0, false, kMaxTimeout);
   check_int("--batch-size", o.model == ModelKind::Mlp ? o.mlp.batch : o.batch_size, 1, kMaxBatch);
-  if (o.model == ModelKind::Mlp && (o.loss_parallel || o.sequence_parallel))
-    throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
+  if (o.model == ModelKind::Mlp) check_no_gpt_flags(o);
 
   const auto& g = o.gpt;
   check_int("--vocab-size", g.vocab_size, 2, kMaxVocab);
@@ -198,12 +210,7 @@ void validate_run_options(const RunOptions& o) {
     check_int("--recompute-layers", o.recompute_layers, 1, std::max<std::int64_t>(g.layers, 1));
   else if (o.recompute_layers != 1)
     throw UsageError("--recompute-layers applies to --recompute full");
-  if (o.model == ModelKind::Mlp && o.recompute != RecomputeKind::None)
-    throw UsageError("--recompute applies to --model gpt, gpt2 and llama");
   check_gpt_architecture(g);
-  if (o.model == ModelKind::Mlp && !seed_architecture(g))
-    throw UsageError("the architecture flags (--norm, --mlp, --kv-heads, ...) apply to --model "
-                     "gpt, gpt2 and llama");
   if (o.model == ModelKind::Gpt && gpt_values(o) > kMaxValues)
     throw UsageError("--vocab-size " + std::to_string(g.vocab_size) + ", --hidden " +
                      std::to_string(g.hidden) + ", --layers " + std::to_string(g.layers) +
@@ -218,11 +225,6 @@ void validate_run_options(const RunOptions& o) {
                        std::to_string(static_cast<std::int64_t>(t) * o.dp) +
                        " ranks (allowed at most " + std::to_string(kMaxRanks) + ")");
   check_float("--clip-grad", o.clip_grad, 0, true, std::numeric_limits<double>::infinity());
-  if (o.model == ModelKind::Mlp && (o.dp > 1 || o.clip_grad > 0))
-    throw UsageError("--dp and --clip-grad apply to --model gpt, gpt2 and llama");
-  if (o.model == ModelKind::Gpt && o.dp > 1 && o.data_path.empty() && o.batch_size % o.dp != 0)
-    throw UsageError("--dp " + std::to_string(o.dp) + ": --batch-size " +
-                     std::to_string(o.batch_size) + " does not split evenly over the replicas");
   if (o.tp_invariant && (o.dp > 1 || o.clip_grad > 0))
     throw UsageError("--tp-invariant: not yet with --dp or --clip-grad (their sums over the "
                      "groups are not in canonical order)");
