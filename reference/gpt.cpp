@@ -4,8 +4,10 @@
 // V vocabulary. Linear weights are [out,in], y = x W^T.
 #include "reference/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <numbers>
 #include <string>
 #include <thread>
@@ -59,6 +61,56 @@ void norm_backward(Matrix<S>& dx, Matrix<S>& dw, Matrix<S>* db, const Matrix<S>&
     const S m2 = dxhat.row(n).dot(xhat.row(n)) / static_cast<S>(H);
     dx.row(n).array() += rstd(n) * (dxhat.row(n).array() - m1 - xhat.row(n).array() * m2);
   }
+}
+
+// ---------------------------------------------------------------- cancellation
+
+// Where the backward subtracts nearly equal numbers, its result keeps the absolute error
+// of what it subtracted: a norm's backward whose gradient nearly lies along what the row
+// statistics project out, the softmax backward's dP − rowsum(P∘dP) when a row's
+// probabilities sit on a few keys, cross-entropy's p − onehot where p nears its label.
+// So every backward tensor t [N, W] carries error factors a [N, G] (G column groups of
+// W/G, one per head for attention's q, k and v, else 1): its row n, group g, may be a(n, g)
+// times as far off, relative to itself, as the chain model allows a tensor without
+// cancellation (docs/tolerances.md, "Cancellation in the backward"). Factors are at least
+// 1, and a linear or elementwise op passes them on; rounding errors of independent parts
+// of a sum add in quadrature, so a sum without cancellation keeps factor 1.
+
+// E [N, W]: t with each group of columns scaled by its factor, the size of t's error.
+template <class S>
+Matrix<S> scaled(const Matrix<S>& t, const Matrix<S>& a) {
+  const Index G = a.cols(), w = t.cols() / G;
+  Matrix<S> e(t.rows(), t.cols());  // [N, W]
+  for (Index g = 0; g < G; ++g)
+    e.middleCols(g * w, w) = t.middleCols(g * w, w).array().colwise() * a.col(g).array();
+  return e;
+}
+
+// The squared error norm of each row of a tensor [N, W] with factors a [N, G].
+template <class S>
+Vector<S> row_errors_sq(const Matrix<S>& t, const Matrix<S>& a) {
+  return scaled(t, a).rowwise().squaredNorm();
+}
+
+// Factors [N, 1] of a tensor whose rows' squared error norms are e2: sqrt(e2)/‖row‖, at
+// least 1 (1 for a zero row, which has nothing to be relative to).
+template <class S>
+Matrix<S> factors_of(const Vector<S>& e2, const Matrix<S>& t) {
+  Matrix<S> a(t.rows(), 1);  // [N, 1]
+  for (Index n = 0; n < t.rows(); ++n) {
+    const S norm = t.row(n).norm();
+    a(n, 0) = norm > 0 ? std::max(S(1), std::sqrt(e2(n)) / norm) : S(1);
+  }
+  return a;
+}
+
+// A norm's backward adds rstd·Π(dout∘w) to each row, Π the projection away from the row
+// statistics (norm 1): its error is that of dout∘w, scaled by rstd, whatever Π removed.
+template <class S>
+Vector<S> norm_backward_errors_sq(const Matrix<S>& dout, const Matrix<S>& a, const Vector<S>& rstd,
+                                  const Matrix<S>& w) {
+  const Matrix<S> dxhat = dout.array().rowwise() * w.row(0).array();  // [N, H]
+  return row_errors_sq(dxhat, a).cwiseProduct(rstd.cwiseAbs2());
 }
 
 // ---------------------------------------------------------------- two cores
@@ -236,17 +288,29 @@ void attention_forward(Matrix<S>& y, Matrix<S>& att, Matrix<S>& att_drop, const 
 // dV = Pd^T dY; dP = dropout(dY V^T) (the same mask); dS = P * (dP - rowsum(P * dP))
 // (softmax backward, row-wise); dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d). A kv head's dK
 // and dV sum over the query heads of its group. Without dropout Pd is P.
+//
+// Error factors ("cancellation" above), from dY's a_dy [N, 1]: dS's row t keeps dP's error,
+// r = a_dy·rms(dP_t) over its t+1 keys per element, through both terms: r·‖P_t‖ through
+// P∘dP and r·‖P_t‖² through the row sum; dQ's row takes that relative to ‖dS_t‖ (a_dq
+// [N, A]). A key's dK and dV rows sum one term per query, dS_ts·Q_t and Pd_ts·dY_t: their
+// factors are the queries' factors weighted by those terms' sizes (a_dk, a_dv [N, KV]).
 template <class S>
-void attention_backward(Matrix<S>& dq, Matrix<S>& dk, Matrix<S>& dv, const Matrix<S>& dy,
-                        const Matrix<S>& att, const Matrix<S>& att_drop, const Matrix<S>& q,
-                        const Matrix<S>& k, const Matrix<S>& v, Index B, Index T, Index A,
-                        const Dropout<S>& drop) {
-  const Index H = q.cols(), d = H / A, KVW = k.cols(), group = A / (KVW / d);
+void attention_backward(Matrix<S>& dq, Matrix<S>& dk, Matrix<S>& dv, Matrix<S>& a_dq,
+                        Matrix<S>& a_dk, Matrix<S>& a_dv, const Matrix<S>& dy,
+                        const Matrix<S>& a_dy, const Matrix<S>& att, const Matrix<S>& att_drop,
+                        const Matrix<S>& q, const Matrix<S>& k, const Matrix<S>& v, Index B,
+                        Index T, Index A, const Dropout<S>& drop) {
+  const Index H = q.cols(), d = H / A, KVW = k.cols(), KV = KVW / d, group = A / KV;
   const S scale = S(1) / std::sqrt(static_cast<S>(d));
   dq.resize(B * T, H);                 // [N, H]
   dk = Matrix<S>::Zero(B * T, KVW);    // [N, KV*d]
   dv = Matrix<S>::Zero(B * T, KVW);    // [N, KV*d]
+  a_dq.resize(B * T, A);               // [N, A]
+  // Σ over queries of (factor·term)² and of term², per key and kv head: [N, KV] each
+  Matrix<S> k_num = Matrix<S>::Zero(B * T, KV), k_den = Matrix<S>::Zero(B * T, KV);
+  Matrix<S> v_num = Matrix<S>::Zero(B * T, KV), v_den = Matrix<S>::Zero(B * T, KV);
   Matrix<S> dP(T, T);   // [T, T] gradient of the probabilities, then of the scores
+  Vector<S> w(T);       // [T] a query's squared norm, then with its factor
   for (Index b = 0; b < B; ++b)
     for (Index j = 0; j < A; ++j) {
       const Index kv = (j / group) * d;
@@ -256,16 +320,36 @@ void attention_backward(Matrix<S>& dq, Matrix<S>& dk, Matrix<S>& dv, const Matri
       auto dY = dy.block(b * T, j * d, T, d);            // [T, d]
       const auto P = att.block((b * A + j) * T, 0, T, T);  // [T, T]
       const auto Pd = (drop.on() ? att_drop : att).block((b * A + j) * T, 0, T, T);  // [T, T]
+      const auto ay = a_dy.col(0).segment(b * T, T).array();  // [T]
       dv.block(b * T, kv, T, d).noalias() += Pd.transpose() * dY;
+      w = dY.rowwise().squaredNorm();
+      v_den.block(b * T, j / group, T, 1) += Pd.cwiseAbs2().transpose() * w;
+      w.array() *= ay.square();
+      v_num.block(b * T, j / group, T, 1) += Pd.cwiseAbs2().transpose() * w;
       dP.noalias() = dY * V.transpose();
       drop.apply(dP, static_cast<std::uint64_t>((b * A + j) * T * T));
       for (Index t = 0; t < T; ++t) {
+        // One key (t = 0): P_t = 1 and dS_t = dP_t − dP_t, exactly 0 in any precision.
+        const S r = t > 0 ? ay(t) * dP.row(t).head(t + 1).norm() / std::sqrt(static_cast<S>(t + 1)) : S(0);
+        const S p2 = P.row(t).squaredNorm();
         const S dot = P.row(t).dot(dP.row(t));
         dP.row(t) = P.row(t).cwiseProduct((dP.row(t).array() - dot).matrix());
+        const S ds = dP.row(t).norm();
+        a_dq(b * T + t, j) = std::max(ay(t), ds > 0 ? r * std::sqrt(p2 * (1 + p2)) / ds : S(0));
       }
+      w = Q.rowwise().squaredNorm();
+      k_den.block(b * T, j / group, T, 1) += dP.cwiseAbs2().transpose() * w;
+      w.array() *= a_dq.col(j).segment(b * T, T).array().square();
+      k_num.block(b * T, j / group, T, 1) += dP.cwiseAbs2().transpose() * w;
       dq.block(b * T, j * d, T, d).noalias() = scale * dP * K;
       dk.block(b * T, kv, T, d).noalias() += scale * dP.transpose() * Q;
     }
+  // sqrt(num/den), at least 1 (1 where no term reached the key)
+  const auto weighted = [](const Matrix<S>& num, const Matrix<S>& den) {
+    return Matrix<S>((num.array() / den.array().max(std::numeric_limits<S>::min())).sqrt().max(S(1)));
+  };
+  a_dk = weighted(k_num, k_den);
+  a_dv = weighted(v_num, v_den);
 }
 
 // ---------------------------------------------------------------- exact GELU
@@ -444,6 +528,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   };
   // term_scales() of a Linear (weight dW = dyᵀx and bias db = Σ dy, when it has one):
   // weight rows_sq[i] = Σ_n dy_ni²·‖x_n‖², cols_sq[j] = Σ_n ‖dy_n‖²·x_nj²; bias Σ_n dy_nj².
+  // Each term carries dy's error factors: dy here is scaled(dy, its factors).
   const auto terms = [this](const std::string& name, const Matrix<S>& dy, const Matrix<S>& x) {
     TermScale& w = terms_[name + ".weight.grad"];
     w.rows_sq = dy.array().square().matrix().transpose() * x.rowwise().squaredNorm();
@@ -451,7 +536,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     if (params_.count(name + ".bias"))
       terms_[name + ".bias.grad"].rows_sq = dy.array().square().colwise().sum().transpose();
   };
-  // A norm's: weight Σ_n (dout_nj·xhat_nj)², bias Σ_n dout_nj².
+  // A norm's: weight Σ_n (dout_nj·xhat_nj)², bias Σ_n dout_nj² (dout scaled likewise).
   const auto norm_terms = [this](const std::string& name, const Matrix<S>& dout,
                                  const Matrix<S>& xhat) {
     terms_[name + ".weight.grad"].rows_sq =
@@ -473,6 +558,11 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   // A copy of an activation point as computed here (storage reused across steps).
   const auto note = [this](const std::string& name, const Matrix<S>& m) {
     if (record_) points_[name] = m;
+  };
+  // A backward point with its error factors (error_factors()).
+  const auto note_grad = [&](const std::string& name, const Matrix<S>& m, const Matrix<S>& a) {
+    note(name, m);
+    factors_[name] = a;
   };
 
   // This step's dropout at each site: its masks are drawn by global index, keyed by the
@@ -550,95 +640,119 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   for (Index m = 0; m < M; ++m) lnf_rows.row(m) = lnf_out_.row(rows.row[static_cast<std::size_t>(m)]);
   Matrix<S> dlnf_rows = Matrix<S>::Zero(M, H);  // [M, H]
   matmul_backward(dlnf_rows, G(head), dlogits_, lnf_rows, P(head));
-  terms(head.substr(0, head.size() - 7), dlogits_, lnf_rows);  // "wte" or "lm_head"
+  // dlogits = (p − onehot)/M keeps p's error: factor ‖p_m‖/‖p_m − onehot‖ per row.
+  Matrix<S> a_loss(M, 1);  // [M, 1]
+  for (Index m = 0; m < M; ++m) {
+    const S g2 = dlogits_.row(m).squaredNorm(), gy = dlogits_(m, rows.target[static_cast<std::size_t>(m)]);
+    const S p2 = static_cast<S>(M) * static_cast<S>(M) * g2 + 2 * static_cast<S>(M) * gy + 1;
+    a_loss(m, 0) = g2 > 0 ? std::max(S(1), std::sqrt(std::max(p2, S(0)) / g2) / static_cast<S>(M)) : S(1);
+  }
+  terms(head.substr(0, head.size() - 7), scaled(dlogits_, a_loss), lnf_rows);  // "wte" or "lm_head"
   Matrix<S> dlnf_out = Matrix<S>::Zero(N, H);  // [N, H], zero where no loss was taken
-  for (Index m = 0; m < M; ++m) dlnf_out.row(rows.row[static_cast<std::size_t>(m)]) = dlnf_rows.row(m);
+  Matrix<S> a_x = Matrix<S>::Ones(N, 1);       // [N, 1] factors of the residual stream's gradient
+  for (Index m = 0; m < M; ++m) {
+    dlnf_out.row(rows.row[static_cast<std::size_t>(m)]) = dlnf_rows.row(m);
+    a_x(rows.row[static_cast<std::size_t>(m)], 0) = a_loss(m, 0);
+  }
   if (record_) {
     Matrix<S>& dl = points_["act/logits.grad"];  // [N, V], zero where no loss was taken
     resize_on_huge_pages(dl, N, logits_.cols());
     dl.setZero();
     for (Index m = 0; m < M; ++m) dl.row(rows.row[static_cast<std::size_t>(m)]) = dlogits_.row(m);
   }
-  note("act/ln_f.out.grad", dlnf_out);
+  factors_["act/logits.grad"] = a_x;
+  note_grad("act/ln_f.out.grad", dlnf_out, a_x);
 
   Matrix<S> dx = Matrix<S>::Zero(N, H);  // [N, H] gradient of the residual stream
   norm_backward(dx, G("ln_f.weight"), Gb("ln_f"), dlnf_out, lnf_xhat_, lnf_rstd_, P("ln_f.weight"),
                 c.norm);
-  norm_terms("ln_f", dlnf_out, lnf_xhat_);
+  norm_terms("ln_f", scaled(dlnf_out, a_x), lnf_xhat_);
+  a_x = factors_of(norm_backward_errors_sq(dlnf_out, a_x, lnf_rstd_, P("ln_f.weight")), dx);
   Matrix<S> dact, dpre, dup;  // [N, F] through the MLP
   Matrix<S> dln, dmid;        // [N, H] a norm's output gradient; attention output gradient
   Matrix<S> dbranch;          // [N, H] a residual branch's output gradient, through its dropout
   Matrix<S> dq, dk, dv;       // [N, H], [N, KV*d], [N, KV*d]
+  Matrix<S> part;             // [N, H] one Linear's share of a norm's output gradient
+  Matrix<S> a_ln, a_q, a_k, a_v;  // [N, 1], [N, A], [N, KV], [N, KV] error factors
+  Vector<S> e2;               // [N] squared error norms of a sum's rows
+  // dln = Σ over Linears of dy W, each part with dy's factors (in quadrature: "cancellation").
+  const auto linear_part = [&](const std::string& name, const Matrix<S>& dy, const Matrix<S>& a_dy,
+                               const Matrix<S>& in) {
+    part = Matrix<S>::Zero(N, H);
+    linear_backward(part, G(name + ".weight"), Gb(name), dy, in, P(name + ".weight"));
+    terms(name, scaled(dy, a_dy), in);
+    const Vector<S> dy_sq = dy.rowwise().squaredNorm();  // [N] dy's combined row factor, squared
+    const Vector<S> a2 = row_errors_sq(dy, a_dy).cwiseQuotient(dy_sq.cwiseMax(std::numeric_limits<S>::min()));
+    e2 += part.rowwise().squaredNorm().cwiseProduct(a2.cwiseMax(S(1)));
+    dln += part;
+  };
+  // dx += a norm's backward: the residual's error and the norm's, in quadrature.
+  const auto norm_part = [&](const std::string& name, const Matrix<S>& xhat, const Vector<S>& rstd) {
+    e2 = row_errors_sq(dx, a_x) + norm_backward_errors_sq(dln, a_ln, rstd, P(name + ".weight"));
+    norm_backward(dx, G(name + ".weight"), Gb(name), dln, xhat, rstd, P(name + ".weight"), c.norm);
+    norm_terms(name, scaled(dln, a_ln), xhat);
+    a_x = factors_of(e2, dx);
+  };
   for (Index l = L - 1; l >= 0; --l) {
     const BlockActs& a = blocks_[static_cast<std::size_t>(l)];
     const std::string p = block(l), pt = "act/" + p;
-    note(pt + "residual.out.grad", dx);
+    note_grad(pt + "residual.out.grad", dx, a_x);
     // x_out = x_mid + dropout(mlp(ln2(x_mid))): the residual passes dx through as is, the
     // branch gets it through its mask.
     dbranch = dx;
     dropout(p + "mlp.residual").apply(dbranch);
-    note(pt + mlp.back() + ".out.grad", dbranch);
+    note_grad(pt + mlp.back() + ".out.grad", dbranch, a_x);
     dact = Matrix<S>::Zero(N, F);
     linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dbranch, a.ffn_act,
                     P(p + mlp.back() + ".weight"));
-    terms(p + mlp.back(), dbranch, a.ffn_act);
+    terms(p + mlp.back(), scaled(dbranch, a_x), a.ffn_act);
     dln = Matrix<S>::Zero(N, H);
+    e2 = Vector<S>::Zero(N);
     if (c.swiglu()) {
-      note(pt + "mlp.swiglu.out.grad", dact);
+      note_grad(pt + "mlp.swiglu.out.grad", dact, a_x);
       swiglu_backward(dpre, dup, a.ffn_pre, a.ffn_up, dact);
-      note(pt + mlp[0] + ".out.grad", dpre);
-      note(pt + mlp[1] + ".out.grad", dup);
-      linear_backward(dln, G(p + mlp[1] + ".weight"), Gb(p + mlp[1]), dup, a.ln2_out,
-                      P(p + mlp[1] + ".weight"));
-      terms(p + mlp[1], dup, a.ln2_out);
+      note_grad(pt + mlp[0] + ".out.grad", dpre, a_x);
+      note_grad(pt + mlp[1] + ".out.grad", dup, a_x);
+      linear_part(p + mlp[1], dup, a_x, a.ln2_out);
     } else {
-      note(pt + "mlp.gelu.out.grad", dact);
+      note_grad(pt + "mlp.gelu.out.grad", dact, a_x);
       if (c.mlp == MlpKind::GeluTanh) gelu_tanh_backward(dpre, a.ffn_pre, dact);
       else gelu_backward(dpre, a.ffn_pre, dact);
-      note(pt + mlp[0] + ".out.grad", dpre);
+      note_grad(pt + mlp[0] + ".out.grad", dpre, a_x);
     }
-    linear_backward(dln, G(p + mlp[0] + ".weight"), Gb(p + mlp[0]), dpre, a.ln2_out,
-                    P(p + mlp[0] + ".weight"));
-    terms(p + mlp[0], dpre, a.ln2_out);
-    norm_backward(dx, G(p + "ln2.weight"), Gb(p + "ln2"), dln, a.ln2_xhat, a.ln2_rstd,
-                  P(p + "ln2.weight"), c.norm);
-    norm_terms(p + "ln2", dln, a.ln2_xhat);
-    note(pt + "ln2.out.grad", dln);
-    note(pt + "residual.mid.grad", dx);
+    linear_part(p + mlp[0], dpre, a_x, a.ln2_out);
+    a_ln = factors_of(e2, dln);
+    norm_part(p + "ln2", a.ln2_xhat, a.ln2_rstd);
+    note_grad(pt + "ln2.out.grad", dln, a_ln);
+    note_grad(pt + "residual.mid.grad", dx, a_x);
     // x_mid = x_in + dropout(o_proj(attention(q, k, v))), q/k/v all from ln1(x_in).
     dbranch = dx;
     dropout(p + "attn.residual").apply(dbranch);
-    note(pt + "attn.o.out.grad", dbranch);
+    note_grad(pt + "attn.o.out.grad", dbranch, a_x);
     dmid = Matrix<S>::Zero(N, H);
     linear_backward(dmid, G(p + "attn.o_proj.weight"), Gb(p + "attn.o_proj"), dbranch, a.att_y,
                     P(p + "attn.o_proj.weight"));
-    terms(p + "attn.o_proj", dbranch, a.att_y);
-    attention_backward(dq, dk, dv, dmid, a.att, a.att_drop, a.q, a.k, a.v, B, T, A,
-                       dropout(p + "attn.probs"));
-    note(pt + "attn.out.grad", dmid);
-    note(pt + "attn.q.grad", dq);
-    note(pt + "attn.k.grad", dk);
-    note(pt + "attn.v.grad", dv);
-    if (c.rope()) {
+    terms(p + "attn.o_proj", scaled(dbranch, a_x), a.att_y);
+    attention_backward(dq, dk, dv, a_q, a_k, a_v, dmid, a_x, a.att, a.att_drop, a.q, a.k, a.v, B,
+                       T, A, dropout(p + "attn.probs"));
+    note_grad(pt + "attn.out.grad", dmid, a_x);
+    note_grad(pt + "attn.q.grad", dq, a_q);
+    note_grad(pt + "attn.k.grad", dk, a_k);
+    note_grad(pt + "attn.v.grad", dv, a_v);
+    if (c.rope()) {  // rotates pairs within a head: rows and heads keep their factors
       rope_rotate(dq, T, A, c, -1.0);
       rope_rotate(dk, T, c.kv(), c, -1.0);
     }
     dln = Matrix<S>::Zero(N, H);
-    linear_backward(dln, G(p + "attn.q_proj.weight"), Gb(p + "attn.q_proj"), dq, a.ln1_out,
-                    P(p + "attn.q_proj.weight"));
-    linear_backward(dln, G(p + "attn.k_proj.weight"), Gb(p + "attn.k_proj"), dk, a.ln1_out,
-                    P(p + "attn.k_proj.weight"));
-    linear_backward(dln, G(p + "attn.v_proj.weight"), Gb(p + "attn.v_proj"), dv, a.ln1_out,
-                    P(p + "attn.v_proj.weight"));
-    terms(p + "attn.q_proj", dq, a.ln1_out);
-    terms(p + "attn.k_proj", dk, a.ln1_out);
-    terms(p + "attn.v_proj", dv, a.ln1_out);
-    norm_backward(dx, G(p + "ln1.weight"), Gb(p + "ln1"), dln, a.ln1_xhat, a.ln1_rstd,
-                  P(p + "ln1.weight"), c.norm);
-    norm_terms(p + "ln1", dln, a.ln1_xhat);
-    note(pt + "ln1.out.grad", dln);
+    e2 = Vector<S>::Zero(N);
+    linear_part(p + "attn.q_proj", dq, a_q, a.ln1_out);
+    linear_part(p + "attn.k_proj", dk, a_k, a.ln1_out);
+    linear_part(p + "attn.v_proj", dv, a_v, a.ln1_out);
+    a_ln = factors_of(e2, dln);
+    norm_part(p + "ln1", a.ln1_xhat, a.ln1_rstd);
+    note_grad(pt + "ln1.out.grad", dln, a_ln);
   }
-  note("act/embedding.out.grad", dx);
+  note_grad("act/embedding.out.grad", dx, a_x);
   dropout("embedding").apply(dx);  // now the gradient of the embeddings' sum
   // A lookup's gradient is a scatter-add: a token used twice gets both rows' gradients.
   for (Index n = 0; n < N; ++n) {
@@ -646,8 +760,9 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     if (!c.rope()) G("wpe.weight").row(n % T) += dx.row(n);
   }
   // Their terms: dx_n, in row id_n (wte: beside the tied head's) and position n mod T.
-  const Vector<S> dx_sq = dx.rowwise().squaredNorm();                  // [N]
-  const Vector<S> col_sq = dx.array().square().colwise().sum().transpose();  // [H]
+  const Matrix<S> ex = scaled(dx, a_x);                                // [N, H] with its factors
+  const Vector<S> dx_sq = ex.rowwise().squaredNorm();                  // [N]
+  const Vector<S> col_sq = ex.array().square().colwise().sum().transpose();  // [H]
   auto lookup_terms = [&](const std::string& name, Index table_rows, auto&& row_of) {
     TermScale& t = terms_[name];
     if (t.rows_sq.size() != table_rows || !(name == "wte.weight.grad" && c.tied_embeddings)) {

@@ -59,6 +59,13 @@ class Gpt {
     Vector<S> cols_sq;  // [dim 1]; empty for a vector
   };
   const std::map<std::string, TermScale>& term_scales() const { return terms_; }
+  // Where the backward subtracts nearly equal numbers (a norm's or the softmax's backward,
+  // cross-entropy's p − onehot), its result keeps the absolute error of what it subtracted.
+  // For each backward point "act/<point>.grad" [N, W]: error factors [N, G] (G = 1, or one
+  // per head for the attention's q, k and v), each at least 1: row n, column group g may be
+  // that many times as far off, relative to itself, as a tensor without cancellation
+  // (docs/tolerances.md, "Cancellation in the backward"). term_scales() carry them too.
+  const std::map<std::string, Matrix<S>>& error_factors() const { return factors_; }
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
   const GptConfig& config() const { return config_; }
@@ -102,6 +109,7 @@ class Gpt {
                                    //          kept to save re-faulting ~50 MB every step
   bool record_ = false;
   std::map<std::string, TermScale> terms_;
+  std::map<std::string, Matrix<S>> factors_;  // point -> [N, G]
   ParamSet<S> points_;             // name -> [N, width], when recording
 };
 

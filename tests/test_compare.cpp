@@ -86,6 +86,46 @@ TEST_CASE("a matrix's terms: the block's norm along the dimension its shard is s
   CHECK(t.block_norm(split(tensor({4, 2}), 0, 1, 2, 8)) == 0.0);
 }
 
+TEST_CASE("a backward point's error factors scale its own block, and only its block",
+          "[verify][compare]") {
+  // A [2 rows, 4] point in 2 column groups (heads of 2): factors [2, 2]. Row 1, head 1
+  // cancelled (factor 10); everything else 1.
+  const Shape shape{2, 4};
+  const std::vector<double> ref = {1, 1, 1, 1, 1, 1, 1, 1};
+  const std::vector<double> a = {1, 1, 1, 10};
+  const ErrorFactors f{a, 2};
+  const double tol = 1e-3;
+  // Head 1 (columns [2,4)) on rank 1 of 2: its scale is sqrt(1 + 1 + 100 + 100) = 14.2,
+  // not the block's norm 2: an error 0.9x that much passes, 1.1x fails.
+  const ShardSpec head1 = split(tensor(shape), 1, 1, 2);
+  const double scale = std::sqrt(202.0);
+  const auto off_by = [&](const ShardSpec& s, double err) {
+    std::vector<double> v = slice_full(ref, s);
+    v.back() += err;
+    return Observation{"w", s, std::move(v)};
+  };
+  const Comparison in = compare_to_reference(off_by(head1, 0.9 * tol * scale), ref, tol, 0.0, nullptr, &f);
+  CHECK(in.scaled);
+  CHECK(in.pass);
+  CHECK(in.rel_err == Approx(0.9 * tol).epsilon(1e-9));
+  CHECK_FALSE(compare_to_reference(off_by(head1, 1.1 * tol * scale), ref, tol, 0.0, nullptr, &f).pass);
+  // Head 0 on rank 0 has factor 1 everywhere: the plain bound, however large head 1's.
+  const ShardSpec head0 = split(tensor(shape), 1, 0, 2);
+  const Comparison plain = compare_to_reference(off_by(head0, 1.1 * tol * 2.0), ref, tol, 0.0, nullptr, &f);
+  CHECK_FALSE(plain.scaled);
+  CHECK_FALSE(plain.pass);
+  // Split by rows (sequence parallel): row 0 keeps factor 1, row 1 gets its own.
+  const ShardSpec row0 = split(tensor(shape), 0, 0, 2), row1 = split(tensor(shape), 0, 1, 2);
+  CHECK_FALSE(compare_to_reference(off_by(row0, 1.1 * tol * 2.0), ref, tol, 0.0, nullptr, &f).pass);
+  CHECK(compare_to_reference(off_by(row1, 0.9 * tol * scale), ref, tol, 0.0, nullptr, &f).pass);
+  // Factors that do not fit the tensor are an error, not a silent scale.
+  const std::vector<double> short_a = {1, 1};
+  const ErrorFactors bad{short_a, 2};
+  CHECK_THROWS(compare_to_reference(off_by(row1, 0.0), ref, tol, 0.0, nullptr, &bad));
+  const ErrorFactors odd{a, 3};
+  CHECK_THROWS(compare_to_reference(off_by(row1, 0.0), ref, tol, 0.0, nullptr, &odd));
+}
+
 TEST_CASE("the tolerance is a sharp bound", "[verify][compare]") {
   const ShardSpec whole = replicate(tensor({1}), 0, 1);
   const double tol = 1e-10;

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include "io/checkpoint.h"
@@ -125,6 +126,10 @@ CheckResult run_check(const CheckOptions& c) {
   const auto order = gpt_tensor_order(o.gpt, o.clip_grad > 0);
   RefStep ref;
   TensorMap producer;  // the producer's weights after the last step checked
+  // Each step is judged from the producer's weights; how far they have drifted from the
+  // reference's own trajectory is reported beside it (not judged).
+  std::optional<FreeRunningReference> free;
+  if (!c.free_running) free.emplace(o, in);
   double ref_seconds = 0;
   auto ref_t0 = std::chrono::steady_clock::now();
   run_reference(
@@ -151,7 +156,10 @@ CheckResult run_check(const CheckOptions& c) {
           if (r != 0) check_replicas(check, rs, ranks[0]);
           folder.hand_in(step, std::move(found));
         }
-        if (!c.free_running) producer = producer_params(ranks);
+        if (free) {
+          producer = producer_params(ranks);
+          rep.free_running_drift.push_back(free->step_and_distance(producer));
+        }
         ref_t0 = std::chrono::steady_clock::now();
       },
       [&](int step) -> const TensorMap* { return step > 1 && !c.free_running ? &producer : nullptr; });

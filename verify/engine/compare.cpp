@@ -142,10 +142,31 @@ class Scan {
   std::int64_t worst_local_ = -1;
 };
 
-// `terms_norm` > 0: the norm of the terms the tensor sums (compare_to_reference).
+// Σ (a(n, g)·ref_i)² over the full tensor's flat indices [i0, i0 + len), ref[0..len) their
+// values, i = n·W + c and g = c / (W / groups) (ErrorFactors).
+double factored_sq(const double* ref, std::int64_t i0, std::int64_t len, const ErrorFactors& f,
+                   std::int64_t W) {
+  const std::int64_t per_group = W / f.groups;
+  double s2 = 0;
+  for (std::int64_t i = i0, end = i0 + len; i < end;) {
+    const std::int64_t n = i / W, c = i % W, g = c / per_group;
+    const std::int64_t stop = std::min(end, n * W + (g + 1) * per_group);  // this row's group
+    const auto at = static_cast<std::size_t>(n * f.groups + g);
+    if (at >= f.a.size())
+      throw Error("compare: error factors for " + std::to_string(f.a.size() / static_cast<std::size_t>(f.groups)) +
+                  " rows, not " + std::to_string(n + 1) + " or more");
+    double r2 = 0;
+    for (; i < stop; ++i) r2 += ref[i - i0] * ref[i - i0];
+    s2 += f.a[at] * f.a[at] * r2;
+  }
+  return s2;
+}
+
+// `terms_norm` > 0: the norm of the terms the tensor sums (compare_to_reference);
+// `factors`: the error factors of a backward point, which scale the reference block likewise.
 Comparison compare_view(const ObservationView& obs, const double* reference_full,
                         std::size_t reference_size, double tolerance, double allowance,
-                        double terms_norm = 0.0) {
+                        double terms_norm = 0.0, const ErrorFactors* factors = nullptr) {
   Comparison c = header(obs);
   c.tolerance = tolerance;
   if (static_cast<std::int64_t>(reference_size) != shape_numel(obs.spec.full_shape))
@@ -155,11 +176,17 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
   const double* a = obs.values.data();
   Scan scan(c, n);
   const ShardSpec& s = obs.spec;
+  const std::int64_t W = s.full_shape.empty() ? 1 : s.full_shape.back();
+  if (factors && (factors->groups < 1 || W % factors->groups != 0))
+    throw Error("compare " + obs.name + ": error factors in " + std::to_string(factors->groups) +
+                " groups of its last dimension " + std::to_string(W));
+  double factored2 = 0;  // Σ of the block's reference values with their error factors, squared
   if (s.replicated()) {
     if (n > shape_numel(s.full_shape))
       throw Error("compare " + obs.name + ": " + std::to_string(n) + " values for " +
                   shape_str(s.full_shape));
     scan.run(a, reference_full, 0, n);
+    if (factors) factored2 += factored_sq(reference_full, 0, n, *factors, W);
   } else {
     // The block as [outer, length, inner] runs of the full tensor's [outer, D, inner].
     std::int64_t outer = 1, inner = 1;
@@ -175,13 +202,18 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
     const std::int64_t real = std::max<std::int64_t>(0, std::min(s.length, D - s.offset));
     std::int64_t k = 0;
     for (std::int64_t o = 0; o < outer; ++o) {
-      if (real > 0) scan.run(a + k, reference_full + (o * D + s.offset) * inner, k, real * inner);
+      if (real > 0) {
+        const std::int64_t at = (o * D + s.offset) * inner;
+        scan.run(a + k, reference_full + at, k, real * inner);
+        if (factors) factored2 += factored_sq(reference_full + at, at, real * inner, *factors, W);
+      }
       k += real * inner;
       if (real < s.length) scan.run(a + k, nullptr, k, (s.length - real) * inner);
       k += (s.length - real) * inner;
     }
   }
   scan.finish(s);
+  terms_norm = std::max(terms_norm, std::sqrt(factored2));
   double norm = scan.reference_norm();
   if (terms_norm > norm) {  // a sum that cancels: its terms set the scale (never a tighter check)
     norm = terms_norm;
@@ -215,10 +247,11 @@ double TermScale::block_norm(const ShardSpec& spec) const {
 }
 
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
-                                double tolerance, double allowance, const TermScale* terms) {
+                                double tolerance, double allowance, const TermScale* terms,
+                                const ErrorFactors* factors) {
   return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
                       reference_full.size(), tolerance, allowance,
-                      terms ? terms->block_norm(obs.spec) : 0.0);
+                      terms ? terms->block_norm(obs.spec) : 0.0, factors);
 }
 
 Comparison compare_dp_replica(const Observation& obs, const Observation& replica0, int d, int dp,

@@ -79,9 +79,19 @@ struct TermScale {
   // sqrt(Σ of the block's squares): along split_dim 0 or 1 (padding counts 0), or all.
   double block_norm(const ShardSpec& spec) const;
 };
+// `factors` (optional): a backward activation point's error factors (ref::Gpt::
+// error_factors), [rows, groups] for a tensor whose last dimension W is cut into `groups`
+// runs of W/groups: element (n, c) may be off by a(n, c / (W/groups)) times what the
+// tolerance allows of it. Where the reference block scaled so exceeds the reference's
+// norm, it is the scale, as `terms`'s (and the larger of the two wins).
+struct ErrorFactors {
+  std::span<const double> a;  // [rows, groups], row-major; rows = the tensor's elements / W
+  std::int64_t groups = 1;
+};
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
                                 double tolerance, double allowance = 0.0,
-                                const TermScale* terms = nullptr);
+                                const TermScale* terms = nullptr,
+                                const ErrorFactors* factors = nullptr);
 inline Comparison compare_to_reference(const Observation& obs,
                                        const std::vector<double>& reference_full, double tolerance,
                                        double allowance = 0.0) {

@@ -246,6 +246,12 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
         to.rows_sq.assign(t.rows_sq.data(), t.rows_sq.data() + t.rows_sq.size());
         to.cols_sq.assign(t.cols_sq.data(), t.cols_sq.data() + t.cols_sq.size());
       }
+    if constexpr (requires { model.error_factors(); })
+      for (const auto& [name, m] : model.error_factors()) {
+        RefStep::Factors& to = st->error_factors[name];
+        to.a.assign(m.data(), m.data() + m.size());  // row-major
+        to.groups = m.cols();
+      }
     if constexpr (requires { model.pre_activation(); })
       relu_kink_allowance(model, o, bounds.carried_relative("fc1.weight", model.params().at("fc1.weight")), *st);
     bounds.begin(*st);
@@ -277,6 +283,31 @@ void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
     trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); },
           bounds, storage, slot, published, rebase);
   }
+}
+
+FreeRunningReference::FreeRunningReference(const RunOptions& o, const RunInputs& in)
+    : o_(o), in_(in),
+      model_(std::make_unique<ref::Gpt<double>>(o.gpt, start_params(param_specs(o), in, o.seed), o.seed)) {}
+
+FreeRunningReference::~FreeRunningReference() = default;
+
+double FreeRunningReference::step_and_distance(const TensorMap& params) {
+  model_->forward_backward(in_.gpt_batch);
+  if (o_.clip_grad > 0) model_->clip_gradients(o_.clip_grad);
+  model_->adam_step(o_.adam);
+  double diff2 = 0, norm2 = 0;
+  for (const auto& [name, f] : model_->params()) {
+    const auto it = params.find(name);
+    if (it == params.end() || it->second.size() != static_cast<std::size_t>(f.size()))
+      throw Error("free-running reference: no parameter " + name + " of " +
+                  std::to_string(f.size()) + " values to compare");
+    for (Eigen::Index i = 0; i < f.size(); ++i) {
+      const double d = it->second[static_cast<std::size_t>(i)] - f.data()[i];
+      diff2 += d * d;
+    }
+    norm2 += f.squaredNorm();
+  }
+  return norm2 > 0 ? std::sqrt(diff2 / norm2) : std::sqrt(diff2);
 }
 
 }  // namespace tpsim

@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -41,6 +42,14 @@ struct RefStep {
   // near a stationary point (the k projection's bias gradient always, without RoPE: it is
   // 0 exactly).
   std::map<std::string, TermScale> term_scale;
+  // GPT backward points ("act/<point>.grad"): their error factors (ref::Gpt::
+  // error_factors), [N, groups] row-major. Where the backward cancels, a point's error is
+  // relative to itself scaled by them (compare.h, ErrorFactors).
+  struct Factors {
+    std::vector<double> a;
+    std::int64_t groups = 1;
+  };
+  std::map<std::string, Factors> error_factors;
   // --clip-grad: whether clipping scaled this step's gradients ("<param>.grad" are then the
   // clipped ones, and "grad_norm" is the norm before clipping). A clipped gradient's bound
   // adds the norm's relative error (StepChecker::tolerance_of).
@@ -72,5 +81,28 @@ using RebaseFn = std::function<const TensorMap*(int step)>;
 void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
                    const std::function<void(int step)>& published, const RebaseFn& rebase = {});
+
+namespace ref {
+template <class S>
+class Gpt;
+}
+
+// The float64 reference's own trajectory from the initial weights (GPT only), a step at a
+// time and recording nothing: what `check`, judging each step from the producer's
+// weights, reports the producer's free-running drift from, as information.
+class FreeRunningReference {
+ public:
+  FreeRunningReference(const RunOptions& o, const RunInputs& in);
+  ~FreeRunningReference();
+  // Takes the next step; then the relative distance of `params` (full parameters by name,
+  // the producer's after the same step) from its own, over every parameter together:
+  // sqrt(Σ ‖w − f‖²) / sqrt(Σ ‖f‖²). A parameter missing from `params` is an Error.
+  double step_and_distance(const TensorMap& params);
+
+ private:
+  const RunOptions& o_;
+  const RunInputs& in_;
+  std::unique_ptr<ref::Gpt<double>> model_;
+};
 
 }  // namespace tpsim

@@ -74,6 +74,10 @@ struct VerifyReport {
   }
   std::vector<double> reference_losses;
   std::vector<double> reference_grad_norms;  // --clip-grad
+  // check, judging each step from the producer's weights: after each step, how far the
+  // producer's weights are from the reference's own free-running trajectory (relative, all
+  // parameters together). Information, not a check: correct code drifts too.
+  std::vector<double> free_running_drift;
   double reference_seconds = 0.0;
   std::vector<TpResult> results;
   bool pass = true;

@@ -24,7 +24,20 @@ Comparison StepChecker::reference_check(const Observation& o) const {
     rows = full->subspan(n * static_cast<std::size_t>(replica_), n);
     full = &rows;
   }
-  return compare_to_reference(o, *full, tolerance_of(o.name), allowance_of(o.name), scale_of(o.name));
+  const std::optional<ErrorFactors> f = factors_of(o.name);
+  return compare_to_reference(o, *full, tolerance_of(o.name), allowance_of(o.name), scale_of(o.name),
+                              f ? &*f : nullptr);
+}
+
+std::optional<ErrorFactors> StepChecker::factors_of(const std::string& tensor) const {
+  const auto it = ref_.error_factors.find(tensor);
+  if (it == ref_.error_factors.end()) return std::nullopt;
+  ErrorFactors f{it->second.a, it->second.groups};
+  if (replicas_ > 1) {  // this replica's rows, as reference_check's activation points
+    const std::size_t n = f.a.size() / static_cast<std::size_t>(replicas_);
+    f.a = f.a.subspan(n * static_cast<std::size_t>(replica_), n);
+  }
+  return f;
 }
 
 void StepChecker::check_dp_replicas(const std::vector<Observation>& mine,

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,8 @@ class StepChecker {
   double tolerance_of(const std::string& tensor) const;
   double allowance_of(const std::string& tensor) const;  // compare.h's, for an updated weight
   const TermScale* scale_of(const std::string& tensor) const;  // a gradient's terms, or null
+  // A backward point's error factors (this replica's rows under --dp), or none.
+  std::optional<ErrorFactors> factors_of(const std::string& tensor) const;
   const RefStep& ref_;
   double tol_;
   const ToleranceModel* bounds_ = nullptr;

@@ -1,5 +1,6 @@
 #include "verify/report/report.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -202,14 +203,23 @@ void print_tolerance_and_reference(std::ostream& os, const VerifyReport& r) {
   if (r.vacuous_from_step() > 0)
     os << "warning: from step " << r.vacuous_from_step()
        << " on some bounds are 1 or more (a relative error of 100%): those checks cannot "
-          "fail and count as no check; without --free-running every step starts from the "
-          "reference's weights, with step 1's bounds\n";
+          "fail and count as no check; without --free-running every step starts from "
+          "correct weights (verify: the reference's, check: the producer's), with step 1's "
+          "bounds\n";
   if (r.tp_invariant)
     os << "tp-invariant: every tp is also compared with tp 1 at tolerance 0, bit for bit "
           "(rows marked =tp1)\n";
   os << "reference losses:";
   for (double l : r.reference_losses) os << " " << fmt("%.10g", l);
   os << "  (" << fmt("%.2f", r.reference_seconds) << " s)\n";
+  if (!r.free_running_drift.empty()) {
+    const auto& d = r.free_running_drift;
+    const auto worst = std::max_element(d.begin(), d.end());
+    os << "free-running drift (information, not a check): the producer's weights are "
+       << fmt("%.2e", d.back()) << " from the reference's own trajectory after step " << d.size()
+       << " (largest " << fmt("%.2e", *worst) << ", step " << (worst - d.begin() + 1)
+       << "); each step is judged from the producer's weights of the step before\n";
+  }
   if (!r.reference_grad_norms.empty()) {
     os << "reference grad norms (before clipping):";
     for (double n : r.reference_grad_norms) os << " " << fmt("%.10g", n);
@@ -309,6 +319,7 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
   j["pass"] = r.pass;
   j["reference"] = {{"losses", r.reference_losses}, {"seconds", r.reference_seconds}};
   if (!r.reference_grad_norms.empty()) j["reference"]["grad_norms"] = r.reference_grad_norms;
+  if (!r.free_running_drift.empty()) j["reference"]["free_running_drift"] = r.free_running_drift;
   j["tp"] = nlohmann::json::array();
   for (const auto& t : r.results) {
     nlohmann::json jt;
