@@ -18,11 +18,12 @@ using namespace tpsim::testing;
 
 namespace {
 
-// A fresh dump of the small GPT, 2 steps, in a directory of its own.
+// A fresh dump of the small GPT (or of `flags`' --model), 2 steps, in a directory of its own.
 std::string make_dump(const std::string& name, const std::string& flags) {
   const std::string dir = temp_path(name);
   std::filesystem::remove_all(dir);
-  const auto r = run_tpsim("train --model gpt --preset small --steps 2 " + flags + " --dump " + dir);
+  const std::string model = flags.find("--model") == std::string::npos ? "--model gpt " : "";
+  const auto r = run_tpsim("train " + model + "--preset small --steps 2 " + flags + " --dump " + dir);
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
   return dir;
@@ -58,6 +59,17 @@ void edit_values(const std::string& dir, int r, const std::string& tensor, Edit&
   edit(v);
   t = st::st_from_f64(t.shape, v, t.dtype);
   st::write_safetensors(rank_path(dir, r), f);
+}
+
+// check fails, and the first failure it names is `tensor` on `rank` at `step`.
+void expect_first_failure(const std::string& dir, const std::string& tensor, int rank, int step) {
+  const auto r = check(dir, "--json " + dir + "/first.json");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 1);
+  const auto first = read_json(dir + "/first.json")["first_failure"];
+  CHECK(first["tensor"] == tensor);
+  CHECK(first["rank"] == rank);
+  CHECK(first["step"] == step);
 }
 
 nlohmann::json read_manifest_json(const std::string& dir) { return read_json(dir + "/manifest.json"); }
@@ -202,6 +214,57 @@ TEST_CASE("check passes tpsim's own dumps in every mode and TP degree", "[check]
   CHECK(m["config"]["vocab_size"] == 101);
   CHECK(st::read_safetensors(rank_path(dir, 3)).tensors.at("step1/wte.weight.grad").shape ==
         Shape{26, 72});
+}
+
+TEST_CASE("check reads GPT-2 and Llama dumps: the manifest carries the architecture",
+          "[check][cli]") {
+  // tpsim's own runs of both families pass, in the four modes, GQA with fewer kv heads
+  // than ranks (each replicated), MQA, both RoPE styles, tied and untied.
+  const std::vector<std::string> runs = {
+      "--model gpt2 --tp 2 --dtype f64",
+      "--model gpt2 --untied-embeddings --tp 4 --loss-parallel --sequence-parallel --dtype f32",
+      "--model llama --tp 2 --dtype f64 --loss-parallel",
+      "--model llama --kv-heads 2 --tp 4 --sequence-parallel --dtype f64",
+      "--model llama --kv-heads 1 --rope-style interleaved --tp 4 --loss-parallel "
+      "--sequence-parallel --dtype f32",
+  };
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const std::string dir = make_dump("family" + std::to_string(i), runs[i]);
+    const auto r = check(dir);
+    INFO(runs[i] << ": " << r.out);
+    CHECK(r.exit_code == 0);
+  }
+  const std::string dir = make_dump("family-llama", "--model llama --kv-heads 2 --tp 4 --dtype f64");
+  const auto m = read_manifest_json(dir);
+  CHECK(m["config"]["norm"] == "rmsnorm");
+  CHECK(m["config"]["mlp"] == "swiglu");
+  CHECK(m["config"]["positions"] == "rope");
+  CHECK(m["config"]["kv_heads"] == 2);
+  CHECK(m["config"]["tied_embeddings"] == false);
+  // A manifest that misdescribes the run fails where the difference first shows: the
+  // other RoPE convention moves q at its first layer.
+  auto wrong = m;
+  wrong["config"]["rope_style"] = "interleaved";
+  write_manifest_json(dir, wrong);
+  auto r = check(dir, "--json " + dir + "/report.json");
+  REQUIRE(r.exit_code == 1);
+  CHECK(read_json(dir + "/report.json")["first_failure"]["tensor"] == "act/h.0.attn.q");
+  // An architecture that is not one is refused, naming the field.
+  wrong["config"]["rope_style"] = "sideways";
+  write_manifest_json(dir, wrong);
+  expect_bad_dump(dir, "config.rope_style", "expected one of \"half\", \"interleaved\"");
+  // The nanoGPT and Megatron name maps know the seed's GPT only: refused, not misread.
+  wrong = m;
+  wrong["names"] = "megatron";
+  write_manifest_json(dir, wrong);
+  expect_bad_dump(dir, "names", "covers the seed's GPT only");
+  // A kv head's replicas (ranks 0 and 1 hold kv head 0) each hold the whole, summed k
+  // gradient: one that kept only its own query heads' share is caught.
+  write_manifest_json(dir, m);
+  edit_values(dir, 1, "step2/h.1.attn.k_proj.weight.grad", [](std::vector<double>& v) {
+    for (double& x : v) x *= 0.5;
+  });
+  expect_first_failure(dir, "h.1.attn.k_proj.weight.grad", 1, 2);
 }
 
 TEST_CASE("check fails on one corrupted element, naming its tensor and rank", "[check][cli]") {
@@ -696,12 +759,7 @@ TEST_CASE("check passes 1000 steps of a tiny model in f64 and f32 where the back
     edit_values(dir, 1, "step500/act/h.0.attn.k.grad", [](std::vector<double>& v) {
       for (double& x : v) x *= 1.01;
     });
-    r = check(dir, "--json " + dir + "/broken.json");
-    REQUIRE(r.exit_code == 1);
-    const auto first = read_json(dir + "/broken.json")["first_failure"];
-    CHECK(first["tensor"] == "act/h.0.attn.k.grad");
-    CHECK(first["step"] == 500);
-    CHECK(first["rank"] == 1);
+    expect_first_failure(dir, "act/h.0.attn.k.grad", 1, 500);
   }
 }
 

@@ -70,10 +70,10 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
   expect_usage_error("verify --model mlp --dropout 0.1", "apply to --model gpt, gpt2 and llama");
   expect_usage_error("verify --model gpt2 --preset small --kv-heads 3 --tp-invariant --tp 1,2",
                      "--tp-invariant: the canonical tiles cut the k and v width");
-  // The dump's manifest has no architecture fields yet: check would replay the seed's GPT.
+  // A dump holds no dropout masks: check could not draw tpsim's.
   expect_usage_error("train --model gpt --preset small --dropout 0.1 --tp 1 --dump " +
                          temp_path("dropout-dump"),
-                     "--dump: the dump format holds the seed's GPT architecture only");
+                     "--dump: a dump holds no dropout masks");
   expect_usage_error(
       "verify --model gpt --preset small --tp 2 --inject-fault dropout-tp-mask-same-on-ranks",
       "needs --dropout above 0");

@@ -34,6 +34,27 @@ enum class RopeStyle {
   Interleaved,  // pairs (2i, 2i+1): Meta's reference code, torchtitan
 };
 
+// The architecture choices by name, as the flags and a dump's manifest spell them.
+template <class E>
+struct NamedChoice {
+  const char* name;
+  E value;
+};
+inline constexpr NamedChoice<NormKind> kNormNames[] = {{"layernorm", NormKind::LayerNorm},
+                                                       {"rmsnorm", NormKind::RMSNorm}};
+inline constexpr NamedChoice<MlpKind> kMlpNames[] = {
+    {"gelu", MlpKind::Gelu}, {"gelu-tanh", MlpKind::GeluTanh}, {"swiglu", MlpKind::SwiGLU}};
+inline constexpr NamedChoice<PositionKind> kPositionNames[] = {{"learned", PositionKind::Learned},
+                                                               {"rope", PositionKind::Rope}};
+inline constexpr NamedChoice<RopeStyle> kRopeStyleNames[] = {{"half", RopeStyle::Half},
+                                                             {"interleaved", RopeStyle::Interleaved}};
+template <class E, std::size_t N>
+const char* choice_name(const NamedChoice<E> (&table)[N], E value) {
+  for (const auto& c : table)
+    if (c.value == value) return c.name;
+  return "?";
+}
+
 // The seed's GPT (see docs/models.md, "The models") by default; the architecture fields
 // make it GPT-2, Llama or anything between.
 struct GptConfig {

@@ -91,6 +91,19 @@ class Fields {
     const json* v = get(k);
     return v ? string(*v, k) : dflt;
   }
+  // One of `table`'s names, or `dflt` when absent.
+  template <class E, std::size_t N>
+  E choice_or(const std::string& k, const NamedChoice<E> (&table)[N], E dflt) {
+    const json* v = get(k);
+    if (!v) return dflt;
+    const std::string s = string(*v, k);
+    std::string allowed;
+    for (const auto& c : table) {
+      if (s == c.name) return c.value;
+      allowed += std::string(allowed.empty() ? "" : ", ") + "\"" + c.name + "\"";
+    }
+    fail(key(k), "expected one of " + allowed + ", got " + quote_text(s));
+  }
   // After every get: a key nobody asked for is an error.
   void no_others() const {
     for (const auto& [k, v] : j_.items())
@@ -171,6 +184,18 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   m.config.heads = cfg.integer("heads", 1, kMaxSize);
   m.config.layers = cfg.integer("layers", 1, 1024);
   m.config.ln_eps = cfg.number_or("ln_eps", 1e-5, 0.0, 1.0);
+  // The architecture (docs/models.md, "Families"); absent fields are the seed's GPT.
+  GptConfig& c = m.config;
+  c.norm = cfg.choice_or("norm", kNormNames, c.norm);
+  c.norm_bias = cfg.boolean_or("norm_bias", c.norm_bias);
+  c.linear_bias = cfg.boolean_or("linear_bias", c.linear_bias);
+  c.mlp = cfg.choice_or("mlp", kMlpNames, c.mlp);
+  c.ffn_hidden = cfg.integer_or("ffn_hidden", 0, 0, kMaxSize);
+  c.positions = cfg.choice_or("positions", kPositionNames, c.positions);
+  c.rope_theta = cfg.number_or("rope_theta", c.rope_theta, 1.0, 1e12);
+  c.rope_style = cfg.choice_or("rope_style", kRopeStyleNames, c.rope_style);
+  c.kv_heads = cfg.integer_or("kv_heads", 0, 0, kMaxSize);
+  c.tied_embeddings = cfg.boolean_or("tied_embeddings", c.tied_embeddings);
   cfg.no_others();
   if (m.config.hidden % m.config.heads != 0)
     cfg.fail("config.heads", std::to_string(m.config.heads) + " does not divide hidden " +
@@ -205,6 +230,9 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   else if (names == "nanogpt") m.names = NameConvention::Nanogpt;
   else if (names == "megatron") m.names = NameConvention::Megatron;
   else top.fail("names", "expected \"tpsim\", \"nanogpt\" or \"megatron\", got " + quote_text(names));
+  if (m.names != NameConvention::Tpsim && !seed_architecture(m.config))
+    top.fail("names", quote_text(names) + "'s name map covers the seed's GPT only, and config "
+                      "describes " + describe_architecture(m.config) + "; use \"tpsim\" names");
   if (const json* layouts = top.get("layouts")) {
     if (!layouts->is_object()) top.fail("layouts", "must be a JSON object");
     for (const auto& [name, v] : layouts->items()) m.layouts[name] = parse_layout(v, name, source);
@@ -229,7 +257,14 @@ nlohmann::json manifest_json(const DumpManifest& m) {
       {"model", "gpt"},
       {"config", {{"vocab_size", c.vocab_size}, {"block_size", c.block_size},
                   {"hidden", c.hidden}, {"heads", c.heads}, {"layers", c.layers},
-                  {"ln_eps", c.ln_eps}}},
+                  {"ln_eps", c.ln_eps},
+                  {"norm", choice_name(kNormNames, c.norm)}, {"norm_bias", c.norm_bias},
+                  {"linear_bias", c.linear_bias}, {"mlp", choice_name(kMlpNames, c.mlp)},
+                  {"ffn_hidden", c.ffn()},
+                  {"positions", choice_name(kPositionNames, c.positions)},
+                  {"rope_theta", c.rope_theta},
+                  {"rope_style", choice_name(kRopeStyleNames, c.rope_style)},
+                  {"kv_heads", c.kv()}, {"tied_embeddings", c.tied_embeddings}}},
       {"dtype", dtype_name(m.dtype)},
       {"optimizer", {{"name", "adam"}, {"lr", m.adam.lr}, {"beta1", m.adam.beta1},
                      {"beta2", m.adam.beta2}, {"eps", m.adam.eps},

@@ -177,6 +177,9 @@ class RankReader {
   Budget budget(const std::vector<std::string>& order) const {
     Budget b;
     for (const auto& n : order) {
+      // (k and v gradients are no point where kv heads are replicated: gpt_point_shard)
+      if (n.starts_with("act/") && !gpt_point_shard(n, m_.config, m_.parallel, tokens_, rank_, m_.world_size))
+        continue;
       const auto numel = static_cast<std::uint64_t>(shape_numel(placed(n, n).spec.local_shape()));
       b.most += 8 * numel;
       if (!n.starts_with("act/")) b.least += 4 * numel;
