@@ -111,26 +111,46 @@ st::StTensor fuse(const std::string& conv, const st::StTensor& q, const st::StTe
   return stack(parts);
 }
 
+// A tpsim name with each `from` replaced by its `to` (the first match of each).
+std::string renamed(std::string s, std::initializer_list<std::pair<const char*, const char*>> map) {
+  for (auto [from, to] : map)
+    if (auto p = s.find(from); p != std::string::npos) s.replace(p, std::strlen(from), to);
+  return s;
+}
+
 // The convention's name of a tpsim parameter (non-fused ones).
 std::string foreign_name(const std::string& conv, const std::string& n) {
+  if (conv == "hf-llama") {
+    if (n == "wte.weight") return "model.embed_tokens.weight";
+    if (n == "ln_f.weight") return "model.norm.weight";
+    if (n == "lm_head.weight") return n;
+    return renamed("model.layers." + n.substr(2),
+                   {{"ln1.", "input_layernorm."}, {"ln2.", "post_attention_layernorm."},
+                    {"attn.", "self_attn."}});
+  }
+  if (conv == "torchtitan") {
+    if (n == "wte.weight") return "tok_embeddings.weight";
+    if (n == "ln_f.weight") return "norm.weight";
+    if (n == "lm_head.weight") return "output.weight";
+    return renamed("layers." + n.substr(2),
+                   {{"ln1.", "attention_norm."}, {"ln2.", "ffn_norm."}, {"attn.q_proj", "attention.wq"},
+                    {"attn.k_proj", "attention.wk"}, {"attn.v_proj", "attention.wv"},
+                    {"attn.o_proj", "attention.wo"}, {"mlp.gate_proj", "feed_forward.w1"},
+                    {"mlp.up_proj", "feed_forward.w3"}, {"mlp.down_proj", "feed_forward.w2"}});
+  }
   if (conv == "nanogpt") {
     if (n == "wte.weight" || n == "wpe.weight" || n == "ln_f.weight") return "transformer." + n;
-    std::string s = "transformer." + n;
-    for (auto [from, to] : {std::pair{"ln1.", "ln_1."}, {"ln2.", "ln_2."},
-                            {"attn.o_proj.", "attn.c_proj."}, {"mlp.ffn1.", "mlp.c_fc."},
-                            {"mlp.ffn2.", "mlp.c_proj."}})
-      if (auto p = s.find(from); p != std::string::npos) s.replace(p, std::strlen(from), to);
-    return s;
+    return renamed("transformer." + n, {{"ln1.", "ln_1."}, {"ln2.", "ln_2."},
+                                         {"attn.o_proj.", "attn.c_proj."}, {"mlp.ffn1.", "mlp.c_fc."},
+                                         {"mlp.ffn2.", "mlp.c_proj."}});
   }
   if (n == "wte.weight") return "embedding.word_embeddings.weight";
   if (n == "wpe.weight") return "embedding.position_embeddings.weight";
   if (n == "ln_f.weight") return "decoder.final_layernorm.weight";
-  std::string s = "decoder.layers." + n.substr(2);
-  for (auto [from, to] : {std::pair{"ln1.", "input_layernorm."}, {"ln2.", "pre_mlp_layernorm."},
-                          {"attn.o_proj.", "self_attention.linear_proj."},
-                          {"mlp.ffn1.", "mlp.linear_fc1."}, {"mlp.ffn2.", "mlp.linear_fc2."}})
-    if (auto p = s.find(from); p != std::string::npos) s.replace(p, std::strlen(from), to);
-  return s;
+  return renamed("decoder.layers." + n.substr(2),
+                 {{"ln1.", "input_layernorm."}, {"ln2.", "pre_mlp_layernorm."},
+                  {"attn.o_proj.", "self_attention.linear_proj."}, {"mlp.ffn1.", "mlp.linear_fc1."},
+                  {"mlp.ffn2.", "mlp.linear_fc2."}});
 }
 
 std::string fused_name(const std::string& conv, const std::string& layer) {
@@ -154,8 +174,11 @@ st::StFile convert(const st::StFile& file, const std::string& conv, std::int64_t
     const bool grad = name.ends_with(".grad");
     const std::string base = grad ? name.substr(0, name.size() - 5) : name;
     const std::string sfx = grad ? ".grad" : "";
-    const auto q = base.find(".attn.q_proj.weight");
-    if (q != std::string::npos) {
+    const bool fused = conv == "nanogpt" || conv == "megatron";
+    const auto q = fused ? base.find(".attn.q_proj.weight") : std::string::npos;
+    if (!fused) {
+      out.tensors[prefix + foreign_name(conv, base) + sfx] = t;
+    } else if (q != std::string::npos) {
       const std::string h = base.substr(0, q) + ".attn.";  // "h.0.attn."
       auto get = [&](const char* p) { return file.tensors.at(prefix + h + p + sfx); };
       out.tensors[prefix + fused_name(conv, base.substr(2, q - 2)) + sfx] =
@@ -183,8 +206,11 @@ void convert_dump(const std::string& dir, const std::string& conv, int tp,
   auto w = convert(st::read_safetensors(dir + "/weights.safetensors"), conv, A, H / A,
                    {0, 1, 2}, false);
   // A tied head in the weights file is ignored.
-  w.tensors[conv == "nanogpt" ? "lm_head.weight" : "output_layer.weight"] =
-      w.tensors.at(foreign_name(conv, "wte.weight"));
+  if (m["config"]["tied_embeddings"] != false)
+    w.tensors[conv == "nanogpt" || conv == "hf-llama" ? "lm_head.weight"
+              : conv == "megatron"                    ? "output_layer.weight"
+                                                      : "output.weight"] =
+        w.tensors.at(foreign_name(conv, "wte.weight"));
   st::write_safetensors(dir + "/weights.safetensors", w);
 }
 
@@ -257,7 +283,7 @@ TEST_CASE("check reads GPT-2 and Llama dumps: the manifest carries the architect
   wrong = m;
   wrong["names"] = "megatron";
   write_manifest_json(dir, wrong);
-  expect_bad_dump(dir, "names", "covers the seed's GPT only");
+  expect_bad_dump(dir, "names", "does not cover config's architecture");
   // A kv head's replicas (ranks 0 and 1 hold kv head 0) each hold the whole, summed k
   // gradient: one that kept only its own query heads' share is caught.
   write_manifest_json(dir, m);
@@ -397,6 +423,50 @@ TEST_CASE("check reads dumps in nanoGPT's and Megatron's names, fused q/k/v spli
     const std::string t = read_json(dir + "/report.json")["first_failure"]["tensor"];
     CHECK((t.find("q_proj") != std::string::npos || t.find("k_proj") != std::string::npos));
   }
+}
+
+TEST_CASE("check reads Llama dumps in Hugging Face's and torchtitan's names",
+          "[check][cli]") {
+  const std::string run = "--model llama --kv-heads 2 --tp 4 --loss-parallel --dtype f64";
+  const std::string plain = make_dump("llama-tpsim", run);
+  auto r = check(plain, "--json " + plain + "/report.json");
+  REQUIRE(r.exit_code == 0);
+  const auto want = read_json(plain + "/report.json")["tp"][0];
+  for (const char* conv : {"hf-llama", "torchtitan"}) {
+    for (const char* tied : {"", " --tied-embeddings"}) {
+      // tpsim -> the convention -> tpsim: the same numbers, bit for bit.
+      const std::string dir = make_dump(std::string("llama-") + conv, run + tied);
+      convert_dump(dir, conv, 4);
+      r = check(dir, "--json " + dir + "/report.json");
+      INFO(conv << tied << "\n" << r.out);
+      REQUIRE(r.exit_code == 0);
+      if (*tied) continue;
+      const auto got = read_json(dir + "/report.json")["tp"][0];
+      CHECK(got["max_rel_err"] == want["max_rel_err"]);
+      CHECK(got["comparisons"] == want["comparisons"]);
+    }
+    // A conversion that takes up for gate (torchtitan's w1 and w3 swapped) is caught where
+    // the gate first differs.
+    const std::string dir = make_dump(std::string("llama-bad-") + conv, run);
+    convert_dump(dir, conv, 4);
+    const std::string gate = foreign_name(conv, "h.0.mlp.gate_proj.weight");
+    const std::string up = foreign_name(conv, "h.0.mlp.up_proj.weight");
+    auto w = st::read_safetensors(dir + "/weights.safetensors");
+    std::swap(w.tensors.at(gate), w.tensors.at(up));
+    st::write_safetensors(dir + "/weights.safetensors", w);
+    expect_first_failure(dir, "act/h.0.mlp.gate_proj.out", 0, 1);
+    // A tpsim name in a dump that declares the convention: refused, naming it.
+    auto f = st::read_safetensors(rank_path(dir, 0));
+    f.tensors["step1/h.0.mlp.gate_proj.weight"] = f.tensors.at("step1/" + gate);
+    st::write_safetensors(rank_path(dir, 0), f);
+    expect_bad_dump(dir, "step1/h.0.mlp.gate_proj.weight", std::string("not a ") + conv);
+  }
+  // A map that does not fit the architecture is refused, not misread.
+  const std::string gpt = make_dump("gpt-as-llama", "--tp 2");
+  auto m = read_manifest_json(gpt);
+  m["names"] = "hf-llama";
+  write_manifest_json(gpt, m);
+  expect_bad_dump(gpt, "names", "does not cover config's architecture");
 }
 
 TEST_CASE("check: explicit layouts, replicas bit for bit, train --dump is for the GPT",

@@ -16,8 +16,10 @@ namespace tpsim {
 
 inline constexpr int kDumpFormatVersion = 1;
 
-// The parameter names of a dump and of its weights file.
-enum class NameConvention { Tpsim, Nanogpt, Megatron };
+// The parameter names of a dump and of its weights file (docs/dump-format.md, "Naming
+// conventions"): tpsim's, nanoGPT's and Megatron-core's (fused q/k/v), Hugging Face's
+// LlamaForCausalLM's and torchtitan's Llama's.
+enum class NameConvention { Tpsim, Nanogpt, Megatron, HfLlama, Torchtitan };
 const char* convention_name(NameConvention c);
 
 // How a tensor is cut over the ranks, as the manifest says it.

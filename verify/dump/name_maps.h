@@ -1,6 +1,7 @@
 // The parameter naming conventions a dump and its weights file may use
-// (docs/dump-format.md, "Naming conventions"): tpsim's own, nanoGPT's and Megatron-core's.
-// Both foreign conventions fuse q, k and v into one tensor; each rank's fused shard is
+// (docs/dump-format.md, "Naming conventions"): tpsim's own, nanoGPT's and Megatron-core's
+// for the seed's GPT, Hugging Face's and torchtitan's for Llama.
+// nanoGPT and Megatron fuse q, k and v into one tensor; each rank's fused shard is
 // split back into tpsim's q, k and v shards here.
 #pragma once
 
