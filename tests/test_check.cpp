@@ -3,6 +3,7 @@
 // exit-2 errors, and dumps in nanoGPT's and Megatron's names (fused q/k/v) check too.
 #include <catch2/catch.hpp>
 
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -283,7 +284,7 @@ TEST_CASE("check reads GPT-2 and Llama dumps: the manifest carries the architect
   wrong = m;
   wrong["names"] = "megatron";
   write_manifest_json(dir, wrong);
-  expect_bad_dump(dir, "names", "does not cover config's architecture");
+  expect_bad_dump(dir, "names", "megatron's names do not cover");
   // A kv head's replicas (ranks 0 and 1 hold kv head 0) each hold the whole, summed k
   // gradient: one that kept only its own query heads' share is caught.
   write_manifest_json(dir, m);
@@ -466,7 +467,94 @@ TEST_CASE("check reads Llama dumps in Hugging Face's and torchtitan's names",
   auto m = read_manifest_json(gpt);
   m["names"] = "hf-llama";
   write_manifest_json(gpt, m);
-  expect_bad_dump(gpt, "names", "does not cover config's architecture");
+  expect_bad_dump(gpt, "names", "hf-llama's names do not cover");
+}
+
+TEST_CASE("verify --load takes a Hugging Face Llama checkpoint directory", "[check][cli]") {
+  // A small GQA Llama's weights, written as transformers would: config.json and the
+  // weights in LlamaForCausalLM's names, one file (BF16) or two shards with an index (F32).
+  const std::string dir = temp_path("hf-llama");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/one");
+  std::filesystem::create_directories(dir + "/sharded");
+  const std::string sizes = "--model llama --vocab-size 101 --hidden 72 --heads 12 --kv-heads 2 "
+                            "--layers 2 --ffn-hidden 192 --block-size 32 --seq-len 24";
+  auto r = run_tpsim("train " + sizes + " --steps 1 --save-final " + dir + "/tpsim.safetensors");
+  REQUIRE(r.exit_code == 0);
+  // Exactly representable in BF16 (the file's values are bf16 then), so both directories
+  // and the tpsim-named file hold the same numbers.
+  auto w = st::read_safetensors(dir + "/tpsim.safetensors");
+  for (auto& [name, t] : w.tensors) {
+    auto v = t.to_f64();
+    for (double& x : v) x = std::bit_cast<float>(std::bit_cast<std::uint32_t>(static_cast<float>(x)) & 0xFFFF0000u);
+    t = st::st_from_f64(t.shape, v, DType::F32);
+  }
+  st::write_safetensors(dir + "/tpsim.safetensors", w);
+  st::StFile bf16, shard[2];
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  int i = 0;
+  for (const auto& [name, t] : w.tensors) {
+    const std::string hf = foreign_name("hf-llama", name);
+    st::StTensor b{DType::BF16, t.shape, {}};
+    for (std::size_t k = 0; k < t.bytes.size(); k += 4) b.bytes.insert(b.bytes.end(), {t.bytes[k + 2], t.bytes[k + 3]});
+    bf16.tensors[hf] = b;
+    shard[i % 2].tensors[hf] = t;
+    index["weight_map"][hf] = "model-0000" + std::to_string(i % 2 + 1) + "-of-00002.safetensors";
+    ++i;
+  }
+  st::write_safetensors(dir + "/one/model.safetensors", bf16);
+  for (int k = 0; k < 2; ++k)
+    st::write_safetensors(dir + "/sharded/model-0000" + std::to_string(k + 1) + "-of-00002.safetensors", shard[k]);
+  std::ofstream(dir + "/sharded/model.safetensors.index.json") << index.dump();
+  const nlohmann::json config = {
+      {"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", 101},
+      {"hidden_size", 72}, {"intermediate_size", 192}, {"num_hidden_layers", 2},
+      {"num_attention_heads", 12}, {"num_key_value_heads", 2}, {"max_position_embeddings", 32},
+      {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"tie_word_embeddings", false},
+      {"hidden_act", "silu"}, {"rope_scaling", nullptr}, {"torch_dtype", "bfloat16"}};
+  for (const char* sub : {"one", "sharded"}) std::ofstream(dir + "/" + sub + "/config.json") << config.dump();
+
+  // The same run from the tpsim-named file and from each directory: the same numbers.
+  const std::string run = " --tp 1,2,4 --steps 2 --dtype f64 --loss-parallel --json ";
+  r = run_tpsim("verify " + sizes + " --load " + dir + "/tpsim.safetensors" + run + dir + "/want.json");
+  REQUIRE(r.exit_code == 0);
+  const auto want = read_json(dir + "/want.json")["reference"]["losses"];
+  for (const char* sub : {"one", "sharded"}) {
+    r = run_tpsim("verify --model llama --seq-len 24 --load " + dir + "/" + sub + run + dir + "/got.json");
+    INFO(sub << ": " << r.out);
+    REQUIRE(r.exit_code == 0);
+    CHECK(read_json(dir + "/got.json")["reference"]["losses"] == want);
+  }
+  // What tpsim does not build is refused, naming the field; so is any field it does not know.
+  const auto refused = [&](const std::string& key, const nlohmann::json& value, const std::string& says) {
+    auto c = config;
+    c[key] = value;
+    std::ofstream(dir + "/one/config.json") << c.dump();
+    const auto e = run_tpsim("verify --model llama --load " + dir + "/one --tp 2");
+    INFO(key << ": " << e.out);
+    CHECK(e.exit_code == 2);
+    CHECK(e.out.find(key) != std::string::npos);
+    CHECK(e.out.find(says) != std::string::npos);
+  };
+  refused("rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}}, "scaled RoPE");
+  refused("sliding_window", 4096, "sliding-window");
+  refused("hidden_act", "gelu", "SwiGLU");
+  refused("attention_bias", true, "no biases");
+  refused("num_experts", 8, "does not know");
+  refused("model_type", "gpt2", "LlamaForCausalLM");
+  std::ofstream(dir + "/one/config.json") << config.dump();
+  r = run_tpsim("verify --model llama --hidden 64 --load " + dir + "/one --tp 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("--hidden: the model comes from") != std::string::npos);
+  r = run_tpsim("verify --model gpt --load " + dir + "/one --tp 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("add --model llama") != std::string::npos);
+  // A shard that holds a tensor the index puts elsewhere, or lacks one it puts there.
+  index["weight_map"][foreign_name("hf-llama", "wte.weight")] = "model-00002-of-00002.safetensors";
+  std::ofstream(dir + "/sharded/model.safetensors.index.json") << index.dump();
+  r = run_tpsim("verify --model llama --seq-len 24 --load " + dir + "/sharded --tp 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("model.embed_tokens.weight") != std::string::npos);
 }
 
 TEST_CASE("check: explicit layouts, replicas bit for bit, train --dump is for the GPT",

@@ -113,7 +113,7 @@ TEST_CASE("checkpoint: load_weights refuses files that do not fit the config", "
     auto f = good_weights();
     f.tensors["ln.weight"] = st::st_from_i64({3}, {1, 1, 1});
     CHECK_THAT(weights_error(f),
-               Catch::Contains("tensor 'ln.weight': dtype I64, but weights must be F32 or F64"));
+               Catch::Contains("tensor 'ln.weight': dtype I64, but weights must be F32, F64 or BF16"));
   }
   SECTION("NaN and Inf, named by flat index") {
     const double nan = std::numeric_limits<double>::quiet_NaN();

@@ -290,11 +290,25 @@ TEST_CASE("safetensors: refuses unknown and unsupported dtypes", "[io]") {
   auto file = [](const std::string& dtype) {
     return make_file("{\"w\":" + entry(dtype, "[2]", "[0,4]") + "}", zeros(4));
   };
-  REQUIRE_PARSE_ERROR(file("F33"), "tensor 'w': unknown dtype 'F33' (supported: F32, F64, I64)");
+  REQUIRE_PARSE_ERROR(file("F33"), "tensor 'w': unknown dtype 'F33' (supported: F32, F64, BF16, I64)");
   REQUIRE_PARSE_ERROR(file("f32"), "unknown dtype 'f32'");  // the format is case-sensitive
-  for (const char* d : {"F16", "BF16", "I32", "U8", "BOOL", "F8_E4M3", "U64"})
+  for (const char* d : {"F16", "I32", "U8", "BOOL", "F8_E4M3", "U64"})
     REQUIRE_PARSE_ERROR(file(d), std::string("tensor 'w': dtype ") + d +
-                                     " is not supported (supported: F32, F64, I64)");
+                                     " is not supported (supported: F32, F64, BF16, I64)");
+}
+
+TEST_CASE("safetensors: BF16 (checkpoints) widens exactly", "[io]") {
+  // 1.0, -2.5, the largest finite bf16, the smallest subnormal, -0: bits 0x3F80, 0xC020,
+  // 0x7F7F, 0x0001, 0x8000, little-endian.
+  const std::vector<unsigned char> data = {0x80, 0x3F, 0x20, 0xC0, 0x7F, 0x7F, 0x01, 0x00, 0x00, 0x80};
+  const StFile f = parse(make_file("{\"w\":" + entry("BF16", "[5]", "[0,10]") + "}", data));
+  const std::vector<double> v = f.tensors.at("w").to_f64();
+  CHECK(v[0] == 1.0);
+  CHECK(v[1] == -2.5);
+  CHECK(v[2] == static_cast<double>(std::bit_cast<float>(0x7F7F0000u)));
+  CHECK(v[3] == static_cast<double>(std::bit_cast<float>(0x00010000u)));
+  CHECK(std::signbit(v[4]));
+  CHECK(v[4] == 0.0);
 }
 
 TEST_CASE("safetensors: refuses bad shapes", "[io]") {

@@ -64,9 +64,9 @@ void check_weight_names(const StFile& file, const std::vector<ParamSpec>& specs,
 
 std::vector<double> checked_weight(const StTensor& t, const ParamSpec& spec,
                                    const std::string& source) {
-  if (t.dtype != DType::F32 && t.dtype != DType::F64)
+  if (t.dtype != DType::F32 && t.dtype != DType::F64 && t.dtype != DType::BF16)
     fail_tensor(source, spec.name, std::string("dtype ") + st::st_dtype_name(t.dtype) +
-                                       ", but weights must be F32 or F64");
+                                       ", but weights must be F32, F64 or BF16");
   if (t.shape != spec.shape)
     fail_tensor(source, spec.name, "shape " + shape_str(t.shape) + " but the config needs " +
                                        shape_str(spec.shape));

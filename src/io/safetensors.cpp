@@ -91,12 +91,13 @@ std::optional<DType> supported_dtype(std::string_view s) {
   if (s == "F32") return DType::F32;
   if (s == "F64") return DType::F64;
   if (s == "I64") return DType::I64;
+  if (s == "BF16") return DType::BF16;  // checkpoints: read, widened exactly, never written
   return std::nullopt;
 }
 
 bool known_unsupported_dtype(std::string_view s) {
-  static constexpr std::array<std::string_view, 17> kKnown = {
-      "BOOL", "U8",    "I8",      "I16",     "U16",     "F16",     "BF16", "I32", "U32",
+  static constexpr std::array<std::string_view, 16> kKnown = {
+      "BOOL", "U8",    "I8",      "I16",     "U16",     "F16",     "I32",     "U32",
       "U64",  "C64",   "F8_E5M2", "F8_E4M3", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"};
   return std::find(kKnown.begin(), kKnown.end(), s) != kKnown.end();
 }
@@ -183,8 +184,8 @@ DType parse_dtype(const std::string& source, const std::string& name, const json
   const auto& s = v.get_ref<const std::string&>();
   if (auto d = supported_dtype(s)) return *d;
   if (known_unsupported_dtype(s))
-    fail_tensor(source, name, "dtype " + s + " is not supported (supported: F32, F64, I64)");
-  fail_tensor(source, name, "unknown dtype " + quote_name(s) + " (supported: F32, F64, I64)");
+    fail_tensor(source, name, "dtype " + s + " is not supported (supported: F32, F64, BF16, I64)");
+  fail_tensor(source, name, "unknown dtype " + quote_name(s) + " (supported: F32, F64, BF16, I64)");
 }
 
 Shape parse_shape(const std::string& source, const std::string& name, const json& v) {
@@ -375,7 +376,7 @@ const char* st_dtype_name(DType d) {
     case DType::F32: return "F32";
     case DType::F64: return "F64";
     case DType::I64: return "I64";
-    case DType::BF16: return "BF16";  // named only: tpsim reads and writes F32, F64, I64
+    case DType::BF16: return "BF16";
   }
   return "?";
 }
@@ -389,6 +390,9 @@ std::vector<double> StTensor::to_f64() const {
   } else if (dtype == DType::F64) {
     for (std::size_t i = 0; i < n; ++i)
       out[i] = std::bit_cast<double>(load_le<std::uint64_t>(bytes.data() + 8 * i));
+  } else if (dtype == DType::BF16) {  // the top half of a float32: exact
+    for (std::size_t i = 0; i < n; ++i)
+      out[i] = std::bit_cast<float>(std::uint32_t{load_le<std::uint16_t>(bytes.data() + 2 * i)} << 16);
   } else {
     throw Error(std::string("StTensor::to_f64: dtype ") + st_dtype_name(dtype) +
                 " is not a float type");

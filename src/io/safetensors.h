@@ -6,8 +6,8 @@
 // (offsets relative to the data buffer) and may hold "__metadata__": {string: string}.
 //
 // The reader accepts only what the format allows, and only the dtypes tpsim computes in
-// (F32, F64, I64). Every defect is a one-line tpsim::UsageError that names the file and
-// the tensor, key or byte offset: overlong headers, invalid or duplicated JSON keys,
+// (F32, F64, I64) and BF16 (checkpoints, widened exactly). Every defect is a one-line
+// tpsim::UsageError that names the file and the tensor, key or byte offset: overlong headers, invalid or duplicated JSON keys,
 // unknown or unsupported dtypes, bad shapes, offsets that overlap, leave gaps, run past
 // the end or leave trailing bytes. It never trusts a length before checking it.
 #pragma once

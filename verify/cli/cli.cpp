@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "io/atomic_file.h"
+#include "io/hf_checkpoint.h"
 #include "io/untrusted_text.h"
 #include "verify/commands/check_run.h"
 #include "verify/report/html_report.h"
@@ -118,7 +119,10 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                  "so every TP layout draws the same");
   cmd.add_option("-b,--batch-size", raw.batch_size, "batch rows (default: mlp 32, gpt 2)");
   cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
-  cmd.add_option("--load", o.load_path, "start from weights in a safetensors file");
+  cmd.add_option("--load", o.load_path,
+                 "start from weights in a safetensors file, or a Hugging Face Llama checkpoint "
+                 "directory (config.json, model.safetensors or its shards; with --model llama, "
+                 "its config is the model)");
   cmd.add_option("--data", o.data_path, "gpt batch (input_ids, labels) from a safetensors file");
   cmd.add_option("--batch", raw.batch,
                  "gpt batch without --data: random (the seed's uniform ids) or boundary (the "
@@ -192,9 +196,31 @@ void apply_architecture(RunOptions& o, const RawFlags& raw) {
     c.rope_style = raw.rope_style == "interleaved" ? RopeStyle::Interleaved : RopeStyle::Half;
 }
 
-void finish_options(RunOptions& o, const RawFlags& raw, DType default_dtype, bool verify) {
+// --load DIR, a Hugging Face Llama checkpoint: its config.json is the model, so no flag
+// may say otherwise.
+void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
+  if (o.load_path.empty() || !is_hf_model_dir(o.load_path)) return;
+  if (raw.model != "llama")
+    throw UsageError("--load " + quote_text(o.load_path) + " is a Hugging Face checkpoint "
+                     "(config.json): add --model llama");
+  for (const char* flag : {"--preset", "--vocab-size", "--block-size", "--hidden", "--heads",
+                           "--layers", "--norm", "--norm-bias", "--no-norm-bias", "--linear-bias",
+                           "--no-linear-bias", "--mlp", "--ffn-hidden", "--positions",
+                           "--rope-theta", "--rope-style", "--kv-heads", "--tied-embeddings",
+                           "--untied-embeddings"})
+    if (cmd.count(flag) > 0)
+      throw UsageError(std::string(flag) + ": the model comes from " +
+                       quote_text(o.load_path + "/config.json") + " (--load)");
+  const double dropout = o.gpt.dropout;
+  o.gpt = read_hf_config(o.load_path);
+  o.gpt.dropout = dropout;
+}
+
+void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DType default_dtype,
+                    bool verify) {
   o.model = raw.model == "mlp" ? ModelKind::Mlp : ModelKind::Gpt;
   apply_architecture(o, raw);
+  apply_hf_checkpoint(cmd, o, raw);
   o.recompute = raw.recompute == "selective" ? RecomputeKind::Selective
                 : raw.recompute == "full"    ? RecomputeKind::Full
                                              : RecomputeKind::None;
@@ -415,7 +441,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     }
     if (*train) {
       apply_preset(*train, o, raw);
-      finish_options(o, raw, DType::F32, false);
+      finish_options(*train, o, raw, DType::F32, false);
       run_train(o, std::cout);
       return kExitOk;
     }
@@ -425,7 +451,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
           throw UsageError(std::string(flag) + " describes one configuration: add --model mlp, "
                            "gpt, gpt2 or llama (without --model, verify runs the default sweep)");
       if (raw.steps.empty()) raw.steps = "2";
-      finish_options(o, raw, DType::F64, true);
+      finish_options(*verify, o, raw, DType::F64, true);
       const SweepReport r = run_sweep(default_sweep(o));
       print_sweep_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
       if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
@@ -436,13 +462,13 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       if (raw.tp.empty()) raw.tp = "1";
       if (raw.steps.empty()) raw.steps = "2";
       apply_preset(*profile, o, raw);
-      finish_options(o, raw, DType::F32, true);
+      finish_options(*profile, o, raw, DType::F32, true);
       if (raw.batch.empty()) o.batch = BatchKind::Random;  // profile times the seed's batch
       run_profile(o, prof, std::cout);
       return kExitOk;
     }
     apply_preset(*verify, o, raw);
-    finish_options(o, raw, DType::F64, true);
+    finish_options(*verify, o, raw, DType::F64, true);
     check_fault_applies(o.fault, fault_target(o));
     const VerifyReport r = run_verify(o);
     print_verify_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON

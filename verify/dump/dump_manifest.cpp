@@ -136,17 +136,6 @@ DumpLayout parse_layout(const json& v, const std::string& name, const std::strin
 
 }  // namespace
 
-const char* convention_name(NameConvention c) {
-  switch (c) {
-    case NameConvention::Tpsim: return "tpsim";
-    case NameConvention::Nanogpt: return "nanogpt";
-    case NameConvention::Megatron: return "megatron";
-    case NameConvention::HfLlama: return "hf-llama";
-    case NameConvention::Torchtitan: return "torchtitan";
-  }
-  return "?";
-}
-
 DumpManifest parse_manifest(const std::string& text, const std::string& source) {
   json j;
   try {
@@ -228,30 +217,13 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
     f.no_others();
   }
   const std::string names = top.string_or("names", "tpsim");
-  bool known = false;
-  for (auto conv : {NameConvention::Tpsim, NameConvention::Nanogpt, NameConvention::Megatron,
-                 NameConvention::HfLlama, NameConvention::Torchtitan})
-    if (names == convention_name(conv)) {
-      m.names = conv;
-      known = true;
-    }
-  if (!known)
+  const auto conv = convention_named(names);
+  if (!conv)
     top.fail("names", "expected \"tpsim\", \"nanogpt\", \"megatron\", \"hf-llama\" or "
                       "\"torchtitan\", got " + quote_text(names));
-  // Each map knows the names its framework gives the architectures it builds.
-  const GptConfig& a = m.config;
-  const bool gpt_like = a.norm == NormKind::LayerNorm && !a.norm_bias && !a.linear_bias &&
-                        a.mlp == MlpKind::Gelu && !a.rope() && a.kv() == a.heads && a.tied_embeddings;
-  const bool llama_like = a.norm == NormKind::RMSNorm && !a.linear_bias && a.swiglu() && a.rope();
-  const bool fits = m.names == NameConvention::Tpsim ||
-                    ((m.names == NameConvention::Nanogpt || m.names == NameConvention::Megatron)
-                         ? gpt_like
-                         : llama_like);
-  if (!fits)
-    top.fail("names", quote_text(names) + "'s name map does not cover config's architecture (" +
-                      describe_architecture(a) + "): nanogpt and megatron map the seed's GPT, "
-                      "hf-llama and torchtitan RMSNorm, SwiGLU and RoPE without biases; use "
-                      "\"tpsim\" names");
+  m.names = *conv;
+  if (const auto misfit = convention_misfit(m.names, m.config))
+    top.fail("names", *misfit + "; use \"tpsim\" names");
   if (const json* layouts = top.get("layouts")) {
     if (!layouts->is_object()) top.fail("layouts", "must be a JSON object");
     for (const auto& [name, v] : layouts->items()) m.layouts[name] = parse_layout(v, name, source);

@@ -10,17 +10,13 @@
 
 #include "core/dtype.h"
 #include "model/config.h"
+#include "model/foreign_names.h"
 #include "sharded/gpt.h"
 
 namespace tpsim {
 
 inline constexpr int kDumpFormatVersion = 1;
 
-// The parameter names of a dump and of its weights file (docs/dump-format.md, "Naming
-// conventions"): tpsim's, nanoGPT's and Megatron-core's (fused q/k/v), Hugging Face's
-// LlamaForCausalLM's and torchtitan's Llama's.
-enum class NameConvention { Tpsim, Nanogpt, Megatron, HfLlama, Torchtitan };
-const char* convention_name(NameConvention c);
 
 // How a tensor is cut over the ranks, as the manifest says it.
 struct DumpLayout {

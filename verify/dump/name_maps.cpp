@@ -4,106 +4,14 @@
 #include <array>
 #include <cstring>
 #include <optional>
-#include <set>
 
 #include "core/errors.h"
 #include "io/untrusted_text.h"
-#include "sharded/gpt.h"
 #include "verify/setup/tensor_order.h"
 
 namespace tpsim {
 
 namespace {
-
-// One foreign convention's names: whole names of the global tensors, and the names after
-// block i's prefix of each block's tensors, each beside tpsim's; the fused q/k/v weight
-// (nanoGPT, Megatron; null where q, k and v are separate) and the tied head's name.
-struct Rename {
-  const char* foreign;
-  const char* tpsim;
-};
-struct ConventionSpec {
-  std::vector<Rename> global;
-  const char* block;  // "transformer.h." + i + "."
-  std::vector<Rename> per_block;
-  const char* fused_qkv;
-  const char* tied_head;
-};
-
-const ConventionSpec& spec_of(NameConvention c) {
-  static const ConventionSpec nanogpt{
-      {{"transformer.wte.weight", "wte.weight"}, {"transformer.wpe.weight", "wpe.weight"},
-       {"transformer.ln_f.weight", "ln_f.weight"}},
-      "transformer.h.",
-      {{"ln_1.weight", "ln1.weight"}, {"attn.c_proj.weight", "attn.o_proj.weight"},
-       {"ln_2.weight", "ln2.weight"}, {"mlp.c_fc.weight", "mlp.ffn1.weight"},
-       {"mlp.c_proj.weight", "mlp.ffn2.weight"}},
-      "attn.c_attn.weight", "lm_head.weight"};
-  static const ConventionSpec megatron{
-      {{"embedding.word_embeddings.weight", "wte.weight"},
-       {"embedding.position_embeddings.weight", "wpe.weight"},
-       {"decoder.final_layernorm.weight", "ln_f.weight"}},
-      "decoder.layers.",
-      {{"input_layernorm.weight", "ln1.weight"},
-       {"self_attention.linear_proj.weight", "attn.o_proj.weight"},
-       {"pre_mlp_layernorm.weight", "ln2.weight"}, {"mlp.linear_fc1.weight", "mlp.ffn1.weight"},
-       {"mlp.linear_fc2.weight", "mlp.ffn2.weight"}},
-      "self_attention.linear_qkv.weight", "output_layer.weight"};
-  // transformers' LlamaForCausalLM (modeling_llama.py): RoPE rotate-half.
-  static const ConventionSpec hf_llama{
-      {{"model.embed_tokens.weight", "wte.weight"}, {"model.norm.weight", "ln_f.weight"},
-       {"lm_head.weight", "lm_head.weight"}},
-      "model.layers.",
-      {{"input_layernorm.weight", "ln1.weight"}, {"self_attn.q_proj.weight", "attn.q_proj.weight"},
-       {"self_attn.k_proj.weight", "attn.k_proj.weight"},
-       {"self_attn.v_proj.weight", "attn.v_proj.weight"},
-       {"self_attn.o_proj.weight", "attn.o_proj.weight"},
-       {"post_attention_layernorm.weight", "ln2.weight"},
-       {"mlp.gate_proj.weight", "mlp.gate_proj.weight"}, {"mlp.up_proj.weight", "mlp.up_proj.weight"},
-       {"mlp.down_proj.weight", "mlp.down_proj.weight"}},
-      nullptr, "lm_head.weight"};
-  // torchtitan's Llama (models/llama3/model): Meta's interleaved RoPE; w1 gate, w3 up, w2 down.
-  static const ConventionSpec torchtitan{
-      {{"tok_embeddings.weight", "wte.weight"}, {"norm.weight", "ln_f.weight"},
-       {"output.weight", "lm_head.weight"}},
-      "layers.",
-      {{"attention_norm.weight", "ln1.weight"}, {"attention.wq.weight", "attn.q_proj.weight"},
-       {"attention.wk.weight", "attn.k_proj.weight"}, {"attention.wv.weight", "attn.v_proj.weight"},
-       {"attention.wo.weight", "attn.o_proj.weight"}, {"ffn_norm.weight", "ln2.weight"},
-       {"feed_forward.w1.weight", "mlp.gate_proj.weight"},
-       {"feed_forward.w3.weight", "mlp.up_proj.weight"},
-       {"feed_forward.w2.weight", "mlp.down_proj.weight"}},
-      nullptr, "output.weight"};
-  switch (c) {
-    case NameConvention::Nanogpt: return nanogpt;
-    case NameConvention::Megatron: return megatron;
-    case NameConvention::HfLlama: return hf_llama;
-    case NameConvention::Torchtitan: return torchtitan;
-    case NameConvention::Tpsim: break;
-  }
-  throw Error("name maps: tpsim's own names have no map");
-}
-
-ConventionNames table_of(const DumpManifest& m) {
-  ConventionNames t;
-  if (m.names == NameConvention::Tpsim) return t;
-  const ConventionSpec& spec = spec_of(m.names);
-  // Only the model's own parameters: a tied model has no lm_head.weight of its own.
-  std::set<std::string> params;
-  for (const auto& p : gpt_param_specs(m.config)) params.insert(p.name);
-  const auto add = [&](const std::string& foreign, const std::string& tpsim) {
-    if (params.count(tpsim)) t.to_tpsim[foreign] = tpsim;
-  };
-  for (const Rename& r : spec.global) add(r.foreign, r.tpsim);
-  for (std::int64_t i = 0; i < m.config.layers; ++i) {
-    const std::string f = spec.block + std::to_string(i) + ".";
-    const std::string h = "h." + std::to_string(i) + ".";
-    for (const Rename& r : spec.per_block) add(f + r.foreign, h + r.tpsim);
-    if (spec.fused_qkv) t.fused[f + spec.fused_qkv] = i;
-  }
-  if (m.config.tied_embeddings) t.tied_head = spec.tied_head;
-  return t;
-}
 
 // Splits a fused q/k/v block of `heads` heads (rows 3*heads*d, each of H values) into its
 // q, k and v blocks of heads*d rows: nanoGPT stacks [q; k; v], Megatron interleaves
@@ -152,7 +60,7 @@ void rename_all(st::StFile& file, const NameResolver& names, const std::string& 
 
 NameResolver::NameResolver(const DumpManifest& m, std::int64_t heads, bool stepped,
                            std::string source, std::string whose)
-    : m_(m), names_(table_of(m)), heads_(heads), stepped_(stepped), source_(std::move(source)),
+    : m_(m), names_(convention_names(m.names, m.config)), heads_(heads), stepped_(stepped), source_(std::move(source)),
       whose_(std::move(whose)) {}
 
 NameResolver::Target NameResolver::resolve(const std::string& full) const {
@@ -215,7 +123,7 @@ void weights_to_tpsim_names(st::StFile& weights, const DumpManifest& m, const st
 }
 
 std::map<std::string, DumpLayout> layouts_in_tpsim_names(const DumpManifest& m) {
-  const ConventionNames t = table_of(m);
+  const ConventionNames t = convention_names(m.names, m.config);
   const auto order = gpt_tensor_order(m.config);
   std::map<std::string, DumpLayout> out;
   for (const auto& [name, layout] : m.layouts) {

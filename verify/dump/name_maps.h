@@ -17,12 +17,6 @@
 
 namespace tpsim {
 
-// A convention's parameter names: the renamed ones, and the fused q/k/v one per block.
-struct ConventionNames {
-  std::map<std::string, std::string> to_tpsim;  // foreign -> tpsim, one tensor each
-  std::map<std::string, std::int64_t> fused;    // foreign fused q/k/v -> block index
-  std::string tied_head;                        // the tied LM head, not dumped
-};
 
 // What one tensor name of a file becomes in tpsim's names, from the name alone, so that
 // a reader can check each declared shape before a byte of the file is read or allocated.

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "io/checkpoint.h"
+#include "io/hf_checkpoint.h"
 #include "sharded/data_parallel.h"
 #include "sharded/gpt.h"
 #include "sharded/mlp.h"
@@ -50,7 +51,9 @@ RunInputs prepare_inputs(const RunOptions& o) {
     throw UsageError("--dp " + std::to_string(o.dp) + ": a batch of " +
                      std::to_string(in.gpt_batch.B) + " rows does not split evenly over the "
                      "replicas (choose --batch-size)");
-  if (!o.load_path.empty()) in.loaded = load_weights(o.load_path, param_specs(o));
+  if (!o.load_path.empty())
+    in.loaded = is_hf_model_dir(o.load_path) ? load_hf_weights(o.load_path, o.gpt, param_specs(o))
+                                             : load_weights(o.load_path, param_specs(o));
   return in;
 }
 

@@ -1,0 +1,32 @@
+// A Hugging Face model directory as `--load`: config.json (transformers' LlamaConfig)
+// chooses the model, and model.safetensors, or the shards that
+// model.safetensors.index.json names, hold its weights in LlamaForCausalLM's names.
+//
+// A config field that would change the model in a way tpsim does not build (a RoPE
+// scaling, a sliding window, biases, another activation) is refused in one line naming it,
+// and so is any field this reader does not know: nothing is read and then ignored, except
+// the fields listed as metadata (token ids, dtype, versions).
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace tpsim {
+
+// Whether `path` is a directory holding config.json.
+bool is_hf_model_dir(const std::string& path);
+
+// The model config.json describes: apply_gpt_family's "llama" with its sizes. UsageError
+// naming DIR/config.json and the field.
+GptConfig read_hf_config(const std::string& dir);
+
+// The weights, renamed to tpsim's and checked against `specs` as load_weights does
+// (F32, F64 or BF16; a tied lm_head.weight, and rotary inv_freq buffers, dropped).
+std::map<std::string, std::vector<double>> load_hf_weights(const std::string& dir,
+                                                           const GptConfig& config,
+                                                           const std::vector<ParamSpec>& specs);
+
+}  // namespace tpsim
