@@ -78,17 +78,19 @@ void write_manifest_json(const std::string& dir, const nlohmann::json& j) {
   std::ofstream(dir + "/manifest.json") << j.dump(2);
 }
 
-// Rows [r0, r0+n) of a row-major [rows, cols] tensor.
+// Rows [r0, r0+n) of a row-major [rows, cols] (or [rows]) tensor.
 st::StTensor rows_of(const st::StTensor& t, std::int64_t r0, std::int64_t n) {
   const std::size_t row = t.bytes.size() / static_cast<std::size_t>(t.shape[0]);
-  st::StTensor out{t.dtype, {n, t.shape[1]}, {}};
+  st::StTensor out{t.dtype, t.shape, {}};
+  out.shape[0] = n;
   out.bytes.assign(t.bytes.begin() + static_cast<std::ptrdiff_t>(row * static_cast<std::size_t>(r0)),
                    t.bytes.begin() + static_cast<std::ptrdiff_t>(row * static_cast<std::size_t>(r0 + n)));
   return out;
 }
 
 st::StTensor stack(const std::vector<st::StTensor>& parts) {
-  st::StTensor out{parts[0].dtype, {0, parts[0].shape[1]}, {}};
+  st::StTensor out{parts[0].dtype, parts[0].shape, {}};
+  out.shape[0] = 0;
   for (const auto& p : parts) {
     out.shape[0] += p.shape[0];
     out.bytes.insert(out.bytes.end(), p.bytes.begin(), p.bytes.end());
@@ -147,16 +149,16 @@ std::string foreign_name(const std::string& conv, const std::string& n) {
   }
   if (n == "wte.weight") return "embedding.word_embeddings.weight";
   if (n == "wpe.weight") return "embedding.position_embeddings.weight";
-  if (n == "ln_f.weight") return "decoder.final_layernorm.weight";
+  if (n.starts_with("ln_f.")) return "decoder.final_layernorm." + n.substr(5);
   return renamed("decoder.layers." + n.substr(2),
                  {{"ln1.", "input_layernorm."}, {"ln2.", "pre_mlp_layernorm."},
                   {"attn.o_proj.", "self_attention.linear_proj."}, {"mlp.ffn1.", "mlp.linear_fc1."},
                   {"mlp.ffn2.", "mlp.linear_fc2."}});
 }
 
-std::string fused_name(const std::string& conv, const std::string& layer) {
-  return conv == "nanogpt" ? "transformer.h." + layer + ".attn.c_attn.weight"
-                           : "decoder.layers." + layer + ".self_attention.linear_qkv.weight";
+std::string fused_name(const std::string& conv, const std::string& layer, const std::string& what) {
+  return (conv == "nanogpt" ? "transformer.h." + layer + ".attn.c_attn."
+                            : "decoder.layers." + layer + ".self_attention.linear_qkv.") + what;
 }
 
 // Renames `file`'s tensors ("[prefix/]name[.grad]") to the convention, fusing q/k/v.
@@ -176,15 +178,15 @@ st::StFile convert(const st::StFile& file, const std::string& conv, std::int64_t
     const std::string base = grad ? name.substr(0, name.size() - 5) : name;
     const std::string sfx = grad ? ".grad" : "";
     const bool fused = conv == "nanogpt" || conv == "megatron";
-    const auto q = fused ? base.find(".attn.q_proj.weight") : std::string::npos;
+    const auto q = fused ? base.find(".attn.q_proj.") : std::string::npos;
     if (!fused) {
       out.tensors[prefix + foreign_name(conv, base) + sfx] = t;
     } else if (q != std::string::npos) {
       const std::string h = base.substr(0, q) + ".attn.";  // "h.0.attn."
-      auto get = [&](const char* p) { return file.tensors.at(prefix + h + p + sfx); };
-      out.tensors[prefix + fused_name(conv, base.substr(2, q - 2)) + sfx] =
-          fuse(conv, get("q_proj.weight"), get("k_proj.weight"), get("v_proj.weight"), heads, d,
-               order);
+      const std::string what = base.substr(q + 13);        // "weight" or "bias"
+      auto get = [&](const char* p) { return file.tensors.at(prefix + h + p + what + sfx); };
+      out.tensors[prefix + fused_name(conv, base.substr(2, q - 2), what) + sfx] =
+          fuse(conv, get("q_proj."), get("k_proj."), get("v_proj."), heads, d, order);
     } else if (base.find(".attn.k_proj.") == std::string::npos &&
                base.find(".attn.v_proj.") == std::string::npos) {
       out.tensors[prefix + foreign_name(conv, base) + sfx] = t;
@@ -407,14 +409,38 @@ TEST_CASE("check refuses a bad dump with one line naming the tensor and rank", "
 TEST_CASE("check reads dumps in nanoGPT's and Megatron's names, fused q/k/v split back",
           "[check][cli]") {
   for (const char* conv : {"nanogpt", "megatron"})
-    for (int tp : {1, 2, 4}) {
-      const std::string dir = make_dump(std::string("conv-") + conv,
-                                        "--tp " + std::to_string(tp) + " --loss-parallel");
-      convert_dump(dir, conv, tp);
-      const auto r = check(dir);
-      INFO(conv << " tp " << tp << "\n" << r.out);
-      REQUIRE(r.exit_code == 0);
-    }
+    for (int tp : {1, 2, 4})
+      for (const char* bias : {"", " --norm-bias --linear-bias"}) {  // nanoGPT's bias=True
+        const std::string dir = make_dump(std::string("conv-") + conv,
+                                          "--tp " + std::to_string(tp) + " --loss-parallel" + bias);
+        convert_dump(dir, conv, tp);
+        const auto r = check(dir);
+        INFO(conv << " tp " << tp << bias << "\n" << r.out);
+        REQUIRE(r.exit_code == 0);
+      }
+  // Biased q and k swapped in the fused bias only: caught.
+  for (const char* conv : {"nanogpt", "megatron"}) {
+    const std::string dir = make_dump(std::string("conv-bias-") + conv, "--tp 2 --norm-bias --linear-bias");
+    convert_dump(dir, conv, 2);
+    const std::string qkv = fused_name(conv, "0", "bias");
+    for (int r = 0; r < 2; ++r)
+      edit_values(dir, r, "step1/" + qkv + ".grad", [](std::vector<double>& v) {
+        std::swap_ranges(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 3),
+                         v.begin() + static_cast<std::ptrdiff_t>(v.size() / 3));
+      });
+    const auto r = check(dir, "--json " + dir + "/report.json");
+    INFO(conv << "\n" << r.out);
+    REQUIRE(r.exit_code == 1);
+    const std::string t = read_json(dir + "/report.json")["first_failure"]["tensor"];
+    CHECK(t.find("attn.") != std::string::npos);
+    CHECK(t.find("_proj.bias.grad") != std::string::npos);
+  }
+  // nanoGPT's one bias flag: biased Linears under unbiased LayerNorms are no nanoGPT.
+  {
+    const std::string dir = make_dump("conv-half-bias", "--tp 2 --linear-bias");
+    convert_dump(dir, "nanogpt", 2);
+    expect_bad_dump(dir, "names", "nanogpt's names do not cover");
+  }
   for (const char* conv : {"nanogpt", "megatron"}) {
     const std::string dir = make_dump(std::string("conv-bad-") + conv, "--tp 2");
     convert_dump(dir, conv, 2, {1, 0, 2});  // fused [k; q; v]: q and k swapped

@@ -27,21 +27,24 @@ std::optional<NameConvention> convention_named(const std::string& s) {
 
 std::optional<std::string> convention_misfit(NameConvention c, const GptConfig& a) {
   if (c == NameConvention::Tpsim) return std::nullopt;
-  const bool gpt_like = a.norm == NormKind::LayerNorm && !a.norm_bias && !a.linear_bias &&
-                        a.mlp == MlpKind::Gelu && !a.rope() && a.kv() == a.heads && a.tied_embeddings;
+  // nanoGPT's one `bias` flag puts biases on its LayerNorms and Linears alike.
+  const bool gpt_like = a.norm == NormKind::LayerNorm && a.mlp == MlpKind::Gelu && !a.rope() &&
+                        a.kv() == a.heads && a.tied_embeddings &&
+                        (c != NameConvention::Nanogpt || a.norm_bias == a.linear_bias);
   const bool llama_like = a.norm == NormKind::RMSNorm && !a.linear_bias && a.swiglu() && a.rope();
   const bool gpt_names = c == NameConvention::Nanogpt || c == NameConvention::Megatron;
   if (gpt_names ? gpt_like : llama_like) return std::nullopt;
   return std::string(convention_name(c)) + "'s names do not cover " + describe_architecture(a) +
-         ": nanogpt and megatron name the seed's GPT, hf-llama and torchtitan RMSNorm, "
-         "SwiGLU and RoPE without biases";
+         ": nanogpt and megatron name the seed's GPT (with biases: nanogpt on norms and "
+         "Linears alike), hf-llama and torchtitan RMSNorm, SwiGLU and RoPE without biases";
 }
 
 namespace {
 
 // One foreign convention's names: whole names of the global tensors, and the names after
-// block i's prefix of each block's tensors, each beside tpsim's; the fused q/k/v weight
-// (nanoGPT, Megatron; null where q, k and v are separate) and the tied head's name.
+// block i's prefix of each block's tensors, each beside tpsim's; the fused q/k/v tensors'
+// name before ".weight" and ".bias" (nanoGPT, Megatron; null where q, k and v are
+// separate) and the tied head's name.
 struct Rename {
   const char* foreign;
   const char* tpsim;
@@ -57,22 +60,27 @@ struct ConventionSpec {
 const ConventionSpec& spec_of(NameConvention c) {
   static const ConventionSpec nanogpt{
       {{"transformer.wte.weight", "wte.weight"}, {"transformer.wpe.weight", "wpe.weight"},
-       {"transformer.ln_f.weight", "ln_f.weight"}},
+       {"transformer.ln_f.weight", "ln_f.weight"}, {"transformer.ln_f.bias", "ln_f.bias"}},
       "transformer.h.",
-      {{"ln_1.weight", "ln1.weight"}, {"attn.c_proj.weight", "attn.o_proj.weight"},
-       {"ln_2.weight", "ln2.weight"}, {"mlp.c_fc.weight", "mlp.ffn1.weight"},
-       {"mlp.c_proj.weight", "mlp.ffn2.weight"}},
-      "attn.c_attn.weight", "lm_head.weight"};
+      {{"ln_1.weight", "ln1.weight"}, {"ln_1.bias", "ln1.bias"},
+       {"attn.c_proj.weight", "attn.o_proj.weight"}, {"attn.c_proj.bias", "attn.o_proj.bias"},
+       {"ln_2.weight", "ln2.weight"}, {"ln_2.bias", "ln2.bias"},
+       {"mlp.c_fc.weight", "mlp.ffn1.weight"}, {"mlp.c_fc.bias", "mlp.ffn1.bias"},
+       {"mlp.c_proj.weight", "mlp.ffn2.weight"}, {"mlp.c_proj.bias", "mlp.ffn2.bias"}},
+      "attn.c_attn", "lm_head.weight"};
   static const ConventionSpec megatron{
       {{"embedding.word_embeddings.weight", "wte.weight"},
        {"embedding.position_embeddings.weight", "wpe.weight"},
-       {"decoder.final_layernorm.weight", "ln_f.weight"}},
+       {"decoder.final_layernorm.weight", "ln_f.weight"},
+       {"decoder.final_layernorm.bias", "ln_f.bias"}},
       "decoder.layers.",
-      {{"input_layernorm.weight", "ln1.weight"},
+      {{"input_layernorm.weight", "ln1.weight"}, {"input_layernorm.bias", "ln1.bias"},
        {"self_attention.linear_proj.weight", "attn.o_proj.weight"},
-       {"pre_mlp_layernorm.weight", "ln2.weight"}, {"mlp.linear_fc1.weight", "mlp.ffn1.weight"},
-       {"mlp.linear_fc2.weight", "mlp.ffn2.weight"}},
-      "self_attention.linear_qkv.weight", "output_layer.weight"};
+       {"self_attention.linear_proj.bias", "attn.o_proj.bias"},
+       {"pre_mlp_layernorm.weight", "ln2.weight"}, {"pre_mlp_layernorm.bias", "ln2.bias"},
+       {"mlp.linear_fc1.weight", "mlp.ffn1.weight"}, {"mlp.linear_fc1.bias", "mlp.ffn1.bias"},
+       {"mlp.linear_fc2.weight", "mlp.ffn2.weight"}, {"mlp.linear_fc2.bias", "mlp.ffn2.bias"}},
+      "self_attention.linear_qkv", "output_layer.weight"};
   // transformers' LlamaForCausalLM (modeling_llama.py): RoPE rotate-half.
   static const ConventionSpec hf_llama{
       {{"model.embed_tokens.weight", "wte.weight"}, {"model.norm.weight", "ln_f.weight"},
@@ -125,7 +133,10 @@ ConventionNames convention_names(NameConvention c, const GptConfig& config) {
     const std::string f = spec.block + std::to_string(i) + ".";
     const std::string h = "h." + std::to_string(i) + ".";
     for (const Rename& r : spec.per_block) add(f + r.foreign, h + r.tpsim);
-    if (spec.fused_qkv) t.fused[f + spec.fused_qkv] = i;
+    if (spec.fused_qkv)
+      for (const char* suffix : {"weight", "bias"})
+        if (params.count(h + "attn.q_proj." + suffix))
+          t.fused[f + spec.fused_qkv + "." + suffix] = {i, suffix};
   }
   if (config.tied_embeddings) t.tied_head = spec.tied_head;
   return t;

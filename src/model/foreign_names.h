@@ -24,7 +24,11 @@ std::optional<NameConvention> convention_named(const std::string& s);
 // not keep. Only the model's own parameters are listed: a missing bias, a tied head.
 struct ConventionNames {
   std::map<std::string, std::string> to_tpsim;  // foreign -> tpsim, one tensor each
-  std::map<std::string, std::int64_t> fused;    // foreign fused q/k/v weight -> block index
+  struct Fused {
+    std::int64_t block;
+    std::string suffix;  // "weight" [3·A·d, H] or "bias" [3·A·d]
+  };
+  std::map<std::string, Fused> fused;  // foreign fused q/k/v -> its block and tensor
   std::string tied_head;
 };
 ConventionNames convention_names(NameConvention c, const GptConfig& config);

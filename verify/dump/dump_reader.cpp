@@ -244,7 +244,9 @@ struct DumpReader::Rank {
           const NameResolver::Target t = names.resolve(n);
           if (t.fused) {
             names.check_fused(n, t, sh);
-            for (const auto& q : t.names) placer.check_declared(q, dt, {sh[0] / 3, sh[1]});
+            Shape each = sh;  // q, k and v: a third of the rows each
+            each[0] /= 3;
+            for (const auto& q : t.names) placer.check_declared(q, dt, each);
           } else {
             placer.check_declared(t.names[0], dt, sh);
           }

@@ -13,9 +13,9 @@ namespace tpsim {
 
 namespace {
 
-// Splits a fused q/k/v block of `heads` heads (rows 3*heads*d, each of H values) into its
-// q, k and v blocks of heads*d rows: nanoGPT stacks [q; k; v], Megatron interleaves
-// [q_j; k_j; v_j] per head j.
+// Splits a fused q/k/v block of `heads` heads (rows 3*heads*d, each of H values, or of one
+// for a bias) into its q, k and v blocks of heads*d rows: nanoGPT stacks [q; k; v],
+// Megatron interleaves [q_j; k_j; v_j] per head j.
 std::array<st::StTensor, 3> split_fused(const st::StTensor& t, NameConvention names,
                                         std::int64_t heads, std::int64_t d) {
   const std::size_t row_bytes = t.bytes.size() / static_cast<std::size_t>(t.shape[0]);
@@ -23,7 +23,8 @@ std::array<st::StTensor, 3> split_fused(const st::StTensor& t, NameConvention na
   std::array<st::StTensor, 3> out;
   for (auto& o : out) {
     o.dtype = t.dtype;
-    o.shape = {rows, t.shape[1]};
+    o.shape = t.shape;  // a weight [rows, H] or a bias [rows]
+    o.shape[0] = rows;
     o.bytes.resize(static_cast<std::size_t>(rows) * row_bytes);
   }
   for (int which = 0; which < 3; ++which)
@@ -74,10 +75,12 @@ NameResolver::Target NameResolver::resolve(const std::string& full) const {
   if (auto it = names_.to_tpsim.find(base); it != names_.to_tpsim.end())
     return {{prefix + it->second + suffix}, std::nullopt, -1};
   if (auto f = names_.fused.find(base); f != names_.fused.end()) {
-    const std::string h = prefix + "h." + std::to_string(f->second) + ".attn.";
-    return {{h + "q_proj.weight" + suffix, h + "k_proj.weight" + suffix, h + "v_proj.weight" + suffix},
-            Shape{3 * heads_ * m_.config.head_dim(), m_.config.hidden},
-            f->second};
+    const std::string h = prefix + "h." + std::to_string(f->second.block) + ".attn.";
+    const std::string t = "_proj." + f->second.suffix + suffix;
+    const std::int64_t rows = 3 * heads_ * m_.config.head_dim();
+    return {{h + "q" + t, h + "k" + t, h + "v" + t},
+            f->second.suffix == "bias" ? Shape{rows} : Shape{rows, m_.config.hidden},
+            f->second.block};
   }
   if (name == "loss" || name.starts_with("act/")) return {{full}, std::nullopt, -1};  // every convention's
   // A dump that declares a convention holds that convention's names only: a tpsim name
