@@ -567,7 +567,7 @@ TEST_CASE("verify --load takes a Hugging Face Llama checkpoint directory", "[che
   refused("hidden_act", "gelu", "SwiGLU");
   refused("attention_bias", true, "no biases");
   refused("num_experts", 8, "does not know");
-  refused("model_type", "gpt2", "LlamaForCausalLM");
+  refused("model_type", "mistral", "GPT2LMHeadModel");
   std::ofstream(dir + "/one/config.json") << config.dump();
   r = run_tpsim("verify --model llama --hidden 64 --load " + dir + "/one --tp 2");
   CHECK(r.exit_code == 2);
@@ -581,6 +581,69 @@ TEST_CASE("verify --load takes a Hugging Face Llama checkpoint directory", "[che
   r = run_tpsim("verify --model llama --seq-len 24 --load " + dir + "/sharded --tp 2");
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("model.embed_tokens.weight") != std::string::npos);
+}
+
+TEST_CASE("verify --load takes a Hugging Face GPT-2 checkpoint directory", "[check][cli]") {
+  // GPT2LMHeadModel's save: nanoGPT's names (which copied them), Conv1D weights [in, out],
+  // q, k and v stacked in c_attn, biases everywhere, a tied head, the causal-mask buffer.
+  const std::string dir = temp_path("hf-gpt2");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/hf");
+  const std::string sizes = "--model gpt2 --vocab-size 101 --hidden 48 --heads 4 --layers 2 "
+                            "--block-size 32 --seq-len 16";
+  auto r = run_tpsim("train " + sizes + " --steps 1 --dtype f64 --save-final " + dir + "/tpsim.safetensors");
+  REQUIRE(r.exit_code == 0);
+  const auto w = st::read_safetensors(dir + "/tpsim.safetensors");
+  const auto transposed = [](const st::StTensor& t) {
+    const auto v = t.to_f64();
+    const std::int64_t R = t.shape[0], C = t.shape[1];
+    std::vector<double> o(v.size());
+    for (std::int64_t i = 0; i < R; ++i)
+      for (std::int64_t j = 0; j < C; ++j) o[static_cast<std::size_t>(j * R + i)] = v[static_cast<std::size_t>(i * C + j)];
+    return st::st_from_f64({C, R}, o, t.dtype);
+  };
+  st::StFile hf;
+  for (const auto& [name, t] : w.tensors) {
+    if (name.find(".attn.k_proj.") != std::string::npos || name.find(".attn.v_proj.") != std::string::npos)
+      continue;
+    if (const auto q = name.find(".attn.q_proj."); q != std::string::npos) {
+      const std::string h = name.substr(0, q + 6), what = name.substr(q + 13);  // "h.0.attn." ...
+      const st::StTensor qkv = stack({t, w.tensors.at(h + "k_proj." + what), w.tensors.at(h + "v_proj." + what)});
+      const std::string n = "transformer." + h + "c_attn." + what;
+      hf.tensors[n] = what == "weight" ? transposed(qkv) : qkv;
+      continue;
+    }
+    const std::string n = foreign_name("nanogpt", name);
+    const bool conv1d = t.shape.size() == 2 && (n.ends_with("c_proj.weight") || n.ends_with("c_fc.weight"));
+    hf.tensors[n] = conv1d ? transposed(t) : t;
+  }
+  hf.tensors["lm_head.weight"] = hf.tensors.at("transformer.wte.weight");  // tied, dropped
+  hf.tensors["transformer.h.0.attn.bias"] = st::st_from_f64({1, 1, 32, 32}, std::vector<double>(1024, 1.0), DType::F32);
+  st::write_safetensors(dir + "/hf/model.safetensors", hf);
+  const nlohmann::json config = {
+      {"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", 101},
+      {"n_positions", 32}, {"n_ctx", 32}, {"n_embd", 48}, {"n_layer", 2}, {"n_head", 4},
+      {"n_inner", nullptr}, {"activation_function", "gelu_new"}, {"layer_norm_epsilon", 1e-5},
+      {"attn_pdrop", 0.1}, {"embd_pdrop", 0.1}, {"resid_pdrop", 0.1}, {"scale_attn_weights", true},
+      {"summary_type", "cls_index"}, {"task_specific_params", {{"text-generation", {{"do_sample", true}}}}}};
+  std::ofstream(dir + "/hf/config.json") << config.dump();
+  const std::string run = " --tp 1,2,4 --steps 2 --dtype f64 --sequence-parallel --json ";
+  r = run_tpsim("verify " + sizes + " --load " + dir + "/tpsim.safetensors" + run + dir + "/want.json");
+  REQUIRE(r.exit_code == 0);
+  r = run_tpsim("verify --model gpt2 --seq-len 16 --load " + dir + "/hf" + run + dir + "/got.json");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  CHECK(read_json(dir + "/got.json")["reference"]["losses"] == read_json(dir + "/want.json")["reference"]["losses"]);
+  // The family must be the checkpoint's; a per-layer attention scale is not built.
+  r = run_tpsim("verify --model llama --seq-len 16 --load " + dir + "/hf --tp 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("add --model gpt2") != std::string::npos);
+  auto bad = config;
+  bad["scale_attn_by_inverse_layer_idx"] = true;
+  std::ofstream(dir + "/hf/config.json") << bad.dump();
+  r = run_tpsim("verify --model gpt2 --seq-len 16 --load " + dir + "/hf --tp 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("scale_attn_by_inverse_layer_idx") != std::string::npos);
 }
 
 TEST_CASE("check: explicit layouts, replicas bit for bit, train --dump is for the GPT",

@@ -1,5 +1,7 @@
 #include "io/hf_checkpoint.h"
 
+#include <algorithm>
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -47,7 +49,7 @@ json read_json_file(const std::string& path, int max_depth) {
   }
 }
 
-// LlamaConfig's fields, each read once; what is left at the end is refused.
+// The config's fields, each read once; what is left at the end is refused.
 class ConfigFields {
  public:
   ConfigFields(const json& j, std::string source) : j_(j), source_(std::move(source)) {
@@ -76,6 +78,12 @@ class ConfigFields {
     if (!v->is_number()) fail(k, "must be a number");
     return v->get<double>();
   }
+  bool boolean_or(const std::string& k, bool dflt) {
+    const json* v = get(k);
+    if (!v || v->is_null()) return dflt;
+    if (!v->is_boolean()) fail(k, "must be true or false");
+    return v->get<bool>();
+  }
   // A field whose only value tpsim builds is `want` (absent: the default, which is it).
   void must_be(const std::string& k, const json& want, const std::string& why) {
     const json* v = get(k);
@@ -87,8 +95,8 @@ class ConfigFields {
   void no_others() const {
     for (const auto& [k, v] : j_.items())
       if (!seen_.count(k))
-        fail(k, "a LlamaConfig field tpsim does not know, so cannot honour (refused rather "
-                "than ignored)");
+        fail(k, "a config field tpsim does not know, so cannot honour (refused rather than "
+                "ignored)");
   }
 
  private:
@@ -107,6 +115,34 @@ class ConfigFields {
   std::set<std::string> seen_;
 };
 
+// A Conv1D weight [in, out] as tpsim's [out, in] (any element size).
+st::StTensor transposed(const st::StTensor& t) {
+  const auto rows = static_cast<std::size_t>(t.shape[0]), cols = static_cast<std::size_t>(t.shape[1]);
+  const std::size_t size = rows > 0 && cols > 0 ? t.bytes.size() / (rows * cols) : 0;
+  st::StTensor out{t.dtype, {t.shape[1], t.shape[0]}, std::vector<unsigned char>(t.bytes.size())};
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < cols; ++c)
+      std::copy_n(t.bytes.begin() + static_cast<std::ptrdiff_t>((r * cols + c) * size), size,
+                  out.bytes.begin() + static_cast<std::ptrdiff_t>((c * rows + r) * size));
+  return out;
+}
+
+// c_attn's [q; k; v] (rows of a weight, elements of a bias) as three tensors.
+std::array<st::StTensor, 3> thirds(const st::StTensor& t, const std::string& source,
+                                   const std::string& name) {
+  if (t.shape.empty() || t.shape[0] % 3 != 0)
+    throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": shape " +
+                     shape_str(t.shape) + " is not q, k and v stacked");
+  std::array<st::StTensor, 3> out;
+  const std::size_t part = t.bytes.size() / 3;
+  for (std::size_t i = 0; i < 3; ++i) {
+    out[i] = {t.dtype, t.shape, {t.bytes.begin() + static_cast<std::ptrdiff_t>(i * part),
+                                 t.bytes.begin() + static_cast<std::ptrdiff_t>((i + 1) * part)}};
+    out[i].shape[0] /= 3;
+  }
+  return out;
+}
+
 }  // namespace
 
 bool is_hf_model_dir(const std::string& path) {
@@ -114,13 +150,10 @@ bool is_hf_model_dir(const std::string& path) {
   return fs::is_directory(path, ec) && fs::exists(in_dir(path, "config.json"), ec);
 }
 
-GptConfig read_hf_config(const std::string& dir) {
-  const std::string source = quote_text(in_dir(dir, "config.json"));
-  const json j = read_json_file(in_dir(dir, "config.json"), 4);
-  ConfigFields f(j, source);
-  const json* type = f.get("model_type");
-  if (!type || *type != "llama")
-    f.fail("model_type", "tpsim reads LlamaForCausalLM checkpoints (model_type \"llama\")");
+namespace {
+
+// LlamaConfig (transformers' configuration_llama.py) onto the llama family.
+GptConfig llama_config(ConfigFields& f) {
   GptConfig c;
   apply_gpt_family(c, "llama");
   c.vocab_size = f.size("vocab_size");
@@ -132,22 +165,66 @@ GptConfig read_hf_config(const std::string& dir) {
   c.block_size = f.size("max_position_embeddings");
   c.ln_eps = f.number_or("rms_norm_eps", 1e-6);  // LlamaConfig's default
   c.rope_theta = f.number_or("rope_theta", 10000.0);
-  const json* tied = f.get("tie_word_embeddings");
-  if (tied && !tied->is_boolean()) f.fail("tie_word_embeddings", "must be true or false");
-  c.tied_embeddings = tied && tied->get<bool>();
+  c.tied_embeddings = f.boolean_or("tie_word_embeddings", false);
   if (f.size_or("head_dim", c.hidden / c.heads) * c.heads != c.hidden)
     f.fail("head_dim", "is not hidden_size / num_attention_heads, which tpsim's attention assumes");
   f.must_be("hidden_act", "silu", "tpsim's Llama MLP is SwiGLU (silu)");
   f.must_be("attention_bias", false, "tpsim's Llama has no biases");
   f.must_be("mlp_bias", false, "tpsim's Llama has no biases");
   f.must_be("pretraining_tp", 1, "a Llama 1 slicing of the projections that tpsim does not build");
-  f.must_be("attention_dropout", 0.0, "tpsim's dropout is --dropout, one probability for every site");
   if (const json* s = f.get("rope_scaling"); s && !s->is_null())
     f.fail("rope_scaling", "a scaled RoPE (llama3, linear, dynamic, yarn) is not built");
   if (const json* w = f.get("sliding_window"); w && !w->is_null())
     f.fail("sliding_window", "sliding-window attention is not built");
+  f.ignore({"attention_dropout"});  // a training setting: --dropout is the run's
+  return c;
+}
+
+// GPT2Config (configuration_gpt2.py) onto the gpt2 family.
+GptConfig gpt2_config(ConfigFields& f) {
+  GptConfig c;
+  apply_gpt_family(c, "gpt2");
+  c.vocab_size = f.size("vocab_size");
+  c.block_size = f.size("n_positions");
+  c.hidden = f.size("n_embd");
+  c.layers = f.size("n_layer");
+  c.heads = f.size("n_head");
+  c.ffn_hidden = f.size_or("n_inner", 0);
+  c.ln_eps = f.number_or("layer_norm_epsilon", 1e-5);
+  c.tied_embeddings = f.boolean_or("tie_word_embeddings", true);
+  const json* act = f.get("activation_function");
+  const std::string a = act && act->is_string() ? act->get<std::string>() : act ? "" : "gelu_new";
+  if (a == "gelu_new" || a == "gelu_pytorch_tanh") c.mlp = MlpKind::GeluTanh;
+  else if (a == "gelu") c.mlp = MlpKind::Gelu;
+  else f.fail("activation_function", "tpsim builds gelu_new (tanh) and gelu (exact)");
+  f.must_be("scale_attn_weights", true, "tpsim's attention scales by 1/sqrt(d)");
+  f.must_be("scale_attn_by_inverse_layer_idx", false, "a per-layer attention scale is not built");
+  f.must_be("add_cross_attention", false, "cross-attention is not built");
+  if (const json* n = f.get("n_ctx"); n && *n != c.block_size)
+    f.fail("n_ctx", "differs from n_positions");
+  // Training settings (--dropout is the run's), precision hints, the double-heads model's
+  // summary head (not in GPT2LMHeadModel), generation defaults.
+  f.ignore({"attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_activation",
+            "summary_first_dropout", "summary_proj_to_labels", "summary_type",
+            "summary_use_proj", "reorder_and_upcast_attn", "task_specific_params"});
+  return c;
+}
+
+}  // namespace
+
+GptConfig read_hf_config(const std::string& dir) {
+  const std::string source = quote_text(in_dir(dir, "config.json"));
+  const json j = read_json_file(in_dir(dir, "config.json"), 4);
+  ConfigFields f(j, source);
+  const json* type = f.get("model_type");
+  GptConfig c;
+  if (type && *type == "llama") c = llama_config(f);
+  else if (type && *type == "gpt2") c = gpt2_config(f);
+  else f.fail("model_type", "tpsim reads LlamaForCausalLM (\"llama\") and GPT2LMHeadModel "
+                            "(\"gpt2\") checkpoints");
   f.ignore({"architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
-            "dtype", "transformers_version", "initializer_range", "use_cache", "_name_or_path"});
+            "dtype", "transformers_version", "initializer_range", "use_cache", "_name_or_path",
+            "tokenizer_class"});
   f.no_others();
   check_gpt_architecture(c);
   return c;
@@ -190,15 +267,36 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
                            ": missing, though the index maps it here");
     }
   }
-  // LlamaForCausalLM's names to tpsim's.
-  const ConventionNames names = convention_names(NameConvention::HfLlama, config);
+  // The framework's names to tpsim's. GPT2LMHeadModel's are nanoGPT's (which copied
+  // them), with Conv1D weights stored [in, out] and q, k, v fused in c_attn.
+  const bool gpt2 = config.mlp != MlpKind::SwiGLU;
+  const ConventionNames names =
+      convention_names(gpt2 ? NameConvention::Nanogpt : NameConvention::HfLlama, config);
+  const std::string model = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
   st::StFile renamed;
   for (auto& [name, t] : all.tensors) {
-    if (name.ends_with("rotary_emb.inv_freq") || name == names.tied_head) continue;  // derived
-    const auto it = names.to_tpsim.find(name);
+    const std::string n = gpt2 && !name.starts_with("transformer.") && name != "lm_head.weight"
+                              ? "transformer." + name  // GPT2Model's own save has no prefix
+                              : name;
+    // Derived buffers: RoPE's inverse frequencies, GPT-2's causal mask; a tied head.
+    if (n.ends_with("rotary_emb.inv_freq") || n.ends_with(".attn.bias") ||
+        n.ends_with(".attn.masked_bias") || n == names.tied_head)
+      continue;
+    const bool conv1d = gpt2 && t.shape.size() == 2 &&
+                        (n.ends_with("c_attn.weight") || n.ends_with("c_proj.weight") ||
+                         n.ends_with("c_fc.weight"));
+    if (conv1d) t = transposed(t);
+    if (const auto f = names.fused.find(n); f != names.fused.end()) {
+      const std::string h = "h." + std::to_string(f->second.block) + ".attn.";
+      auto qkv = thirds(t, source, n);
+      for (int i = 0; i < 3; ++i)
+        renamed.tensors[h + "qkv"[i] + "_proj." + f->second.suffix] = std::move(qkv[static_cast<std::size_t>(i)]);
+      continue;
+    }
+    const auto it = names.to_tpsim.find(n);
     if (it == names.to_tpsim.end())
-      throw UsageError(quote_text(source) + ": " + st::quote_name(name) +
-                       ": not a parameter of the LlamaForCausalLM config.json describes");
+      throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": not a parameter of the " +
+                       model + " config.json describes");
     renamed.tensors[it->second] = std::move(t);
   }
   return weights_from_st(renamed, specs, source);

@@ -1,6 +1,7 @@
-// A Hugging Face model directory as `--load`: config.json (transformers' LlamaConfig)
-// chooses the model, and model.safetensors, or the shards that
-// model.safetensors.index.json names, hold its weights in LlamaForCausalLM's names.
+// A Hugging Face model directory as `--load`: config.json (transformers' LlamaConfig or
+// GPT2Config) chooses the model, and model.safetensors, or the shards that
+// model.safetensors.index.json names, hold its weights in LlamaForCausalLM's or
+// GPT2LMHeadModel's names (GPT-2's Conv1D weights stored [in, out], q, k, v fused).
 //
 // A config field that would change the model in a way tpsim does not build (a RoPE
 // scaling, a sliding window, biases, another activation) is refused in one line naming it,
@@ -19,12 +20,13 @@ namespace tpsim {
 // Whether `path` is a directory holding config.json.
 bool is_hf_model_dir(const std::string& path);
 
-// The model config.json describes: apply_gpt_family's "llama" with its sizes. UsageError
-// naming DIR/config.json and the field.
+// The model config.json describes: apply_gpt_family's "llama" or "gpt2" with its sizes.
+// UsageError naming DIR/config.json and the field.
 GptConfig read_hf_config(const std::string& dir);
 
-// The weights, renamed to tpsim's and checked against `specs` as load_weights does
-// (F32, F64 or BF16; a tied lm_head.weight, and rotary inv_freq buffers, dropped).
+// The weights, renamed (and GPT-2's transposed and split) to tpsim's and checked against
+// `specs` as load_weights does (F32, F64 or BF16; a tied lm_head.weight, RoPE's inv_freq
+// and GPT-2's causal-mask buffers dropped).
 std::map<std::string, std::vector<double>> load_hf_weights(const std::string& dir,
                                                            const GptConfig& config,
                                                            const std::vector<ParamSpec>& specs);

@@ -120,9 +120,9 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("-b,--batch-size", raw.batch_size, "batch rows (default: mlp 32, gpt 2)");
   cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
   cmd.add_option("--load", o.load_path,
-                 "start from weights in a safetensors file, or a Hugging Face Llama checkpoint "
-                 "directory (config.json, model.safetensors or its shards; with --model llama, "
-                 "its config is the model)");
+                 "start from weights in a safetensors file, or a Hugging Face Llama or GPT-2 "
+                 "checkpoint directory (config.json, model.safetensors or its shards; with "
+                 "--model llama or gpt2, its config is the model)");
   cmd.add_option("--data", o.data_path, "gpt batch (input_ids, labels) from a safetensors file");
   cmd.add_option("--batch", raw.batch,
                  "gpt batch without --data: random (the seed's uniform ids) or boundary (the "
@@ -196,13 +196,15 @@ void apply_architecture(RunOptions& o, const RawFlags& raw) {
     c.rope_style = raw.rope_style == "interleaved" ? RopeStyle::Interleaved : RopeStyle::Half;
 }
 
-// --load DIR, a Hugging Face Llama checkpoint: its config.json is the model, so no flag
-// may say otherwise.
+// --load DIR, a Hugging Face checkpoint: its config.json is the model, so no flag may say
+// otherwise.
 void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
   if (o.load_path.empty() || !is_hf_model_dir(o.load_path)) return;
-  if (raw.model != "llama")
-    throw UsageError("--load " + quote_text(o.load_path) + " is a Hugging Face checkpoint "
-                     "(config.json): add --model llama");
+  const GptConfig c = read_hf_config(o.load_path);
+  const std::string family = c.swiglu() ? "llama" : "gpt2";
+  if (raw.model != family)
+    throw UsageError("--load " + quote_text(o.load_path) + " is a Hugging Face " + family +
+                     " checkpoint (config.json): add --model " + family);
   for (const char* flag : {"--preset", "--vocab-size", "--block-size", "--hidden", "--heads",
                            "--layers", "--norm", "--norm-bias", "--no-norm-bias", "--linear-bias",
                            "--no-linear-bias", "--mlp", "--ffn-hidden", "--positions",
@@ -212,7 +214,7 @@ void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw
       throw UsageError(std::string(flag) + ": the model comes from " +
                        quote_text(o.load_path + "/config.json") + " (--load)");
   const double dropout = o.gpt.dropout;
-  o.gpt = read_hf_config(o.load_path);
+  o.gpt = c;
   o.gpt.dropout = dropout;
 }
 
