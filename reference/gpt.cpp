@@ -76,6 +76,10 @@ void norm_backward(Matrix<S>& dx, Matrix<S>& dw, Matrix<S>* db, const Matrix<S>&
 // 1, and a linear or elementwise op passes them on; rounding errors of independent parts
 // of a sum add in quadrature, so a sum without cancellation keeps factor 1.
 
+// A factor past this makes any dtype's bound 1 or more (no check) already; the cap keeps
+// the squares the comparison takes far from overflow.
+constexpr double kMaxErrorFactor = 1e12;
+
 // E [N, W]: t with each group of columns scaled by its factor, the size of t's error.
 template <class S>
 Matrix<S> scaled(const Matrix<S>& t, const Matrix<S>& a) {
@@ -99,7 +103,7 @@ Matrix<S> factors_of(const Vector<S>& e2, const Matrix<S>& t) {
   Matrix<S> a(t.rows(), 1);  // [N, 1]
   for (Index n = 0; n < t.rows(); ++n) {
     const S norm = t.row(n).norm();
-    a(n, 0) = norm > 0 ? std::max(S(1), std::sqrt(e2(n)) / norm) : S(1);
+    a(n, 0) = norm > 0 ? std::clamp(std::sqrt(e2(n)) / norm, S(1), S(kMaxErrorFactor)) : S(1);
   }
   return a;
 }
@@ -335,7 +339,8 @@ void attention_backward(Matrix<S>& dq, Matrix<S>& dk, Matrix<S>& dv, Matrix<S>& 
         const S dot = P.row(t).dot(dP.row(t));
         dP.row(t) = P.row(t).cwiseProduct((dP.row(t).array() - dot).matrix());
         const S ds = dP.row(t).norm();
-        a_dq(b * T + t, j) = std::max(ay(t), ds > 0 ? r * std::sqrt(p2 * (1 + p2)) / ds : S(0));
+        a_dq(b * T + t, j) = std::min(std::max(ay(t), ds > 0 ? r * std::sqrt(p2 * (1 + p2)) / ds : S(0)),
+                                      S(kMaxErrorFactor));
       }
       w = Q.rowwise().squaredNorm();
       k_den.block(b * T, j / group, T, 1) += dP.cwiseAbs2().transpose() * w;
@@ -645,7 +650,9 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   for (Index m = 0; m < M; ++m) {
     const S g2 = dlogits_.row(m).squaredNorm(), gy = dlogits_(m, rows.target[static_cast<std::size_t>(m)]);
     const S p2 = static_cast<S>(M) * static_cast<S>(M) * g2 + 2 * static_cast<S>(M) * gy + 1;
-    a_loss(m, 0) = g2 > 0 ? std::max(S(1), std::sqrt(std::max(p2, S(0)) / g2) / static_cast<S>(M)) : S(1);
+    a_loss(m, 0) = g2 > 0 ? std::clamp(std::sqrt(std::max(p2, S(0)) / g2) / static_cast<S>(M), S(1),
+                                       S(kMaxErrorFactor))
+                          : S(1);
   }
   terms(head.substr(0, head.size() - 7), scaled(dlogits_, a_loss), lnf_rows);  // "wte" or "lm_head"
   Matrix<S> dlnf_out = Matrix<S>::Zero(N, H);  // [N, H], zero where no loss was taken

@@ -638,12 +638,34 @@ TEST_CASE("verify --load takes a Hugging Face GPT-2 checkpoint directory", "[che
   r = run_tpsim("verify --model llama --seq-len 16 --load " + dir + "/hf --tp 2");
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("add --model gpt2") != std::string::npos);
-  auto bad = config;
-  bad["scale_attn_by_inverse_layer_idx"] = true;
-  std::ofstream(dir + "/hf/config.json") << bad.dump();
+  const auto refused = [&](const std::string& key, const nlohmann::json& value, const std::string& says) {
+    auto bad = config;
+    bad[key] = value;
+    std::ofstream(dir + "/hf/config.json") << bad.dump();
+    const auto e = run_tpsim("verify --model gpt2 --seq-len 16 --load " + dir + "/hf --tp 2");
+    INFO(key << ": " << e.out);
+    CHECK(e.exit_code == 2);
+    CHECK(e.out.find(key) != std::string::npos);
+    CHECK(e.out.find(says) != std::string::npos);
+  };
+  refused("scale_attn_by_inverse_layer_idx", true, "per-layer attention scale");
+  refused("tie_word_embeddings", false, "tied");
+  refused("layer_norm_epsilon", -1e-5, "out of range");
+  std::ofstream(dir + "/hf/config.json") << config.dump();
+  // Two names for one tensor (GPT2Model's unprefixed and GPT2LMHeadModel's): refused.
+  auto twice = hf;
+  twice.tensors["h.0.ln_1.weight"] = twice.tensors.at("transformer.h.0.ln_1.weight");
+  st::write_safetensors(dir + "/hf/model.safetensors", twice);
   r = run_tpsim("verify --model gpt2 --seq-len 16 --load " + dir + "/hf --tp 2");
   CHECK(r.exit_code == 2);
-  CHECK(r.out.find("scale_attn_by_inverse_layer_idx") != std::string::npos);
+  CHECK(r.out.find("two sources for one tensor") != std::string::npos);
+  // A file larger than the model's weights can be is refused before it is read.
+  auto big = hf;
+  big.tensors["transformer.h.0.extra"] = st::st_from_f64({1 << 20}, std::vector<double>(1 << 20, 0.0), DType::F64);
+  st::write_safetensors(dir + "/hf/model.safetensors", big);
+  r = run_tpsim("verify --model gpt2 --seq-len 16 --load " + dir + "/hf --tp 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("more than this model's weights can take") != std::string::npos);
 }
 
 TEST_CASE("check: explicit layouts, replicas bit for bit, train --dump is for the GPT",

@@ -17,7 +17,7 @@
 
 namespace tpsim {
 
-// Weights for a model: exactly the names and shapes of `specs`, each F32 or F64, every
+// Weights for a model: exactly the names and shapes of `specs`, each F32, F64 or BF16, every
 // value finite. Returns full (unsharded) row-major values by name, widened to double.
 std::map<std::string, std::vector<double>> load_weights(const std::string& path,
                                                         const std::vector<ParamSpec>& specs);

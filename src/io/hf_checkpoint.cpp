@@ -72,11 +72,14 @@ class ConfigFields {
     const json* v = get(k);
     return v && !v->is_null() ? size_value(k, *v) : dflt;
   }
-  double number_or(const std::string& k, double dflt) {
+  double number_or(const std::string& k, double dflt, double lo, double hi) {
     const json* v = get(k);
     if (!v || v->is_null()) return dflt;
     if (!v->is_number()) fail(k, "must be a number");
-    return v->get<double>();
+    const double x = v->get<double>();
+    if (!(x >= lo && x <= hi)) fail(k, describe(*v) + " is out of range (" + json(lo).dump() +
+                                           " to " + json(hi).dump() + ")");
+    return x;
   }
   bool boolean_or(const std::string& k, bool dflt) {
     const json* v = get(k);
@@ -163,8 +166,8 @@ GptConfig llama_config(ConfigFields& f) {
   c.heads = f.size("num_attention_heads");
   c.kv_heads = f.size_or("num_key_value_heads", c.heads);
   c.block_size = f.size("max_position_embeddings");
-  c.ln_eps = f.number_or("rms_norm_eps", 1e-6);  // LlamaConfig's default
-  c.rope_theta = f.number_or("rope_theta", 10000.0);
+  c.ln_eps = f.number_or("rms_norm_eps", 1e-6, 0.0, 1.0);  // LlamaConfig's default
+  c.rope_theta = f.number_or("rope_theta", 10000.0, 1.0, 1e12);
   c.tied_embeddings = f.boolean_or("tie_word_embeddings", false);
   if (f.size_or("head_dim", c.hidden / c.heads) * c.heads != c.hidden)
     f.fail("head_dim", "is not hidden_size / num_attention_heads, which tpsim's attention assumes");
@@ -190,8 +193,8 @@ GptConfig gpt2_config(ConfigFields& f) {
   c.layers = f.size("n_layer");
   c.heads = f.size("n_head");
   c.ffn_hidden = f.size_or("n_inner", 0);
-  c.ln_eps = f.number_or("layer_norm_epsilon", 1e-5);
-  c.tied_embeddings = f.boolean_or("tie_word_embeddings", true);
+  c.ln_eps = f.number_or("layer_norm_epsilon", 1e-5, 0.0, 1.0);
+  f.must_be("tie_word_embeddings", true, "GPT2LMHeadModel's head is tied to wte");
   const json* act = f.get("activation_function");
   const std::string a = act && act->is_string() ? act->get<std::string>() : act ? "" : "gelu_new";
   if (a == "gelu_new" || a == "gelu_pytorch_tanh") c.mlp = MlpKind::GeluTanh;
@@ -233,12 +236,23 @@ GptConfig read_hf_config(const std::string& dir) {
 std::map<std::string, std::vector<double>> load_hf_weights(const std::string& dir,
                                                            const GptConfig& config,
                                                            const std::vector<ParamSpec>& specs) {
-  // One file, or the shards the index maps every tensor to (each a file in `dir`).
+  // One file, or the shards the index maps every tensor to (each a file in `dir`), none
+  // larger than the model's parameters can need (F64, and a header per tensor): nothing is
+  // read that could not be a weight of this model.
+  std::uintmax_t cap = 1 << 20;
+  for (const auto& p : specs) cap += 8 * static_cast<std::uintmax_t>(shape_numel(p.shape)) + 1024;
+  const auto read_capped = [&](const std::string& path) {
+    std::error_code e;
+    if (fs::is_regular_file(path, e) && fs::file_size(path, e) > cap)
+      throw UsageError(quote_text(path) + ": " + std::to_string(fs::file_size(path, e)) +
+                       " bytes, more than this model's weights can take (" + std::to_string(cap) + ")");
+    return st::read_safetensors(path);
+  };
   st::StFile all;
   std::string source = in_dir(dir, "model.safetensors");
   std::error_code ec;
   if (fs::exists(source, ec)) {
-    all = st::read_safetensors(source);
+    all = read_capped(source);
   } else {
     source = in_dir(dir, "model.safetensors.index.json");
     const json index = read_json_file(source, 3);
@@ -254,7 +268,7 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
       files[file.get<std::string>()].insert(name);
     }
     for (const auto& [file, names] : files) {
-      st::StFile shard = st::read_safetensors(in_dir(dir, file));
+      st::StFile shard = read_capped(in_dir(dir, file));
       for (auto& [name, t] : shard.tensors) {
         if (!names.count(name))
           throw UsageError(quote_text(in_dir(dir, file)) + ": " + st::quote_name(name) +
@@ -274,6 +288,14 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
       convention_names(gpt2 ? NameConvention::Nanogpt : NameConvention::HfLlama, config);
   const std::string model = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
   st::StFile renamed;
+  std::map<std::string, std::string> origin;  // tpsim name -> the checkpoint's
+  const auto put = [&](const std::string& to, const std::string& from, st::StTensor&& t) {
+    if (auto [it, fresh] = origin.emplace(to, from); !fresh)
+      throw UsageError(quote_text(source) + ": " + st::quote_name(from) + " and " +
+                       st::quote_name(it->second) + " are both " + st::quote_name(to) +
+                       "; two sources for one tensor, refused");
+    renamed.tensors[to] = std::move(t);
+  };
   for (auto& [name, t] : all.tensors) {
     const std::string n = gpt2 && !name.starts_with("transformer.") && name != "lm_head.weight"
                               ? "transformer." + name  // GPT2Model's own save has no prefix
@@ -290,14 +312,14 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
       const std::string h = "h." + std::to_string(f->second.block) + ".attn.";
       auto qkv = thirds(t, source, n);
       for (int i = 0; i < 3; ++i)
-        renamed.tensors[h + "qkv"[i] + "_proj." + f->second.suffix] = std::move(qkv[static_cast<std::size_t>(i)]);
+        put(h + "qkv"[i] + "_proj." + f->second.suffix, name, std::move(qkv[static_cast<std::size_t>(i)]));
       continue;
     }
     const auto it = names.to_tpsim.find(n);
     if (it == names.to_tpsim.end())
       throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": not a parameter of the " +
                        model + " config.json describes");
-    renamed.tensors[it->second] = std::move(t);
+    put(it->second, name, std::move(t));
   }
   return weights_from_st(renamed, specs, source);
 }

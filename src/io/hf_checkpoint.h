@@ -4,9 +4,11 @@
 // GPT2LMHeadModel's names (GPT-2's Conv1D weights stored [in, out], q, k, v fused).
 //
 // A config field that would change the model in a way tpsim does not build (a RoPE
-// scaling, a sliding window, biases, another activation) is refused in one line naming it,
-// and so is any field this reader does not know: nothing is read and then ignored, except
-// the fields listed as metadata (token ids, dtype, versions).
+// scaling, a sliding window, Llama biases, another activation) is refused in one line
+// naming it, and so is any field this reader does not know: nothing is read and then
+// ignored, except metadata (token ids, dtype, versions) and dropout probabilities (a
+// training setting: --dropout is the run's). No weights file larger than the model's
+// parameters can need is read.
 #pragma once
 
 #include <map>

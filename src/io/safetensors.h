@@ -36,7 +36,7 @@ struct StTensor {
   Shape shape;
   std::vector<unsigned char> bytes;  // numel(shape) * dtype_size(dtype) bytes
 
-  // Element values widened to double (F32 or F64 only; throws Error otherwise).
+  // Element values widened to double (F32, F64 or BF16; throws Error otherwise).
   std::vector<double> to_f64() const;
   // Element values (I64 only; throws Error otherwise).
   std::vector<std::int64_t> to_i64() const;

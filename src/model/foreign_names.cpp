@@ -28,7 +28,9 @@ std::optional<NameConvention> convention_named(const std::string& s) {
 std::optional<std::string> convention_misfit(NameConvention c, const GptConfig& a) {
   if (c == NameConvention::Tpsim) return std::nullopt;
   // nanoGPT's one `bias` flag puts biases on its LayerNorms and Linears alike.
-  const bool gpt_like = a.norm == NormKind::LayerNorm && a.mlp == MlpKind::Gelu && !a.rope() &&
+  // Megatron's bias-GELU fusion is the tanh form; nanoGPT's nn.GELU() the exact one.
+  const bool gelu = a.mlp == MlpKind::Gelu || (c == NameConvention::Megatron && a.mlp == MlpKind::GeluTanh);
+  const bool gpt_like = a.norm == NormKind::LayerNorm && gelu && !a.rope() &&
                         a.kv() == a.heads && a.tied_embeddings &&
                         (c != NameConvention::Nanogpt || a.norm_bias == a.linear_bias);
   const bool llama_like = a.norm == NormKind::RMSNorm && !a.linear_bias && a.swiglu() && a.rope();

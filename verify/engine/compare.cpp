@@ -157,7 +157,8 @@ double factored_sq(const double* ref, std::int64_t i0, std::int64_t len, const E
                   " rows, not " + std::to_string(n + 1) + " or more");
     double r2 = 0;
     for (; i < stop; ++i) r2 += ref[i - i0] * ref[i - i0];
-    s2 += f.a[at] * f.a[at] * r2;
+    const double e = f.a[at] * std::sqrt(r2);  // (a·‖row‖)², not a²·‖row‖²: no overflow
+    s2 += e * e;
   }
   return s2;
 }
@@ -213,6 +214,10 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
     }
   }
   scan.finish(s);
+  // A scale that is not finite would pass anything (inf) or drop the factors (NaN): the
+  // reference caps its factors, so this is a bug, not an input.
+  if (!std::isfinite(factored2) || !std::isfinite(terms_norm))
+    throw Error("compare " + obs.name + ": its error scale is not finite");
   terms_norm = std::max(terms_norm, std::sqrt(factored2));
   double norm = scan.reference_norm();
   if (terms_norm > norm) {  // a sum that cancels: its terms set the scale (never a tighter check)
