@@ -533,8 +533,11 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   };
   // term_scales() of a Linear (weight dW = dyᵀx and bias db = Σ dy, when it has one):
   // weight rows_sq[i] = Σ_n dy_ni²·‖x_n‖², cols_sq[j] = Σ_n ‖dy_n‖²·x_nj²; bias Σ_n dy_nj².
-  // Each term carries dy's error factors: dy here is scaled(dy, its factors).
-  const auto terms = [this](const std::string& name, const Matrix<S>& dy, const Matrix<S>& x) {
+  // Each term carries dy's error factors a_dy.
+  const auto terms = [this](const std::string& name, const Matrix<S>& dy_raw, const Matrix<S>& a_dy,
+                            const Matrix<S>& x) {
+    if (!measure_) return;
+    const Matrix<S> dy = scaled(dy_raw, a_dy);
     TermScale& w = terms_[name + ".weight.grad"];
     w.rows_sq = dy.array().square().matrix().transpose() * x.rowwise().squaredNorm();
     w.cols_sq = x.array().square().matrix().transpose() * dy.rowwise().squaredNorm();
@@ -542,8 +545,10 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       terms_[name + ".bias.grad"].rows_sq = dy.array().square().colwise().sum().transpose();
   };
   // A norm's: weight Σ_n (dout_nj·xhat_nj)², bias Σ_n dout_nj² (dout scaled likewise).
-  const auto norm_terms = [this](const std::string& name, const Matrix<S>& dout,
-                                 const Matrix<S>& xhat) {
+  const auto norm_terms = [this](const std::string& name, const Matrix<S>& dout_raw,
+                                 const Matrix<S>& a, const Matrix<S>& xhat) {
+    if (!measure_) return;
+    const Matrix<S> dout = scaled(dout_raw, a);
     terms_[name + ".weight.grad"].rows_sq =
         (dout.array() * xhat.array()).square().colwise().sum().transpose();
     if (params_.count(name + ".bias"))
@@ -567,7 +572,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   // A backward point with its error factors (error_factors()).
   const auto note_grad = [&](const std::string& name, const Matrix<S>& m, const Matrix<S>& a) {
     note(name, m);
-    factors_[name] = a;
+    if (measure_) factors_[name] = a;
   };
 
   // This step's dropout at each site: its masks are drawn by global index, keyed by the
@@ -654,7 +659,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
                                        S(kMaxErrorFactor))
                           : S(1);
   }
-  terms(head.substr(0, head.size() - 7), scaled(dlogits_, a_loss), lnf_rows);  // "wte" or "lm_head"
+  terms(head.substr(0, head.size() - 7), dlogits_, a_loss, lnf_rows);  // "wte" or "lm_head"
   Matrix<S> dlnf_out = Matrix<S>::Zero(N, H);  // [N, H], zero where no loss was taken
   Matrix<S> a_x = Matrix<S>::Ones(N, 1);       // [N, 1] factors of the residual stream's gradient
   for (Index m = 0; m < M; ++m) {
@@ -667,13 +672,13 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     dl.setZero();
     for (Index m = 0; m < M; ++m) dl.row(rows.row[static_cast<std::size_t>(m)]) = dlogits_.row(m);
   }
-  factors_["act/logits.grad"] = a_x;
+  if (measure_) factors_["act/logits.grad"] = a_x;
   note_grad("act/ln_f.out.grad", dlnf_out, a_x);
 
   Matrix<S> dx = Matrix<S>::Zero(N, H);  // [N, H] gradient of the residual stream
   norm_backward(dx, G("ln_f.weight"), Gb("ln_f"), dlnf_out, lnf_xhat_, lnf_rstd_, P("ln_f.weight"),
                 c.norm);
-  norm_terms("ln_f", scaled(dlnf_out, a_x), lnf_xhat_);
+  norm_terms("ln_f", dlnf_out, a_x, lnf_xhat_);
   a_x = factors_of(norm_backward_errors_sq(dlnf_out, a_x, lnf_rstd_, P("ln_f.weight")), dx);
   Matrix<S> dact, dpre, dup;  // [N, F] through the MLP
   Matrix<S> dln, dmid;        // [N, H] a norm's output gradient; attention output gradient
@@ -687,7 +692,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
                                const Matrix<S>& in) {
     part = Matrix<S>::Zero(N, H);
     linear_backward(part, G(name + ".weight"), Gb(name), dy, in, P(name + ".weight"));
-    terms(name, scaled(dy, a_dy), in);
+    terms(name, dy, a_dy, in);
     const Vector<S> dy_sq = dy.rowwise().squaredNorm();  // [N] dy's combined row factor, squared
     const Vector<S> a2 = row_errors_sq(dy, a_dy).cwiseQuotient(dy_sq.cwiseMax(std::numeric_limits<S>::min()));
     e2 += part.rowwise().squaredNorm().cwiseProduct(a2.cwiseMax(S(1)));
@@ -697,7 +702,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   const auto norm_part = [&](const std::string& name, const Matrix<S>& xhat, const Vector<S>& rstd) {
     e2 = row_errors_sq(dx, a_x) + norm_backward_errors_sq(dln, a_ln, rstd, P(name + ".weight"));
     norm_backward(dx, G(name + ".weight"), Gb(name), dln, xhat, rstd, P(name + ".weight"), c.norm);
-    norm_terms(name, scaled(dln, a_ln), xhat);
+    norm_terms(name, dln, a_ln, xhat);
     a_x = factors_of(e2, dx);
   };
   for (Index l = L - 1; l >= 0; --l) {
@@ -712,7 +717,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     dact = Matrix<S>::Zero(N, F);
     linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dbranch, a.ffn_act,
                     P(p + mlp.back() + ".weight"));
-    terms(p + mlp.back(), scaled(dbranch, a_x), a.ffn_act);
+    terms(p + mlp.back(), dbranch, a_x, a.ffn_act);
     dln = Matrix<S>::Zero(N, H);
     e2 = Vector<S>::Zero(N);
     if (c.swiglu()) {
@@ -739,7 +744,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     dmid = Matrix<S>::Zero(N, H);
     linear_backward(dmid, G(p + "attn.o_proj.weight"), Gb(p + "attn.o_proj"), dbranch, a.att_y,
                     P(p + "attn.o_proj.weight"));
-    terms(p + "attn.o_proj", scaled(dbranch, a_x), a.att_y);
+    terms(p + "attn.o_proj", dbranch, a_x, a.att_y);
     attention_backward(dq, dk, dv, a_q, a_k, a_v, dmid, a_x, a.att, a.att_drop, a.q, a.k, a.v, B,
                        T, A, dropout(p + "attn.probs"));
     note_grad(pt + "attn.out.grad", dmid, a_x);
@@ -766,6 +771,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     G("wte.weight").row(batch.input_ids[static_cast<std::size_t>(n)]) += dx.row(n);
     if (!c.rope()) G("wpe.weight").row(n % T) += dx.row(n);
   }
+  if (!measure_) return static_cast<S>(loss);
   // Their terms: dx_n, in row id_n (wte: beside the tied head's) and position n mod T.
   const Matrix<S> ex = scaled(dx, a_x);                                // [N, H] with its factors
   const Vector<S> dx_sq = ex.rowwise().squaredNorm();                  // [N]

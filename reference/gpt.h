@@ -66,6 +66,8 @@ class Gpt {
   // that many times as far off, relative to itself, as a tensor without cancellation
   // (docs/tolerances.md, "Cancellation in the backward"). term_scales() carry them too.
   const std::map<std::string, Matrix<S>>& error_factors() const { return factors_; }
+  // Off: neither term scales nor error factors are kept (a trajectory nothing compares).
+  void measure_errors(bool on) { measure_ = on; }
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
   const GptConfig& config() const { return config_; }
@@ -110,6 +112,7 @@ class Gpt {
   bool record_ = false;
   std::map<std::string, TermScale> terms_;
   std::map<std::string, Matrix<S>> factors_;  // point -> [N, G]
+  bool measure_ = true;
   ParamSet<S> points_;             // name -> [N, width], when recording
 };
 

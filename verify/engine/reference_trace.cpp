@@ -287,7 +287,9 @@ void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
 
 FreeRunningReference::FreeRunningReference(const RunOptions& o, const RunInputs& in)
     : o_(o), in_(in),
-      model_(std::make_unique<ref::Gpt<double>>(o.gpt, start_params(param_specs(o), in, o.seed), o.seed)) {}
+      model_(std::make_unique<ref::Gpt<double>>(o.gpt, start_params(param_specs(o), in, o.seed), o.seed)) {
+  model_->measure_errors(false);  // only its weights are read
+}
 
 FreeRunningReference::~FreeRunningReference() = default;
 
