@@ -666,6 +666,19 @@ TEST_CASE("verify --load takes a Hugging Face GPT-2 checkpoint directory", "[che
   r = run_tpsim("verify --model gpt2 --seq-len 16 --load " + dir + "/hf --tp 2");
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("more than this model's weights can take") != std::string::npos);
+  // So are shards that only together are: the cap is on everything read (~1.6 MB here).
+  std::filesystem::remove(dir + "/hf/model.safetensors");
+  st::StFile second;
+  second.tensors["transformer.h.0.extra"] = st::st_from_f64({150000}, std::vector<double>(150000, 0.0), DType::F64);
+  nlohmann::json index = {{"weight_map", nlohmann::json::object()}};
+  for (const auto& [name, t] : hf.tensors) index["weight_map"][name] = "model-00001-of-00002.safetensors";
+  index["weight_map"]["transformer.h.0.extra"] = "model-00002-of-00002.safetensors";
+  st::write_safetensors(dir + "/hf/model-00001-of-00002.safetensors", hf);
+  st::write_safetensors(dir + "/hf/model-00002-of-00002.safetensors", second);
+  std::ofstream(dir + "/hf/model.safetensors.index.json") << index.dump();
+  r = run_tpsim("verify --model gpt2 --seq-len 16 --load " + dir + "/hf --tp 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("in other shards, more than this model's weights can take") != std::string::npos);
 }
 
 TEST_CASE("check: explicit layouts, replicas bit for bit, train --dump is for the GPT",

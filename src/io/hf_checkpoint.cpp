@@ -236,16 +236,19 @@ GptConfig read_hf_config(const std::string& dir) {
 std::map<std::string, std::vector<double>> load_hf_weights(const std::string& dir,
                                                            const GptConfig& config,
                                                            const std::vector<ParamSpec>& specs) {
-  // One file, or the shards the index maps every tensor to (each a file in `dir`), none
-  // larger than the model's parameters can need (F64, and a header per tensor): nothing is
-  // read that could not be a weight of this model.
-  std::uintmax_t cap = 1 << 20;
+  // One file, or the shards the index maps every tensor to (each a file in `dir`), all of
+  // them together no larger than the model's parameters can need (F64, and a header per
+  // tensor): nothing is read that could not be a weight of this model.
+  std::uintmax_t cap = 1 << 20, taken = 0;
   for (const auto& p : specs) cap += 8 * static_cast<std::uintmax_t>(shape_numel(p.shape)) + 1024;
   const auto read_capped = [&](const std::string& path) {
     std::error_code e;
-    if (fs::is_regular_file(path, e) && fs::file_size(path, e) > cap)
-      throw UsageError(quote_text(path) + ": " + std::to_string(fs::file_size(path, e)) +
-                       " bytes, more than this model's weights can take (" + std::to_string(cap) + ")");
+    const std::uintmax_t size = fs::is_regular_file(path, e) ? fs::file_size(path, e) : 0;
+    if (size > cap - taken)
+      throw UsageError(quote_text(path) + ": " + std::to_string(size) + " bytes" +
+                       (taken > 0 ? " after " + std::to_string(taken) + " in other shards" : "") +
+                       ", more than this model's weights can take (" + std::to_string(cap) + ")");
+    taken += size;
     return st::read_safetensors(path);
   };
   st::StFile all;
