@@ -73,6 +73,21 @@ void expect_first_failure(const std::string& dir, const std::string& tensor, int
   CHECK(first["step"] == step);
 }
 
+// verify with `args` on the HF checkpoint `ckpt` whose config.json is `config` with `key`
+// set to `value`: refused (exit 2), naming the field and saying `says`.
+void expect_config_refused(const std::string& ckpt, const std::string& args,
+                           const nlohmann::json& config, const std::string& key,
+                           const nlohmann::json& value, const std::string& says) {
+  auto c = config;
+  c[key] = value;
+  std::ofstream(ckpt + "/config.json") << c.dump();
+  const auto e = run_tpsim("verify " + args + " --load " + ckpt + " --tp 2");
+  INFO(key << ": " << e.out);
+  CHECK(e.exit_code == 2);
+  CHECK(e.out.find(key) != std::string::npos);
+  CHECK(e.out.find(says) != std::string::npos);
+}
+
 nlohmann::json read_manifest_json(const std::string& dir) { return read_json(dir + "/manifest.json"); }
 void write_manifest_json(const std::string& dir, const nlohmann::json& j) {
   std::ofstream(dir + "/manifest.json") << j.dump(2);
@@ -553,14 +568,7 @@ TEST_CASE("verify --load takes a Hugging Face Llama checkpoint directory", "[che
   }
   // What tpsim does not build is refused, naming the field; so is any field it does not know.
   const auto refused = [&](const std::string& key, const nlohmann::json& value, const std::string& says) {
-    auto c = config;
-    c[key] = value;
-    std::ofstream(dir + "/one/config.json") << c.dump();
-    const auto e = run_tpsim("verify --model llama --load " + dir + "/one --tp 2");
-    INFO(key << ": " << e.out);
-    CHECK(e.exit_code == 2);
-    CHECK(e.out.find(key) != std::string::npos);
-    CHECK(e.out.find(says) != std::string::npos);
+    expect_config_refused(dir + "/one", "--model llama", config, key, value, says);
   };
   refused("rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}}, "scaled RoPE");
   refused("sliding_window", 4096, "sliding-window");
@@ -639,14 +647,7 @@ TEST_CASE("verify --load takes a Hugging Face GPT-2 checkpoint directory", "[che
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("add --model gpt2") != std::string::npos);
   const auto refused = [&](const std::string& key, const nlohmann::json& value, const std::string& says) {
-    auto bad = config;
-    bad[key] = value;
-    std::ofstream(dir + "/hf/config.json") << bad.dump();
-    const auto e = run_tpsim("verify --model gpt2 --seq-len 16 --load " + dir + "/hf --tp 2");
-    INFO(key << ": " << e.out);
-    CHECK(e.exit_code == 2);
-    CHECK(e.out.find(key) != std::string::npos);
-    CHECK(e.out.find(says) != std::string::npos);
+    expect_config_refused(dir + "/hf", "--model gpt2 --seq-len 16", config, key, value, says);
   };
   refused("scale_attn_by_inverse_layer_idx", true, "per-layer attention scale");
   refused("tie_word_embeddings", false, "tied");
