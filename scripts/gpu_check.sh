@@ -116,6 +116,10 @@ for dt in f32 bf16; do
   check "verify --tp-invariant llama $dt lp+sp tp 1,2,4,8" "$T" "${S[@]}" --model llama \
     --preset small --hidden 64 --heads 8 --kv-heads 8 --tp 1,2,4,8 --steps 3 --tp-invariant \
     --dtype "$dt" --loss-parallel --sequence-parallel
+  # 2 kv heads: replicated at tp 4 and 8, their query heads' gradients gathered
+  check "verify --tp-invariant llama kv 2 $dt sp tp 1,2,4,8" "$T" "${S[@]}" --model llama \
+    --preset small --hidden 64 --heads 8 --kv-heads 2 --ffn-hidden 128 --tp 1,2,4,8 --steps 3 \
+    --tp-invariant --dtype "$dt" --sequence-parallel
 done
 
 # compute-sanitizer (memcheck: out-of-bounds and misaligned accesses; initcheck: reads of

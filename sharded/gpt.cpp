@@ -530,16 +530,24 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   w.dq = tmp({N_, Hl}, "attn.q.grad");
   w.dk = tmp({N_, KVl}, "attn.k.grad");
   w.dv = tmp({N_, KVl}, "attn.v.grad");
+  // --tp-invariant with kv heads replicated sums the query heads' shares itself, one
+  // column block at a time, even where a rank has one query head.
+  const bool inv_kv_replicas = par.tp_invariant && t > cfg.kv();
+  if (KVl != Hl || inv_kv_replicas) {
+    w.head_col = tmp({N_, cfg.head_dim()}, "attn.head.column");
+    w.head_acc = tmp({N_, cfg.head_dim()}, "attn.head.sum");
+  }
   if (KVl != Hl) {
     w.dk_heads = tmp({N_, Hl}, "attn.k.heads.grad");
     w.dv_heads = tmp({N_, Hl}, "attn.v.heads.grad");
-    w.head_col = tmp({N_, cfg.head_dim()}, "attn.head.column");
-    w.head_acc = tmp({N_, cfg.head_dim()}, "attn.head.sum");
   } else {
     w.dk_heads = w.dk;
     w.dv_heads = w.dv;
   }
-  if (t > cfg.kv()) {  // kv heads replicated: their gradients summed over the replicas
+  if (inv_kv_replicas) {  // every rank's query heads' k/v gradients, summed in head order
+    w.kv_grads = be.empty({t * N_ * Hl}, dtype, MemCategory::CommBuffer,
+                          "invariant.kv.heads.grad.gathered");
+  } else if (t > cfg.kv()) {  // kv heads replicated: their gradients summed over the replicas
     w.kv_grads = be.empty({t * KVl * H}, compute_dtype(dtype), MemCategory::CommBuffer,
                           "kv.grad.gathered");
   }
@@ -560,10 +568,6 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
                        std::to_string(C) + ", and hidden " + std::to_string(H) +
                        (par.sequence_parallel ? " and batch x sequence " + std::to_string(N_) : "") +
                        " be a multiple of " + std::to_string(C) + " (the canonical chunks)");
-    if (t > cfg.kv())
-      throw UsageError("--tp-invariant: tp " + std::to_string(t) + " exceeds the " +
-                       std::to_string(cfg.kv()) + " kv heads (their replicas' gradient sums "
-                       "are not in canonical order yet)");
     inv_ = std::make_unique<Invariant>(be, r, t);
     Invariant& v = *inv_;
     v.Hc = H / C;
@@ -714,6 +718,28 @@ void ShardedGpt::sum_over_kv_replicas(Tensor& grad) {
   comm_.all_gather(grad.reshape({n}), all);
   be_.copy(grad, all.narrow0(first * n, n));
   for (int m = 1; m < reps; ++m) be_.add_inplace(grad, all.narrow0((first + m) * n, n).reshape(grad.shape()));
+}
+
+void ShardedGpt::sum_kv_heads_over_replicas(Tensor& dkv, const Tensor& dheads) {
+  // TP 1 sums a kv head's query-head gradients one after another, in head order
+  // (sum_kv_groups). The replicas of a kv head hold consecutive runs of those query heads,
+  // so the gathered blocks, rank after rank and head after head, are that order: the same
+  // additions on the same bits. Every replica then holds the whole gradient and computes
+  // the weight gradients from it alone, with no sum after.
+  const std::int64_t d = cfg_.head_dim(), n = dheads.numel(), Al = dheads.dim(1) / d;
+  const int reps = world_ / static_cast<int>(cfg_.kv()), first = rank_ / reps * reps;
+  Tensor all = ws_->kv_grads.narrow0(0, world_ * n);  // [t·N·Hl]
+  comm_.all_gather(dheads.reshape({n}), all);
+  Tensor &col = ws_->head_col, &acc = ws_->head_acc;  // [N,d]
+  for (int m = 0; m < reps; ++m) {
+    const Tensor heads = all.narrow0((first + m) * n, n).reshape(dheads.shape());  // [N,Hl]
+    for (std::int64_t j = 0; j < Al; ++j) {
+      const bool start = m == 0 && j == 0;
+      be_.copy_columns(start ? acc : col, heads, j * d);
+      if (!start) be_.add_inplace(acc, col);
+    }
+  }
+  be_.copy(dkv, acc);
 }
 
 void ShardedGpt::row_bias_backward(Parameter* bias, const Tensor& dres) {
@@ -1052,9 +1078,11 @@ void ShardedGpt::backward() {
   // accumulate). Invariant: dW in tiles of `tile` output rows, the input gradient as one
   // partial per canonical chunk of `tile` outputs, into the invariant workspace.
   // SwiGLU's fused [G_r | U_r] (`halves`): canonical chunk j of the input gradient is gate
-  // chunk j's product plus up chunk j's, in that order, at every degree.
+  // chunk j's product plus up chunk j's, in that order, at every degree. `tile0`: the first
+  // of dout's tiles that is this rank's chunk (not 0 for a kv head the rank shares).
   auto col_backward = [&](const ColumnParallelLinear& lin, const Tensor& dout, const Tensor& in,
-                          std::int64_t tile, bool accumulate, bool halves = false) {
+                          std::int64_t tile, bool accumulate, bool halves = false,
+                          int tile0 = 0) {
     if (!inv_) return lin.backward(be_, s.dh_full, dout, in, accumulate);
     inv_->cg.gemm(lin.weight->grad, dout, true, in, false, {tile, 0});
     // (each column summed over every token in row order: the same at any degree)
@@ -1062,8 +1090,8 @@ void ShardedGpt::backward() {
     const std::int64_t half = dout.dim(1) / 2;  // this rank's F/t
     for (int j = 0; j < inv_->k.local(); ++j) {
       Tensor pj = inv_->local.narrow0(j * N_, N_);  // [N,H]
-      inv_->cg.gemm_k_chunk(pj, dout, false, lin.weight->value, false, j * tile, tile,
-                            accumulate ? 1.0 : 0.0);
+      inv_->cg.gemm_k_chunk(pj, dout, false, lin.weight->value, false, (tile0 + j) * tile,
+                            tile, accumulate ? 1.0 : 0.0);
       if (halves)
         inv_->cg.gemm_k_chunk(pj, dout, false, lin.weight->value, false, half + j * tile, tile, 1.0);
     }
@@ -1195,8 +1223,17 @@ void ShardedGpt::backward() {
     }
     be_.attention_backward(s.dq, s.dk_heads, s.dv_heads, s.datt, b.q_out, b.k_heads, b.v_heads,
                            b.probs, b.probs_dropped, B_, T_, Al, scale, probs_mask(li));
-    sum_kv_groups(s.dk, s.dk_heads);
-    sum_kv_groups(s.dv, s.dv_heads);
+    // (TP-invariant with kv heads replicated: summed over the replicas here, so that k's
+    // and v's tiles of the input gradient below are TP 1's)
+    const bool kv_replicas_summed =
+        inv_ && world_ > cfg_.kv() && fault_ != Fault::GqaKvGradNotSummed;
+    if (kv_replicas_summed) {
+      sum_kv_heads_over_replicas(s.dk, s.dk_heads);
+      sum_kv_heads_over_replicas(s.dv, s.dv_heads);
+    } else {
+      sum_kv_groups(s.dk, s.dk_heads);
+      sum_kv_groups(s.dv, s.dv_heads);
+    }
     snap("attn.q.grad", s.dq);
     if (world_ <= cfg_.kv()) {  // (replicated kv heads: partial sums, no point)
       snap("attn.k.grad", s.dk);
@@ -1209,8 +1246,13 @@ void ShardedGpt::backward() {
     }
     if (sp) gather_tokens(b.h1_full, b.h1);
     col_backward(b.q, s.dq, b.h1_full, Hc, /*accumulate=*/false);
-    col_backward(b.k, s.dk, b.h1_full, Kc, /*accumulate=*/true);
-    col_backward(b.v, s.dv, b.h1_full, Kc, /*accumulate=*/true);
+    // A replicated kv head spans the canonical chunks of all its replicas: this rank's are
+    // the tiles from its place among them.
+    const int kv_tile0 = world_ > cfg_.kv() && inv_
+                             ? rank_ % (world_ / static_cast<int>(cfg_.kv())) * inv_->k.local()
+                             : 0;
+    col_backward(b.k, s.dk, b.h1_full, Kc, /*accumulate=*/true, false, kv_tile0);
+    col_backward(b.v, s.dv, b.h1_full, Kc, /*accumulate=*/true, false, kv_tile0);
     Tensor* dh1 = &s.dh_full;
     if (sp || fault_ != Fault::GptMissingF) dh1 = &f_backward();
     else if (inv_) dh1 = &f_backward(/*own_only=*/true);  // the missing f: own chunks only
@@ -1267,7 +1309,7 @@ void ShardedGpt::backward() {
   }
 
   // ---- GQA with kv heads replicated: each replica saw only its own query heads ----
-  if (world_ > cfg_.kv() && fault_ != Fault::GqaKvGradNotSummed) {
+  if (world_ > cfg_.kv() && fault_ != Fault::GqaKvGradNotSummed && !inv_) {
     comm_.set_label("gqa.kv_grad_sync");
     for (auto& p : params_)
       if (ends_with_any(p.spec.name, {"k_proj.weight", "k_proj.bias", "v_proj.weight",

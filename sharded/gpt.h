@@ -143,6 +143,9 @@ class ShardedGpt final : public ShardedModel {
   void sum_kv_groups(Tensor& dkv, const Tensor& dheads);
   // GQA with tp > kv heads: sums a k/v gradient over the ranks that share its kv head.
   void sum_over_kv_replicas(Tensor& grad);
+  // The same under --tp-invariant, one step earlier: every query head's share of this
+  // rank's kv head, gathered from the replicas and summed in query-head order as TP 1 does.
+  void sum_kv_heads_over_replicas(Tensor& dkv, const Tensor& dheads);
   // A row-parallel bias's gradient from the residual stream's gradient dres [Nl,H].
   void row_bias_backward(Parameter* bias, const Tensor& dres);
   // Dropout masks (backend/dropout_mask.h), drawn for this step by global index: over

@@ -58,6 +58,23 @@ TEST_CASE("profile --tp-invariant runs and its report says the mode is on", "[pr
   CHECK(pred.out.find(", tp-invariant\n") != std::string::npos);
 }
 
+TEST_CASE("profile --tp-invariant with kv heads replicated: every tensor equals the model",
+          "[profile][tp-invariant][cli]") {
+  // 2 kv heads at tp 4 and 8: the gathered query heads' k/v gradients
+  // (invariant.kv.heads.grad.gathered) and the per-head sums' columns, even at one query
+  // head per rank (tp 8)
+  for (const std::string mode : {"", "--sequence-parallel --loss-parallel"})
+    for (const std::string dtype : {"f32", "bf16"}) {
+      const auto r = run_tpsim("profile --model llama " + kTinySizes + "--kv-heads 2 --tp 1,2,4,8 "
+                               "--tp-invariant --dtype " + dtype + " " + mode);
+      INFO(mode << " " << dtype << "\n" << r.out);
+      REQUIRE(r.exit_code == 0);
+      CHECK(r.out.find("DIFFERENCES") == std::string::npos);
+      CHECK(r.out.find("every tensor of every rank equals the model, byte for byte") !=
+            std::string::npos);
+    }
+}
+
 TEST_CASE("profile --tp-invariant refuses what train and verify refuse, in the same line",
           "[profile][tp-invariant][cli]") {
   struct Case {
@@ -87,7 +104,9 @@ TEST_CASE("profile --tp-invariant: the collectives differ from a plain run as th
           "[profile][tp-invariant][cli]") {
   // GPT-2 too: under SP its replicated biases are combined as the LayerNorm weights are;
   // and Llama (RMSNorm, SwiGLU, RoPE: no wpe, an untied head combined as wte under SP)
-  for (const std::string model : {"gpt", "gpt2", "llama --kv-heads 8"})
+  // with kv heads replicated at tp 4 (2 kv heads): the query heads' k/v gradients gathered
+  // in place of the weight gradients'
+  for (const std::string model : {"gpt", "gpt2", "llama --kv-heads 8", "llama --kv-heads 2"})
   for (const std::string mode : {"", "--loss-parallel", "--sequence-parallel",
                                  "--loss-parallel --sequence-parallel"})
     for (const std::string dtype : {"f32", "bf16"}) {
@@ -105,10 +124,11 @@ TEST_CASE("profile --tp-invariant: the collectives differ from a plain run as th
         const auto& m = inv["tp"][i]["tp_invariant_comm_predicted"];
         REQUIRE((tp == 1) == (get(m, "added_all_gather", "bytes") == 0));
         REQUIRE(get(m, "removed_all_reduce", "bytes") + get(m, "removed_reduce_scatter", "bytes") > 0);
+        CHECK((tp > 2 && model == "llama --kv-heads 2") == (get(m, "removed_all_gather", "count") > 0));
         CHECK(get(q, "all_gather", "count") - get(p, "all_gather", "count") ==
-              get(m, "added_all_gather", "count"));
+              get(m, "added_all_gather", "count") - get(m, "removed_all_gather", "count"));
         CHECK(get(q, "all_gather", "bytes") - get(p, "all_gather", "bytes") ==
-              get(m, "added_all_gather", "bytes"));
+              get(m, "added_all_gather", "bytes") - get(m, "removed_all_gather", "bytes"));
         CHECK(get(p, "all_reduce", "count") - get(q, "all_reduce", "count") ==
               get(m, "removed_all_reduce", "count"));
         CHECK(get(p, "all_reduce", "bytes") - get(q, "all_reduce", "bytes") ==

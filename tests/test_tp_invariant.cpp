@@ -153,7 +153,8 @@ TEST_CASE("the TP-invariant mode covers Llama: RMSNorm, SwiGLU, RoPE, GQA, an un
   // input gradient takes gate chunk j then up chunk j into canonical chunk j; k and v are
   // tiled in KV·d/8 columns; RoPE rotates each element by its global position alone; an
   // untied head's gradient under SP without loss parallel is combined from token chunks as
-  // wte's is. GQA with 2 kv heads at tp 1, 2 (tp 4 would replicate them: refused).
+  // wte's is. GQA with 2 kv heads at tp 1, 2 (sharded) and 4, 8 (replicated: each kv
+  // head's query-head gradients gathered from its replicas and summed in head order).
   const std::string llama =
       "verify --model llama --vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 2 "
       "--batch-size 2 --seq-len 16 --steps 3 --tp-invariant ";
@@ -161,7 +162,7 @@ TEST_CASE("the TP-invariant mode covers Llama: RMSNorm, SwiGLU, RoPE, GQA, an un
     for (const char* mode : {"", "--loss-parallel", "--sequence-parallel",
                              "--loss-parallel --sequence-parallel"})
       for (const char* shape : {"--kv-heads 8 --tp 1,2,4,8 --rope-style half",
-                                "--kv-heads 2 --tp 1,2 --rope-style interleaved",
+                                "--kv-heads 2 --tp 1,2,4,8 --rope-style interleaved",
                                 "--kv-heads 8 --tp 1,2,4,8 --mlp gelu --ffn-hidden 64"}) {
         const auto r = run_tpsim(llama + shape + " --dtype " + dtype + " " + mode);
         INFO(dtype << " " << mode << " " << shape << "\n" << r.out);
@@ -175,6 +176,14 @@ TEST_CASE("the TP-invariant mode covers Llama: RMSNorm, SwiGLU, RoPE, GQA, an un
     INFO(fault << "\n" << r.out);
     CHECK(r.exit_code == 1);
   }
+  // A replicated kv head's query-head gradients not gathered: its weight gradient is the
+  // rank's own share, first seen in the bits of k_proj's gradient
+  const auto r = run_tpsim(llama + "--kv-heads 2 --dtype f32 --tp 1,4 "
+                           "--inject-fault gqa-kv-grad-not-summed");
+  INFO(r.out);
+  CHECK(r.exit_code == 1);
+  CHECK(r.out.find("first bit difference from tp 1 at tp 4: h.1.attn.k_proj.weight.grad") !=
+        std::string::npos);
 }
 
 TEST_CASE("a single-element difference in one rank is reported by tensor, shard, step and index",

@@ -178,13 +178,20 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   add(Tm, "attn.q.grad", {N, Hl}, -1);
   add(Tm, "attn.k.grad", {N, KVl}, -1);
   add(Tm, "attn.v.grad", {N, KVl}, -1);
-  if (KVl != Hl) {  // the query heads' k and v gradients, summed per kv head a column at a time
-    add(Tm, "attn.k.heads.grad", {N, Hl}, -1);
-    add(Tm, "attn.v.heads.grad", {N, Hl}, -1);
+  // --tp-invariant with kv heads replicated: the replicas' query-head k/v gradients,
+  // gathered and summed in head order instead of the weight gradients after
+  const bool inv_kv_replicas = C > 0 && t > c.kv();
+  if (KVl != Hl || inv_kv_replicas) {  // query heads' gradients summed a column block at a time
     add(Tm, "attn.head.column", {N, d}, -1);
     add(Tm, "attn.head.sum", {N, d}, -1);
   }
-  if (t > c.kv())  // every rank's k/v gradient, gathered to sum over the kv replicas
+  if (KVl != Hl) {
+    add(Tm, "attn.k.heads.grad", {N, Hl}, -1);
+    add(Tm, "attn.v.heads.grad", {N, Hl}, -1);
+  }
+  if (inv_kv_replicas)
+    add(MemCategory::CommBuffer, "invariant.kv.heads.grad.gathered", {t * N * Hl}, -1);
+  else if (t > c.kv())  // every rank's k/v gradient, gathered to sum over the kv replicas
     add(MemCategory::CommBuffer, "kv.grad.gathered", {t * KVl * H}, -1, bc);
   if (swiglu) {
     add(Tm, "mlp.swiglu.out.grad", {N, Fl}, -1);

@@ -129,6 +129,23 @@ TEST_CASE("cuda: verify --tp-invariant is bit for bit at tp 1,2,4,8 in f32 and b
       }
 }
 
+TEST_CASE("cuda: verify --tp-invariant keeps Llama's replicated kv heads bit for bit",
+          "[cuda][tp-invariant]") {
+  // 2 kv heads at tp 4 and 8: the replicas gather their query heads' k/v gradients (an
+  // all-gather over the communicator) and sum them in head order, as TP 1 does
+  TPSIM_REQUIRE_CUDA();
+  ScopedEnv splitk("TPSIM_EMU_CUBLAS_SPLITK", "shape");
+  for (const char* dtype : {"f32", "bf16"}) {
+    const auto r = run_tpsim("verify --backend cuda --comm sim --model llama --kv-heads 2 "
+                             "--vocab-size 61 --block-size 16 --hidden 32 --heads 8 --layers 1 "
+                             "--batch-size 2 --seq-len 16 --steps 2 --tp 1,2,4,8 --tp-invariant "
+                             "--sequence-parallel --dtype " + std::string(dtype));
+    INFO(dtype << "\n" << r.out);
+    CHECK(r.exit_code == 0);
+    CHECK(r.out.find("every tensor of every step bit-identical to tp 1") != std::string::npos);
+  }
+}
+
 // The bit comparison with TP 1 fails on a fault that only acts at t > 1 and that f32's
 // tolerance cannot see in plain mode (bench/RESULTS.md, history: it moves the loss by 3e-6).
 TEST_CASE("cuda: verify --tp-invariant catches gpt-local-softmax-scale by its bits",

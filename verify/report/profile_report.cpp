@@ -257,7 +257,8 @@ nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
     };
     j["tp_invariant_comm_predicted"] = {{"added_all_gather", vol(c.added_all_gather)},
                                         {"removed_all_reduce", vol(c.removed_all_reduce)},
-                                        {"removed_reduce_scatter", vol(c.removed_reduce_scatter)}};
+                                        {"removed_reduce_scatter", vol(c.removed_reduce_scatter)},
+                                        {"removed_all_gather", vol(c.removed_all_gather)}};
   }
   if (run.predicted) {
     json pred = json::object();
@@ -525,6 +526,8 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
          << vol(c.removed_all_reduce) << " B";
       if (c.removed_reduce_scatter.count > 0)
         os << " and reduce_scatter -" << vol(c.removed_reduce_scatter) << " B";
+      if (c.removed_all_gather.count > 0)
+        os << " and the kv replicas' all_gather -" << vol(c.removed_all_gather) << " B";
       os << "\n  (each split reduction of S bytes moves its " << kCanonicalChunks << "/" << t
          << " partials: on the wire 8(t-1)/t·S instead of 2(t-1)/t·S, 4x at every t)\n";
     }

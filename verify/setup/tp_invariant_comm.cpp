@@ -37,6 +37,12 @@ TpInvariantComm predict_tp_invariant_comm(const RunOptions& o, int tp) {
     add(c.added_all_gather, 1, Cl * N * ec);
     add(c.removed_all_reduce, 1, N * ec);
   }
+  if (tp > o.gpt.kv()) {  // each kv head's replicas (sharded/gpt.cpp sum_kv_heads_over_replicas)
+    const std::int64_t d = o.gpt.head_dim();
+    add(c.added_all_gather, 2 * L, N * (H / tp) * e);  // dk, dv per local query head [N,H/t]
+    add(c.removed_all_gather, 2 * L, d * H * ec);      // k_proj, v_proj weight gradients [d,H]
+    if (o.gpt.linear_bias) add(c.removed_all_gather, 2 * L, d * ec);  // and biases [d]
+  }
   if (sp) {  // replicated gradients summed over tokens: 2L + 1 norms (and LayerNorm
              // biases), the row-parallel biases (2 per layer), wpe, wte (and lm_head)
     const std::int64_t norms = (2 * L + 1) * (o.gpt.norm_bias ? 2 : 1);

@@ -22,6 +22,10 @@ struct TpInvariantComm {
   CollectiveVolume added_all_gather;         // the partials' all-gathers
   CollectiveVolume removed_all_reduce;       // the plain run's, that the mode replaces
   CollectiveVolume removed_reduce_scatter;   // sequence parallel's g forward, f backward
+  // GQA with tp > kv heads: the plain run gathers the k/v weight (and bias) gradients to
+  // sum them over a kv head's replicas; the mode gathers the query heads' k/v activation
+  // gradients instead, before the weight GEMMs (counted in added_all_gather)
+  CollectiveVolume removed_all_gather;
 };
 
 // Per rank per step at degree `tp`; all zero without --tp-invariant or for the mlp. At tp 1

@@ -158,10 +158,6 @@ void check_tp_invariant(const RunOptions& o) {
     if (C % t != 0)
       throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
                        std::to_string(C) + ", the number of canonical chunks");
-    if (t > o.gpt.kv())
-      throw UsageError("--tp-invariant: tp " + std::to_string(t) + " exceeds the " +
-                       std::to_string(o.gpt.kv()) + " kv heads (their replicas' gradient sums "
-                       "are not in canonical order yet)");
   }
   if (o.gpt.hidden % C != 0)
     throw UsageError("--tp-invariant: --hidden " + std::to_string(o.gpt.hidden) +
