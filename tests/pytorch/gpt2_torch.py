@@ -12,9 +12,7 @@ torch). --exact-gelu gives PyTorch's blocks the exact GELU instead of GPT-2's ta
 difference of ~1e-3 in an activation), to show that this comparison fails when the two
 models differ: then it exits 0 only if every degree disagrees."""
 import os
-import subprocess
 import sys
-import tempfile
 
 try:
     import torch
@@ -24,7 +22,8 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pytorch"))
-import safetensors_io  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))
+import tpsim_agreement  # noqa: E402
 
 V, H, A, L, B, T, STEPS = 101, 48, 4, 2, 2, 16, 5
 TOL = 1e-9
@@ -129,35 +128,10 @@ def main():
         losses.append(loss.item())
     final = {n: t.detach() for n, t in model.weights().items()}
 
-    failed = False
-    with tempfile.TemporaryDirectory() as d:
-        safetensors_io.save(os.path.join(d, "w.safetensors"), w0)
-        safetensors_io.save(os.path.join(d, "b.safetensors"), {"input_ids": ids, "labels": labels})
-        for tp in (1, 2, 4):
-            out = os.path.join(d, f"final{tp}.safetensors")
-            r = subprocess.run([tpsim, "train", "--model", "gpt2", "--vocab-size", str(V),
-                                "--hidden", str(H), "--heads", str(A), "--layers", str(L),
-                                "--block-size", str(T), "--seq-len", str(T), "--batch-size", str(B),
-                                "--steps", str(STEPS), "--dtype", "f64",
-                                "--tp", str(tp), "--load", os.path.join(d, "w.safetensors"),
-                                "--data", os.path.join(d, "b.safetensors"), "--save-final", out],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                print(f"FAIL tp {tp}: tpsim train exited {r.returncode}: {r.stdout[-400:]}{r.stderr[-400:]}")
-                failed = True
-                continue
-            theirs = [float(l.split()[-1]) for l in r.stdout.splitlines() if l.strip().startswith("loss:")]
-            loss_err = max(abs(a - b) for a, b in zip(losses, theirs)) if len(theirs) == STEPS else 1.0
-            got = safetensors_io.load(out)
-            worst, where = 0.0, ""
-            for n, t in final.items():
-                e = ((got[n] - t).norm() / t.norm()).item()
-                if e > worst:
-                    worst, where = e, n
-            ok = loss_err <= TOL and worst <= TOL and set(got) == set(final)
-            failed |= ok if EXPECT_MISMATCH else not ok
-            print(f"{'ok  ' if ok else 'FAIL'} tp {tp}: losses {theirs}, largest loss difference "
-                  f"{loss_err:.2e}, largest final-weight relative error {worst:.2e} ({where})")
+    flags = ["--model", "gpt2", "--vocab-size", str(V), "--hidden", str(H), "--heads", str(A),
+             "--layers", str(L), "--block-size", str(T), "--seq-len", str(T), "--batch-size", str(B)]
+    failed = tpsim_agreement.compare(tpsim, flags, w0, ids, labels, losses, final, (1, 2, 4), TOL,
+                                     EXPECT_MISMATCH)
     print(f"gpt2_torch: PyTorch's losses {losses}")
     return 1 if failed else 0
 
