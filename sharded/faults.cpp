@@ -150,9 +150,9 @@ const char* fault_name(Fault f) { return fault_info(f).name; }
 
 std::string fault_inapplicable(Fault f, const FaultTarget& run) {
   const FaultScope& s = fault_info(f).scope;
-  if (run.gpt ? !s.gpt : !s.mlp)
-    return std::string("breaks the ") + (run.gpt ? "mlp" : "gpt") + ", not --model " +
-           (run.gpt ? "gpt" : "mlp") + "; it cannot apply to this run";
+  if (!s.covers(run.model))
+    return std::string("breaks the ") + (s.gpt ? "gpt" : "mlp") + ", not --model " + run.model +
+           "; it cannot apply to this run";
   auto mismatch = [](Needs n, bool on) {
     return (n == Needs::On && !on) || (n == Needs::Off && on);
   };

@@ -67,7 +67,7 @@ enum class Needs { Either, On, Off };
 
 // Where a fault can change anything: the model, the options, the smallest TP degree.
 struct FaultScope {
-  bool mlp = false, gpt = false;
+  bool mlp = false, gpt = false;  // the models whose code it breaks
   Needs loss_parallel = Needs::Either;
   Needs sequence_parallel = Needs::Either;
   int min_tp = 2;          // below it the broken code path computes the right thing
@@ -86,6 +86,8 @@ struct FaultScope {
   bool recompute_chunks = false;  // --recompute full in chunks of 2 or more blocks
   int min_dp = 1;              // below it no DP collective runs
   bool clip = false;           // --clip-grad above 0
+  // Whether it breaks the model named `model` ("mlp", "gpt").
+  bool covers(const std::string& model) const { return model == "mlp" ? mlp : gpt; }
 };
 
 struct FaultInfo {
@@ -102,7 +104,7 @@ const FaultInfo& fault_info(Fault f);
 
 // What a run is, as far as faults care.
 struct FaultTarget {
-  bool gpt = false;
+  std::string model = "mlp";  // the run's model, by name (ModelDescription::name)
   bool loss_parallel = false, sequence_parallel = false;
   int max_tp = 1;
   bool f64 = true;

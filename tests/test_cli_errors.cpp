@@ -50,8 +50,9 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
   expect_usage_error("verify --model llama --rope-theta 0.5", "--rope-theta");
   expect_usage_error("verify --model llama --preset small --ffn-hidden 102 --tp 4",
                      "does not divide the MLP width F = 102");
+  // 2 kv heads of 6: a k/v width of 12 does not cut into the 8 canonical tiles
   expect_usage_error("verify --model llama --preset small --kv-heads 2 --tp-invariant --tp 1,2,4",
-                     "--tp-invariant: tp 4 exceeds the 2 kv heads");
+                     "--tp-invariant: the canonical tiles cut the k and v width");
   expect_usage_error("verify --model gpt2 --norm nonsense", "--norm");
   expect_usage_error("verify --model gpt2 --dropout 1", "--dropout");
   expect_usage_error("verify --model gpt --recompute some", "--recompute");

@@ -100,7 +100,7 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
   // Why each fails where it does (first step, forward-then-backward order):
   const std::map<std::string, Caught> expect = {
       {"mlp-drop-f-backward", {"reference", "x.grad", "rank 0/2", 2}},  // the input grad stays partial
-      {"mlp-fc2-split-rows", {"reference", "loss", "", 2}},
+      {"mlp-fc2-split-rows", {"reference", "output", "", 2}},  // made before the loss
       // ln1's input gradient, left partial by the missing all-reduce: the first activation
       // gradient backward produces after f.
       {"gpt-missing-f", {"reference", "act/h.1.ln1.out.grad", "", 2}},

@@ -15,6 +15,7 @@
 #include "verify/commands/train_run.h"
 #include "verify/setup/validate.h"
 #include "verify/commands/verify_run.h"
+#include "verify/setup/model_description.h"
 
 namespace tpsim {
 
@@ -228,16 +229,16 @@ void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DTy
                                              : RecomputeKind::None;
   o.batch = raw.batch == "boundary" || (raw.batch.empty() && verify) ? BatchKind::Boundary
                                                                      : BatchKind::Random;
-  if (!raw.preset.empty() && o.model != ModelKind::Gpt)
-    throw UsageError("--preset applies to --model gpt");
+  const auto model = describe_model(o);
+  if (!raw.preset.empty()) model->check_flags(/*preset=*/true);
   std::string tp = raw.tp;
-  if (tp.empty()) tp = !verify ? "1" : o.model == ModelKind::Mlp ? "1,2,4,8" : "1,2";
+  if (tp.empty()) tp = !verify ? "1" : model->default_verify_tp();
   o.tp = parse_tp_list(tp);
   o.dtype = raw.dtype.empty() ? default_dtype : parse_float_dtype(raw.dtype);
   // Ranges are checked by validate_run_options, with every other number.
   const auto min64 = std::numeric_limits<std::int64_t>::min();
   const auto max64 = std::numeric_limits<std::int64_t>::max();
-  o.steps = raw.steps.empty() ? (o.model == ModelKind::Mlp ? 2 : 5)
+  o.steps = raw.steps.empty() ? model->default_steps()
                               : parse_int_flag("--steps", raw.steps, min64, max64);
   if (!raw.batch_size.empty())
     o.batch_size = o.mlp.batch = parse_int_flag("--batch-size", raw.batch_size, min64, max64);

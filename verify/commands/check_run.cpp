@@ -13,6 +13,7 @@
 #include "verify/dump/name_maps.h"
 #include "verify/engine/reference_trace.h"
 #include "verify/engine/step_checks.h"
+#include "verify/setup/model_description.h"
 #include "verify/setup/tensor_order.h"
 #include "verify/engine/tolerance.h"
 #include "verify/setup/validate.h"

@@ -9,6 +9,7 @@
 #include "runtime/launch.h"
 #include "verify/setup/inputs.h"
 #include "verify/setup/memory_check.h"
+#include "verify/setup/model_description.h"
 #include "verify/report/profile_report.h"
 
 namespace tpsim {
@@ -85,7 +86,7 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
     print_paper_table(os);
     return {};
   }
-  if (p.predict_only && o.model != ModelKind::Gpt)
+  if (p.predict_only && !describe_model(o)->has_memory_model())
     throw UsageError("profile --predict: the memory model is the gpt's");
   for (int tp : o.tp) {
     check_tp_degree(o, tp);
@@ -107,7 +108,7 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
     TpProfile run;
     run.tp = tp;
     run.model_flops_per_step = model_flops_per_step(o);
-    if (o.model == ModelKind::Gpt) {
+    if (describe_model(o)->has_memory_model()) {
       run.query = memory_query(o, tp, o.steps > 0);
       run.predicted = predict_gpt_memory(run.query);
     }
@@ -122,7 +123,7 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
       run.plain_step_s = slowest_step_seconds(without);
     }
     print_tp_profile(os, o, run);
-    const std::string title = std::string("tpsim profile: ") + model_name(o.model) + ", tp " +
+    const std::string title = std::string("tpsim profile: ") + describe_model(o)->name() + ", tp " +
                               std::to_string(tp);
     if (!p.trace_path.empty()) {
       const std::string path = per_tp_path(p.trace_path, tp, several);

@@ -4,6 +4,7 @@
 
 #include "core/clock.h"
 #include "verify/setup/validate.h"
+#include "verify/setup/model_description.h"
 
 namespace tpsim {
 
@@ -129,7 +130,7 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   const FaultScope& scope = fault_info(base.fault).scope;
   for (auto& c : all) {
     const std::string no = fault_inapplicable(c.options.fault, fault_target(c.options));
-    const bool own_model = c.options.model == ModelKind::Gpt ? scope.gpt : scope.mlp;
+    const bool own_model = scope.covers(describe_model(c.options)->name());
     if (no.empty()) cases.push_back(std::move(c));
     else if (own_model && why.empty()) why = no;
   }

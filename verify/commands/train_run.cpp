@@ -15,6 +15,7 @@
 #include "verify/dump/dump_writer.h"
 #include "verify/setup/inputs.h"
 #include "verify/setup/memory_check.h"
+#include "verify/setup/model_description.h"
 #include "verify/report/torch_print.h"
 
 namespace tpsim {
@@ -46,8 +47,6 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   check_launch(o.device, tp * o.dp, o.dp);
   check_memory(o, "train");
   const bool dump = !o.dump_dir.empty();
-  if (dump && o.model != ModelKind::Gpt)
-    throw UsageError("--dump: the dump format holds a GPT run; use --model gpt");
   if (dump && o.gpt.dropout > 0)
     // tpsim's masks come from its own counter-based RNG, which a dump does not carry:
     // check could not draw them.
@@ -59,7 +58,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
 
-  os << "tpsim train: model " << model_name(o.model) << ", tp " << tp
+  os << "tpsim train: model " << describe_model(o)->name() << ", tp " << tp
      << (o.dp > 1 ? ", dp " + std::to_string(o.dp) : std::string()) << ", "
      << dtype_name(o.dtype) << ", " << o.steps << " steps, seed " << o.seed << "\n";
   for (int r = 0; r < tp * o.dp; ++r) os << "rank: " << r << ", world size: " << tp * o.dp << "\n";
@@ -132,7 +131,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
        << "weights.safetensors, batch.safetensors)\n";
   }
   if (!o.json_path.empty()) {
-    nlohmann::json j = {{"tool", "tpsim"}, {"command", "train"},   {"model", model_name(o.model)},
+    nlohmann::json j = {{"tool", "tpsim"}, {"command", "train"},   {"model", describe_model(o)->name()},
                         {"tp", tp},         {"dtype", dtype_name(o.dtype)}, {"seed", o.seed},
                         {"losses", result.losses}, {"step_seconds", result.step_seconds}};
     write_file_atomically(o.json_path, j.dump(2) + "\n", "--json");

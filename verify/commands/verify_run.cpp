@@ -12,6 +12,7 @@
 #include "runtime/launch.h"
 #include "verify/engine/divergence.h"
 #include "verify/setup/memory_check.h"
+#include "verify/setup/model_description.h"
 #include "verify/engine/step_barrier.h"
 #include "verify/engine/step_checks.h"
 #include "verify/setup/tensor_order.h"
@@ -285,8 +286,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   std::vector<std::vector<Observation>> replica_slots(static_cast<std::size_t>(world));
   // Checks run in the order the tensors are produced, so the first failure is the first
   // op that diverged (the MLP's few tensors come in that order already).
-  const std::vector<std::string> order =
-      o.model == ModelKind::Gpt ? gpt_tensor_order(o.gpt, o.clip_grad > 0) : std::vector<std::string>{};
+  const std::vector<std::string> order = describe_model(o)->tensor_order(o.clip_grad > 0);
 
   launch_mesh(o.device, dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be, Communicator& comm,
                                               Communicator& dp_comm) {

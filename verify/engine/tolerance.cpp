@@ -5,6 +5,7 @@
 #include <numbers>
 
 #include "core/text.h"
+#include "verify/setup/model_description.h"
 #include "verify/setup/tensor_order.h"
 
 namespace tpsim {
@@ -32,21 +33,9 @@ constexpr double u32 = 0x1.0p-24;
 // kCondition · D · sqrt(K_max) · u for unit roundoff u.
 double chain_bound(const RunOptions& o, double u, double* k_max_out) {
   constexpr double kCondition = 4.0;
-  double k_max = 0, depth = 0;
-  if (o.model == ModelKind::Mlp) {
-    k_max = static_cast<double>(std::max({o.mlp.in, o.mlp.hidden, o.mlp.out, o.mlp.batch}));
-    depth = 6;  // fc1, fc2, mse forward; fc2, fc1 data grads and the weight grad in backward
-  } else {
-    const auto& g = o.gpt;
-    const double tokens = static_cast<double>(o.batch_size * o.seq_len);
-    k_max = std::max({static_cast<double>(g.vocab_size), 4.0 * static_cast<double>(g.hidden),
-                      tokens});
-    // Per block forward: ln1, q/k/v, q·k, probs·v, o, ln2, ffn1, ffn2 (8); the head: ln_f,
-    // logits, softmax (3); backward doubles it.
-    depth = 2 * (8 * static_cast<double>(g.layers) + 3);
-  }
-  if (k_max_out) *k_max_out = k_max;
-  return kCondition * depth * std::sqrt(k_max) * u;
+  const ChainSize c = describe_model(o)->chain();
+  if (k_max_out) *k_max_out = c.k_max;
+  return kCondition * c.depth * std::sqrt(c.k_max) * u;
 }
 
 double f32_tolerance(const RunOptions& o, double* k_max_out) { return chain_bound(o, u32, k_max_out); }
@@ -294,38 +283,22 @@ ToleranceModel::ToleranceModel(const RunOptions& o)
   u_store_ = tpsim::storage_roundoff(DType::BF16);
   u_acc_ = tpsim::accumulation_roundoff(DType::BF16);
   steps_ = static_cast<int>(std::max<std::int64_t>(1, o.steps));
-  adam_ = o.model == ModelKind::Gpt;
+  const auto model = describe_model(o);
+  adam_ = model->adam();
 
   // Depths, the bf16 sums up to each tensor, and the parameters.
-  std::vector<std::string> order;
-  std::vector<ParamSpec> specs;
-  if (o.model == ModelKind::Gpt) {
-    order = gpt_tensor_order(o.gpt);
-    specs = gpt_param_specs(o.gpt);
-  } else {
-    // fc1, relu, fc2 and g make the output; mse the loss; its backward, fc2's weight
-    // gradient, relu's and fc1's, f's sum, in production order.
-    order = {"output", "loss", "fc2.weight.grad", "fc1.weight.grad", "x.grad"};
-    specs = mlp_param_specs(o.mlp);
-  }
+  const std::vector<std::string> order = model->tensor_order(/*clipped=*/false);
+  const std::vector<ParamSpec> specs = model->param_specs();
   const double lr = adam_ ? o.adam.lr : o.lr;
   int sums = 0;
   for (std::size_t k = 0; k < order.size(); ++k) {
     const std::string& n = order[k];
-    const bool summed =
-        ends_with_any(n, {"attn.o.out", "mlp.ffn2.out", "mlp.down_proj.out", "ln1.out.grad",
-                          "ln2.out.grad"}) ||
-        (o.loss_parallel && (n == "act/embedding.out" || n == "act/ln_f.out.grad")) ||
-        (o.model == ModelKind::Mlp && (n == "output" || n == "x.grad"));
-    sums += summed ? 1 : 0;
+    sums += model->tp_summed(n) ? 1 : 0;
     depth_[n] = static_cast<int>(k) + 1;
     bf16_sums_[n] = sums;
   }
   max_sums_ = sums;
-  if (o.model == ModelKind::Mlp) {  // the MLP's chains are short: depth by op count
-    depth_ = {{"output", 4}, {"loss", 5}, {"fc2.weight.grad", 7}, {"fc1.weight.grad", 9},
-              {"x.grad", 9}};
-  }
+  if (const auto depths = model->depths(); !depths.empty()) depth_ = {depths.begin(), depths.end()};
   max_depth_ = 1;
   for (const auto& [n, d] : depth_) max_depth_ = std::max(max_depth_, d);
   for (const auto& s : specs) {
@@ -341,7 +314,7 @@ ToleranceModel::ToleranceModel(const RunOptions& o)
     param_[s.name] = params_.size();
     params_.push_back(p);
   }
-  build_reads(o.model, order);
+  build_reads(*model);
   weight_err_.resize(tp_.size());
   weight_max_.resize(tp_.size());
   largest_ = 0.0;
@@ -354,45 +327,18 @@ ToleranceModel::ToleranceModel(const RunOptions& o)
   }
 }
 
-void ToleranceModel::build_reads(ModelKind model, const std::vector<std::string>& order) {
+void ToleranceModel::build_reads(const ModelDescription& model) {
   std::vector<std::size_t> every;
-  for (std::size_t p = 0; p < params_.size(); ++p) every.push_back(p);
+  std::vector<std::string> names;
+  for (std::size_t p = 0; p < params_.size(); ++p) {
+    every.push_back(p);
+    names.push_back(params_[p].name);
+  }
   all_reads_ = every;
   all_reads_.insert(all_reads_.end(), every.begin(), every.end());
-  if (model == ModelKind::Mlp) return;  // its five tensors: both weights twice, an upper count
-  // The weights a GPT forward point's op reads: its layer's module of the same name
-  // ("act/h.0.attn.q" -> "h.0.attn.q_proj.weight"), the embeddings for the lookup, wte
-  // again for the tied head.
-  // (Each with its bias, where the architecture has one.)
-  const std::string head = param_.count("lm_head.weight") ? "lm_head" : "wte";
-  auto forward_reads = [&](const std::string& n) -> std::vector<std::string> {
-    std::vector<std::string> modules;
-    const std::string stem = n.substr(4);  // after "act/"
-    if (n == "act/embedding.out") modules = {"wte", "wpe"};
-    else if (n == "act/logits") modules = {head};
-    else if (stem.ends_with("attn.o.out")) modules = {stem.substr(0, stem.size() - 6) + ".o_proj"};
-    else if (stem.ends_with(".out")) modules = {stem.substr(0, stem.size() - 4)};  // ln1, ffn1, ...
-    else if (ends_with_any(stem, {"attn.q", "attn.k", "attn.v"})) modules = {stem + "_proj"};
-    std::vector<std::string> reads;
-    for (const std::string& m : modules)
-      for (const char* part : {".weight", ".bias"})
-        if (param_.count(m + part)) reads.push_back(m + part);
-    return reads;
-  };
-  // Backward, a weight is read again by the op that makes its input's gradient, which
-  // runs next to the one that makes its own gradient: so it counts from its gradient's
-  // place in the order on (wte's from the logits' gradient, where the tied head reads it).
-  std::vector<std::size_t> seen;
-  bool forward = true;
-  for (const std::string& n : order) {
-    if (n == "loss") forward = false;
-    if (forward && n.starts_with("act/"))
-      for (const std::string& w : forward_reads(n)) seen.push_back(param_.at(w));
-    if (!forward && n == "act/ln_f.out.grad") seen.push_back(param_.at(head + ".weight"));
-    if (!forward && ends_with_any(n, {".weight.grad", ".bias.grad"}) &&
-        n != "wte.weight.grad" && n != head + ".weight.grad")
-      seen.push_back(param_.at(n.substr(0, n.size() - 5)));
-    reads_[n] = seen;
+  for (const auto& [tensor, weights] : model.weights_read(names)) {
+    std::vector<std::size_t>& reads = reads_[tensor];
+    for (const std::string& w : weights) reads.push_back(param_.at(w));
   }
 }
 

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "verify/setup/model_description.h"
 #include "verify/setup/run_options.h"
 
 namespace tpsim {
@@ -88,7 +89,7 @@ class ToleranceModel {
                int tp_index) const;
   const std::vector<std::size_t>& reads(const std::string& tensor) const;
   void build_weights(int tp_index);
-  void build_reads(ModelKind model, const std::vector<std::string>& order);
+  void build_reads(const ModelDescription& model);
 
   bool per_tensor_ = false;
   double uniform_ = 0.0;  // the bound of a run without per-tensor bounds

@@ -12,54 +12,18 @@
 #include "sharded/tp_invariant.h"
 #include "verify/setup/inputs.h"
 #include "verify/setup/memory_check.h"
+#include "verify/setup/model_description.h"
 #include "verify/setup/tp_invariant_comm.h"
 
 namespace tpsim {
 
-namespace {
-// One block's forward FLOPs, split as its Linears' 2N·(2H² for q and o, 2H·KV·d for k and
-// v, m·H·F for the MLP's m matrices) and its core attention's 4NTH (QKᵀ and P·V, whole
-// squares, as the kernels compute them).
-struct LayerFlops {
-  double linears = 0, attention = 0;
-};
-LayerFlops layer_forward_flops(const RunOptions& o) {
-  const GptConfig& c = o.gpt;
-  const double N = static_cast<double>(o.batch_size * o.seq_len), H = static_cast<double>(c.hidden);
-  const double T = static_cast<double>(o.seq_len), F = static_cast<double>(c.ffn());
-  const double KVd = static_cast<double>(c.kv() * c.head_dim()), m = c.swiglu() ? 3.0 : 2.0;
-  return {2.0 * N * (2.0 * H * H + 2.0 * H * KVd + m * H * F), 4.0 * N * T * H};
-}
-}  // namespace
-
-double model_flops_per_step(const RunOptions& o) {
-  if (o.model == ModelKind::Mlp)
-    return 6.0 * static_cast<double>(o.mlp.batch) *
-           static_cast<double>(o.mlp.in * o.mlp.hidden + o.mlp.hidden * o.mlp.out);
-  // 3x the forward (the backward is twice it): L blocks and the head's 2NHV. For the
-  // seed's GPT (KV·d = H, m = 2, F = 4H) it is Narayanan et al. 2021's
-  // 72·B·T·L·H²·(1 + T/6H + V/12HL).
-  const LayerFlops f = layer_forward_flops(o);
-  const double N = static_cast<double>(o.batch_size * o.seq_len);
-  const double L = static_cast<double>(o.gpt.layers);
-  return 3.0 * (L * (f.linears + f.attention) +
-                2.0 * N * static_cast<double>(o.gpt.hidden * o.gpt.vocab_size));
-}
+double model_flops_per_step(const RunOptions& o) { return describe_model(o)->flops_per_step(); }
 
 double recompute_flops_per_step(const RunOptions& o) {
-  if (o.recompute == RecomputeKind::None) return 0.0;  // (the MLP has none: validate.cpp)
-  const LayerFlops f = layer_forward_flops(o);
-  const double L = static_cast<double>(o.gpt.layers);
-  return L * (o.recompute == RecomputeKind::Selective ? f.attention : f.linears + f.attention);
+  return describe_model(o)->recompute_flops_per_step();
 }
 
-// How model_flops_per_step counts, for the reports.
-std::string model_flops_formula(const RunOptions& o) {
-  if (o.model == ModelKind::Mlp) return "6·B·(in·hidden + hidden·out)";
-  if (seed_architecture(o.gpt)) return "72·B·T·L·H²·(1 + T/6H + V/12HL), Narayanan et al. 2021";
-  return std::string("6·B·T·(L·(2H² + 2H·kv·d + ") + (o.gpt.swiglu() ? "3" : "2") +
-         "·H·F + 2TH) + HV), this architecture's GEMMs and attention";
-}
+std::string model_flops_formula(const RunOptions& o) { return describe_model(o)->flops_formula(); }
 
 namespace {
 
@@ -290,17 +254,11 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
   std::vector<std::string> rank_cols;
   for (const auto& r : ranks) rank_cols.push_back("rank " + std::to_string(r.rank));
 
-  os << "\n== tp " << t << ": " << model_name(o.model) << ", " << dtype_name(o.dtype);
-  if (o.model == ModelKind::Gpt)
-    os << ", H " << o.gpt.hidden << ", A " << o.gpt.heads << ", L " << o.gpt.layers << ", V "
-       << o.gpt.vocab_size << ", batch " << o.batch_size << " x seq " << o.seq_len
-       << (o.dp > 1 ? ", dp " + std::to_string(o.dp) + " (each replica " +
-                          std::to_string(o.batch_size / o.dp) + " rows)"
-                    : std::string())
-       << (o.clip_grad > 0 ? ", clip-grad" : "")
-       << (o.loss_parallel ? ", loss parallel" : "")
-       << (o.sequence_parallel ? ", sequence parallel" : "")
-       << (o.tp_invariant ? ", tp-invariant" : "");
+  const auto model = describe_model(o);
+  os << "\n== tp " << t << ": " << model->name() << ", " << dtype_name(o.dtype)
+     << model->profile_heading() << (o.loss_parallel ? ", loss parallel" : "")
+     << (o.sequence_parallel ? ", sequence parallel" : "")
+     << (o.tp_invariant ? ", tp-invariant" : "");
   os << ", " << o.steps << " steps ==\n";
 
   // ---- memory by category ----
@@ -545,7 +503,7 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
      << f("%.4g", executed) << " ("
      << f("%.3f", run.model_flops_per_step > 0 ? executed / run.model_flops_per_step : 0.0)
      << "x";
-  if (o.model == ModelKind::Gpt && !o.loss_parallel && t > 1)
+  if (describe_model(o)->replicated_head() && t > 1)
     os << ": every rank computes the whole LM head without --loss-parallel";
   os << ")\n  achieved: "
      << f("%.2f", step_s > 0 ? run.model_flops_per_step / step_s * 1e-9 : 0.0)
@@ -731,7 +689,7 @@ void print_profile_comparison(std::ostream& os, const ProfileResult& result) {
 }
 
 std::string profile_json(const RunOptions& o, const ProfileResult& result) {
-  nlohmann::json j = {{"tool", "tpsim"}, {"command", "profile"}, {"model", model_name(o.model)},
+  nlohmann::json j = {{"tool", "tpsim"}, {"command", "profile"}, {"model", describe_model(o)->name()},
                       {"dtype", dtype_name(o.dtype)}, {"steps", o.steps},
                       {"tp_invariant", o.tp_invariant},
                       {"tp", nlohmann::json::array()}};

@@ -8,6 +8,7 @@
 
 #include "core/text.h"
 #include "io/atomic_file.h"
+#include "verify/setup/model_description.h"
 
 namespace tpsim {
 
@@ -114,7 +115,7 @@ std::string format_bytes(double b) {
 std::string describe_failure(const Comparison& c) { return describe(c); }
 
 std::string verify_config_line(const RunOptions& o) {
-  return "tpsim verify: model " + model_description(o) + ", " + dtype_name(o.dtype) +
+  return "tpsim verify: model " + describe_model(o)->title() + ", " + dtype_name(o.dtype) +
          " sharded vs f64 reference, tp " + tp_list(o) +
          (o.dp > 1 ? " x dp " + std::to_string(o.dp) : std::string()) +
          (o.clip_grad > 0 ? ", clip-grad " + fmt("%g", o.clip_grad) : std::string()) + ", " +
@@ -266,7 +267,7 @@ void print_verify_report(std::ostream& os, const RunOptions& o, const VerifyRepo
 }
 
 std::string check_config_line(const std::string& dumps, const RunOptions& o) {
-  return "tpsim check: " + dumps + ": model " + model_name(o.model) + ", " + dtype_name(o.dtype) +
+  return "tpsim check: " + dumps + ": model " + describe_model(o)->name() + ", " + dtype_name(o.dtype) +
          " dump vs f64 reference, world size " + tp_list(o) + ", " + std::to_string(o.steps) +
          " steps" + (o.loss_parallel ? ", loss parallel" : "") +
          (o.sequence_parallel ? ", sequence parallel" : "");
@@ -305,8 +306,9 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
   nlohmann::json j;
   j["tool"] = "tpsim";
   j["command"] = "verify";
-  j["model"] = model_name(o.model);
-  if (o.model == ModelKind::Gpt) j["architecture"] = describe_architecture(o.gpt);
+  const auto model = describe_model(o);
+  j["model"] = model->name();
+  if (const std::string a = model->architecture(); !a.empty()) j["architecture"] = a;
   j["dtype"] = dtype_name(o.dtype);
   j["steps"] = o.steps;
   j["seed"] = o.seed;
@@ -374,15 +376,6 @@ namespace tpsim {
 
 namespace {
 
-std::string case_shape(const RunOptions& o) {
-  if (o.model == ModelKind::Mlp)
-    return "H " + std::to_string(o.mlp.hidden) + ", batch " + std::to_string(o.mlp.batch);
-  const auto& g = o.gpt;
-  return "V " + std::to_string(g.vocab_size) + ", H " + std::to_string(g.hidden) + ", A " +
-         std::to_string(g.heads) + ", L " + std::to_string(g.layers) + ", " +
-         std::to_string(o.batch_size) + "x" + std::to_string(o.seq_len);
-}
-
 struct CaseTotals {
   std::int64_t comparisons = 0;
   std::int64_t real = 0;
@@ -415,7 +408,7 @@ void print_sweep_report(std::ostream& os, const RunOptions& base, const SweepRep
     all.real += t.real;
     all.max_rel_err = std::max(all.max_rel_err, t.max_rel_err);
     std::snprintf(line, sizeof line, "  %-50s %-30s %-8s %7lld  %-9s %5.2fs  %s\n",
-                  c.c.name.c_str(), case_shape(c.c.options).c_str(),
+                  c.c.name.c_str(), describe_model(c.c.options)->shape().c_str(),
                   tp_list(c.c.options).c_str(), static_cast<long long>(t.comparisons),
                   fmt("%.2e", t.max_rel_err).c_str(), c.seconds, c.report.pass ? "PASS" : "FAIL");
     os << line;
@@ -454,8 +447,7 @@ nlohmann::json sweep_json(const RunOptions& base, const SweepReport& r) {
     nlohmann::json jc = verify_json(c.c.options, c.report);
     jc["case"] = c.c.name;
     jc["case_seconds"] = c.seconds;
-    jc["batch"] = c.c.options.model == ModelKind::Gpt ? batch_kind_name(c.c.options.batch)
-                                                      : "seeded";
+    jc["batch"] = describe_model(c.c.options)->batch_name();
     j["cases"].push_back(jc);
   }
   const SweepResult* first = r.first_failure();

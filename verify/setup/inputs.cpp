@@ -8,11 +8,12 @@
 #include "sharded/data_parallel.h"
 #include "sharded/gpt.h"
 #include "sharded/mlp.h"
+#include "verify/setup/model_description.h"
 
 namespace tpsim {
 
 std::vector<ParamSpec> param_specs(const RunOptions& o) {
-  return o.model == ModelKind::Mlp ? mlp_param_specs(o.mlp) : gpt_param_specs(o.gpt);
+  return describe_model(o)->param_specs();
 }
 
 std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o) {
@@ -34,9 +35,7 @@ std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o) {
 
 RunInputs prepare_inputs(const RunOptions& o) {
   RunInputs in;
-  if (o.model == ModelKind::Mlp) {
-    if (!o.data_path.empty())
-      throw UsageError("--data: the MLP's batch is seeded; --data is for --model gpt");
+  if (o.model == ModelKind::Mlp) {  // (--data refused: ModelDescription::check_flags)
     in.mlp_batch = make_mlp_batch(o.mlp, o.seed);
   } else if (!o.data_path.empty()) {
     in.gpt_batch = load_gpt_batch(o.data_path);

@@ -12,6 +12,7 @@
 #include "sharded/gpt.h"
 #include "sharded/tp_invariant.h"
 #include "verify/setup/tensor_order.h"
+#include "verify/setup/model_description.h"
 
 namespace tpsim {
 
@@ -35,26 +36,7 @@ GptParallelism parallelism(const RunOptions& o) {
 // One rank's bytes at TP degree t, in the dtype of the run (the reference: float64, t 1,
 // none of the sharded model's modes).
 double rank_bytes(const RunOptions& o, int t, DType dtype, bool parallel_flags) {
-  if (o.model == ModelKind::Gpt) {
-    GptMemoryQuery q = memory_query(o, t, true);
-    q.dtype = dtype;
-    if (!parallel_flags) {
-      q.loss_parallel = q.sequence_parallel = false;
-      q.canonical_chunks = 0;
-    }
-    return static_cast<double>(predict_gpt_memory(q).total());  // the mode's buffers included
-  }
-  // The MLP (sharded/mlp.cpp): the fc1/fc2 shards, P weights; the inputs x and target
-  // (replicated); the activations fc1 out, relu out and y; the gradients of y, relu out,
-  // fc1 out and x. In bf16 a weight is its bf16 value, its f32 main gradient and its f32
-  // master (sharded/parameter.h): 2 + 4 + 4 bytes; otherwise value and gradient.
-  const auto& m = o.mlp;
-  const double in = static_cast<double>(m.in), h = static_cast<double>(m.hidden) / t;
-  const double out = static_cast<double>(m.out), b = static_cast<double>(m.batch);
-  const double size = static_cast<double>(dtype_size(dtype));
-  const double weights = in * h + h * out;
-  const double per_weight = dtype == DType::BF16 ? size + 2 * dtype_size(DType::F32) : 2 * size;
-  return per_weight * weights + size * b * (2 * in + 3 * out + 4 * h);
+  return describe_model(o)->rank_bytes(t, dtype, parallel_flags);
 }
 
 // The largest sum over sets of groups that may be in flight together, at most
@@ -81,7 +63,7 @@ double peak_groups(const std::vector<int>& tp, const std::vector<double>& group_
 }  // namespace
 
 double tp1_record_step_bytes(const RunOptions& o) {
-  if (o.model != ModelKind::Gpt || !o.tp_invariant) return 0.0;
+  if (!o.tp_invariant) return 0.0;  // (a mode of the GPT alone: check_flags)
   const GptParallelism par = parallelism(o);
   const std::int64_t tokens = o.batch_size * o.seq_len;
   std::map<std::string, Shape> params;
@@ -105,7 +87,7 @@ double tp1_record_step_bytes(const RunOptions& o) {
 }
 
 double tp_invariant_rank_bytes(const RunOptions& o, int tp) {
-  if (o.model != ModelKind::Gpt || !o.tp_invariant) return 0.0;
+  if (!o.tp_invariant) return 0.0;
   double bytes = 0;
   for (const auto& t : predict_gpt_memory(memory_query(o, tp, true)).tensors)
     if (t.tag.starts_with("invariant.")) bytes += static_cast<double>(t.bytes);
@@ -123,7 +105,7 @@ GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
   q.make_vocab_divisible_by = o.make_vocab_divisible_by;
   q.dtype = o.dtype;
   q.adam = adam;
-  q.canonical_chunks = o.model == ModelKind::Gpt && o.tp_invariant ? kCanonicalChunks : 0;
+  q.canonical_chunks = o.tp_invariant ? kCanonicalChunks : 0;
   q.recompute = o.recompute;
   q.recompute_layers = o.recompute_layers;
   return q;

@@ -51,13 +51,6 @@ struct RunOptions {
   DeviceOptions device;
 };
 
-const char* model_name(ModelKind m);
-// "mlp", or "gpt (<its architecture>)" (describe_architecture): what the reports call it.
-std::string model_description(const RunOptions& o);
 const char* batch_kind_name(BatchKind b);
-
-// Throws UsageError when a TP degree cannot shard the model (one line, naming the rule).
-// Expects sizes that validate_run_options accepted (4*hidden cannot overflow).
-void check_tp_degree(const RunOptions& o, int tp);
 
 }  // namespace tpsim

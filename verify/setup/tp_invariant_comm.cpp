@@ -10,7 +10,7 @@ namespace tpsim {
 
 TpInvariantComm predict_tp_invariant_comm(const RunOptions& o, int tp) {
   TpInvariantComm c;
-  if (o.model != ModelKind::Gpt || !o.tp_invariant) return c;
+  if (!o.tp_invariant) return c;  // (a mode of the GPT alone)
   const bool sp = o.sequence_parallel, lp = o.loss_parallel;
   const std::int64_t L = o.gpt.layers, N = o.batch_size * o.seq_len, H = o.gpt.hidden;
   const std::int64_t V = o.gpt.vocab_size, Nl = sp ? N / tp : N, Cl = kCanonicalChunks / tp;

@@ -28,7 +28,7 @@ struct TpInvariantComm {
   CollectiveVolume removed_all_gather;
 };
 
-// Per rank per step at degree `tp`; all zero without --tp-invariant or for the mlp. At tp 1
+// Per rank per step at degree `tp`; all zero without --tp-invariant (which the mlp refuses). At tp 1
 // nothing is added (all partials are local) and the plain run's one-rank collectives, which
 // it calls and records, are removed.
 TpInvariantComm predict_tp_invariant_comm(const RunOptions& o, int tp);

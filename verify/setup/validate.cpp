@@ -8,6 +8,7 @@
 #include "io/atomic_file.h"
 #include "sharded/gpt.h"
 #include "sharded/tp_invariant.h"
+#include "verify/setup/model_description.h"
 
 namespace tpsim {
 
@@ -23,9 +24,6 @@ constexpr std::int64_t kMaxHidden = 1 << 20;
 constexpr std::int64_t kMaxLayers = 1 << 16;
 constexpr std::int64_t kMaxVocabMultiple = 1 << 20;
 constexpr double kMaxTimeout = 1e6;  // seconds; ThreadCommGroup's bound
-// Values one rank of the model may hold: 2^50 doubles are 8 PiB. The memory model and
-// the shard arithmetic count bytes in int64; below this bound they cannot overflow.
-constexpr double kMaxValues = 1125899906842624.0;
 
 std::string num(double v) {
   char buf[32];
@@ -46,22 +44,6 @@ void check_float(const std::string& flag, double v, double lo, bool lo_ok, doubl
   if (v < lo || (v == lo && !lo_ok) || v > hi)
     throw UsageError(flag + " " + num(v) + ": out of range (allowed " + (lo_ok ? "" : "above ") +
                      num(lo) + (std::isinf(hi) ? std::string(" and up") : " to " + num(hi)) + ")");
-}
-
-// An estimate of the values the whole model holds at TP 1 (parameters, gradients, Adam's
-// two moments, and the activations a step keeps), in floating point so that it cannot
-// overflow whatever the sizes.
-double gpt_values(const RunOptions& o) {
-  const auto& g = o.gpt;
-  const double V = static_cast<double>(g.vocab_size), H = static_cast<double>(g.hidden);
-  const double L = static_cast<double>(g.layers), A = static_cast<double>(g.heads);
-  const double B = static_cast<double>(o.batch_size), T = static_cast<double>(o.seq_len);
-  const double F = static_cast<double>(g.ffn()), mlp_mats = g.swiglu() ? 3 : 2;
-  const double heads = g.tied_embeddings ? 1 : 2;
-  const double params = heads * V * H + static_cast<double>(g.block_size) * H +
-                        L * (4 * H * H + mlp_mats * H * F + 2 * H);
-  const double acts = L * (8 * B * T * H + 2 * mlp_mats * B * T * F + A * T * T * B) + 2 * B * T * V;
-  return 4 * params + acts;
 }
 
 }  // namespace
@@ -101,7 +83,7 @@ std::vector<int> parse_tp_list(const std::string& s) {
 
 FaultTarget fault_target(const RunOptions& o) {
   FaultTarget run;
-  run.gpt = o.model == ModelKind::Gpt;
+  run.model = describe_model(o)->name();
   run.loss_parallel = o.loss_parallel;
   run.sequence_parallel = o.sequence_parallel;
   run.f64 = o.dtype == DType::F64;
@@ -124,7 +106,7 @@ FaultTarget fault_target(const RunOptions& o) {
   run.clip = o.clip_grad > 0;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
-    run.padded = run.padded || (run.gpt && padded_vocab(g, par, t) > g.vocab_size);
+    run.padded = run.padded || padded_vocab(g, par, t) > g.vocab_size;
     run.kv_replicated = run.kv_replicated || t > g.kv();
     // a rank with 2+ kv heads, each read by 2+ query heads
     run.kv_groups = run.kv_groups || (g.kv() % t == 0 && g.kv() / t >= 2 && g.heads > g.kv());
@@ -136,24 +118,10 @@ FaultTarget fault_target(const RunOptions& o) {
 
 namespace {
 
-// The MLP's refusals of the GPT's flags, each naming its flag.
-void check_no_gpt_flags(const RunOptions& o) {
-  if (o.loss_parallel || o.sequence_parallel)
-    throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
-  if (o.recompute != RecomputeKind::None)
-    throw UsageError("--recompute applies to --model gpt, gpt2 and llama");
-  if (!seed_architecture(o.gpt))
-    throw UsageError("the architecture flags (--norm, --mlp, --kv-heads, ...) apply to --model "
-                     "gpt, gpt2 and llama");
-  if (o.dp > 1 || o.clip_grad > 0)
-    throw UsageError("--dp and --clip-grad apply to --model gpt, gpt2 and llama");
-}
-
 // The TP-invariant mode's rules (sharded/tp_invariant.h): kCanonicalChunks chunks of every
 // split extent, the same at every degree.
 void check_tp_invariant(const RunOptions& o) {
   const int C = kCanonicalChunks;
-  if (o.model != ModelKind::Gpt) throw UsageError("--tp-invariant: applies to --model gpt");
   for (int t : o.tp) {
     if (C % t != 0)
       throw UsageError("--tp-invariant: tp " + std::to_string(t) + " does not divide " +
@@ -187,8 +155,9 @@ void validate_run_options(const RunOptions& o) {
   check_float("--weight-decay", o.adam.weight_decay, 0, true,
               std::numeric_limits<double>::infinity());
   check_float("--timeout", o.timeout_s, 0, false, kMaxTimeout);
-  check_int("--batch-size", o.model == ModelKind::Mlp ? o.mlp.batch : o.batch_size, 1, kMaxBatch);
-  if (o.model == ModelKind::Mlp) check_no_gpt_flags(o);
+  const auto model = describe_model(o);
+  check_int("--batch-size", model->batch_rows(), 1, kMaxBatch);
+  model->check_flags(false);
 
   const auto& g = o.gpt;
   check_int("--vocab-size", g.vocab_size, 2, kMaxVocab);
@@ -207,12 +176,7 @@ void validate_run_options(const RunOptions& o) {
   else if (o.recompute_layers != 1)
     throw UsageError("--recompute-layers applies to --recompute full");
   check_gpt_architecture(g);
-  if (o.model == ModelKind::Gpt && gpt_values(o) > kMaxValues)
-    throw UsageError("--vocab-size " + std::to_string(g.vocab_size) + ", --hidden " +
-                     std::to_string(g.hidden) + ", --layers " + std::to_string(g.layers) +
-                     ", --batch-size " + std::to_string(o.batch_size) + ", --seq-len " +
-                     std::to_string(o.seq_len) + ": the model would hold about " +
-                     num(gpt_values(o)) + " values (allowed at most " + num(kMaxValues) + ")");
+  model->check_size();
 
   check_int("--dp", o.dp, 1, kMaxRanks);
   for (int t : o.tp)
