@@ -297,11 +297,15 @@ TEST_CASE("check reads GPT-2 and Llama dumps: the manifest carries the architect
   wrong["config"]["rope_style"] = "sideways";
   write_manifest_json(dir, wrong);
   expect_bad_dump(dir, "config.rope_style", "expected one of \"half\", \"interleaved\"");
-  // The nanoGPT and Megatron name maps know the seed's GPT only: refused, not misread.
+  // nanoGPT's and GPT-2's name maps know the GPT only: refused, not misread; Megatron's
+  // fused q/k/v holds whole query groups, so 4 ranks cannot share 2 kv heads in it.
   wrong = m;
+  wrong["names"] = "hf-gpt2";
+  write_manifest_json(dir, wrong);
+  expect_bad_dump(dir, "names", "hf-gpt2's names do not cover");
   wrong["names"] = "megatron";
   write_manifest_json(dir, wrong);
-  expect_bad_dump(dir, "names", "megatron's names do not cover");
+  expect_bad_dump(dir, "names", "world_size 4 does not divide the 2 kv heads");
   // A kv head's replicas (ranks 0 and 1 hold kv head 0) each hold the whole, summed k
   // gradient: one that kept only its own query heads' share is caught.
   write_manifest_json(dir, m);

@@ -19,9 +19,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import model as gpt  # noqa: E402
 import names  # noqa: E402
-import safetensors_io as st  # noqa: E402
+from tpsim_dump import safetensors as st  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -13,6 +13,7 @@
 #include "io/safetensors.h"
 #include "io/strict_json.h"
 #include "io/untrusted_text.h"
+#include "io/tensor_rows.h"
 #include "model/foreign_names.h"
 
 namespace tpsim {
@@ -119,33 +120,6 @@ class ConfigFields {
 };
 
 // A Conv1D weight [in, out] as tpsim's [out, in] (any element size).
-st::StTensor transposed(const st::StTensor& t) {
-  const auto rows = static_cast<std::size_t>(t.shape[0]), cols = static_cast<std::size_t>(t.shape[1]);
-  const std::size_t size = rows > 0 && cols > 0 ? t.bytes.size() / (rows * cols) : 0;
-  st::StTensor out{t.dtype, {t.shape[1], t.shape[0]}, std::vector<unsigned char>(t.bytes.size())};
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t c = 0; c < cols; ++c)
-      std::copy_n(t.bytes.begin() + static_cast<std::ptrdiff_t>((r * cols + c) * size), size,
-                  out.bytes.begin() + static_cast<std::ptrdiff_t>((c * rows + r) * size));
-  return out;
-}
-
-// c_attn's [q; k; v] (rows of a weight, elements of a bias) as three tensors.
-std::array<st::StTensor, 3> thirds(const st::StTensor& t, const std::string& source,
-                                   const std::string& name) {
-  if (t.shape.empty() || t.shape[0] % 3 != 0)
-    throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": shape " +
-                     shape_str(t.shape) + " is not q, k and v stacked");
-  std::array<st::StTensor, 3> out;
-  const std::size_t part = t.bytes.size() / 3;
-  for (std::size_t i = 0; i < 3; ++i) {
-    out[i] = {t.dtype, t.shape, {t.bytes.begin() + static_cast<std::ptrdiff_t>(i * part),
-                                 t.bytes.begin() + static_cast<std::ptrdiff_t>((i + 1) * part)}};
-    out[i].shape[0] /= 3;
-  }
-  return out;
-}
-
 }  // namespace
 
 bool is_hf_model_dir(const std::string& path) {
@@ -284,11 +258,11 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
                            ": missing, though the index maps it here");
     }
   }
-  // The framework's names to tpsim's. GPT2LMHeadModel's are nanoGPT's (which copied
-  // them), with Conv1D weights stored [in, out] and q, k, v fused in c_attn.
+  // The framework's names to tpsim's: GPT2LMHeadModel's (Conv1D weights stored [in, out],
+  // q, k, v fused in c_attn) or LlamaForCausalLM's.
   const bool gpt2 = config.mlp != MlpKind::SwiGLU;
-  const ConventionNames names =
-      convention_names(gpt2 ? NameConvention::Nanogpt : NameConvention::HfLlama, config);
+  const NameConvention convention = gpt2 ? NameConvention::HfGpt2 : NameConvention::HfLlama;
+  const ConventionNames names = convention_names(convention, config);
   const std::string model = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
   st::StFile renamed;
   std::map<std::string, std::string> origin;  // tpsim name -> the checkpoint's
@@ -307,15 +281,15 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
     if (n.ends_with("rotary_emb.inv_freq") || n.ends_with(".attn.bias") ||
         n.ends_with(".attn.masked_bias") || n == names.tied_head)
       continue;
-    const bool conv1d = gpt2 && t.shape.size() == 2 &&
-                        (n.ends_with("c_attn.weight") || n.ends_with("c_proj.weight") ||
-                         n.ends_with("c_fc.weight"));
-    if (conv1d) t = transposed(t);
+    if (names.transposed.count(n) && t.shape.size() == 2) t = st::transposed(t);
     if (const auto f = names.fused.find(n); f != names.fused.end()) {
-      const std::string h = "h." + std::to_string(f->second.block) + ".attn.";
-      auto qkv = thirds(t, source, n);
-      for (int i = 0; i < 3; ++i)
-        put(h + "qkv"[i] + "_proj." + f->second.suffix, name, std::move(qkv[static_cast<std::size_t>(i)]));
+      if (t.shape.empty() || t.shape[0] != 3 * config.hidden)
+        throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": shape " +
+                         shape_str(t.shape) + " is not q, k and v stacked");
+      const auto parts = fused_part_names(f->second);
+      const auto runs = fused_part_rows(convention, f->second.kind, config.heads, config.kv(),
+                                        config.head_dim(), config.ffn());
+      for (std::size_t i = 0; i < parts.size(); ++i) put(parts[i], name, st::gather_rows(t, runs[i]));
       continue;
     }
     const auto it = names.to_tpsim.find(n);

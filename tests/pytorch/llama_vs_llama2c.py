@@ -27,7 +27,7 @@ except ImportError:
     print("SKIP: no torch (Debian: python3-torch)")
     sys.exit(77)
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pytorch"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 sys.path.insert(0, os.path.dirname(__file__))
 import tpsim_agreement  # noqa: E402
 

@@ -5,7 +5,7 @@ import os
 import subprocess
 import tempfile
 
-import safetensors_io
+from tpsim_dump import safetensors
 
 
 def compare(tpsim, flags, w0, ids, labels, losses, final, degrees, tol, expect_mismatch):
@@ -14,8 +14,8 @@ def compare(tpsim, flags, w0, ids, labels, losses, final, degrees, tol, expect_m
     (a disagreement, or under expect_mismatch an agreement at some degree)."""
     failed = False
     with tempfile.TemporaryDirectory() as d:
-        safetensors_io.save(os.path.join(d, "w.safetensors"), w0)
-        safetensors_io.save(os.path.join(d, "b.safetensors"), {"input_ids": ids, "labels": labels})
+        safetensors.save(os.path.join(d, "w.safetensors"), w0)
+        safetensors.save(os.path.join(d, "b.safetensors"), {"input_ids": ids, "labels": labels})
         for tp in degrees:
             out = os.path.join(d, f"final{tp}.safetensors")
             r = subprocess.run([tpsim, "train"] + flags +
@@ -30,7 +30,7 @@ def compare(tpsim, flags, w0, ids, labels, losses, final, degrees, tol, expect_m
             theirs = [float(l.split()[-1]) for l in r.stdout.splitlines() if l.strip().startswith("loss:")]
             loss_err = (max(abs(a - b) for a, b in zip(losses, theirs))
                         if len(theirs) == len(losses) else 1.0)
-            got = safetensors_io.load(out)
+            got = safetensors.load(out)
             worst, where = 0.0, ""
             for n, t in final.items():
                 e = ((got[n] - t).norm() / t.norm()).item()

@@ -219,11 +219,13 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   const std::string names = top.string_or("names", "tpsim");
   const auto conv = convention_named(names);
   if (!conv)
-    top.fail("names", "expected \"tpsim\", \"nanogpt\", \"megatron\", \"hf-llama\" or "
-                      "\"torchtitan\", got " + quote_text(names));
+    top.fail("names", "expected \"tpsim\", \"nanogpt\", \"hf-gpt2\", \"megatron\", \"hf-llama\" "
+                      "or \"torchtitan\", got " + quote_text(names));
   m.names = *conv;
   if (const auto misfit = convention_misfit(m.names, m.config))
     top.fail("names", *misfit + "; use \"tpsim\" names");
+  if (const auto misfit = convention_shard_misfit(m.names, m.config, m.world_size))
+    top.fail("names", *misfit);
   if (const json* layouts = top.get("layouts")) {
     if (!layouts->is_object()) top.fail("layouts", "must be a JSON object");
     for (const auto& [name, v] : layouts->items()) m.layouts[name] = parse_layout(v, name, source);

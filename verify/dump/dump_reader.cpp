@@ -238,17 +238,18 @@ struct DumpReader::Rank {
        const std::map<std::string, DumpLayout>& layouts)
       : source(quote_text(path)),
         placer(m, tokens, r, source, layouts),
-        names(m, m.config.heads / m.world_size, true, source, "rank " + std::to_string(r) + "'s"),
+        names(m, m.world_size, true, source, "rank " + std::to_string(r) + "'s"),
         // Every declared tensor's name, dtype and shape checked before any is allocated.
         file(path, [this](const std::string& n, DType dt, const Shape& sh) {
           const NameResolver::Target t = names.resolve(n);
           if (t.fused) {
             names.check_fused(n, t, sh);
-            Shape each = sh;  // q, k and v: a third of the rows each
-            each[0] /= 3;
-            for (const auto& q : t.names) placer.check_declared(q, dt, each);
+            for (std::size_t i = 0; i < t.names.size(); ++i)
+              placer.check_declared(t.names[i], dt, t.parts[i]);
           } else {
-            placer.check_declared(t.names[0], dt, sh);
+            // a Conv1D weight [in, out] is checked as tpsim holds it, [out, in]
+            placer.check_declared(t.names[0], dt,
+                                  t.transposed && sh.size() == 2 ? Shape{sh[1], sh[0]} : sh);
           }
         }),
         by_step(placer.index(file.entries(), names)) {}

@@ -1,8 +1,7 @@
 // The parameter naming conventions a dump and its weights file may use
-// (docs/dump-format.md, "Naming conventions"): tpsim's own, nanoGPT's and Megatron-core's
-// for the seed's GPT, Hugging Face's and torchtitan's for Llama.
-// nanoGPT and Megatron fuse q, k and v into one tensor; each rank's fused shard is
-// split back into tpsim's q, k and v shards here.
+// (docs/dump-format.md, "Naming conventions"; model/foreign_names.h). A fused tensor
+// (q/k/v, gate/up) is split back into tpsim's parts, of a rank's shard or of the full
+// tensor, and a Conv1D weight stored [in, out] is turned to [out, in], here.
 #pragma once
 
 #include <cstdint>
@@ -22,23 +21,25 @@ namespace tpsim {
 // a reader can check each declared shape before a byte of the file is read or allocated.
 class NameResolver {
  public:
-  // `heads`: the heads a fused q/k/v tensor holds (a rank's share, or all of them in a
-  // full weights file); `stepped`: names are "step{s}/name"; `source` and `whose` ("rank
-  // 1's", "the full") for messages.
-  NameResolver(const DumpManifest& m, std::int64_t heads, bool stepped, std::string source,
+  // `shards`: how many ways the file's tensors are split (the manifest's world_size for a
+  // rank file, 1 for a full weights file), which sizes a fused tensor's parts; `stepped`:
+  // names are "step{s}/name"; `source` and `whose` ("rank 1's", "the full") for messages.
+  NameResolver(const DumpManifest& m, int shards, bool stepped, std::string source,
                std::string whose);
   struct Target {
-    std::vector<std::string> names;  // one tpsim name, or q, k and v of a fused tensor
-    std::optional<Shape> fused;      // a fused tensor: the shape it must have
-    std::int64_t block = -1;         // a fused tensor: its block
+    std::vector<std::string> names;  // one tpsim name, or the parts of a fused tensor
+    std::optional<Shape> fused;      // a fused tensor: the shape it must have, as stored
+    std::vector<Shape> parts;        // a fused tensor: each part's shape, tpsim's layout
+    std::optional<ConventionNames::Fused> kind;  // a fused tensor: what it fuses
+    bool transposed = false;         // stored [in, out]
   };
   // UsageError for a name that is not the convention's (in a foreign convention, tpsim's
   // own parameter names too: they would be a second, unchecked source for a tensor).
   Target resolve(const std::string& full) const;
   // UsageError unless `shape` is what a fused tensor of `t` must be.
   void check_fused(const std::string& full, const Target& t, const Shape& shape) const;
-  // The tensor `full` of the file as the tensors it becomes in tpsim's names (a fused
-  // one split into this rank's q, k and v shards).
+  // The tensor `full` of the file as the tensors it becomes in tpsim's names and layout
+  // (a fused one split into this rank's parts, a Conv1D weight transposed).
   std::vector<std::pair<std::string, st::StTensor>> rename(const std::string& full,
                                                            st::StTensor&& t) const;
   const ConventionNames& names() const { return names_; }
@@ -46,7 +47,7 @@ class NameResolver {
  private:
   const DumpManifest& m_;
   ConventionNames names_;
-  std::int64_t heads_;
+  std::int64_t heads_, kv_heads_, ffn_;  // what a fused tensor of the file holds
   bool stepped_;
   std::string source_, whose_;
 };
