@@ -515,7 +515,7 @@ TEST_CASE("check reads Llama dumps in Hugging Face's and torchtitan's names",
   expect_bad_dump(gpt, "names", "hf-llama's names do not cover");
 }
 
-TEST_CASE("verify --load takes a Hugging Face Llama checkpoint directory", "[check][cli]") {
+TEST_CASE("verify and check --load take a Hugging Face Llama checkpoint directory", "[check][cli]") {
   // A small GQA Llama's weights, written as transformers would: config.json and the
   // weights in LlamaForCausalLM's names, one file (BF16) or two shards with an index (F32).
   const std::string dir = temp_path("hf-llama");
@@ -570,6 +570,26 @@ TEST_CASE("verify --load takes a Hugging Face Llama checkpoint directory", "[che
     REQUIRE(r.exit_code == 0);
     CHECK(read_json(dir + "/got.json")["reference"]["losses"] == want);
   }
+  // check --load takes the directory too, for a dump of that model (here tpsim's own run
+  // from the same weights); a config.json that describes another model exits 2, one line.
+  r = run_tpsim("train " + sizes + " --tp 2 --steps 2 --dtype f64 --load " + dir +
+                "/tpsim.safetensors --dump " + dir + "/dump");
+  REQUIRE(r.exit_code == 0);
+  const std::string check_hf = "check --dumps " + dir + "/dump --data " + dir +
+                               "/dump/batch.safetensors --load " + dir + "/";
+  for (const char* sub : {"one", "sharded"}) {
+    r = run_tpsim(check_hf + sub);
+    INFO(sub << ": " << r.out);
+    CHECK(r.exit_code == 0);
+  }
+  auto lying = config;
+  lying["num_attention_heads"] = 6;
+  std::ofstream(dir + "/one/config.json") << lying.dump();
+  r = run_tpsim(check_hf + "one");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("describes another model than the dump's manifest: heads 6, not 12") !=
+        std::string::npos);
+  CHECK(r.out.find('\n') == r.out.size() - 1);
   // What tpsim does not build is refused, naming the field; so is any field it does not know.
   const auto refused = [&](const std::string& key, const nlohmann::json& value, const std::string& says) {
     expect_config_refused(dir + "/one", "--model llama", config, key, value, says);
@@ -595,7 +615,7 @@ TEST_CASE("verify --load takes a Hugging Face Llama checkpoint directory", "[che
   CHECK(r.out.find("model.embed_tokens.weight") != std::string::npos);
 }
 
-TEST_CASE("verify --load takes a Hugging Face GPT-2 checkpoint directory", "[check][cli]") {
+TEST_CASE("verify and check --load take a Hugging Face GPT-2 checkpoint directory", "[check][cli]") {
   // GPT2LMHeadModel's save: nanoGPT's names (which copied them), Conv1D weights [in, out],
   // q, k and v stacked in c_attn, biases everywhere, a tied head, the causal-mask buffer.
   const std::string dir = temp_path("hf-gpt2");
@@ -646,6 +666,22 @@ TEST_CASE("verify --load takes a Hugging Face GPT-2 checkpoint directory", "[che
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
   CHECK(read_json(dir + "/got.json")["reference"]["losses"] == read_json(dir + "/want.json")["reference"]["losses"]);
+  // check --load takes it for a dump of the same model, and refuses a config.json of another.
+  r = run_tpsim("train " + sizes + " --tp 2 --steps 2 --dtype f64 --load " + dir +
+                "/tpsim.safetensors --dump " + dir + "/dump");
+  REQUIRE(r.exit_code == 0);
+  const std::string check_hf = "check --dumps " + dir + "/dump --data " + dir +
+                               "/dump/batch.safetensors --load " + dir + "/hf";
+  r = run_tpsim(check_hf);
+  INFO(r.out);
+  CHECK(r.exit_code == 0);
+  auto lying = config;
+  lying["layer_norm_epsilon"] = 1e-6;
+  std::ofstream(dir + "/hf/config.json") << lying.dump();
+  r = run_tpsim(check_hf);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("ln_eps 1e-06, not 1e-05") != std::string::npos);
+  std::ofstream(dir + "/hf/config.json") << config.dump();
   // The family must be the checkpoint's; a per-layer attention scale is not built.
   r = run_tpsim("verify --model llama --seq-len 16 --load " + dir + "/hf --tp 2");
   CHECK(r.exit_code == 2);

@@ -52,6 +52,45 @@ void apply_gpt_family(GptConfig& c, const std::string& family) {
   c.tied_embeddings = a.tied_embeddings;
 }
 
+std::optional<std::string> config_difference(const GptConfig& a, const GptConfig& b) {
+  auto num = [](double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  };
+  const auto diff = [&](const char* field, const std::string& x, const std::string& y)
+      -> std::optional<std::string> {
+    if (x == y) return std::nullopt;
+    return std::string(field) + " " + y + ", not " + x;
+  };
+  const auto i = [](std::int64_t v) { return std::to_string(v); };
+  const auto yes = [](bool v) { return std::string(v ? "true" : "false"); };
+  const std::optional<std::string> fields[] = {
+      diff("vocab_size", i(a.vocab_size), i(b.vocab_size)),
+      diff("hidden", i(a.hidden), i(b.hidden)),
+      diff("heads", i(a.heads), i(b.heads)),
+      diff("kv_heads", i(a.kv()), i(b.kv())),
+      diff("layers", i(a.layers), i(b.layers)),
+      diff("ffn_hidden", i(a.ffn()), i(b.ffn())),
+      diff("norm", choice_name(kNormNames, a.norm), choice_name(kNormNames, b.norm)),
+      diff("norm_bias", yes(a.norm_bias), yes(b.norm_bias)),
+      diff("linear_bias", yes(a.linear_bias), yes(b.linear_bias)),
+      diff("mlp", choice_name(kMlpNames, a.mlp), choice_name(kMlpNames, b.mlp)),
+      diff("positions", choice_name(kPositionNames, a.positions), choice_name(kPositionNames, b.positions)),
+      // learned positions: one wpe row per position
+      a.rope() ? std::nullopt : diff("block_size", i(a.block_size), i(b.block_size)),
+      a.rope() ? diff("rope_theta", num(a.rope_theta), num(b.rope_theta)) : std::nullopt,
+      a.rope() ? diff("rope_style", choice_name(kRopeStyleNames, a.rope_style),
+                      choice_name(kRopeStyleNames, b.rope_style))
+               : std::nullopt,
+      diff("tied_embeddings", yes(a.tied_embeddings), yes(b.tied_embeddings)),
+      diff("ln_eps", num(a.ln_eps), num(b.ln_eps)),
+  };
+  for (const auto& f : fields)
+    if (f) return f;
+  return std::nullopt;
+}
+
 std::string describe_architecture(const GptConfig& c) {
   std::string s = c.norm == NormKind::RMSNorm ? "RMSNorm" : c.norm_bias ? "LayerNorm+bias" : "LayerNorm";
   if (c.linear_bias) s += ", Linear biases";

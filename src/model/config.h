@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,10 @@ void apply_gpt_family(GptConfig& c, const std::string& family);
 // The architecture in a few words: "LayerNorm, exact GELU F 1024, learned positions,
 // 8 heads, tied" for the seed's model.
 std::string describe_architecture(const GptConfig& c);
+// The first field in which `b` describes another model than `a` (its weights' shapes or its
+// numerics: sizes, architecture, eps, RoPE; not dropout, a training setting), as
+// "heads 8, not 4", or none.
+std::optional<std::string> config_difference(const GptConfig& a, const GptConfig& b);
 // Throws UsageError naming the field when the architecture cannot be built: heads must
 // divide hidden, kv heads divide heads, RoPE needs an even head size.
 void check_gpt_architecture(const GptConfig& c);

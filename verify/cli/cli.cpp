@@ -390,7 +390,7 @@ Examples:
                "the float64 reference, every tensor of every rank and step");
   check->add_option("--dumps", chk.dumps, "the dump directory: manifest.json, rank{r}.safetensors")
       ->required();
-  check->add_option("--load", chk.load, "the full initial weights (safetensors, the dump's names)")
+  check->add_option("--load", chk.load, "the full initial weights: safetensors in the dump's names, or a Hugging Face model directory (config.json must describe the dump's model)")
       ->required();
   check->add_option("--data", chk.data, "the batch: input_ids I64 [B,T], labels I64 [B,T-1]")
       ->required();

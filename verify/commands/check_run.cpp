@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "io/checkpoint.h"
+#include "io/hf_checkpoint.h"
 #include "io/untrusted_text.h"
 #include "verify/dump/dump_files.h"
 #include "verify/dump/dump_reader.h"
@@ -99,7 +100,14 @@ CheckResult run_check(const CheckOptions& c) {
   check_input_file(c.data, c.dumps,
                    16 * static_cast<std::uint64_t>(m.config.block_size) * kMaxSequences + kSlack,
                    "--data");
-  {
+  // A Hugging Face model directory (io/hf_checkpoint.h) caps what it reads itself, and its
+  // config.json must describe the dump's model.
+  const bool hf_dir = is_hf_model_dir(c.load);
+  if (hf_dir) {
+    if (const auto d = config_difference(m.config, read_hf_config(c.load)))
+      throw UsageError("--load " + quote_text(c.load) + ": its config.json describes another "
+                       "model than the dump's manifest: " + *d);
+  } else {
     std::uint64_t numel = static_cast<std::uint64_t>(m.config.vocab_size * m.config.hidden);  // a tied head
     const auto specs = gpt_param_specs(m.config);
     for (const auto& p : specs) numel += static_cast<std::uint64_t>(shape_numel(p.shape));
@@ -109,9 +117,13 @@ CheckResult run_check(const CheckOptions& c) {
 
   // The inputs as verify reads them; the weights renamed from the dump's convention first.
   RunInputs in = prepare_inputs(o);
-  st::StFile w = st::read_safetensors(c.load);
-  weights_to_tpsim_names(w, m, c.load);
-  in.loaded = weights_from_st(w, param_specs(o), c.load);
+  if (hf_dir) {
+    in.loaded = load_hf_weights(c.load, m.config, param_specs(o));
+  } else {
+    st::StFile w = st::read_safetensors(c.load);
+    weights_to_tpsim_names(w, m, c.load);
+    in.loaded = weights_from_st(w, param_specs(o), c.load);
+  }
   // Every file, header entry and required tensor is checked before the reference spends
   // its time; the tensors themselves are read one step of every rank at a time.
   DumpReader dump(c.dumps, m, in.gpt_batch.B * in.gpt_batch.T);
