@@ -9,8 +9,25 @@ Sequence parallel (SP), activations split over flattened tokens (dim 0) between 
   scatter_to_sp:        forward keep own rows,  backward all-gather
 gloo has no reduce-scatter, so it is an all-reduce followed by taking this rank's rows.
 """
+import os
+import socket
+
 import torch
 import torch.distributed as dist
+
+
+def free_port():
+    """A free TCP port on this machine, for the ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank, world, port):
+    """Joins this process to a gloo group of `world` ranks on this machine, one thread each."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
 
 
 def _rank_rows(x):

@@ -9,9 +9,7 @@ It writes the seeded full initial weights (W) and batch (D) it trains on, then
 DIR/manifest.json and DIR/rank{r}.safetensors. --bug NAME plants one TP bug.
 """
 import argparse
-import json
 import os
-import socket
 import sys
 
 import torch
@@ -20,9 +18,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import mappings  # noqa: E402
 import model as gpt  # noqa: E402
-import names  # noqa: E402
-from tpsim_dump import safetensors as st  # noqa: E402
+from tpsim_dump import dump, safetensors as st  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -111,21 +109,8 @@ def batch(cfg, B, T, seed, tp, divisible_by):
     return ids, labels
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dump_name_map(args, local_heads):
-    return lambda tensors, suffix="": names.convert(tensors, args.names, args.layers,
-                                                    local_heads, suffix)
-
-
 def worker(rank, args, port, W, ids, labels):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=args.tp)
-    torch.set_num_threads(1)
+    mappings.init_rank(rank, args.tp, port)
     dtype = torch.float64 if args.dtype == "f64" else torch.float32
     cfg = model_config(args)
     net = gpt.TensorParallelGPT(cfg, {k: v.to(dtype) for k, v in W.items()}, rank, args.tp,
@@ -134,7 +119,6 @@ def worker(rank, args, port, W, ids, labels):
     params = list(net.shards.values())
     opt = torch.optim.Adam(params, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
                            weight_decay=args.weight_decay, foreach=False)
-    conv = dump_name_map(args, args.heads // args.tp)
     out = {}
     for s in range(1, args.steps + 1):
         opt.zero_grad(set_to_none=True)
@@ -147,15 +131,12 @@ def worker(rank, args, port, W, ids, labels):
             for n, x in net.points.items():
                 out[pre + n] = x.detach().clone()
                 out[pre + n + ".grad"] = x.grad.detach().clone()
-        out.update({pre + k: v for k, v in
-                    conv({n + ".grad": p.grad.detach().clone() for n, p in net.shards.items()},
-                         ".grad").items()})
+        out.update({pre + n + ".grad": p.grad.detach().clone() for n, p in net.shards.items()})
         opt.step()
-        out.update({pre + k: v for k, v in
-                    conv({n: p.detach().clone() for n, p in net.shards.items()}).items()})
+        out.update({pre + n: p.detach().clone() for n, p in net.shards.items()})
         if rank == 0:
             print(f"step {s}: loss {total.item():.12f}", flush=True)
-    st.save(os.path.join(args.out, f"rank{rank}.safetensors"), out)
+    dump.write_rank(args.out, rank, out, args.names, model_config(args), args.tp)
 
     if args.save_final:  # reassemble the full weights on rank 0
         final = {}
@@ -173,33 +154,22 @@ def worker(rank, args, port, W, ids, labels):
     dist.destroy_process_group()
 
 
-def manifest(args, layouts):
-    lay = {}
-    for n, (split_dim, padded) in layouts.items():
-        if args.names != "tpsim" and n.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
-            continue  # fused: its layout is fixed by the convention
-        name = names.rename(n, args.names)
-        if split_dim is None:
-            lay[name] = "replicated"
-        else:
-            lay[name] = {"split_dim": split_dim} | ({"padded": padded} if padded else {})
-    return {"format": "tpsim-dump", "version": 1, "world_size": args.tp, "steps": args.steps,
-            "model": "gpt", "config": model_config(args), "dtype": args.dtype,
-            "optimizer": {"name": "adam", "lr": args.lr, "beta1": args.beta1,
-                          "beta2": args.beta2, "eps": args.eps,
-                          "weight_decay": args.weight_decay},
-            "parallel": {"loss_parallel": args.loss_parallel,
+def write_manifest(args, layouts):
+    lay = {n: "replicated" if split_dim is None else
+           {"split_dim": split_dim} | ({"padded": padded} if padded else {})
+           for n, (split_dim, padded) in layouts.items()}
+    dump.write_manifest(args.out, args.tp, args.steps, model_config(args), args.dtype,
+                        {"lr": args.lr, "beta1": args.beta1, "beta2": args.beta2, "eps": args.eps,
+                         "weight_decay": args.weight_decay},
+                        {"loss_parallel": args.loss_parallel,
                          "sequence_parallel": args.sequence_parallel,
                          "make_vocab_divisible_by": args.make_vocab_divisible_by},
-            "names": args.names, "layouts": lay}
+                        args.names, lay)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    for f in os.listdir(args.out):  # a stale rank file from a wider run would be an error
-        if f.startswith("rank") and f.endswith(".safetensors"):
-            os.remove(os.path.join(args.out, f))
+    dump.prepare_dir(args.out)
     cfg = model_config(args)
     W = st.load(args.load) if args.load else initial_weights(cfg, args.seed)
     if args.data:
@@ -209,14 +179,12 @@ def main(argv=None):
         ids, labels = batch(cfg, args.batch_size, args.seq_len, args.seed, args.tp,
                             args.make_vocab_divisible_by)
     # What `tpsim check --load --data` needs: the full initial weights and the batch.
-    st.save(os.path.join(args.out, "W.safetensors"),
-            names.convert(W, args.names, args.layers, args.heads))
+    dump.write_weights(os.path.join(args.out, "W.safetensors"), W, args.names, cfg)
     st.save(os.path.join(args.out, "D.safetensors"), {"input_ids": ids, "labels": labels})
-    mp.spawn(worker, args=(args, free_port(), W, ids, labels), nprocs=args.tp, join=True)
+    mp.spawn(worker, args=(args, mappings.free_port(), W, ids, labels), nprocs=args.tp, join=True)
     Vp = gpt.padded_vocab(args.vocab_size, args.tp, args.loss_parallel,
                           args.make_vocab_divisible_by)
-    with open(os.path.join(args.out, "manifest.json"), "w") as f:
-        json.dump(manifest(args, gpt.param_layouts(cfg, args.loss_parallel, Vp)), f, indent=1)
+    write_manifest(args, gpt.param_layouts(cfg, args.loss_parallel, Vp))
     return 0
 
 

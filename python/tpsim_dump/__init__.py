@@ -2,6 +2,10 @@
 `tpsim check`. Importable from a checkout (sys.path: the repository's python/); needs only
 torch (Debian's python3-torch 1.13 works).
 
-  safetensors   save / load {name: tensor}
+  Recorder      forward hooks by module-name patterns, gradients, parameters, per step
+  dump          write_rank, write_manifest, write_weights
   conventions   tpsim's names -> nanogpt, hf-gpt2, megatron, hf-llama, torchtitan
+  safetensors   save / load {name: tensor}
 """
+from . import conventions, dump, safetensors  # noqa: F401
+from .recorder import Recorder  # noqa: F401

@@ -120,11 +120,16 @@ def to_convention(tensors, convention, config, shards=1, suffix="", te_norms=Fal
                 out[f"decoder.layers.{i}.mlp.linear_fc1.{what}{suffix}"] = fused
             continue
         foreign = rename(name, convention, te_norms)
-        if convention == "hf-gpt2" and t.dim() == 2 and foreign.endswith(".weight") and \
-                any(f".{c}." in foreign for c in _CONV1D):
+        if t.dim() == 2 and is_transposed(foreign, convention):
             t = t.t().contiguous()
         out[foreign + suffix] = t
     return out
+
+
+def is_transposed(foreign, convention):
+    """Whether the convention stores this weight [in, out] (GPT-2's Conv1D)."""
+    return convention == "hf-gpt2" and foreign.endswith(".weight") and \
+        any(f".{c}." in foreign for c in _CONV1D)
 
 
 def layout_name(name, convention, te_norms=False):

@@ -1,0 +1,82 @@
+"""Writes a tpsim dump (docs/dump-format.md): one rank file per rank, and the manifest.
+
+    write_rank(out, rank, rec.tensors, names="hf-llama", config=config, world_size=tp)
+    if rank == 0:
+        write_manifest(out, world_size=tp, steps=3, config=config, dtype="f64",
+                       optimizer={"lr": 1e-2, ...}, parallel={"sequence_parallel": True},
+                       names="hf-llama")
+
+Tensors are given in tpsim's names (as Recorder records a tpsim-named model) and written in
+the convention `names` (conventions.py), or given already in that convention with
+names_given=True (a Megatron model recorded under its own names)."""
+import json
+import os
+
+from . import conventions, safetensors
+
+
+def _split_by_step(tensors):
+    steps = {}
+    for full, t in tensors.items():
+        prefix, _, name = full.partition("/")
+        steps.setdefault(prefix + "/", {})[name] = t
+    return steps
+
+
+def prepare_dir(out):
+    """Creates `out`, without the rank files of an earlier run (a stale rank file from a
+    wider run would be read as this run's, and refused)."""
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(out):
+        if f.startswith("rank") and f.endswith(".safetensors"):
+            os.remove(os.path.join(out, f))
+
+
+def write_rank(out, rank, tensors, names="tpsim", config=None, world_size=1, names_given=False,
+               te_norms=False):
+    """rank{rank}.safetensors in `out`: {"step{s}/name": tensor}, parameters renamed (and
+    fused, transposed) into convention `names` unless names_given."""
+    os.makedirs(out, exist_ok=True)
+    if names != "tpsim" and not names_given:
+        renamed = {}
+        for prefix, ts in _split_by_step(tensors).items():
+            keep = {n: t for n, t in ts.items() if n == "loss" or n.startswith("act/")}
+            params = {n: t for n, t in ts.items() if n not in keep and not n.endswith(".grad")}
+            grads = {n: t for n, t in ts.items() if n not in keep and n.endswith(".grad")}
+            for part in (keep,
+                         conventions.to_convention(params, names, config, world_size, "", te_norms),
+                         conventions.to_convention(grads, names, config, world_size, ".grad", te_norms)):
+                renamed.update({prefix + n: t for n, t in part.items()})
+        tensors = renamed
+    safetensors.save(os.path.join(out, f"rank{rank}.safetensors"), tensors)
+
+
+def write_weights(path, weights, names="tpsim", config=None, te_norms=False):
+    """The full initial weights ({tpsim name: tensor}) in convention `names`, for check --load."""
+    safetensors.save(path, conventions.to_convention(weights, names, config, 1, "", te_norms))
+
+
+def write_manifest(out, world_size, steps, config, dtype, optimizer, parallel=None, names="tpsim",
+                   layouts=None, model="gpt"):
+    """manifest.json in `out`. optimizer: Adam's lr, beta1, beta2, eps, weight_decay (L2);
+    parallel: loss_parallel, sequence_parallel, make_vocab_divisible_by; layouts: {tpsim
+    name: "replicated" or {"split_dim": d, "padded": P}} for tensors whose layout is not
+    Megatron's default (renamed into `names`; a fused tensor's layout is its convention's)."""
+    lay = {}
+    for n, l in (layouts or {}).items():
+        foreign = conventions.layout_name(n, names)
+        if foreign is None:
+            continue
+        if isinstance(l, dict) and conventions.is_transposed(foreign, names):
+            l = {**l, "split_dim": 1 - l["split_dim"]}  # stored [in, out]
+        lay[foreign] = l
+    manifest = {"format": "tpsim-dump", "version": 1, "world_size": world_size, "steps": steps,
+                "model": model, "config": config, "dtype": dtype,
+                "optimizer": {"name": "adam", **optimizer}, "parallel": parallel or {},
+                "names": names}
+    if lay:
+        manifest["layouts"] = lay
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest

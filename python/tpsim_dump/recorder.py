@@ -1,0 +1,88 @@
+"""Records what one rank of a TP run computes, step by step, for a tpsim dump.
+
+    rec = Recorder(model, points={r"h\\.(\\d+)\\.ln1": "act/h.{0}.ln1.out"})
+    for step in range(1, steps + 1):
+        rec.start(step)
+        loss = model(batch); loss.backward()      # forward hooks record the points
+        rec.after_backward(loss)                  # the loss, the points' and parameters' grads
+        optimizer.step()
+        rec.after_step()                          # the parameters
+    tensors = rec.tensors                         # {"step{s}/name": tensor}, for write_rank
+
+A point is a module's output, matched by a regular expression over the module's name
+(`model.named_modules()`), named by a template whose {0}, {1}, ... are the expression's
+groups; or any tensor the model hands to `note(name, x)`. Its gradient is recorded as
+"<name>.grad" when autograd produces one. A point is stored as tpsim lays activations out,
+[tokens, width] with tokens batch-major (b·T + t): a [B, T, W] output is flattened, and one
+in Megatron's [T, B, W] with seq_first=True is transposed first.
+
+Parameters are recorded under `param_name(name)` for each of `model.named_parameters()`
+(default: the name itself, with DistributedDataParallel's "module." dropped); return None to
+leave one out."""
+import re
+
+import torch
+
+
+def _default_param_name(name):
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+class Recorder:
+    def __init__(self, model, points=None, seq_first=False, param_name=_default_param_name):
+        self.model, self.seq_first, self.param_name = model, seq_first, param_name
+        self.tensors, self.step = {}, 0
+        self._live = {}  # this step's points: name -> the tensor autograd will give a grad
+        self._grads = {}
+        self._hooks = []
+        for pattern, template in (points or {}).items():
+            rx = re.compile(pattern)
+            for mod_name, module in model.named_modules():
+                m = rx.fullmatch(mod_name)
+                if m:
+                    name = template.format(*m.groups())
+                    self._hooks.append(module.register_forward_hook(
+                        lambda _mod, _inp, out, name=name: self.note(name, out)))
+
+    def _flat(self, x):
+        if x.dim() == 3:
+            x = x.transpose(0, 1) if self.seq_first else x
+            x = x.reshape(-1, x.shape[-1])
+        return x
+
+    def start(self, step):
+        """Begins step `step` (1, 2, ...): the forward that follows records its points."""
+        self.step, self._live, self._grads = step, {}, {}
+
+    def note(self, name, x, grad=True):
+        """Records x as point `name` of this step (and, with grad, its gradient after
+        backward; a point whose gradient is a partial sum has none)."""
+        if name in self._live:
+            raise ValueError(f"{name}: recorded twice in step {self.step}")
+        self._live[name] = x
+        self.tensors[f"step{self.step}/{name}"] = self._flat(x.detach()).clone()
+        if grad and x.requires_grad:
+            x.register_hook(lambda g, name=name: self._grads.__setitem__(name, g))
+        return x
+
+    def after_backward(self, loss):
+        """The loss (all ranks' total), the points' gradients and the parameter gradients."""
+        pre = f"step{self.step}/"
+        self.tensors[pre + "loss"] = loss.detach().reshape(1).clone()
+        for name, g in self._grads.items():
+            self.tensors[pre + name + ".grad"] = self._flat(g.detach()).clone()
+        for name, p in self.model.named_parameters():
+            n = self.param_name(name)
+            if n is not None and p.grad is not None:
+                self.tensors[pre + n + ".grad"] = p.grad.detach().clone()
+
+    def after_step(self):
+        """The parameters after the optimizer's update."""
+        for name, p in self.model.named_parameters():
+            n = self.param_name(name)
+            if n is not None:
+                self.tensors[f"step{self.step}/{n}"] = p.detach().clone()
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
