@@ -5,7 +5,10 @@ conventions users have and with kv heads fewer than ranks, must PASS; each plant
 one per class of TP bug that shipped in real code, must exit 1 with its first failure at
 the op where it starts, in step 1.
 
-Usage: family_producer.py TPSIM_BINARY. Exit 0 as expected, 1 not, 77 skip (no torch)."""
+Usage: family_producer.py TPSIM_BINARY [--all]. Exit 0 as expected, 1 not, 77 skip (no
+torch). CI runs the six correct runs below; --all runs the whole matrix instead: both
+families at tp 2 and 4 (Llama's 2 kv heads replicated at 4), in the four modes, in every
+convention that names them."""
 import json
 import os
 import subprocess
@@ -38,6 +41,22 @@ BUGS = [  # flags, the first tensor check must name
 ]
 
 
+MODES = ["", "--loss-parallel", "--sequence-parallel", "--loss-parallel --sequence-parallel"]
+
+
+def full_matrix():
+    cases = []
+    for model, names in (("llama --kv-heads 2", ("hf-llama", "torchtitan", "megatron")),
+                         ("gpt2", ("hf-gpt2", "megatron"))):
+        for tp in (2, 4):
+            for mode in MODES:
+                for n in names:
+                    if n == "megatron" and model.startswith("llama") and tp > 2:
+                        continue  # Megatron's linear_qkv needs tp to divide the kv heads
+                    cases.append(f"--model {model} --tp {tp} {mode} --names {n}".replace("  ", " "))
+    return cases
+
+
 def run_case(tpsim, work, i, flags):
     d = os.path.join(work, str(i))
     p = subprocess.run(["/usr/bin/python3", PRODUCER, *flags.split(), "--out", d],
@@ -54,8 +73,9 @@ def run_case(tpsim, work, i, flags):
 
 def main():
     tpsim, failed = sys.argv[1], False
+    passing = full_matrix() if "--all" in sys.argv else PASS
     with tempfile.TemporaryDirectory() as work:
-        for i, flags in enumerate(PASS):
+        for i, flags in enumerate(passing):
             got, why = run_case(tpsim, work, i, flags)
             ok = got is not None and got[0] == 0 and got[1]["pass"] and got[1]["real_checks"] > 0
             worst = max((c["rel_err"] for g in got[1]["tp"] for c in g["tensors"]), default=0) if got else 0
