@@ -582,6 +582,22 @@ TEST_CASE("verify and check --load take a Hugging Face Llama checkpoint director
     INFO(sub << ": " << r.out);
     CHECK(r.exit_code == 0);
   }
+  // A checkpoint directory inside the dump is the dump's: it, and every file it holds,
+  // must stay inside the dump directory once links are resolved.
+  namespace fs = std::filesystem;
+  fs::create_directories(dir + "/dump/hf");
+  fs::copy_file(dir + "/one/config.json", dir + "/dump/hf/config.json");
+  fs::create_symlink(dir + "/one/model.safetensors", dir + "/dump/hf/model.safetensors");
+  r = run_tpsim("check --dumps " + dir + "/dump --data " + dir + "/dump/batch.safetensors --load " +
+                dir + "/dump/hf");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("model.safetensors': a link to") != std::string::npos);
+  CHECK(r.out.find("outside the dump directory; refused unread") != std::string::npos);
+  fs::create_directory_symlink(dir + "/one", dir + "/dump/hf-link");
+  r = run_tpsim("check --dumps " + dir + "/dump --data " + dir + "/dump/batch.safetensors --load " +
+                dir + "/dump/hf-link");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("a link in the dump directory to") != std::string::npos);
   auto lying = config;
   lying["num_attention_heads"] = 6;
   std::ofstream(dir + "/one/config.json") << lying.dump();

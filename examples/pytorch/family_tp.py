@@ -333,8 +333,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["f64", "f32"], default="f64")
     ap.add_argument("--loss-parallel", action="store_true")
     ap.add_argument("--sequence-parallel", action="store_true")
-    ap.add_argument("--names", choices=["tpsim", "hf-llama", "torchtitan", "megatron", "hf-gpt2",
-                                        "nanogpt"], help="default: hf-llama or hf-gpt2")
+    ap.add_argument("--names", choices=["tpsim", "hf-llama", "torchtitan", "megatron", "hf-gpt2"],
+                    help="default: hf-llama or hf-gpt2")
     ap.add_argument("--bug", choices=sorted(BUGS))
     a = ap.parse_args(argv)
     a.block_size = a.seq_len
@@ -348,6 +348,10 @@ def parse_args(argv=None):
                  f"or be a multiple of them")
     if a.sequence_parallel and (a.batch_size * a.seq_len) % a.tp:
         ap.error("--sequence-parallel: --tp must divide batch x sequence")
+    fits = {"llama": ("tpsim", "hf-llama", "torchtitan", "megatron"),
+            "gpt2": ("tpsim", "hf-gpt2", "megatron")}[a.model]
+    if a.names not in fits:
+        ap.error(f"--names {a.names}: does not name --model {a.model} (use one of {', '.join(fits)})")
     if a.names == "megatron" and kv % a.tp:
         ap.error(f"--names megatron: Megatron-core's linear_qkv holds whole query groups; "
                  f"--tp {a.tp} must divide the {kv} kv heads")

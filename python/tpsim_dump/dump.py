@@ -67,7 +67,7 @@ def write_manifest(out, world_size, steps, config, dtype, optimizer, parallel=No
         foreign = conventions.layout_name(n, names)
         if foreign is None:
             continue
-        if isinstance(l, dict) and conventions.is_transposed(foreign, names):
+        if isinstance(l, dict) and "split_dim" in l and conventions.is_transposed(foreign, names):
             l = {**l, "split_dim": 1 - l["split_dim"]}  # stored [in, out]
         lay[foreign] = l
     manifest = {"format": "tpsim-dump", "version": 1, "world_size": world_size, "steps": steps,

@@ -14,7 +14,13 @@ A point is a module's output, matched by a regular expression over the module's 
 groups; or any tensor the model hands to `note(name, x)`. Its gradient is recorded as
 "<name>.grad" when autograd produces one. A point is stored as tpsim lays activations out,
 [tokens, width] with tokens batch-major (b·T + t): a [B, T, W] output is flattened, and one
-in Megatron's [T, B, W] with seq_first=True is transposed first.
+in Megatron's [T, B, W] with seq_first=True is transposed first. That is tpsim's layout only
+for an output that holds every token, or under sequence parallelism a batch-major
+contiguous chunk: Megatron's sequence-parallel [T/t, B, W] slices hold other tokens, and
+would be compared with the wrong rows.
+
+A parameter's gradient is its `.grad`, or, where that is None, its `.main_grad` (Megatron-
+core's DDP accumulates there).
 
 Parameters are recorded under `param_name(name)` for each of `model.named_parameters()`
 (default: the name itself, with DistributedDataParallel's "module." dropped); return None to
@@ -73,8 +79,9 @@ class Recorder:
             self.tensors[pre + name + ".grad"] = self._flat(g.detach()).clone()
         for name, p in self.model.named_parameters():
             n = self.param_name(name)
-            if n is not None and p.grad is not None:
-                self.tensors[pre + n + ".grad"] = p.grad.detach().clone()
+            g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+            if n is not None and g is not None:
+                self.tensors[pre + n + ".grad"] = g.detach().clone()
 
     def after_step(self):
         """The parameters after the optimizer's update."""

@@ -119,7 +119,6 @@ class ConfigFields {
   std::set<std::string> seen_;
 };
 
-// A Conv1D weight [in, out] as tpsim's [out, in] (any element size).
 }  // namespace
 
 bool is_hf_model_dir(const std::string& path) {

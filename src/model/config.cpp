@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <sstream>
 
@@ -53,10 +54,10 @@ void apply_gpt_family(GptConfig& c, const std::string& family) {
 }
 
 std::optional<std::string> config_difference(const GptConfig& a, const GptConfig& b) {
-  auto num = [](double v) {
-    std::ostringstream s;
-    s << v;
-    return s.str();
+  auto num = [](double v) {  // the shortest text that reads back as v: every bit counts
+    char buf[32];
+    const auto end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+    return std::string(buf, end);
   };
   const auto diff = [&](const char* field, const std::string& x, const std::string& y)
       -> std::optional<std::string> {

@@ -100,18 +100,23 @@ CheckResult run_check(const CheckOptions& c) {
   check_input_file(c.data, c.dumps,
                    16 * static_cast<std::uint64_t>(m.config.block_size) * kMaxSequences + kSlack,
                    "--data");
-  // A Hugging Face model directory (io/hf_checkpoint.h) caps what it reads itself, and its
-  // config.json must describe the dump's model.
+  // --load: a weights file, or a Hugging Face model directory (io/hf_checkpoint.h), each
+  // file of which is held to the same rules; its config.json must describe the dump's model.
   const bool hf_dir = is_hf_model_dir(c.load);
+  std::uint64_t weights_cap = 0;
+  {
+    std::uint64_t numel = static_cast<std::uint64_t>(m.config.vocab_size * m.config.hidden);  // a tied head
+    const auto specs = gpt_param_specs(m.config);
+    for (const auto& p : specs) numel += static_cast<std::uint64_t>(shape_numel(p.shape));
+    weights_cap = 8 * numel + kPerTensor * (specs.size() + 1) + kSlack;
+  }
   if (hf_dir) {
+    check_input_dir(c.load, c.dumps, weights_cap, "--load");
     if (const auto d = config_difference(m.config, read_hf_config(c.load)))
       throw UsageError("--load " + quote_text(c.load) + ": its config.json describes another "
                        "model than the dump's manifest: " + *d);
   } else {
-    std::uint64_t numel = static_cast<std::uint64_t>(m.config.vocab_size * m.config.hidden);  // a tied head
-    const auto specs = gpt_param_specs(m.config);
-    for (const auto& p : specs) numel += static_cast<std::uint64_t>(shape_numel(p.shape));
-    check_input_file(c.load, c.dumps, 8 * numel + kPerTensor * (specs.size() + 1) + kSlack, "--load");
+    check_input_file(c.load, c.dumps, weights_cap, "--load");
   }
   o = run_options_of(m, c, load_gpt_batch(c.data));
 

@@ -285,7 +285,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   // Replicated observations of the current step, one slot per rank of the mesh.
   std::vector<std::vector<Observation>> replica_slots(static_cast<std::size_t>(world));
   // Checks run in the order the tensors are produced, so the first failure is the first
-  // op that diverged (the MLP's few tensors come in that order already).
+  // op that diverged.
   const std::vector<std::string> order = describe_model(o)->tensor_order(o.clip_grad > 0);
 
   launch_mesh(o.device, dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be, Communicator& comm,

@@ -90,6 +90,31 @@ std::uint64_t check_input_file(const std::string& path, const std::string& dump_
   return regular_size(real, cap, s);
 }
 
+void check_input_dir(const std::string& path, const std::string& dump_dir, std::uint64_t cap,
+                     const std::string& flag) {
+  const std::string s = flag + " " + shown(path);
+  std::error_code ec;
+  const fs::path real = resolved(path, s);
+  const fs::path real_dump = fs::canonical(dump_dir, ec);
+  const fs::path parent = fs::weakly_canonical(fs::absolute(path, ec).parent_path(), ec);
+  const bool dumps = !real_dump.empty() && (parent == real_dump || inside(parent, real_dump) ||
+                                            inside(real, real_dump));
+  if (dumps && !inside(real, real_dump))
+    throw UsageError(s + ": a link in the dump directory to " + quote_text(real.string()) +
+                     ", outside it; refused unread");
+  for (const auto& entry : fs::directory_iterator(real, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.ends_with(".json") && !name.ends_with(".safetensors")) continue;
+    const std::string shown_file = flag + " " + shown((fs::path(path) / name).string());
+    const fs::path file = resolved(entry.path(), shown_file);
+    if (dumps && !inside(file, real_dump))
+      throw UsageError(shown_file + ": a link to " + quote_text(file.string()) +
+                       ", outside the dump directory; refused unread");
+    regular_size(file, cap, shown_file);
+  }
+  if (ec) throw UsageError(s + ": cannot be listed (" + ec.message() + ")");
+}
+
 std::string read_dump_text(const std::string& dir, const std::string& name, std::uint64_t cap,
                            const std::string& what) {
   const std::uint64_t size = check_dump_file(dir, name, cap, what);

@@ -25,6 +25,14 @@ std::uint64_t check_dump_file(const std::string& dir, const std::string& name, s
 std::uint64_t check_input_file(const std::string& path, const std::string& dump_dir,
                                std::uint64_t cap, const std::string& flag);
 
+// The same for a model directory the command line names (a Hugging Face checkpoint: its
+// config.json and *.safetensors, *.json files, each at most `cap` bytes, regular files once
+// links are resolved). If `path` lies in `dump_dir` (named or resolved there), the
+// directory and every one of those files must resolve inside `dump_dir`: it is the dump's.
+// Outside it, a file may link elsewhere (the Hugging Face cache links to its blobs).
+void check_input_dir(const std::string& path, const std::string& dump_dir, std::uint64_t cap,
+                     const std::string& flag);
+
 // The whole file, after check_dump_file (at most `cap` bytes are read).
 std::string read_dump_text(const std::string& dir, const std::string& name, std::uint64_t cap,
                            const std::string& what);

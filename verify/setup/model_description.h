@@ -5,7 +5,8 @@
 // it is. Two models answer: the seed's naive-TP MLP and the GPT. The GPT's families
 // (gpt2, llama) are choices in its GptConfig, so a family adds no description and no
 // branch. Only the factories that build a model (prepare_inputs, make_sharded_model, the
-// reference trace, the CLI's --model) name the two.
+// reference trace, the CLI's --model) name the two, and train's per-step printout, which
+// keeps the seed's two sample formats.
 #pragma once
 
 #include <cstdint>
