@@ -22,7 +22,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
-from tpsim_dump import conventions, safetensors  # noqa: E402
+from tpsim_dump import conventions, dump, safetensors  # noqa: E402
 
 SIZES = ["--vocab-size", "61", "--block-size", "16", "--hidden", "32", "--heads", "4",
          "--layers", "2", "--batch-size", "2", "--seq-len", "16", "--steps", "2"]
@@ -58,28 +58,15 @@ def convert(src, dst, convention, te_norms, break_with=None):
     m = json.load(open(os.path.join(src, "manifest.json")))
     cfg, tp = m["config"], m["world_size"]
 
-    def conv(tensors, shards, stepped):
-        groups = {}  # by step prefix: {prefix: {name: tensor}}
-        for n, t in tensors.items():
-            p, _, base = n.partition("/") if stepped else ("", "", n)
-            groups.setdefault(p + "/" if p else "", {})[base] = t
-        out = {}
-        for p, ts in groups.items():
-            keep = {n: t for n, t in ts.items() if n == "loss" or n.startswith("act/")}
-            params = {n: t for n, t in ts.items() if n not in keep and not n.endswith(".grad")}
-            grads = {n: t for n, t in ts.items() if n.endswith(".grad") and n not in keep}
-            for part in (conventions.to_convention(params, convention, cfg, shards, "", te_norms),
-                         conventions.to_convention(grads, convention, cfg, shards, ".grad", te_norms),
-                         keep):
-                for n, t in part.items():
-                    out[p + n] = break_with(p + n, t) if break_with else t
-        return out
-
-    for r in range(tp):
-        f = os.path.join(dst, f"rank{r}.safetensors")
-        safetensors.save(f, conv(safetensors.load(f), tp, True))
+    # python/tpsim_dump writes each file in the convention, as a user's producer would
+    files = [os.path.join(dst, f"rank{r}.safetensors") for r in range(tp)]
+    for r, f in enumerate(files):
+        dump.write_rank(dst, r, safetensors.load(f), convention, cfg, tp, te_norms=te_norms)
     w = os.path.join(dst, "weights.safetensors")
-    safetensors.save(w, conv(safetensors.load(w), 1, False))
+    dump.write_weights(w, safetensors.load(w), convention, cfg, te_norms)
+    if break_with:
+        for f in files + [w]:
+            safetensors.save(f, {n: break_with(n, t) for n, t in safetensors.load(f).items()})
     m["names"] = convention
     json.dump(m, open(os.path.join(dst, "manifest.json"), "w"), indent=1)
 

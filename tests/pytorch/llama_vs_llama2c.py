@@ -22,7 +22,6 @@ import sys
 
 try:
     import torch
-    import torch.nn.functional as F
 except ImportError:
     print("SKIP: no torch (Debian: python3-torch)")
     sys.exit(77)

@@ -6,7 +6,6 @@
 
 #include "core/text.h"
 #include "verify/setup/model_description.h"
-#include "verify/setup/tensor_order.h"
 
 namespace tpsim {
 

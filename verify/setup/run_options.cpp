@@ -1,7 +1,5 @@
 #include "verify/setup/run_options.h"
 
-#include "sharded/gpt.h"
-
 namespace tpsim {
 
 const char* batch_kind_name(BatchKind b) { return b == BatchKind::Random ? "random" : "boundary"; }
