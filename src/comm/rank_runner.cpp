@@ -23,36 +23,22 @@ std::string what_of(const std::exception_ptr& e) {
   }
 }
 
-// The first error of a run's ranks, the root cause: recorded before the abort of every
-// group that it triggers, so the CommErrors that abort causes on the peers come after it.
-class FirstError {
- public:
-  explicit FirstError(std::vector<ThreadCommGroup*> groups) : groups_(std::move(groups)) {}
-  void record(const std::string& who, std::exception_ptr e) {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (!first_) first_ = e;
-    }
-    abort_all(who + " failed: " + what_of(e));
-  }
-  void abort_all(const std::string& why) {
-    for (ThreadCommGroup* g : groups_) g->abort(why);
-  }
-  void rethrow() const {
-    if (first_) std::rethrow_exception(first_);
-  }
+}  // namespace
 
- private:
-  std::vector<ThreadCommGroup*> groups_;
-  std::mutex mu_;
-  std::exception_ptr first_;
-};
+void RankErrors::record(const std::string& who, std::exception_ptr e) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!first_) first_ = e;
+  }
+  abort_all_(who + " failed: " + what_of(e));
+}
 
-// n rank threads running body(rank); an exception that escapes body is recorded in
-// `errors`. body itself records what its rank function throws while the rank's
-// communicators still live: were they destroyed first, peers would fail with "rank left
-// the group" before the real error is recorded.
-void run_threads(int n, FirstError& errors, const std::function<void(int rank)>& body) {
+void RankErrors::rethrow() const {
+  if (first_) std::rethrow_exception(first_);
+}
+
+void run_rank_threads(const std::vector<int>& ranks, RankErrors& errors,
+                      const std::function<void(int rank)>& body) {
   auto guarded = [&](int rank) {
     try {
       body(rank);
@@ -61,12 +47,12 @@ void run_threads(int n, FirstError& errors, const std::function<void(int rank)>&
     }
   };
   std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(n));
+  threads.reserve(ranks.size());
   try {
-    for (int r = 0; r < n; ++r) threads.emplace_back(guarded, r);
+    for (int r : ranks) threads.emplace_back(guarded, r);
   } catch (...) {
     // The ranks already started would wait for the missing ones until the timeout.
-    errors.abort_all("run_ranks: could not start all " + std::to_string(n) + " rank threads: " +
+    errors.abort_all("could not start all " + std::to_string(ranks.size()) + " rank threads: " +
                      what_of(std::current_exception()));
     for (auto& t : threads) t.join();
     throw;
@@ -75,12 +61,16 @@ void run_threads(int n, FirstError& errors, const std::function<void(int rank)>&
   errors.rethrow();
 }
 
-}  // namespace
+std::vector<int> rank_range(int begin, int end) {
+  std::vector<int> r;
+  for (int i = begin; i < end; ++i) r.push_back(i);
+  return r;
+}
 
 void run_ranks(ThreadCommGroup& group, const RankFn& fn) {
   if (!fn) throw UsageError("run_ranks: no rank function given");
-  FirstError errors({&group});
-  run_threads(group.world_size(), errors, [&](int rank) {
+  RankErrors errors([&](const std::string& why) { group.abort(why); });
+  run_rank_threads(rank_range(0, group.world_size()), errors, [&](int rank) {
     ThreadComm comm(group, rank);
     try {
       fn(rank, comm);
@@ -104,13 +94,13 @@ void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn) {
     throw UsageError("run_mesh: the mesh must be at least 1 x 1, got dp " + std::to_string(dp) +
                      " x tp " + std::to_string(tp));
   std::vector<std::unique_ptr<ThreadCommGroup>> tp_groups, dp_groups;
-  std::vector<ThreadCommGroup*> all;
   for (int d = 0; d < dp; ++d) tp_groups.push_back(std::make_unique<ThreadCommGroup>(tp, timeout_s));
   for (int r = 0; r < tp; ++r) dp_groups.push_back(std::make_unique<ThreadCommGroup>(dp, timeout_s));
-  for (auto& g : tp_groups) all.push_back(g.get());
-  for (auto& g : dp_groups) all.push_back(g.get());
-  FirstError errors(all);
-  run_threads(dp * tp, errors, [&](int rank) {
+  RankErrors errors([&](const std::string& why) {
+    for (auto& g : tp_groups) g->abort(why);
+    for (auto& g : dp_groups) g->abort(why);
+  });
+  run_rank_threads(rank_range(0, dp * tp), errors, [&](int rank) {
     const MeshRank at{rank, rank / tp, rank % tp};
     ThreadComm tp_comm(*tp_groups[static_cast<std::size_t>(at.dp_rank)], at.tp_rank);
     ThreadComm dp_comm(*dp_groups[static_cast<std::size_t>(at.tp_rank)], at.dp_rank);

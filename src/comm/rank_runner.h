@@ -1,7 +1,11 @@
 // Runs an SPMD function on N rank threads that share one ThreadCommGroup.
 #pragma once
 
+#include <exception>
 #include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "comm/thread_comm.h"
@@ -40,5 +44,33 @@ using MeshFn = std::function<void(const MeshRank& at, Communicator& tp, Communic
 // so no rank waits on any group for the timeout; the root cause is rethrown as run_ranks
 // does. Throws UsageError unless dp, tp >= 1.
 void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn);
+
+// ---- for launchers of other communicators (MpiComm) --------------------------------
+
+// The first error of a run's ranks, the root cause: recorded before the abort of every
+// group that it triggers, so the CommErrors that abort causes on the peers come after it.
+class RankErrors {
+ public:
+  // `abort_all` fails every group of the run with the reason given.
+  explicit RankErrors(std::function<void(const std::string&)> abort_all)
+      : abort_all_(std::move(abort_all)) {}
+  void record(const std::string& who, std::exception_ptr e);  // "rank 3"
+  void abort_all(const std::string& why) { abort_all_(why); }
+  void rethrow() const;  // the first recorded, if any
+
+ private:
+  std::function<void(const std::string&)> abort_all_;
+  std::mutex mu_;
+  std::exception_ptr first_;
+};
+
+// Threads running body(r) for each r in `ranks`; what escapes body is recorded in
+// `errors`, and the first error is rethrown once all have joined. body itself should
+// record what its rank function throws while the rank's communicators still live: were
+// they destroyed first, peers would fail with "rank left the group" before the real error
+// is recorded.
+void run_rank_threads(const std::vector<int>& ranks, RankErrors& errors,
+                      const std::function<void(int rank)>& body);
+std::vector<int> rank_range(int begin, int end);  // begin, ..., end-1
 
 }  // namespace tpsim

@@ -29,6 +29,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/collective_call.h"
 #include "comm/communicator.h"
 
 namespace tpsim {
@@ -65,7 +66,7 @@ class ThreadCommGroup {
 // ThreadComm may exist per rank and group, ever: its sequence numbers must continue
 // where the rank's previous calls stopped. Destroying it tells the peers that this rank
 // will never arrive again, so a peer that waits for it fails at once.
-class ThreadComm final : public Communicator {
+class ThreadComm final : public PostingCommunicator {
  public:
   // Throws UsageError if rank is out of range or already had a ThreadComm on `group`.
   ThreadComm(ThreadCommGroup& group, int rank);
@@ -76,21 +77,15 @@ class ThreadComm final : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override;
 
-  // Tensors must be host memory. Supported dtypes: f32, f64 and i64 for every
-  // collective (i64 sums wrap around). Max propagates NaN.
-  void all_reduce(Tensor& t, ReduceOp op) override;
-  void all_gather(const Tensor& in, Tensor& out) override;
-  void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override;
-  void broadcast(Tensor& t, int root) override;
-  void barrier() override;
+  // The collectives (PostingCommunicator's) take host memory of f32, f64, bf16 and i64
+  // (i64 sums wrap around); Max propagates NaN.
   // Fails the whole group with "rank <r> aborted: <reason>".
   void abort(const std::string& reason) override;
 
   ThreadCommGroup& group() const { return group_; }
 
  private:
-  struct Call;
-  void run(Call& call);
+  void run(CallPost call) override;
 
   ThreadCommGroup& group_;
   int rank_;

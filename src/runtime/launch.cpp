@@ -1,7 +1,10 @@
 #include "runtime/launch.h"
 
+#include <cstdlib>
+
 #include "comm/rank_runner.h"
 #include "runtime/launch_cuda.h"
+#include "runtime/launch_mpi.h"
 
 namespace tpsim {
 
@@ -19,11 +22,25 @@ CommKind parse_comm_kind(const std::string& s) {
   throw UsageError("--comm: expected auto, threads, nccl or sim, got '" + s + "'");
 }
 
+LaunchKind parse_launch_kind(const std::string& s) {
+  if (s == "auto") return LaunchKind::Auto;
+  if (s == "threads") return LaunchKind::Threads;
+  if (s == "mpi") return LaunchKind::Mpi;
+  throw UsageError("--launch: expected auto, threads or mpi, got '" + s + "'");
+}
+
+bool started_by_mpi_launcher() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"})
+    if (std::getenv(v)) return true;
+  return false;
+}
+
 std::string backend_description(BackendKind kind) {
   return kind == BackendKind::Cuda ? cuda_backend_description() : "cpu";
 }
 
 void check_launch(const DeviceOptions& dev, int world, int dp) {
+  if (dev.processes) check_mpi_launch(dev, world, dp);
   if (dev.backend == BackendKind::Cuda) return check_cuda_launch(dev, world, dp);
   if (dev.comm == CommKind::Nccl || dev.comm == CommKind::Sim)
     throw UsageError("--comm nccl/sim need --backend cuda; CPU ranks use --comm threads");
@@ -41,6 +58,10 @@ void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const R
 }
 
 void launch_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn) {
+  if (dev.processes) {
+    launch_mpi_mesh(dev, dp, tp, timeout_s, fn);
+    return;
+  }
   if (dev.backend == BackendKind::Cuda) {
     launch_cuda_mesh(dev, dp, tp, timeout_s, fn);
     return;

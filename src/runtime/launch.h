@@ -4,6 +4,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "backend/backend.h"
@@ -14,16 +15,39 @@ namespace tpsim {
 
 enum class BackendKind { Cpu, Cuda };
 enum class CommKind { Auto, Threads, Nccl, Sim };
+// Where the ranks live: threads of this one process, or spread over the processes of an
+// MPI job (auto: MPI when an MPI launcher started this process).
+enum class LaunchKind { Auto, Threads, Mpi };
+
+class MpiProcesses;  // comm/mpi_comm.h, in builds with MPI
 
 struct DeviceOptions {
   BackendKind backend = BackendKind::Cpu;
   CommKind comm = CommKind::Auto;  // cpu: threads; cuda: nccl with >= t GPUs, else sim
+  // Set when the run spans the processes of an MPI job (start_processes): each process
+  // runs world/P of the ranks, and every process must make the same launches in the same
+  // order. Null for a run in one process.
+  std::shared_ptr<MpiProcesses> processes;
   // Wraps each rank's backend (profiling times every op); identity when empty.
   std::function<std::unique_ptr<Backend>(int rank, std::unique_ptr<Backend>)> wrap;
 };
 
 BackendKind parse_backend_kind(const std::string& s);  // "cpu" | "cuda"; UsageError otherwise
 CommKind parse_comm_kind(const std::string& s);        // "auto" | "threads" | "nccl" | "sim"
+LaunchKind parse_launch_kind(const std::string& s);    // "auto" | "threads" | "mpi"
+
+// MPI for the life of the returned object, when `kind` asks for it (auto: when an MPI
+// launcher started this process); null for a run in one process. Throws UsageError for
+// --launch mpi in a build without MPI or outside an MPI launcher, and for an MPI launcher
+// under a build without MPI (P processes would each run the whole job).
+std::shared_ptr<MpiProcesses> start_processes(LaunchKind kind);
+// This process's index among the run's processes, and their count (0 and 1 in one process).
+int process_index(const DeviceOptions& dev);
+int process_count(const DeviceOptions& dev);
+// After a failed run of several processes, once this process has printed its line: ends
+// the whole job with `exit_code` (a peer may be stalled or dead, and MPI cannot be
+// finalised without it). Returns at once for a run in one process.
+void end_processes_after_failure(const DeviceOptions& dev, int exit_code);
 // For reports: "cpu", "cuda", or "cuda (EMULATED on the CPU)" in an emulator build, whose
 // results must never pass for a GPU's.
 std::string backend_description(BackendKind kind);

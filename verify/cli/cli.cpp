@@ -1,6 +1,10 @@
 #include "verify/cli/cli.h"
 
 #include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
 #include <iostream>
 #include <limits>
 
@@ -32,6 +36,7 @@ struct RawFlags {
   std::string fault = "none";
   std::string backend = "cpu";
   std::string comm = "auto";
+  std::string launch = "auto";
   std::string batch;   // empty: verify boundary, train and profile random
   std::string preset;  // gpt: seed (the defaults) or small (the sweep's)
   bool free_running = false;  // verify: f32 and bf16 steps not restarted from the reference
@@ -157,6 +162,11 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("--backend", raw.backend, "cpu, or cuda (a GPU per rank, or ranks sharing one)");
   cmd.add_option("--comm", raw.comm, "auto, threads (cpu), nccl (one GPU per rank) or sim "
                                      "(ranks sharing a GPU)");
+  cmd.add_option("--launch", raw.launch,
+                 "auto (mpi when mpirun started this process, else threads), threads (every "
+                 "rank a thread of this process) or mpi (the ranks spread over the processes "
+                 "of `mpirun -np P`, world/P threads in each; train only for now)")
+      ->check(CLI::IsMember({"auto", "threads", "mpi"}));
   cmd.add_option("--timeout", o.timeout_s, "seconds a collective may wait for a rank");
   cmd.add_option("--json", o.json_path, "write a machine-readable report here");
   cmd.add_flag("--force", o.force, "run even when the memory model predicts more than the "
@@ -219,6 +229,46 @@ void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw
   o.gpt.dropout = dropout;
 }
 
+// Under MPI, when one process of the job fails or dies, the launcher ends the others with
+// SIGTERM. Each then says so in one line and exits 3 (a runtime failure), as the failing
+// process does, unless it has printed its own line already. Signal state is per process by
+// nature: these two are the program's, not the library's.
+char g_terminated_line[256];
+volatile std::sig_atomic_t g_reported = 0;
+
+void on_launcher_sigterm(int) {
+  if (!g_reported) {
+    [[maybe_unused]] auto n = write(STDERR_FILENO, g_terminated_line, std::strlen(g_terminated_line));
+  }
+  _exit(kExitRuntime);
+}
+
+void say_so_when_the_launcher_ends_us(const DeviceOptions& dev) {
+  if (process_count(dev) < 2) return;
+  std::snprintf(g_terminated_line, sizeof g_terminated_line,
+                "tpsim: runtime failure: process %d of %d: ended by the MPI launcher, because "
+                "another process of the job failed or died first (its line says which rank)\n",
+                process_index(dev), process_count(dev));
+  std::signal(SIGTERM, on_launcher_sigterm);
+}
+
+// A failed run's last act: its line is printed, so a SIGTERM need not print another, and
+// under MPI the whole job ends (a peer may be stalled, or dead).
+int failed_with(int code, const DeviceOptions& dev) {
+  std::cerr.flush();
+  g_reported = 1;
+  end_processes_after_failure(dev, code);
+  return code;
+}
+
+// What runs across MPI processes so far: train. The others refuse in one line rather than
+// run P copies of themselves.
+void refuse_across_processes(const RunOptions& o, const char* command) {
+  if (process_count(o.device) > 1)
+    throw UsageError(std::string(command) + " does not run across MPI processes yet (train "
+                     "does): run it in one process, without mpirun");
+}
+
 void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DType default_dtype,
                     bool verify) {
   o.model = raw.model == "mlp" ? ModelKind::Mlp : ModelKind::Gpt;
@@ -255,6 +305,9 @@ void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DTy
   // reassociation only and runs free.
   if (verify && o.dtype != DType::F64 && !raw.free_running) o.resync = true;
   validate_run_options(o);
+  // MPI starts once the options are known to be good, and only for a run of ranks.
+  o.device.processes = start_processes(parse_launch_kind(raw.launch));
+  say_so_when_the_launcher_ends_us(o.device);
 }
 
 // The command as typed, for the HTML page's header, quoted for a POSIX shell so that a
@@ -455,6 +508,7 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
                            "gpt, gpt2 or llama (without --model, verify runs the default sweep)");
       if (raw.steps.empty()) raw.steps = "2";
       finish_options(*verify, o, raw, DType::F64, true);
+      refuse_across_processes(o, "verify");
       const SweepReport r = run_sweep(default_sweep(o));
       print_sweep_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
       if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
@@ -466,12 +520,14 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       if (raw.steps.empty()) raw.steps = "2";
       apply_preset(*profile, o, raw);
       finish_options(*profile, o, raw, DType::F32, true);
+      refuse_across_processes(o, "profile");
       if (raw.batch.empty()) o.batch = BatchKind::Random;  // profile times the seed's batch
       run_profile(o, prof, std::cout);
       return kExitOk;
     }
     apply_preset(*verify, o, raw);
     finish_options(*verify, o, raw, DType::F64, true);
+    refuse_across_processes(o, "verify");
     check_fault_applies(o.fault, fault_target(o));
     const VerifyReport r = run_verify(o);
     print_verify_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
@@ -484,13 +540,13 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     return r.pass ? kExitOk : kExitMismatch;
   } catch (const UsageError& e) {
     std::cerr << "tpsim: error: " << e.what() << "\n";
-    return kExitUsage;
+    return failed_with(kExitUsage, o.device);
   } catch (const std::bad_alloc&) {
     std::cerr << "tpsim: runtime failure: out of memory\n";
-    return kExitRuntime;
+    return failed_with(kExitRuntime, o.device);
   } catch (const std::exception& e) {
     std::cerr << "tpsim: runtime failure: " << e.what() << "\n";
-    return kExitRuntime;
+    return failed_with(kExitRuntime, o.device);
   }
 }
 

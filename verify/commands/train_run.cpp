@@ -54,14 +54,19 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   if (dump && o.dtype == DType::BF16)
     throw UsageError("--dump: the dump format holds f32 or f64 tensors; a bf16 run is not "
                      "written as a dump yet");
-  if (dump) prepare_dump_dir(o.dump_dir, tp);
+  // Under MPI every process runs this; the process with rank 0 (the first) prepares and
+  // writes what is written once, and prints.
+  const bool lead = process_index(o.device) == 0;
+  if (dump && lead) prepare_dump_dir(o.dump_dir, tp);
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
+  std::ostream discard(nullptr);  // the other processes' copy of the printout
+  std::ostream& print = lead ? os : discard;
 
-  os << "tpsim train: model " << describe_model(o)->name() << ", tp " << tp
+  print << "tpsim train: model " << describe_model(o)->name() << ", tp " << tp
      << (o.dp > 1 ? ", dp " + std::to_string(o.dp) : std::string()) << ", "
      << dtype_name(o.dtype) << ", " << o.steps << " steps, seed " << o.seed << "\n";
-  for (int r = 0; r < tp * o.dp; ++r) os << "rank: " << r << ", world size: " << tp * o.dp << "\n";
+  for (int r = 0; r < tp * o.dp; ++r) print << "rank: " << r << ", world size: " << tp * o.dp << "\n";
 
   launch_mesh(o.device, o.dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be,
                                                    Communicator& comm, Communicator& dp_comm) {
@@ -98,13 +103,13 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
         if (rank == 0) {
           auto out = model->observe_forward()[1];  // the output, replicated
           const auto& g = grads.at("fc1.weight");
-          os << "\n        iter: " << step << "\n        output: "
+          print << "\n        iter: " << step << "\n        output: "
              << torch_format(out.values.to_vector(), out.spec.full_shape[0], out.spec.full_shape[1])
              << "\n        loss: " << loss_str(loss, o.dtype) << "\n        fc1_grad = "
              << torch_format(g, o.mlp.hidden, o.mlp.in) << "\n";
         }
       } else if (rank == 0) {
-        os << "\n        iter: " << step << "\n        input size: [" << in.gpt_batch.B << ", "
+        print << "\n        iter: " << step << "\n        input size: [" << in.gpt_batch.B << ", "
            << in.gpt_batch.T << "]\n        num padding tokens: " << in.gpt_batch.num_ignored()
            << "\n        loss: " << loss_str(loss, o.dtype) << "\n";
       }
@@ -116,7 +121,10 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (dump) rank_dump.add(step, model->observe_params());
     }
-    if (dump) rank_dump.write(rank_file(o.dump_dir, at.tp_rank));
+    if (dump) {
+      rank_dump.write(rank_file(o.dump_dir, at.tp_rank));
+      comm.barrier();  // every rank file is written (in whichever process) before the manifest
+    }
     if (!o.save_final.empty()) {
       auto full = model->gather_params(comm);
       // bf16 values are exact in f32, which safetensors readers all take
@@ -125,9 +133,10 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     }
   });
 
+  if (!lead) return result;
   if (dump) {
     write_manifest(o.dump_dir, manifest_of(o, tp));
-    os << "\ndump: " << o.dump_dir << " (" << tp << " rank files, manifest.json, "
+    print << "\ndump: " << o.dump_dir << " (" << tp << " rank files, manifest.json, "
        << "weights.safetensors, batch.safetensors)\n";
   }
   if (!o.json_path.empty()) {

@@ -1,0 +1,126 @@
+// MpiComm: the Communicator for CPU ranks spread over the processes of an MPI job
+// (`mpirun -np P tpsim ...`), world/P rank threads in each. Built with TPSIM_MPI only.
+//
+// A collective is one message between every ordered pair of the group's ranks: each rank
+// sends every peer its call's description and the part of its buffer that peer needs,
+// receives theirs, checks that all the calls agree (every rank sees the same descriptions,
+// so every rank reaches the same verdict, as under ThreadComm) and computes its own result
+// from the peers' data in rank order, with ThreadComm's arithmetic (comm/collective_call.h).
+// Results are therefore bit-identical to the same ranks run as threads of one process.
+//
+// Messages are point to point on a communicator of the group's own, tagged by (sender,
+// receiver), so rank threads call MPI at once (MPI_THREAD_MULTIPLE) and two groups never
+// see each other's messages; MPI keeps messages of one tag in order, so call s of rank a
+// meets call s of rank b.
+//
+// Nothing hangs. A rank polls for its peers' messages, and the group fails on that rank
+// when the timeout passes; a rank that fails the group (a timeout, a disagreement, an
+// abort) tells every other process of the group at once on the group's abort channel, so
+// their ranks stop at their current or next collective with the first rank's reason. As
+// under ThreadComm, an error in a rank's own arguments throws on that rank before anything
+// is sent and fails nothing. Unlike ThreadComm, a rank that simply stops calling (it
+// returned, or its process died) is seen only when the timeout passes: a process cannot
+// tell a dead peer from a slow one.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/collective_call.h"
+#include "comm/communicator.h"
+#include "comm/rank_runner.h"
+
+namespace tpsim {
+
+// MPI, initialised with MPI_THREAD_MULTIPLE for this object's lifetime; one per process.
+class MpiProcesses {
+ public:
+  // Throws RuntimeFailure if MPI was initialised before or cannot give
+  // MPI_THREAD_MULTIPLE (rank threads call it concurrently).
+  MpiProcesses();
+  ~MpiProcesses();  // MPI_Finalize
+  MpiProcesses(const MpiProcesses&) = delete;
+  MpiProcesses& operator=(const MpiProcesses&) = delete;
+
+  int index() const { return index_; }  // this process's rank in MPI_COMM_WORLD
+  int count() const { return count_; }  // the processes of the job
+  std::string host() const;             // this process's node, for messages
+
+  // Ends every process of the job with `code`, after `grace_s` seconds in which the
+  // others may print their own line: a failed run cannot finalise MPI, whose MPI_Finalize
+  // waits for every process, a stalled or dead one included.
+  [[noreturn]] void abort_job(int code, double grace_s) const;
+
+ private:
+  int index_ = 0, count_ = 1;
+};
+
+// One group of world ranks, placed `ranks_per_process` to a process in world order (world
+// rank r lives in process r / ranks_per_process). Every process constructs every group of
+// a run, in the same order, from one thread (the constructor is collective over
+// MPI_COMM_WORLD), whether or not it holds a rank of it. Thread-safe afterwards.
+class MpiCommGroup {
+ public:
+  // `members[i]` is the world rank of the group's rank i. Throws UsageError unless the
+  // members are distinct world ranks of a world of ranks_per_process × processes ranks
+  // and 0 < timeout_s <= 1e6.
+  MpiCommGroup(const MpiProcesses& procs, std::vector<int> members, int ranks_per_process,
+               double timeout_s);
+  ~MpiCommGroup();
+  MpiCommGroup(const MpiCommGroup&) = delete;
+  MpiCommGroup& operator=(const MpiCommGroup&) = delete;
+
+  int world_size() const;  // of the group
+  double timeout_s() const;
+
+  // Fails the group in every process: pending and future collectives of its ranks throw
+  // CommError quoting `reason`. Only the first failure is kept.
+  void abort(const std::string& reason);
+  bool failed() const;
+  std::string failure() const;
+
+  struct State;  // in mpi_comm.cpp
+
+ private:
+  friend class MpiComm;
+  std::unique_ptr<State> state_;
+};
+
+// Group rank `rank`'s handle, used from that rank's thread only, in the process that holds
+// it. At most one per rank and group.
+class MpiComm final : public PostingCommunicator {
+ public:
+  // Throws UsageError if `rank` is not a rank of the group held by this process, or
+  // already has an MpiComm.
+  MpiComm(MpiCommGroup& group, int rank);
+  ~MpiComm() override;
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
+
+  int rank() const override { return rank_; }
+  int world_size() const override;
+
+  // The collectives as ThreadComm's: host memory of f32, f64, bf16 or i64, results in
+  // rank order.
+  // Fails the whole group, in every process, with "rank <r> called abort: <reason>".
+  void abort(const std::string& reason) override;
+
+ private:
+  void run(CallPost call) override;
+
+  MpiCommGroup& group_;
+  int rank_;
+  std::int64_t seq_ = 0;
+};
+
+// run_mesh (comm/rank_runner.h) over the processes of an MPI job: the dp·tp ranks in
+// Megatron's order, k = dp·tp / processes of them in each process (rank r in process
+// r / k), each on a thread with an MpiComm on its TP group and one on its DP group. Every
+// process must call it with the same arguments at the same point of its program. A rank
+// that throws fails every group in every process; the root cause is rethrown in the
+// process where it happened, and the CommError it caused in the others. Throws UsageError
+// unless the processes divide dp·tp.
+void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn);
+
+}  // namespace tpsim

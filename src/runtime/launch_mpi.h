@@ -1,0 +1,19 @@
+// The MPI half of the launcher, defined by launch_mpi.cpp in builds with MPI and by
+// launch_no_mpi.cpp, which refuses, in builds without.
+#pragma once
+
+#include "runtime/launch.h"
+
+namespace tpsim {
+
+// Whether an MPI launcher (Open MPI's mpirun, MPICH's Hydra, Slurm's PMI) started this
+// process, read from the environment it sets.
+bool started_by_mpi_launcher();
+// Throws UsageError unless `world` ranks spread evenly over the job's processes, with the
+// CPU backend (NCCL across processes is not built yet).
+void check_mpi_launch(const DeviceOptions& dev, int world, int dp);
+// launch_mesh over the processes in dev.processes: this process runs its world/P ranks,
+// rank r in process r / (world/P), each with an MpiComm on its TP group and its DP group.
+void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
+
+}  // namespace tpsim

@@ -1,0 +1,30 @@
+// The launcher's MPI half in a build without MPI: a run lives in one process.
+#include "core/errors.h"
+#include "runtime/launch_mpi.h"
+
+namespace tpsim {
+
+std::shared_ptr<MpiProcesses> start_processes(LaunchKind kind) {
+  if (kind == LaunchKind::Mpi)
+    throw UsageError("--launch mpi: this tpsim was built without MPI (install libopenmpi-dev "
+                     "and rebuild)");
+  if (kind == LaunchKind::Auto && started_by_mpi_launcher())
+    throw UsageError("started by an MPI launcher, but this tpsim was built without MPI: each "
+                     "process would run the whole job (rebuild with libopenmpi-dev, or pass "
+                     "--launch threads to run it so on purpose)");
+  return nullptr;
+}
+
+int process_index(const DeviceOptions&) { return 0; }
+int process_count(const DeviceOptions&) { return 1; }
+void end_processes_after_failure(const DeviceOptions&, int) {}
+
+void check_mpi_launch(const DeviceOptions&, int, int) {
+  throw UsageError("this tpsim was built without MPI");
+}
+
+void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double, const MeshMain&) {
+  check_mpi_launch(dev, dp * tp, dp);
+}
+
+}  // namespace tpsim

@@ -1,0 +1,224 @@
+// MpiComm across the processes of `mpirun -np P`: every collective's result equal to
+// ThreadComm's bit for bit (non-integer data, so the order of the additions shows), the
+// same records; a disagreement, an abort and a missing rank each ending every rank of every
+// process with CommError, never a hang; a rank's own bad argument failing nothing.
+//
+// Each case runs in every process. Rank threads only collect what they saw (Catch2's
+// assertions are not thread-safe); the test thread asserts after the mesh has joined.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/rank_runner.h"
+#include "core/errors.h"
+#include "core/tensor.h"
+#include "mpi_test_util.h"
+
+using namespace tpsim;
+using namespace tpsim::mpi_test;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// Rank r's element i: values whose sums round, so that a different order of additions
+// gives different bits.
+double val(int rank, std::int64_t i, int salt) {
+  return 1.0 / (3.0 + static_cast<double>(rank) * 0.37 + static_cast<double>(i % 97) * 1.13 +
+                salt) *
+         (i % 3 == 0 ? -1e3 : 1.0);
+}
+
+Tensor filled(HostAllocator& alloc, std::int64_t n, DType dt, int rank, int salt) {
+  Tensor t = Tensor::empty({n}, dt, alloc, MemCategory::CommBuffer, "test");
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double v = val(rank, i, salt);
+    switch (dt) {
+      case DType::F32: t.data<float>()[i] = static_cast<float>(v); break;
+      case DType::F64: t.data<double>()[i] = v; break;
+      case DType::I64: t.data<std::int64_t>()[i] = static_cast<std::int64_t>(v * 1e15); break;
+      case DType::BF16: t.data<bf16>()[i] = bf16_from_f32(static_cast<float>(v)); break;
+    }
+  }
+  return t;
+}
+
+std::vector<unsigned char> bytes_of(const Tensor& t) {
+  const auto* p = static_cast<const unsigned char*>(t.raw());
+  return {p, p + t.nbytes()};
+}
+
+// Every collective once per dtype and op, in place and not; each rank's results as bytes,
+// keyed by what produced them.
+using Results = std::map<std::string, std::vector<unsigned char>>;
+
+void exercise(int n, Communicator& c, Results& out) {
+  HostAllocator alloc;
+  const int r = c.rank();
+  const std::int64_t chunk = 37;
+  int salt = 0;
+  for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::I64}) {
+    const std::string d = dtype_name(dt);
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max}) {
+      const std::string o = reduce_op_name(op);
+      Tensor t = filled(alloc, chunk * n, dt, r, ++salt);
+      c.all_reduce(t, op);
+      out["all_reduce " + d + " " + o] = bytes_of(t);
+
+      Tensor in = filled(alloc, chunk * n, dt, r, ++salt);
+      Tensor rs = Tensor::empty({chunk}, dt, alloc, MemCategory::CommBuffer, "rs");
+      c.reduce_scatter(in, rs, op);
+      out["reduce_scatter " + d + " " + o] = bytes_of(rs);
+      Tensor whole = filled(alloc, chunk * n, dt, r, ++salt);  // in place: out is my chunk
+      Tensor mine = whole.narrow0(chunk * r, chunk);
+      c.reduce_scatter(whole, mine, op);
+      out["reduce_scatter in place " + d + " " + o] = bytes_of(mine);
+    }
+    Tensor part = filled(alloc, chunk, dt, r, ++salt);
+    Tensor all = Tensor::empty({chunk * n}, dt, alloc, MemCategory::CommBuffer, "ag");
+    c.all_gather(part, all);
+    out["all_gather " + d] = bytes_of(all);
+    Tensor b = filled(alloc, chunk, dt, r, ++salt);
+    c.broadcast(b, n - 1);
+    out["broadcast " + d] = bytes_of(b);
+  }
+  c.set_label("labelled");
+  c.barrier();
+  std::string records;
+  for (const auto& rec : c.records())
+    records += std::string(collective_name(rec.kind)) + ":" + std::to_string(rec.seq) + ":" +
+               std::to_string(rec.elements) + ":" + std::to_string(rec.bytes) + ":" + rec.label + ";";
+  out["records"] = {records.begin(), records.end()};
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+TEST_CASE("MpiComm gives ThreadComm's results bit for bit, across processes", "[mpi]") {
+  const int p = procs().count();
+  for (int per : {1, 2}) {
+    for (auto [dp, tp] : {std::pair{1, p * per}, std::pair{p * per, 1}, std::pair{2, p * per / 2}}) {
+      if (tp < 1 || dp * tp != p * per) continue;
+      INFO("dp " << dp << " x tp " << tp << " over " << p << " processes");
+      std::vector<Results> mpi(static_cast<std::size_t>(dp * tp)), threads(mpi.size());
+      run_mpi_mesh(procs(), dp, tp, 30.0, [&](const MeshRank& at, Communicator& t, Communicator& d) {
+        exercise(tp, t, mpi[static_cast<std::size_t>(at.rank)]);
+        exercise(dp, d, mpi[static_cast<std::size_t>(at.rank)]);
+      });
+      run_mesh(dp, tp, 30.0, [&](const MeshRank& at, Communicator& t, Communicator& d) {
+        exercise(tp, t, threads[static_cast<std::size_t>(at.rank)]);
+        exercise(dp, d, threads[static_cast<std::size_t>(at.rank)]);
+      });
+      const int first = procs().index() * per;
+      for (int r = first; r < first + per; ++r) {
+        INFO("rank " << r);
+        const auto& a = mpi[static_cast<std::size_t>(r)];
+        const auto& b = threads[static_cast<std::size_t>(r)];
+        REQUIRE(a.size() == b.size());
+        for (const auto& [what, bytes] : b) {
+          INFO(what);
+          CHECK(a.at(what) == bytes);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("MpiComm: ranks that disagree on a call fail in every process", "[mpi]") {
+  const int n = procs().count() * 2;
+  std::vector<std::string> seen(static_cast<std::size_t>(n));
+  run_mpi_mesh(procs(), 1, n, 30.0, [&](const MeshRank& at, Communicator& c, Communicator&) {
+    HostAllocator alloc;
+    Tensor t = Tensor::zeros({at.rank == n - 1 ? 5 : 4}, DType::F32, alloc, MemCategory::CommBuffer, "t");
+    try {
+      c.all_reduce(t, ReduceOp::Sum);
+    } catch (const CommError& e) {
+      seen[static_cast<std::size_t>(at.rank)] = e.what();
+    }
+  });
+  for (int r = procs().index() * 2; r < procs().index() * 2 + 2; ++r) {
+    INFO("rank " << r);
+    CHECK_THAT(seen[static_cast<std::size_t>(r)], Contains("ranks disagree on the call"));
+    CHECK_THAT(seen[static_cast<std::size_t>(r)], Contains("rank " + std::to_string(n - 1) + " passed all_reduce(f32[5]"));
+  }
+}
+
+TEST_CASE("MpiComm: a rank's own bad argument fails nothing", "[mpi]") {
+  const int n = procs().count() * 2;
+  std::vector<std::string> bad(static_cast<std::size_t>(n));
+  std::vector<double> sums(static_cast<std::size_t>(n));
+  run_mpi_mesh(procs(), 1, n, 30.0, [&](const MeshRank& at, Communicator& c, Communicator&) {
+    HostAllocator alloc;
+    if (at.rank == 0) {
+      Tensor undefined;
+      try {
+        c.all_reduce(undefined, ReduceOp::Sum);
+      } catch (const CommError& e) {
+        bad[0] = e.what();
+      }
+    }
+    Tensor t = Tensor::zeros({1}, DType::F64, alloc, MemCategory::CommBuffer, "t");
+    t.data<double>()[0] = at.rank + 1;
+    c.all_reduce(t, ReduceOp::Sum);
+    sums[static_cast<std::size_t>(at.rank)] = t.data<double>()[0];
+  });
+  if (procs().index() == 0) CHECK_THAT(bad[0], Contains("bad arguments") && Contains("undefined"));
+  for (int r = procs().index() * 2; r < procs().index() * 2 + 2; ++r)
+    CHECK(sums[static_cast<std::size_t>(r)] == n * (n + 1) / 2);
+}
+
+TEST_CASE("MpiComm: an abort in one process stops every rank of every process at once", "[mpi]") {
+  const int n = procs().count() * 2;
+  std::vector<std::string> seen(static_cast<std::size_t>(n));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_mpi_mesh(procs(), 1, n, 60.0, [&](const MeshRank& at, Communicator& c, Communicator&) {
+    try {
+      if (at.rank == n - 1) c.abort("stop here");
+      c.barrier();
+    } catch (const CommError& e) {
+      seen[static_cast<std::size_t>(at.rank)] = e.what();
+    }
+  });
+  CHECK(seconds_since(t0) < 20);  // far below the 60 s timeout: nobody waited for it
+  for (int r = procs().index() * 2; r < procs().index() * 2 + 2; ++r) {
+    INFO("rank " << r);
+    CHECK_THAT(seen[static_cast<std::size_t>(r)],
+               Contains("rank " + std::to_string(n - 1) + " called abort: stop here"));
+  }
+}
+
+TEST_CASE("MpiComm: a rank that never comes is named when the timeout passes", "[mpi]") {
+  const int n = procs().count() * 2;
+  std::vector<std::string> seen(static_cast<std::size_t>(n));
+  run_mpi_mesh(procs(), 1, n, 1.0, [&](const MeshRank& at, Communicator& c, Communicator&) {
+    if (at.rank == n - 1) return;  // skips the barrier: its peers must not hang
+    try {
+      c.set_label("the last one");
+      c.barrier();
+    } catch (const CommError& e) {
+      seen[static_cast<std::size_t>(at.rank)] = e.what();
+    }
+  });
+  for (int r = procs().index() * 2; r < procs().index() * 2 + 2; ++r) {
+    if (r == n - 1) continue;
+    INFO("rank " << r);
+    // The first to time out names the missing rank; the others quote it or name it too.
+    CHECK_THAT(seen[static_cast<std::size_t>(r)], Contains("timed out after 1 s waiting for rank " +
+                                                           std::to_string(n - 1) + " (process " +
+                                                           std::to_string(procs().count() - 1) + ")"));
+  }
+}
+
+TEST_CASE("run_mpi_mesh refuses a world the processes do not divide", "[mpi]") {
+  const int p = procs().count();
+  if (p == 1) return;
+  CHECK_THROWS_WITH(run_mpi_mesh(procs(), 1, p + 1, 1.0, [](const MeshRank&, Communicator&, Communicator&) {}),
+                    Contains("do not spread evenly over " + std::to_string(p) + " MPI processes"));
+}
