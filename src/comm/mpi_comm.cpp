@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <deque>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
 #include "comm/collective_call.h"
+#include "core/byte_codec.h"
 #include "core/clock.h"
 #include "core/errors.h"
 
@@ -31,92 +33,45 @@ void check_mpi(int rc, const char* what) {
 // its buffer that the peer needs. The header carries the fingerprint (no addresses: the
 // peer is another process, or reads only the copy).
 
-class Writer {
- public:
-  template <class T>
-  void put(T v) {
-    const auto* p = reinterpret_cast<const std::byte*>(&v);
-    bytes.insert(bytes.end(), p, p + sizeof v);
-  }
-  void put_string(const std::string& s) {
-    put<std::uint32_t>(static_cast<std::uint32_t>(s.size()));
-    const auto* p = reinterpret_cast<const std::byte*>(s.data());
-    bytes.insert(bytes.end(), p, p + s.size());
-  }
-  void put_arg(const TensorArg& a) {
-    put<std::uint8_t>(a.defined);
-    put<std::uint8_t>(static_cast<std::uint8_t>(a.dtype));
-    put<std::int64_t>(a.numel);
-    put<std::uint32_t>(static_cast<std::uint32_t>(a.shape.size()));
-    for (std::int64_t d : a.shape) put<std::int64_t>(d);
-  }
-  std::vector<std::byte> bytes;
-};
+void put_arg(ByteWriter& w, const TensorArg& a) {
+  w.put<std::uint8_t>(a.defined);
+  w.put<std::uint8_t>(static_cast<std::uint8_t>(a.dtype));
+  w.put<std::int64_t>(a.numel);
+  w.put_vector(a.shape);
+}
 
-// Reads what Writer wrote. The peers run this same program, so a short or malformed
-// message is a bug or a foreign sender: it fails the group, it is never read past its end.
-class Reader {
- public:
-  Reader(const std::byte* p, std::size_t n) : p_(p), end_(p + n) {}
-  template <class T>
-  T get() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, p_, sizeof v);
-    p_ += sizeof v;
-    return v;
-  }
-  std::string get_string() {
-    const auto n = get<std::uint32_t>();
-    need(n);
-    std::string s(reinterpret_cast<const char*>(p_), n);
-    p_ += n;
-    return s;
-  }
-  TensorArg get_arg() {
-    TensorArg a;
-    a.defined = get<std::uint8_t>() != 0;
-    const auto dt = get<std::uint8_t>();
-    if (dt > static_cast<std::uint8_t>(DType::BF16)) throw CommError("MpiComm: a message names no dtype");
-    a.dtype = static_cast<DType>(dt);
-    a.numel = get<std::int64_t>();
-    const auto rank = get<std::uint32_t>();
-    if (rank > 16) throw CommError("MpiComm: a message's tensor has more than 16 dims");
-    for (std::uint32_t i = 0; i < rank; ++i) a.shape.push_back(get<std::int64_t>());
-    return a;
-  }
-  const std::byte* here() const { return p_; }
-  std::size_t left() const { return static_cast<std::size_t>(end_ - p_); }
+TensorArg get_arg(ByteReader& r) {
+  TensorArg a;
+  a.defined = r.get<std::uint8_t>() != 0;
+  const auto dt = r.get<std::uint8_t>();
+  if (dt > static_cast<std::uint8_t>(DType::BF16)) r.fail();
+  a.dtype = static_cast<DType>(dt);
+  a.numel = r.get<std::int64_t>();
+  a.shape = r.get_vector<std::int64_t>();
+  return a;
+}
 
- private:
-  void need(std::size_t n) const {
-    if (static_cast<std::size_t>(end_ - p_) < n) throw CommError("MpiComm: a peer's message is cut short");
-  }
-  const std::byte* p_;
-  const std::byte* end_;
-};
-
-void write_header(Writer& w, const CallPost& p) {
+void write_header(ByteWriter& w, const CallPost& p) {
   w.put<std::uint8_t>(static_cast<std::uint8_t>(p.kind));
   w.put<std::int64_t>(p.seq);
   w.put<std::uint8_t>(static_cast<std::uint8_t>(p.op));
   w.put<std::int32_t>(p.root);
   w.put_string(p.label);
-  w.put_arg(p.in);
-  w.put_arg(p.out);
+  put_arg(w, p.in);
+  put_arg(w, p.out);
 }
 
-CallPost read_header(Reader& r) {
+CallPost read_header(ByteReader& r) {
   CallPost p;
   const auto kind = r.get<std::uint8_t>();
-  if (kind >= kNumCollectiveKinds) throw CommError("MpiComm: a message names no collective");
+  if (kind >= kNumCollectiveKinds) r.fail();
   p.kind = static_cast<CollectiveKind>(kind);
   p.seq = r.get<std::int64_t>();
   p.op = r.get<std::uint8_t>() == 0 ? ReduceOp::Sum : ReduceOp::Max;
   p.root = r.get<std::int32_t>();
   p.label = r.get_string();
-  p.in = r.get_arg();
-  p.out = r.get_arg();
+  p.in = get_arg(r);
+  p.out = get_arg(r);
   return p;
 }
 
@@ -203,6 +158,11 @@ MpiProcesses::MpiProcesses() {
 
 MpiProcesses::~MpiProcesses() { MPI_Finalize(); }
 
+int MpiProcesses::from_first(int value) const {
+  check_mpi(MPI_Bcast(&value, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  return value;
+}
+
 void MpiProcesses::abort_job(int code, double grace_s) const {
   std::this_thread::sleep_for(std::chrono::duration<double>(grace_s));
   MPI_Abort(MPI_COMM_WORLD, code);
@@ -224,13 +184,13 @@ struct MpiCommGroup::State {
   int my_process = 0;
   double timeout_s = 30;
   MPI_Comm comm = MPI_COMM_NULL;
-  int abort_tag = 0;  // above every (sender, receiver) tag
+  int abort_tag = 0;  // above every (sender, receiver) tag and every channel's
 
   mutable std::mutex mu;
   std::vector<char> attached;
   bool failed = false;
   std::string failure;
-  std::vector<std::string> abort_texts;  // live until their sends complete
+  std::deque<std::string> abort_texts;  // live until their sends complete (a deque: never moved)
   std::vector<MPI_Request> abort_sends;
 
   int n() const { return static_cast<int>(members.size()); }
@@ -300,7 +260,13 @@ MpiCommGroup::MpiCommGroup(const MpiProcesses& procs, std::vector<int> members,
   st->per_process = ranks_per_process;
   st->my_process = procs.index();
   st->timeout_s = timeout_s;
-  st->abort_tag = st->n() * st->n();
+  st->abort_tag = st->n() * st->n() + 3 * st->n();  // above the pair tags and MpiMesh's channels
+  int* tag_ub = nullptr;
+  int has_ub = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &has_ub);
+  if (has_ub && tag_ub && st->abort_tag > *tag_ub)
+    throw UsageError("MpiCommGroup: a group of " + std::to_string(st->n()) + " ranks needs MPI tags up to " +
+                     std::to_string(st->abort_tag) + ", above this MPI's limit " + std::to_string(*tag_ub));
   st->attached.assign(st->members.size(), 0);
   check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &st->comm), "MPI_Comm_dup");
   state_ = std::move(st);
@@ -323,7 +289,7 @@ MpiCommGroup::~MpiCommGroup() {
       all_done = false;
     }
   }
-  if (!all_done) new std::vector<std::string>(std::move(st.abort_texts));  // see above
+  if (!all_done) new std::deque<std::string>(std::move(st.abort_texts));  // see above
   // The communicator is not freed: messages of a failed group (aborts, calls that will never
   // be taken) may still be on their way to it, and MPI may give a freed communicator's
   // context to the next group, which would then read them as its own. One communicator per
@@ -388,7 +354,7 @@ void MpiComm::run(CallPost mine) {
     sends.reqs.assign(static_cast<std::size_t>(n), MPI_REQUEST_NULL);
     for (int q = 0; q < n; ++q) {
       if (q == rank_) continue;
-      Writer w;
+      ByteWriter w;
       write_header(w, mine);
       const auto [data, size] = payload_for(mine, rank_, q);
       if (size > 0) w.bytes.insert(w.bytes.end(), data, data + size);
@@ -438,12 +404,11 @@ void MpiComm::run(CallPost mine) {
       }
       const auto& buf = in_msgs[static_cast<std::size_t>(q)];
       try {
-        Reader r(buf.data(), buf.size());
+        ByteReader r(buf.data(), buf.size(), "rank " + std::to_string(q) + "'s message");
         posts[static_cast<std::size_t>(q)] = read_header(r);
         payloads[static_cast<std::size_t>(q)] = {r.here(), r.left()};
-      } catch (const CommError& e) {
-        throw fail(who + ": rank " + std::to_string(q) + " sent a message this build cannot read (" +
-                   e.what() + ")");
+      } catch (const RuntimeFailure& e) {
+        throw fail(who + ": " + e.what() + " (a peer of another build?)");
       }
     }
 
@@ -503,6 +468,8 @@ void MpiComm::run(CallPost mine) {
         int done = 0;
         check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
         if (done) break;
+        st.poll_aborts();
+        if (std::string f = st.failed_reason(); !f.empty()) throw CommError(who + " aborted: " + f);
         if (Clock::now() >= deadline)
           throw fail(who + " timed out after " + format_seconds(st.timeout_s) +
                      " s with its message to a peer not taken");
@@ -522,36 +489,174 @@ void MpiComm::abort(const std::string& reason) {
   group_.state_->fail("rank " + std::to_string(rank_) + " called abort: " + reason);
 }
 
-void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn) {
-  if (!fn) throw UsageError("run_mpi_mesh: no rank function given");
+// ---- a mesh, and each rank's channel to the first process ----------------------------
+
+MpiMesh::MpiMesh(const MpiProcesses& procs, int dp, int tp, double timeout_s)
+    : procs_(procs), dp_(dp), tp_(tp), timeout_s_(timeout_s) {
   if (dp < 1 || tp < 1)
-    throw UsageError("run_mpi_mesh: the mesh must be at least 1 x 1, got dp " + std::to_string(dp) +
+    throw UsageError("MpiMesh: the mesh must be at least 1 x 1, got dp " + std::to_string(dp) +
                      " x tp " + std::to_string(tp));
-  const int world = dp * tp, procs_n = procs.count();
-  if (world % procs_n != 0)
-    throw UsageError("the run's " + std::to_string(world) + " ranks do not spread evenly over " +
-                     std::to_string(procs_n) + " MPI processes; start a number of processes "
-                     "that divides " + std::to_string(world));
-  const int per = world / procs_n;
+  const int world = dp * tp;
+  per_ = (world + procs.count() - 1) / procs.count();
   // Every process builds every group, in this order (the constructor is collective).
-  std::vector<std::unique_ptr<MpiCommGroup>> tp_groups, dp_groups;
   for (int d = 0; d < dp; ++d)
-    tp_groups.push_back(std::make_unique<MpiCommGroup>(procs, rank_range(d * tp, (d + 1) * tp),
-                                                       per, timeout_s));
+    tp_groups_.push_back(std::make_unique<MpiCommGroup>(procs, rank_range(d * tp, (d + 1) * tp),
+                                                        per_, timeout_s));
   for (int t = 0; t < tp; ++t) {
     std::vector<int> members;
     for (int d = 0; d < dp; ++d) members.push_back(d * tp + t);
-    dp_groups.push_back(std::make_unique<MpiCommGroup>(procs, std::move(members), per, timeout_s));
+    dp_groups_.push_back(std::make_unique<MpiCommGroup>(procs, std::move(members), per_, timeout_s));
   }
-  RankErrors errors([&](const std::string& why) {
-    for (auto& g : tp_groups) g->abort(why);
-    for (auto& g : dp_groups) g->abort(why);
-  });
-  const int first = procs.index() * per;
-  run_rank_threads(rank_range(first, first + per), errors, [&](int rank) {
+  channels_ = std::make_unique<MpiCommGroup>(procs, rank_range(0, world), per_, timeout_s);
+}
+
+MpiMesh::~MpiMesh() = default;
+
+std::vector<int> MpiMesh::local_ranks() const {
+  const int first = procs_.index() * per_;
+  return rank_range(std::min(first, dp_ * tp_), std::min(first + per_, dp_ * tp_));
+}
+
+void MpiMesh::abort(const std::string& reason) {
+  for (auto& g : tp_groups_) g->abort(reason);
+  for (auto& g : dp_groups_) g->abort(reason);
+  channels_->abort(reason);
+}
+
+std::string MpiMesh::failure() {
+  for (auto* groups : {&tp_groups_, &dp_groups_})
+    for (auto& g : *groups) {
+      g->state_->poll_aborts();
+      if (std::string f = g->state_->failed_reason(); !f.empty()) return f;
+    }
+  channels_->state_->poll_aborts();
+  return channels_->state_->failed_reason();
+}
+
+// Channel tags: 3r carries rank r's messages to the first process, 3r+1 its checker's back,
+// 3r+2 the first process's heartbeats to rank r.
+namespace {
+int to_first_tag(int rank) { return 3 * rank; }
+int to_rank_tag(int rank) { return 3 * rank + 1; }
+int heartbeat_tag(int rank) { return 3 * rank + 2; }
+}  // namespace
+
+void MpiMesh::beat() {
+  static const char kBeat = 1;  // static: the sends below may outlive this call
+  for (int r = 0; r < dp_ * tp_; ++r) {
+    if (process_of(r) == 0) continue;
+    MPI_Request req = MPI_REQUEST_NULL;
+    if (MPI_Isend(&kBeat, 1, MPI_CHAR, process_of(r), heartbeat_tag(r), channels_->state_->comm,
+                  &req) == MPI_SUCCESS)
+      MPI_Request_free(&req);
+  }
+}
+
+// How long one end of a channel waits. The first process's end waits `timeout` for the
+// rank, as a collective waits for a peer. The rank's end waits for its checker as ranks in
+// one process wait for the reference, without a deadline of its own (the reference and the
+// checks take what they take), for as long as the first process is alive: each heartbeat
+// moves the deadline a timeout further.
+class MpiMesh::Wait {
+ public:
+  Wait(MpiMesh& mesh, int rank, bool rank_end)
+      : mesh_(mesh), rank_(rank), rank_end_(rank_end), deadline_(later()) {}
+  // Throws once the mesh failed or the deadline passed (failing the mesh with `who`).
+  void check(const std::string& who) {
+    if (std::string f = mesh_.failure(); !f.empty()) throw CommError(who + ": aborted: " + f);
+    if (rank_end_) take_heartbeats();
+    if (Clock::now() >= deadline_) {
+      std::string why = who + ": timed out after " + format_seconds(mesh_.timeout_s_) + " s" +
+                        (rank_end_ ? " with no sign of life from process 0" : "");
+      mesh_.abort(why);
+      throw CommError(why);
+    }
+    pause_.pause();
+  }
+
+ private:
+  Clock::time_point later() const {
+    return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(mesh_.timeout_s_));
+  }
+  void take_heartbeats() {
+    for (;;) {
+      int flag = 0;
+      MPI_Message msg;
+      MPI_Status st;
+      MPI_Improbe(0, heartbeat_tag(rank_), mesh_.channels_->state_->comm, &flag, &msg, &st);
+      if (!flag) return;
+      char beat = 0;
+      MPI_Mrecv(&beat, 1, MPI_CHAR, &msg, MPI_STATUS_IGNORE);
+      deadline_ = later();
+    }
+  }
+  MpiMesh& mesh_;
+  int rank_;
+  bool rank_end_;
+  Clock::time_point deadline_;
+  Backoff pause_;
+};
+
+void MpiMesh::send(int rank, bool to_first, std::vector<std::byte> msg) {
+  MpiCommGroup::State& st = *channels_->state_;
+  const std::string who = to_first ? "rank " + std::to_string(rank) + ", sending its step to its checker in process 0"
+                                   : "the checker of rank " + std::to_string(rank) + ", sending to process " +
+                                         std::to_string(process_of(rank));
+  if (msg.size() > static_cast<std::size_t>(INT_MAX))
+    throw CommError(who + ": a message of " + std::to_string(msg.size()) + " bytes is over MPI's 2 GiB count");
+  PendingSends sends;
+  sends.bufs.push_back(std::move(msg));
+  const std::vector<std::byte>& m = sends.bufs[0];
+  sends.reqs.assign(1, MPI_REQUEST_NULL);
+  // Synchronous: done once the receiver has taken it, so at most one message per channel
+  // is ever in flight and memory does not grow with steps.
+  check_mpi(MPI_Issend(m.data(), static_cast<int>(m.size()), MPI_BYTE, to_first ? 0 : process_of(rank),
+                       to_first ? to_first_tag(rank) : to_rank_tag(rank), st.comm, &sends.reqs[0]),
+            "MPI_Issend");
+  Wait wait(*this, rank, to_first);
+  for (;;) {
+    int done = 0;
+    check_mpi(MPI_Test(&sends.reqs[0], &done, MPI_STATUS_IGNORE), "MPI_Test");
+    if (done) return;
+    wait.check(who);
+  }
+}
+
+std::vector<std::byte> MpiMesh::receive(int rank, bool to_first) {
+  MpiCommGroup::State& st = *channels_->state_;
+  const std::string who = to_first ? "the checker of rank " + std::to_string(rank) +
+                                         ", waiting for its message from process " +
+                                         std::to_string(process_of(rank))
+                                   : "rank " + std::to_string(rank) +
+                                         ", waiting for its checker's message from process 0";
+  Wait wait(*this, rank, !to_first);
+  for (;;) {
+    int flag = 0;
+    MPI_Message msg;
+    MPI_Status status;
+    check_mpi(MPI_Improbe(to_first ? process_of(rank) : 0, to_first ? to_first_tag(rank) : to_rank_tag(rank),
+                          st.comm, &flag, &msg, &status),
+              "MPI_Improbe");
+    if (flag) {
+      int count = 0;
+      MPI_Get_count(&status, MPI_BYTE, &count);
+      std::vector<std::byte> buf(static_cast<std::size_t>(count));
+      check_mpi(MPI_Mrecv(buf.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+      return buf;
+    }
+    wait.check(who);
+  }
+}
+
+void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn) {
+  if (!fn) throw UsageError("run_mpi_mesh: no rank function given");
+  MpiMesh mesh(procs, dp, tp, timeout_s);
+  RankErrors errors([&](const std::string& why) { mesh.abort(why); });
+  run_rank_threads(mesh.local_ranks(), errors, [&](int rank) {
     const MeshRank at{rank, rank / tp, rank % tp};
-    MpiComm tp_comm(*tp_groups[static_cast<std::size_t>(at.dp_rank)], at.tp_rank);
-    MpiComm dp_comm(*dp_groups[static_cast<std::size_t>(at.tp_rank)], at.dp_rank);
+    MpiComm tp_comm(mesh.tp_group(at.dp_rank), at.tp_rank);
+    MpiComm dp_comm(mesh.dp_group(at.tp_rank), at.dp_rank);
     try {
       fn(at, tp_comm, dp_comm);
     } catch (...) {

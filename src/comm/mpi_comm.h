@@ -23,6 +23,7 @@
 // tell a dead peer from a slow one.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,6 +47,10 @@ class MpiProcesses {
   int index() const { return index_; }  // this process's rank in MPI_COMM_WORLD
   int count() const { return count_; }  // the processes of the job
   std::string host() const;             // this process's node, for messages
+
+  // The first process's `value`, in every process (collective: every process calls it, from
+  // one thread, when no rank runs).
+  int from_first(int value) const;
 
   // Ends every process of the job with `code`, after `grace_s` seconds in which the
   // others may print their own line: a failed run cannot finalise MPI, whose MPI_Finalize
@@ -84,6 +89,7 @@ class MpiCommGroup {
 
  private:
   friend class MpiComm;
+  friend class MpiMesh;
   std::unique_ptr<State> state_;
 };
 
@@ -114,13 +120,54 @@ class MpiComm final : public PostingCommunicator {
   std::int64_t seq_ = 0;
 };
 
+// The groups of a dp × tp mesh over the processes of an MPI job, and a byte channel
+// between each rank and the first process (where verify checks every rank). Ranks are
+// placed in blocks of k = ceil(dp·tp / processes), rank r in process r / k (the last
+// processes may hold none). Constructed by every process at the same point of its
+// program, from one thread (collective over MPI_COMM_WORLD).
+class MpiMesh {
+ public:
+  MpiMesh(const MpiProcesses& procs, int dp, int tp, double timeout_s);
+  ~MpiMesh();
+  MpiMesh(const MpiMesh&) = delete;
+  MpiMesh& operator=(const MpiMesh&) = delete;
+
+  int ranks_per_process() const { return per_; }
+  int process_of(int rank) const { return rank / per_; }
+  std::vector<int> local_ranks() const;  // this process's, in order
+  MpiCommGroup& tp_group(int dp_rank) { return *tp_groups_[static_cast<std::size_t>(dp_rank)]; }
+  MpiCommGroup& dp_group(int tp_rank) { return *dp_groups_[static_cast<std::size_t>(tp_rank)]; }
+  // Fails every group in every process.
+  void abort(const std::string& reason);
+
+  // Rank `rank`'s channel: messages from the rank's process to the first process
+  // (`to_first`) or back. One thread per end. A send returns once the message is taken, a
+  // receive once it came; both throw CommError once the mesh failed, or once their wait
+  // passed the timeout (failing the mesh). The first process's end waits the timeout for
+  // the rank; the rank's end waits for its checker as long as the first process beats.
+  void send(int rank, bool to_first, std::vector<std::byte> msg);
+  std::vector<std::byte> receive(int rank, bool to_first);
+  // The first process's heartbeat to every rank of the other processes; call it at least
+  // every timeout / 2 while the channels are in use.
+  void beat();
+
+ private:
+  class Wait;
+  std::string failure();  // of any group, "" while healthy; takes peers' aborts first
+
+  const MpiProcesses& procs_;
+  int dp_, tp_, per_;
+  double timeout_s_;
+  std::vector<std::unique_ptr<MpiCommGroup>> tp_groups_, dp_groups_;
+  std::unique_ptr<MpiCommGroup> channels_;  // the channels' own communicator (group of all ranks)
+};
+
 // run_mesh (comm/rank_runner.h) over the processes of an MPI job: the dp·tp ranks in
-// Megatron's order, k = dp·tp / processes of them in each process (rank r in process
-// r / k), each on a thread with an MpiComm on its TP group and one on its DP group. Every
-// process must call it with the same arguments at the same point of its program. A rank
-// that throws fails every group in every process; the root cause is rethrown in the
-// process where it happened, and the CommError it caused in the others. Throws UsageError
-// unless the processes divide dp·tp.
+// Megatron's order, placed as MpiMesh places them, each on a thread with an MpiComm on its
+// TP group and one on its DP group. Every process must call it with the same arguments at
+// the same point of its program. A rank that throws fails every group in every process;
+// the root cause is rethrown in the process where it happened, and the CommError it caused
+// in the others.
 void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn);
 
 }  // namespace tpsim

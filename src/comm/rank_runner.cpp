@@ -88,7 +88,8 @@ void run_ranks(int world_size, double timeout_s, const RankFn& fn) {
   run_ranks(group, fn);
 }
 
-void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn) {
+void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn,
+              const std::function<void(const std::string&)>& also_abort) {
   if (!fn) throw UsageError("run_mesh: no rank function given");
   if (dp < 1 || tp < 1)
     throw UsageError("run_mesh: the mesh must be at least 1 x 1, got dp " + std::to_string(dp) +
@@ -99,6 +100,7 @@ void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn) {
   RankErrors errors([&](const std::string& why) {
     for (auto& g : tp_groups) g->abort(why);
     for (auto& g : dp_groups) g->abort(why);
+    if (also_abort) also_abort(why);
   });
   run_rank_threads(rank_range(0, dp * tp), errors, [&](int rank) {
     const MeshRank at{rank, rank / tp, rank % tp};

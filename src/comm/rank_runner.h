@@ -42,8 +42,10 @@ using MeshFn = std::function<void(const MeshRank& at, Communicator& tp, Communic
 // DP group (each group its own ThreadCommGroup: a collective issued on the wrong group
 // meets the wrong peers, as it would under NCCL). A rank that throws aborts every group,
 // so no rank waits on any group for the timeout; the root cause is rethrown as run_ranks
-// does. Throws UsageError unless dp, tp >= 1.
-void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn);
+// does. `also_abort`, if given, is called with the same reason when the groups are aborted
+// (a launcher's other groups: MPI's). Throws UsageError unless dp, tp >= 1.
+void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn,
+              const std::function<void(const std::string&)>& also_abort = {});
 
 // ---- for launchers of other communicators (MpiComm) --------------------------------
 

@@ -47,6 +47,8 @@ void check_launch(const DeviceOptions& dev, int world, int dp) {
 }
 
 bool groups_may_run_concurrently(const DeviceOptions& dev) {
+  // Across MPI processes every process must launch the groups in one order.
+  if (dev.processes) return false;
   return dev.backend == BackendKind::Cpu || dev.comm == CommKind::Sim;
 }
 
@@ -72,6 +74,19 @@ void launch_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, con
     if (dev.wrap) be = dev.wrap(at.rank, std::move(be));
     fn(at, *be, tp_comm, dp_comm);
   });
+}
+
+void launch_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+                         const CheckerMain& checker, const RemoteRankMain& remote) {
+  if (dev.processes) {
+    launch_mpi_checked_mesh(dev, dp, tp, timeout_s, checker, remote);
+    return;
+  }
+  launch_mesh(dev, dp, tp, timeout_s,
+              [&](const MeshRank& at, Backend& be, Communicator& tp_comm, Communicator& dp_comm) {
+                LocalRank here{be, tp_comm, dp_comm};
+                checker(at, tp_comm, dp_comm, &here, nullptr);
+              });
 }
 
 }  // namespace tpsim

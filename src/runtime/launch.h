@@ -3,9 +3,11 @@
 // communicators themselves, so a new device kind slots in here and nowhere else.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
@@ -44,6 +46,9 @@ std::shared_ptr<MpiProcesses> start_processes(LaunchKind kind);
 // This process's index among the run's processes, and their count (0 and 1 in one process).
 int process_index(const DeviceOptions& dev);
 int process_count(const DeviceOptions& dev);
+// The first process's verdict (an exit code), in every process of the run: only the first
+// checks, the others only run ranks. `code` itself in one process.
+int exit_code_of_first_process(const DeviceOptions& dev, int code);
 // After a failed run of several processes, once this process has printed its line: ends
 // the whole job with `exit_code` (a peer may be stalled or dead, and MPI cannot be
 // finalised without it). Returns at once for a run in one process.
@@ -61,6 +66,8 @@ void check_launch(const DeviceOptions& dev, int world, int dp = 1);
 // concurrently when they may). NCCL documents several communicators working on one GPU at
 // once as unsafe (a cudaFree in one group can block behind another group's spinning
 // kernel), so CUDA ranks that may get NCCL (--comm nccl, or auto) run one group at a time.
+// So do the groups of a run across MPI processes, which every process must launch in the
+// same order.
 bool groups_may_run_concurrently(const DeviceOptions& dev);
 
 using RankMain = std::function<void(int rank, Backend& be, Communicator& comm)>;
@@ -76,5 +83,45 @@ void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const R
 using MeshMain =
     std::function<void(const MeshRank& at, Backend& be, Communicator& tp, Communicator& dp)>;
 void launch_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
+
+}  // namespace tpsim
+
+namespace tpsim {
+
+// ---- verify: every rank checked in the first process -----------------------------------
+
+// A rank's model, where it runs: its backend and its communicators.
+struct LocalRank {
+  Backend& be;
+  Communicator& tp;
+  Communicator& dp;
+};
+
+// A byte pipe between a rank's model, in another process, and its checker in the first
+// process; each end sends and receives whole messages, in order.
+class RankChannel {
+ public:
+  virtual ~RankChannel() = default;
+  virtual void send(std::vector<std::byte> msg) = 0;
+  virtual std::vector<std::byte> receive() = 0;
+};
+
+// Rank `at`'s checker: communicators joining every rank's checker (its TP group and DP
+// group), and either the rank's model, here (`local`), or the channel to the process that
+// runs it (`remote`); exactly one is set.
+using CheckerMain = std::function<void(const MeshRank& at, Communicator& check_tp,
+                                       Communicator& check_dp, LocalRank* local,
+                                       RankChannel* remote)>;
+// A rank that runs in a process other than the first: its model, and its checker's channel.
+using RemoteRankMain = std::function<void(const MeshRank& at, LocalRank& model, RankChannel& checker)>;
+
+// launch_mesh for a run that checks every rank in one place. In one process each rank's
+// thread runs `checker` with `local` set, and its model's communicators are its checks'
+// too. Across MPI processes the first process runs every rank's checker, on threads
+// joined by ThreadComms, each with `local` for the ranks placed in it and `remote` for
+// the others, whose processes run `remote` for them. A failure anywhere ends every rank in
+// every process; the root cause is rethrown where it happened.
+void launch_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+                         const CheckerMain& checker, const RemoteRankMain& remote);
 
 }  // namespace tpsim

@@ -1,4 +1,10 @@
 // The launcher's MPI half: ranks spread over the processes of an MPI job.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
 #include "comm/mpi_comm.h"
 #include "core/errors.h"
 #include "runtime/launch_mpi.h"
@@ -17,28 +23,119 @@ std::shared_ptr<MpiProcesses> start_processes(LaunchKind kind) {
 int process_index(const DeviceOptions& dev) { return dev.processes ? dev.processes->index() : 0; }
 int process_count(const DeviceOptions& dev) { return dev.processes ? dev.processes->count() : 1; }
 
-void end_processes_after_failure(const DeviceOptions& dev, int exit_code) {
-  if (!dev.processes || dev.processes->count() == 1) return;
-  dev.processes->abort_job(exit_code, 1.0);
+int exit_code_of_first_process(const DeviceOptions& dev, int code) {
+  return dev.processes ? dev.processes->from_first(code) : code;
 }
 
-void check_mpi_launch(const DeviceOptions& dev, int world, int) {
+void end_processes_after_failure(const DeviceOptions& dev, int exit_code) {
+  if (!dev.processes || dev.processes->count() == 1) return;
+  // The first process reports (verify checks every rank there): the others give it time to
+  // print its own line before they end the job.
+  dev.processes->abort_job(exit_code, dev.processes->index() == 0 ? 1.0 : 5.0);
+}
+
+void check_mpi_launch(const DeviceOptions& dev, int, int) {
   if (dev.backend == BackendKind::Cuda)
     throw UsageError("--backend cuda across MPI processes (NCCL over MPI) is not built yet; "
                      "run CUDA ranks in one process");
-  const int procs = dev.processes->count();
-  if (world % procs != 0)
-    throw UsageError("the run's " + std::to_string(world) + " ranks do not spread evenly over " +
-                     std::to_string(procs) + " MPI processes; start a number of processes that "
-                     "divides " + std::to_string(world));
+}
+
+namespace {
+
+// One end of rank `rank`'s channel: the first process's (the checker's), or the rank's own.
+class MeshChannel final : public RankChannel {
+ public:
+  MeshChannel(MpiMesh& mesh, int rank, bool checker_end)
+      : mesh_(mesh), rank_(rank), checker_end_(checker_end) {}
+  void send(std::vector<std::byte> msg) override { mesh_.send(rank_, !checker_end_, std::move(msg)); }
+  std::vector<std::byte> receive() override { return mesh_.receive(rank_, checker_end_); }
+
+ private:
+  MpiMesh& mesh_;
+  int rank_;
+  bool checker_end_;
+};
+
+std::unique_ptr<Backend> rank_backend(const DeviceOptions& dev, int rank) {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  if (dev.wrap) be = dev.wrap(rank, std::move(be));
+  return be;
+}
+
+}  // namespace
+
+void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+                             const CheckerMain& checker, const RemoteRankMain& remote) {
+  check_launch(dev, dp * tp, dp);
+  MpiMesh mesh(*dev.processes, dp, tp, timeout_s);
+  const std::vector<int> mine = mesh.local_ranks();
+  if (dev.processes->index() == 0) {
+    // The heartbeat that tells the other processes' ranks, waiting for their checkers here,
+    // that this process lives however long the reference and the checks take.
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::thread heart([&] {
+      std::unique_lock lk(mu);
+      do mesh.beat();
+      while (!cv.wait_for(lk, std::chrono::duration<double>(timeout_s / 4), [&] { return done; }));
+    });
+    auto stop_heart = [&] {
+      {
+        std::lock_guard lk(mu);
+        done = true;
+      }
+      cv.notify_all();
+      heart.join();
+    };
+    // Every rank's checker here; the models of this process's ranks too. The checkers wait
+    // for each other twice as long as a rank waits for its peers or its channel, so that a
+    // stalled or dead rank is named by the wait that sees it, with its process.
+    try {
+      run_mesh(
+          dp, tp, std::min(2 * timeout_s, 1e6),
+          [&](const MeshRank& at, Communicator& check_tp, Communicator& check_dp) {
+            if (std::find(mine.begin(), mine.end(), at.rank) != mine.end()) {
+              MpiComm tp_comm(mesh.tp_group(at.dp_rank), at.tp_rank);
+              MpiComm dp_comm(mesh.dp_group(at.tp_rank), at.dp_rank);
+              auto be = rank_backend(dev, at.rank);
+              LocalRank here{*be, tp_comm, dp_comm};
+              checker(at, check_tp, check_dp, &here, nullptr);
+            } else {
+              MeshChannel channel(mesh, at.rank, true);
+              checker(at, check_tp, check_dp, nullptr, &channel);
+            }
+          },
+          // A checker's failure stops the other processes' ranks too.
+          [&](const std::string& why) { mesh.abort(why); });
+    } catch (...) {
+      stop_heart();
+      throw;
+    }
+    stop_heart();
+    return;
+  }
+  RankErrors errors([&](const std::string& why) { mesh.abort(why); });
+  run_rank_threads(mine, errors, [&](int rank) {
+    const MeshRank at{rank, rank / tp, rank % tp};
+    MpiComm tp_comm(mesh.tp_group(at.dp_rank), at.tp_rank);
+    MpiComm dp_comm(mesh.dp_group(at.tp_rank), at.dp_rank);
+    auto be = rank_backend(dev, rank);
+    LocalRank here{*be, tp_comm, dp_comm};
+    MeshChannel channel(mesh, rank, false);
+    try {
+      remote(at, here, channel);
+    } catch (...) {
+      errors.record("rank " + std::to_string(rank), std::current_exception());
+    }
+  });
 }
 
 void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn) {
   check_launch(dev, dp * tp, dp);
   run_mpi_mesh(*dev.processes, dp, tp, timeout_s,
                [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
-                 std::unique_ptr<Backend> be = make_cpu_backend();
-                 if (dev.wrap) be = dev.wrap(at.rank, std::move(be));
+                 auto be = rank_backend(dev, at.rank);
                  fn(at, *be, tp_comm, dp_comm);
                });
 }

@@ -9,11 +9,14 @@ namespace tpsim {
 // Whether an MPI launcher (Open MPI's mpirun, MPICH's Hydra, Slurm's PMI) started this
 // process, read from the environment it sets.
 bool started_by_mpi_launcher();
-// Throws UsageError unless `world` ranks spread evenly over the job's processes, with the
-// CPU backend (NCCL across processes is not built yet).
+// Throws UsageError unless the ranks are CPU ranks (NCCL across processes is not built yet).
 void check_mpi_launch(const DeviceOptions& dev, int world, int dp);
-// launch_mesh over the processes in dev.processes: this process runs its world/P ranks,
-// rank r in process r / (world/P), each with an MpiComm on its TP group and its DP group.
+// launch_mesh over the processes in dev.processes: ranks in blocks of k = ceil(world / P),
+// rank r in process r / k, each with an MpiComm on its TP group and its DP group.
 void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
+
+// launch_checked_mesh (launch.h) across the processes in dev.processes.
+void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+                             const CheckerMain& checker, const RemoteRankMain& remote);
 
 }  // namespace tpsim

@@ -18,12 +18,18 @@ std::shared_ptr<MpiProcesses> start_processes(LaunchKind kind) {
 int process_index(const DeviceOptions&) { return 0; }
 int process_count(const DeviceOptions&) { return 1; }
 void end_processes_after_failure(const DeviceOptions&, int) {}
+int exit_code_of_first_process(const DeviceOptions&, int code) { return code; }
 
 void check_mpi_launch(const DeviceOptions&, int, int) {
   throw UsageError("this tpsim was built without MPI");
 }
 
 void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double, const MeshMain&) {
+  check_mpi_launch(dev, dp * tp, dp);
+}
+
+void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double, const CheckerMain&,
+                             const RemoteRankMain&) {
   check_mpi_launch(dev, dp * tp, dp);
 }
 

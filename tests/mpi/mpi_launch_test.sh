@@ -5,7 +5,7 @@
 #     data parallelism, the MLP);
 #   - a process killed mid-step, or stalled, ends the whole job within the timeout: every
 #     other process prints one line and exits 3, and no process is left behind;
-#   - a process count that does not divide the ranks is refused in one line (exit 2).
+#   - a process count that does not divide the ranks works too (some processes hold none).
 set -uo pipefail
 tpsim=$(realpath "$1")
 here=$(dirname "$(realpath "$0")")
@@ -41,15 +41,23 @@ for f in d1/*; do cmp -s "$f" "d2/$(basename "$f")" || fail "dump file $(basenam
   || fail "check of the dump written by 2 processes"
 echo "same dump; check passes"
 
-echo "== uneven: 3 processes for 4 ranks"
-"$mpirun" -np 3 "$tpsim" train --model gpt --tp 4 > /dev/null 2> uneven.err
-rc=$?
-[ $rc -eq 2 ] || fail "uneven launch exited $rc, not 2"
-grep -q "do not spread evenly over 3 MPI processes" uneven.err || fail "uneven launch: no line saying why"
+echo "== uneven: 3 processes for 4 ranks (2, 2 and none), 4 processes for 2 ranks"
+"$tpsim" train --model gpt --tp 4 --steps 2 < /dev/null > one.txt || fail "tp 4, one process"
+"$mpirun" -np 3 "$tpsim" train --model gpt --tp 4 --steps 2 > many.txt || fail "tp 4 under -np 3"
+cmp -s one.txt many.txt || fail "tp 4 under -np 3 prints other numbers"
+"$tpsim" train --model gpt --tp 2 --steps 2 < /dev/null > one.txt || fail "tp 2, one process"
+"$mpirun" -np 4 "$tpsim" train --model gpt --tp 2 --steps 2 > many.txt || fail "tp 2 under -np 4"
+cmp -s one.txt many.txt || fail "tp 2 under -np 4 prints other numbers"
+echo "same"
 
 # A long run, marked by its seed so that its processes can be found.
 long() { "$mpirun" -np 2 "$tpsim" train --model gpt --tp 2 --steps 100000 --seed "$1" --timeout 3 > /dev/null 2> "$2"; }
-victim() { pgrep -f "tpsim train --model gpt --tp 2 --steps 100000 --seed $1 " | tail -1; }
+# The process Open MPI made rank 1 (not the newest pid: the order of starts is not promised).
+victim() {
+  for p in $(pgrep -f "tpsim train --model gpt --tp 2 --steps 100000 --seed $1 "); do
+    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1" && echo "$p"
+  done
+}
 left() { pgrep -f "tpsim train --model gpt --tp 2 --steps 100000 --seed $1 " || true; }
 
 echo "== a process killed mid-step"
@@ -61,7 +69,8 @@ kill -KILL "$pid"
 wait $job; rc=$?
 took=$(( $(date +%s) - start ))
 [ $rc -ne 0 ] || fail "killing a process left the job passing"
-grep -q "tpsim: runtime failure: process 0 of 2" killed.err || { cat killed.err; fail "the surviving process printed no line"; }
+# The survivor's line: that the launcher ended it, or its own timeout's, whichever came first.
+grep -q "tpsim: runtime failure: " killed.err || { cat killed.err; fail "the surviving process printed no line"; }
 [ $took -le 20 ] || fail "the job took $took s to end after a kill"
 [ -z "$(left 918273)" ] || fail "processes left behind after a kill"
 echo "killed: the job ended in $took s (mpirun rc $rc), the survivor said so"

@@ -165,7 +165,7 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("--launch", raw.launch,
                  "auto (mpi when mpirun started this process, else threads), threads (every "
                  "rank a thread of this process) or mpi (the ranks spread over the processes "
-                 "of `mpirun -np P`, world/P threads in each; train only for now)")
+                 "of `mpirun -np P`, in blocks of ceil(world/P) threads; train and verify, docs/mpi.md)")
       ->check(CLI::IsMember({"auto", "threads", "mpi"}));
   cmd.add_option("--timeout", o.timeout_s, "seconds a collective may wait for a rank");
   cmd.add_option("--json", o.json_path, "write a machine-readable report here");
@@ -247,7 +247,7 @@ void say_so_when_the_launcher_ends_us(const DeviceOptions& dev) {
   if (process_count(dev) < 2) return;
   std::snprintf(g_terminated_line, sizeof g_terminated_line,
                 "tpsim: runtime failure: process %d of %d: ended by the MPI launcher, because "
-                "another process of the job failed or died first (its line says which rank)\n",
+                "another process of the job failed or died first, or the job was interrupted\n",
                 process_index(dev), process_count(dev));
   std::signal(SIGTERM, on_launcher_sigterm);
 }
@@ -255,18 +255,19 @@ void say_so_when_the_launcher_ends_us(const DeviceOptions& dev) {
 // A failed run's last act: its line is printed, so a SIGTERM need not print another, and
 // under MPI the whole job ends (a peer may be stalled, or dead).
 int failed_with(int code, const DeviceOptions& dev) {
+  std::cout.flush();
   std::cerr.flush();
   g_reported = 1;
   end_processes_after_failure(dev, code);
   return code;
 }
 
-// What runs across MPI processes so far: train. The others refuse in one line rather than
-// run P copies of themselves.
+// What runs across MPI processes so far: train and verify. profile refuses in one line
+// rather than run P copies of itself.
 void refuse_across_processes(const RunOptions& o, const char* command) {
   if (process_count(o.device) > 1)
     throw UsageError(std::string(command) + " does not run across MPI processes yet (train "
-                     "does): run it in one process, without mpirun");
+                     "and verify do): run it in one process, without mpirun");
 }
 
 void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DType default_dtype,
@@ -508,11 +509,13 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
                            "gpt, gpt2 or llama (without --model, verify runs the default sweep)");
       if (raw.steps.empty()) raw.steps = "2";
       finish_options(*verify, o, raw, DType::F64, true);
-      refuse_across_processes(o, "verify");
       const SweepReport r = run_sweep(default_sweep(o));
-      print_sweep_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
-      if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
-      return r.pass ? kExitOk : kExitMismatch;
+      // Under MPI the first process checked every rank: it reports, and its verdict is all's.
+      if (process_index(o.device) == 0) {
+        print_sweep_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
+        if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
+      }
+      return exit_code_of_first_process(o.device, r.pass ? kExitOk : kExitMismatch);
     }
     if (*profile) {
       // Defaults: the seed's float32, one TP degree unless a list is given, 2 steps.
@@ -527,17 +530,18 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
     }
     apply_preset(*verify, o, raw);
     finish_options(*verify, o, raw, DType::F64, true);
-    refuse_across_processes(o, "verify");
     check_fault_applies(o.fault, fault_target(o));
     const VerifyReport r = run_verify(o);
-    print_verify_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
-    if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);
-    if (!o.html_path.empty())
-      write_html_report(o.html_path,
-                        {"tpsim verify", command_line(argc, argv), verify_config_line(o),
-                         tolerance_rule(r.tolerance, r.per_tensor_bounds), verify_verdict(o, r)},
-                        r);
-    return r.pass ? kExitOk : kExitMismatch;
+    if (process_index(o.device) == 0) {
+      print_verify_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
+      if (!o.json_path.empty()) write_verify_json(o.json_path, o, r);
+      if (!o.html_path.empty())
+        write_html_report(o.html_path,
+                          {"tpsim verify", command_line(argc, argv), verify_config_line(o),
+                           tolerance_rule(r.tolerance, r.per_tensor_bounds), verify_verdict(o, r)},
+                          r);
+    }
+    return exit_code_of_first_process(o.device, r.pass ? kExitOk : kExitMismatch);
   } catch (const UsageError& e) {
     std::cerr << "tpsim: error: " << e.what() << "\n";
     return failed_with(kExitUsage, o.device);

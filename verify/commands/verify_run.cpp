@@ -10,6 +10,8 @@
 #include <tuple>
 
 #include "runtime/launch.h"
+#include "verify/engine/step_stream.h"
+#include "verify/setup/inputs.h"
 #include "verify/engine/divergence.h"
 #include "verify/setup/memory_check.h"
 #include "verify/setup/model_description.h"
@@ -43,12 +45,18 @@ class ReferenceFeed {
 
   RefStorage storage() const { return storage_; }
 
+  // Thrown to the producer once no rank reads any more (they failed, or the run ended):
+  // the steps it would make from then on serve nobody, and a failed run of many steps
+  // must not wait for them.
+  struct Deserted {};
+
   // Producer: the slot for `step`, once the step that used it before has been let go.
   RefStep& slot(int step) {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return readers_.passed(step - lag_); });
     waited_s_ += seconds_since(t0);
+    if (readers_.deserted()) throw Deserted{};
     return at(step);
   }
   void publish(int step) {
@@ -273,6 +281,173 @@ std::vector<Observation> observe_gradients(ShardedModel& model) {
   return grads;
 }
 
+// One rank's sharded model where it runs (and, with --recompute, the same model without
+// recomputation beside it, run just before it each step, whose every tensor the
+// recomputing run must equal bit for bit): the tensors of each step, in tensor order.
+class RankRun {
+ public:
+  RankRun(const RunOptions& o, const RunInputs& in, LocalRank& here,
+          const std::vector<std::string>& order)
+      : o_(o), here_(here), order_(order) {
+    Communicator* dpc = o.dp > 1 || o.clip_grad > 0 ? &here.dp : nullptr;
+    model_ = make_sharded_model(o, in, here.be, here.tp, dpc);
+    model_->record_activation_points(true);
+    if (!in.loaded.empty()) model_->load_params(in.loaded);
+    if (o.recompute != RecomputeKind::None) {
+      RunOptions plain = o;
+      plain.recompute = RecomputeKind::None;
+      plain.recompute_layers = 1;
+      baseline_ = make_sharded_model(plain, in, here.be, here.tp, dpc);
+      baseline_->record_activation_points(true);
+      if (!in.loaded.empty()) baseline_->load_params(in.loaded);
+    }
+  }
+
+  // Forward and backward from `resync` (the reference's weights, with --resync) or from
+  // where the last step left the weights. `used`: the last step's observations, given back
+  // to be refilled.
+  void gradients(const TensorMap* resync, std::vector<Observation>&& used, StepTensors& out) {
+    if (resync) model_->load_params(*resync);
+    if (baseline_) {
+      if (resync) baseline_->load_params(*resync);
+      baseline_->forward_backward();
+      out.base_fwd = baseline_->observe_forward();
+      out.base_grads = observe_gradients(*baseline_);
+    }
+    here_.tp.clear_records();
+    here_.dp.clear_records();
+    out.loss = model_->forward_backward();
+    out.comm = totals(here_.tp.records());
+    out.dp_comm = totals(here_.dp.records());
+    model_->recycle(std::move(used));
+    out.fwd = model_->observe_forward();
+    out.grads = observe_gradients(*model_);
+    sort_in_tensor_order(out.fwd, order_);
+    sort_in_tensor_order(out.grads, order_);
+  }
+
+  void update(UpdateTensors& out) {
+    model_->optimizer_step();
+    out.params = model_->observe_params();
+    if (baseline_) {
+      baseline_->optimizer_step();
+      out.base_params = baseline_->observe_params();
+    }
+  }
+
+  // After the last step, the reassembly that --save-final uses (a collective: every rank
+  // joins): each parameter's full gradient and value. A shard placed at the wrong offset
+  // passes every per-shard check and corrupts only the saved tensors. A replicated tensor
+  // reassembles to this rank's own copy: where the backend holds it in f64 on the host, it
+  // is read in place rather than copied (wte: 100 MB), and the checker reuses this step's
+  // check of that same memory (optimizer_step reads the gradients only: Backend::adam_update
+  // takes them const).
+  void reassemble(const std::function<void(const Parameter&, ObservedValues grad, ObservedValues value)>& use) {
+    auto full_of = [&](const Parameter& p, const Tensor& t) -> ObservedValues {
+      if (p.spec.replicated())
+        if (const double* h = here_.be.host_view_f64(t))
+          return ObservedValues::view(h, static_cast<std::size_t>(t.numel()));
+      return gather_full(here_.be, here_.tp, p.spec, t, o_.fault);
+    };
+    for (const Parameter& p : model_->params()) {
+      auto grad = full_of(p, p.grad);
+      auto value = full_of(p, p.value);
+      use(p, std::move(grad), std::move(value));
+    }
+  }
+
+ private:
+  const RunOptions& o_;
+  LocalRank& here_;
+  const std::vector<std::string>& order_;
+  std::unique_ptr<ShardedModel> model_, baseline_;
+};
+
+// The weights a rank in another process loads with --resync: the parameters of the
+// reference's step, not its activations.
+TensorMap resync_weights(const RunOptions& o, const TensorMap& copies) {
+  TensorMap w;
+  for (const ParamSpec& p : param_specs(o)) w[p.name] = copies.at(p.name);
+  return w;
+}
+
+// A rank placed in another process than the first: its model runs there, and streams
+// each step to its checker (the first process's RemoteSource) as two messages, the
+// gradients and the update; each step after the first waits for its checker's word.
+void run_streamed_rank(const RunOptions& o, const RunInputs& in, LocalRank& here,
+                       RankChannel& checker, const std::vector<std::string>& order) {
+  RankRun run(o, in, here, order);
+  StepTensors st;
+  UpdateTensors up;
+  TensorMap weights;
+  std::vector<Observation> used;
+  for (int step = 1; step <= o.steps; ++step) {
+    const bool resync = o.resync && step > 1;
+    // Each step after the first starts when the checker says so (with the weights, under
+    // --resync): a rank in one process waits for the reference the same way, and a rank
+    // that ran ahead would wait for its peers here in a collective, under the timeout.
+    if (step > 1) {
+      auto go = checker.receive();
+      if (resync) decode(go, weights);
+    }
+    run.gradients(resync ? &weights : nullptr, std::move(used), st);
+    checker.send(encode(st));
+    run.update(up);
+    checker.send(encode(up));
+    used = std::move(st.fwd);
+    for (auto* obs : {&st.grads, &up.params})
+      for (auto& ob : *obs) used.push_back(std::move(ob));
+  }
+  run.reassemble([](const Parameter&, ObservedValues, ObservedValues) {});  // rank 0 checks
+}
+
+// A rank's tensors as its checker gets them: from its model here, or streamed from the
+// process that runs it.
+class StepSource {
+ public:
+  virtual ~StepSource() = default;
+  virtual void gradients(const TensorMap* resync, std::vector<Observation>&& used,
+                         StepTensors& out) = 0;
+  virtual void update(UpdateTensors& out) = 0;
+  // Rank 0 checks the reassembly, and always runs in the first process (here).
+  virtual void reassemble(
+      const std::function<void(const Parameter&, ObservedValues, ObservedValues)>& use) = 0;
+};
+
+class LocalSource final : public StepSource {
+ public:
+  LocalSource(const RunOptions& o, const RunInputs& in, LocalRank& here,
+              const std::vector<std::string>& order)
+      : run_(o, in, here, order) {}
+  void gradients(const TensorMap* resync, std::vector<Observation>&& used, StepTensors& out) override {
+    run_.gradients(resync, std::move(used), out);
+  }
+  void update(UpdateTensors& out) override { run_.update(out); }
+  void reassemble(const std::function<void(const Parameter&, ObservedValues, ObservedValues)>& use) override {
+    run_.reassemble(use);
+  }
+
+ private:
+  RankRun run_;
+};
+
+class RemoteSource final : public StepSource {
+ public:
+  RemoteSource(const RunOptions& o, RankChannel& channel) : o_(o), channel_(channel) {}
+  void gradients(const TensorMap* resync, std::vector<Observation>&&, StepTensors& out) override {
+    // After the first step, the rank waits for a word to start: the weights, or nothing.
+    if (++step_ > 1) channel_.send(resync ? encode(resync_weights(o_, *resync)) : std::vector<std::byte>{});
+    decode(channel_.receive(), out);
+  }
+  void update(UpdateTensors& out) override { decode(channel_.receive(), out); }
+  void reassemble(const std::function<void(const Parameter&, ObservedValues, ObservedValues)>&) override {}
+
+ private:
+  const RunOptions& o_;
+  RankChannel& channel_;
+  int step_ = 0;
+};
+
 TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref, int tp,
                    double tol, Tp1Feed* tp1) {
   auto t0 = std::chrono::steady_clock::now();
@@ -288,47 +463,36 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   // op that diverged.
   const std::vector<std::string> order = describe_model(o)->tensor_order(o.clip_grad > 0);
 
-  launch_mesh(o.device, dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be, Communicator& comm,
-                                              Communicator& dp_comm) {
+  launch_checked_mesh(o.device, dp, tp, o.timeout_s, [&](const MeshRank& at, Communicator& comm,
+                                                         Communicator& dp_comm, LocalRank* local,
+                                                         RankChannel* remote) {
     const int rank = at.tp_rank;
     const auto me = static_cast<std::size_t>(at.rank);
     const auto tp0 = static_cast<std::size_t>(at.dp_rank * tp);  // rank 0 of my TP group
     const auto dp0 = static_cast<std::size_t>(at.tp_rank);       // my TP rank on replica 0
-    Communicator* dpc = o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr;
     FeedReader reader(ref);
     const bool record_tp1 = tp1 && tp == 1, against_tp1 = tp1 && tp != 1;
     Tp1Reader tp1_reader(against_tp1 ? tp1 : nullptr);
-    auto model = make_sharded_model(o, in, be, comm, dpc);
-    model->record_activation_points(true);
-    if (!in.loaded.empty()) model->load_params(in.loaded);
-    // --recompute: the same model without recomputation beside it on this rank, run just
-    // before it each step, whose every tensor the recomputing run must equal bit for bit.
-    std::unique_ptr<ShardedModel> baseline;
-    if (o.recompute != RecomputeKind::None) {
-      RunOptions plain = o;
-      plain.recompute = RecomputeKind::None;
-      plain.recompute_layers = 1;
-      baseline = make_sharded_model(plain, in, be, comm, dpc);
-      baseline->record_activation_points(true);
-      if (!in.loaded.empty()) baseline->load_params(in.loaded);
-    }
+    std::unique_ptr<StepSource> source;
+    if (local)
+      source = std::make_unique<LocalSource>(o, in, *local, order);
+    else
+      source = std::make_unique<RemoteSource>(o, *remote);
     RankFindings& mine = found[me];
     const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 run
+    StepTensors st;
+    UpdateTensors up;
     for (int step = 1; step <= o.steps; ++step) {
-      if (o.resync && step > 1) model->load_params(ref.wait(step - 1).copies);
-      std::vector<Observation> base_fwd, base_grads;
-      if (baseline) {
-        if (o.resync && step > 1) baseline->load_params(ref.wait(step - 1).copies);
-        baseline->forward_backward();
-        base_fwd = baseline->observe_forward();
-        base_grads = observe_gradients(*baseline);
-      }
-      comm.clear_records();
-      dp_comm.clear_records();
-      const double loss = model->forward_backward();
+      // Last step's observations go back to be refilled: past the second barrier below, no
+      // rank reads another's slot any more.
+      auto& slot = replica_slots[me];
+      source->gradients(o.resync && step > 1 ? &ref.wait(step - 1).copies : nullptr,
+                        std::move(slot), st);
+      slot.clear();
+      const double loss = st.loss;
       if (step == 1) {
-        mine.comm_step1 = totals(comm.records());
-        mine.dp_comm_step1 = totals(dp_comm.records());
+        mine.comm_step1 = st.comm;
+        mine.dp_comm_step1 = st.dp_comm;
       }
       mine.losses.push_back(loss);
 
@@ -339,21 +503,15 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       // 0's bit for bit, and take rank 0's numbers when equal (logits, wte and their
       // gradients: a third of tp 2's compared values).
       if (rank != 0) check.defer_replicated();
-      // Last step's observations go back to the model to be refilled: past the second
-      // barrier below, no rank reads another's slot any more.
-      auto& slot = replica_slots[me];
-      model->recycle(std::move(slot));
-      auto fwd = model->observe_forward();
-      auto grads = observe_gradients(*model);
-      sort_in_tensor_order(fwd, order);
-      sort_in_tensor_order(grads, order);
+      auto& fwd = st.fwd;
+      auto& grads = st.grads;
       for (const auto& g : grads)
         if (g.name == "grad_norm") mine.grad_norms.push_back(g.values[0]);
       // --recompute: first against the run without it, so that a step where recomputation
       // changed a bit names that check first.
-      if (baseline) {
-        check.check_recomputed(fwd, base_fwd, Phase::Forward);
-        check.check_recomputed(grads, base_grads, Phase::Backward);
+      if (o.recompute != RecomputeKind::None) {
+        check.check_recomputed(fwd, st.base_fwd, Phase::Forward);
+        check.check_recomputed(grads, st.base_grads, Phase::Backward);
       }
       const std::size_t checked_before = mine.step.size();
       check.check(fwd, Phase::Forward);
@@ -385,12 +543,10 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       if (not_finite && std::all_of(mine.step.begin() + static_cast<std::ptrdiff_t>(checked_before),
                                     mine.step.end(), [](const Comparison& c) { return c.pass; }))
         check_finite(loss, grads, rank, step);
-      model->optimizer_step();
-      auto params = model->observe_params();
-      if (baseline) {
-        baseline->optimizer_step();
-        check.check_recomputed(params, baseline->observe_params(), Phase::Update);
-      }
+      source->update(up);
+      auto& params = up.params;
+      if (o.recompute != RecomputeKind::None)
+        check.check_recomputed(params, up.base_params, Phase::Update);
       check.check(params, Phase::Update);
       if (record_tp1) {
         tp1->record(step, params);
@@ -416,33 +572,19 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       comm.barrier();
       if (dp > 1) dp_comm.barrier();
 
-      // After the last step, the reassembly that --save-final uses: a shard placed at the
-      // wrong offset passes every per-shard check and corrupts only the saved tensors.
-      // A replicated tensor reassembles to this rank's own copy: where the backend holds
-      // it in f64 on the host, it is read in place rather than copied (wte: 100 MB), and
-      // the checker reuses this step's check of that same memory (optimizer_step reads the
-      // gradients only: Backend::adam_update takes them const).
-      if (step == o.steps) {
-        auto full_of = [&](const Parameter& p, const Tensor& t) -> ObservedValues {
-          if (p.spec.replicated())
-            if (const double* h = be.host_view_f64(t))
-              return ObservedValues::view(h, static_cast<std::size_t>(t.numel()));
-          return gather_full(be, comm, p.spec, t, o.fault);
-        };
-        for (const Parameter& p : model->params()) {
-          auto grad = full_of(p, p.grad);
-          auto value = full_of(p, p.value);
-          if (at.rank != 0) continue;
+      if (step == o.steps)
+        source->reassemble([&](const Parameter& p, ObservedValues grad, ObservedValues value) {
+          if (at.rank != 0) return;
           check.check_reassembled(p.spec.name + ".grad", p.spec.full_shape, std::move(grad),
                                   Phase::Backward);
-          check.check_reassembled(p.spec.name, p.spec.full_shape, std::move(value),
-                                  Phase::Update);
-        }
-      }
+          check.check_reassembled(p.spec.name, p.spec.full_shape, std::move(value), Phase::Update);
+        });
       folder.hand_in(step, std::move(mine.step));
       mine.step.clear();
       reader.done(step);
     }
+  }, [&](const MeshRank&, LocalRank& here, RankChannel& checker) {
+    run_streamed_rank(o, in, here, checker, order);
   });
 
   r.losses = found[0].losses;
@@ -486,6 +628,10 @@ VerifyReport run_verify(const RunOptions& o) {
     const ToleranceModel bounds(o);
     rep.per_tensor_bounds = bounds.per_tensor();
   }
+  if (o.tp_invariant && process_count(o.device) > 1)
+    throw UsageError("verify --tp-invariant does not run across MPI processes yet (its tp 1 "
+                     "runs beside every other degree); run it in one process");
+  const bool checks_here = process_index(o.device) == 0;
   const RunInputs in = prepare_inputs(o);
   rep.results.resize(o.tp.size());
   rep.tp_invariant = o.tp_invariant;
@@ -526,16 +672,22 @@ VerifyReport run_verify(const RunOptions& o) {
     ReferenceFeed ref(consumers, o.resync);
     Tp1Feed tp1(consumers - 1);  // read by every rank of the wave but tp 1's
     double ref_seconds = 0;
-    std::thread reference([&] {
-      auto t0 = std::chrono::steady_clock::now();
-      try {
-        run_reference(o, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
-                      [&](int step) { ref.publish(step); });
-      } catch (...) {
-        ref.fail(std::current_exception());
-      }
-      ref_seconds = seconds_since(t0) - ref.producer_waited_s();
-    });
+    // Under MPI the reference runs once, in the first process, where every rank is checked;
+    // the other processes only run their ranks' models.
+    std::thread reference;
+    if (checks_here)
+      reference = std::thread([&] {
+        auto t0 = std::chrono::steady_clock::now();
+        try {
+          run_reference(o, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
+                        [&](int step) { ref.publish(step); });
+        } catch (const ReferenceFeed::Deserted&) {
+          // every rank stopped reading: their own errors, if any, are the report
+        } catch (...) {
+          ref.fail(std::current_exception());
+        }
+        ref_seconds = seconds_since(t0) - ref.producer_waited_s();
+      });
     std::vector<std::exception_ptr> errors(waves[w].size());
     std::vector<std::thread> groups;
     for (std::size_t j = 0; j < waves[w].size(); ++j)
@@ -553,7 +705,7 @@ VerifyReport run_verify(const RunOptions& o) {
       });
     for (auto& g : groups) g.join();
     ref.close();
-    reference.join();
+    if (reference.joinable()) reference.join();
     // The reference's own failure is the root cause of any "reference failed" in a group.
     if (auto e = ref.error()) std::rethrow_exception(e);
     // The first group to fail (tp 1 or a reader) stopped the others' tp 1 feed.

@@ -26,6 +26,8 @@ class StepBarrier {
   // True once every reader still reading has finished `step` (always for step <= 0), or
   // when none is reading any more.
   bool passed(int step) const { return readers_ <= 0 || all_done_ >= step; }
+  // Whether no reader reads any more: what the producer makes from now on, nobody reads.
+  bool deserted() const { return readers_ <= 0; }
 
  private:
   void advance();
