@@ -51,7 +51,7 @@ void check_collectives(CommKind comm, int world) {
   const DType dt = dtype_of<T>();
   const i64 chunk = 1000;
   const i64 count = chunk * world;
-  launch_ranks({BackendKind::Cuda, comm, {}}, world, 20.0, [&](int r, Backend& be, Communicator& c) {
+  launch_ranks({BackendKind::Cuda, comm, {}, {}}, world, 20.0, [&](int r, Backend& be, Communicator& c) {
     const auto in = inputs(r, count);
     auto sum = rank_order_sum<T>(world, count);
     // all_reduce sum, in place
@@ -130,7 +130,7 @@ TEST_CASE("SimComm: a slow peer still waits on a fast rank's events after it tor
   const auto sum = rank_order_sum<float>(2, count);
   for (int rep = 0; rep < 8; ++rep) {
     INFO("repetition " << rep);
-    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}}, 2, 20.0, [&](int r, Backend& be, Communicator& c) {
+    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}, {}}, 2, 20.0, [&](int r, Backend& be, Communicator& c) {
       const auto in = inputs(r, count);
       Tensor t = be.empty({count}, DType::F32, MemCategory::CommBuffer, "t");
       be.from_host(t, in.data());
@@ -221,7 +221,7 @@ TEST_CASE("NcclGroup: a failed set-up closes the group, restores the device, fre
 TEST_CASE("SimComm: ranks that disagree fail on every rank with one message", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
   try {
-    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}}, 2, 5.0, [](int r, Backend& be, Communicator& c) {
+    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}, {}}, 2, 5.0, [](int r, Backend& be, Communicator& c) {
       Tensor t = be.empty({r == 0 ? 4 : 5}, DType::F32, MemCategory::CommBuffer, "t");
       be.fill(t, 1.0);
       c.all_reduce(t, ReduceOp::Sum);
@@ -237,7 +237,7 @@ TEST_CASE("device comms: a rank that never joins ends in an error, not a hang", 
   for (CommKind kind : {CommKind::Sim, CommKind::Nccl}) {
     if (kind == CommKind::Nccl && test::gpus() < 2) continue;
     try {
-      launch_ranks({BackendKind::Cuda, kind, {}}, 2, 0.5, [](int r, Backend& be, Communicator& c) {
+      launch_ranks({BackendKind::Cuda, kind, {}, {}}, 2, 0.5, [](int r, Backend& be, Communicator& c) {
         Tensor t = be.empty({16}, DType::F32, MemCategory::CommBuffer, "t");
         be.fill(t, 1.0);
         c.set_label("h.0 g");
@@ -253,7 +253,7 @@ TEST_CASE("device comms: a rank that never joins ends in an error, not a hang", 
 TEST_CASE("launch: a failing rank's own error is the one reported", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
   try {
-    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}}, 3, 5.0, [](int r, Backend& be, Communicator& c) {
+    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}, {}}, 3, 5.0, [](int r, Backend& be, Communicator& c) {
       Tensor t = be.empty({16}, DType::F32, MemCategory::CommBuffer, "t");
       be.fill(t, 1.0);
       if (r == 2) throw UsageError("rank 2 refuses");
@@ -268,7 +268,7 @@ TEST_CASE("launch: a failing rank's own error is the one reported", "[cuda]") {
 TEST_CASE("launch: --comm nccl with more ranks than GPUs is a usage error", "[cuda]") {
   TPSIM_REQUIRE_CUDA();
   const int n = test::gpus();
-  CHECK_THROWS_AS(launch_ranks({BackendKind::Cuda, CommKind::Nccl, {}}, n + 1, 5.0,
+  CHECK_THROWS_AS(launch_ranks({BackendKind::Cuda, CommKind::Nccl, {}, {}}, n + 1, 5.0,
                                [](int, Backend&, Communicator&) {}),
                   UsageError);
 }

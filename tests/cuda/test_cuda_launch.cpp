@@ -20,10 +20,10 @@ namespace {
 using namespace tpsim;
 
 TEST_CASE("launch: only CPU ranks and SimComm groups may run concurrently", "[cuda]") {
-  CHECK(groups_may_run_concurrently({BackendKind::Cpu, CommKind::Auto, {}}));
-  CHECK(groups_may_run_concurrently({BackendKind::Cuda, CommKind::Sim, {}}));
-  CHECK_FALSE(groups_may_run_concurrently({BackendKind::Cuda, CommKind::Nccl, {}}));
-  CHECK_FALSE(groups_may_run_concurrently({BackendKind::Cuda, CommKind::Auto, {}}));
+  CHECK(groups_may_run_concurrently({BackendKind::Cpu, CommKind::Auto, {}, {}}));
+  CHECK(groups_may_run_concurrently({BackendKind::Cuda, CommKind::Sim, {}, {}}));
+  CHECK_FALSE(groups_may_run_concurrently({BackendKind::Cuda, CommKind::Nccl, {}, {}}));
+  CHECK_FALSE(groups_may_run_concurrently({BackendKind::Cuda, CommKind::Auto, {}, {}}));
 }
 
 // verify --tp 1,2 --comm nccl: the first rank to start holds its group back (the wrap runs
@@ -46,7 +46,7 @@ TEST_CASE("verify: NCCL TP groups run one after another", "[cuda]") {
                   seen_by_first = started.load();
                 }
                 return be;
-              }};
+              }, {}};
   const VerifyReport rep = run_verify(o);
   CHECK(rep.pass);
   CHECK(started.load() == 3);
@@ -70,7 +70,7 @@ TEST_CASE("launch: a host wait on a stuck stream ends at the timeout, naming ran
   std::atomic<bool> released{false};
   std::string message;
   double waited = 0;
-  launch_ranks({BackendKind::Cuda, CommKind::Sim, {}}, 1, 0.5, [&](int, Backend& be, Communicator&) {
+  launch_ranks({BackendKind::Cuda, CommKind::Sim, {}, {}}, 1, 0.5, [&](int, Backend& be, Communicator&) {
     auto& gpu = dynamic_cast<CudaBackend&>(be);
     Tensor t = be.empty({16}, DType::F32, MemCategory::Temporary, "t");
     be.fill(t, 1.0);
