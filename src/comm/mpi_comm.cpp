@@ -652,9 +652,13 @@ std::vector<std::byte> MpiMesh::receive(int rank, bool to_first) {
 void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn) {
   if (!fn) throw UsageError("run_mpi_mesh: no rank function given");
   MpiMesh mesh(procs, dp, tp, timeout_s);
+  run_local_ranks(mesh, fn);
+}
+
+void run_local_ranks(MpiMesh& mesh, const MeshFn& fn) {
   RankErrors errors([&](const std::string& why) { mesh.abort(why); });
   run_rank_threads(mesh.local_ranks(), errors, [&](int rank) {
-    const MeshRank at{rank, rank / tp, rank % tp};
+    const MeshRank at{rank, rank / mesh.tp(), rank % mesh.tp()};
     MpiComm tp_comm(mesh.tp_group(at.dp_rank), at.tp_rank);
     MpiComm dp_comm(mesh.dp_group(at.tp_rank), at.dp_rank);
     try {

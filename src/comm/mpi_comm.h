@@ -133,6 +133,7 @@ class MpiMesh {
   MpiMesh& operator=(const MpiMesh&) = delete;
 
   int ranks_per_process() const { return per_; }
+  int tp() const { return tp_; }
   int process_of(int rank) const { return rank / per_; }
   std::vector<int> local_ranks() const;  // this process's, in order
   MpiCommGroup& tp_group(int dp_rank) { return *tp_groups_[static_cast<std::size_t>(dp_rank)]; }
@@ -169,5 +170,7 @@ class MpiMesh {
 // the root cause is rethrown in the process where it happened, and the CommError it caused
 // in the others.
 void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn);
+// The same on a mesh the caller built (to use its channels too): this process's ranks.
+void run_local_ranks(MpiMesh& mesh, const MeshFn& fn);
 
 }  // namespace tpsim

@@ -115,19 +115,11 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
     stop_heart();
     return;
   }
-  RankErrors errors([&](const std::string& why) { mesh.abort(why); });
-  run_rank_threads(mine, errors, [&](int rank) {
-    const MeshRank at{rank, rank / tp, rank % tp};
-    MpiComm tp_comm(mesh.tp_group(at.dp_rank), at.tp_rank);
-    MpiComm dp_comm(mesh.dp_group(at.tp_rank), at.dp_rank);
-    auto be = rank_backend(dev, rank);
+  run_local_ranks(mesh, [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
+    auto be = rank_backend(dev, at.rank);
     LocalRank here{*be, tp_comm, dp_comm};
-    MeshChannel channel(mesh, rank, false);
-    try {
-      remote(at, here, channel);
-    } catch (...) {
-      errors.record("rank " + std::to_string(rank), std::current_exception());
-    }
+    MeshChannel channel(mesh, at.rank, false);
+    remote(at, here, channel);
   });
 }
 

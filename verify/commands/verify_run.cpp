@@ -281,10 +281,24 @@ std::vector<Observation> observe_gradients(ShardedModel& model) {
   return grads;
 }
 
+// A rank's tensors as its checker gets them: from its model here, or streamed from the
+// process that runs it.
+class StepSource {
+ public:
+  virtual ~StepSource() = default;
+  virtual void gradients(const TensorMap* resync, std::vector<Observation>&& used,
+                         StepTensors& out) = 0;
+  virtual void update(UpdateTensors& out) = 0;
+  // Rank 0 checks the reassembly, and always runs in the first process (here).
+  virtual void reassemble(
+      const std::function<void(const Parameter&, ObservedValues, ObservedValues)>& use) = 0;
+};
+
 // One rank's sharded model where it runs (and, with --recompute, the same model without
 // recomputation beside it, run just before it each step, whose every tensor the
-// recomputing run must equal bit for bit): the tensors of each step, in tensor order.
-class RankRun {
+// recomputing run must equal bit for bit): the tensors of each step, in tensor order. The
+// checker's source for a rank in its own process, and what a rank elsewhere streams.
+class RankRun final : public StepSource {
  public:
   RankRun(const RunOptions& o, const RunInputs& in, LocalRank& here,
           const std::vector<std::string>& order)
@@ -306,7 +320,7 @@ class RankRun {
   // Forward and backward from `resync` (the reference's weights, with --resync) or from
   // where the last step left the weights. `used`: the last step's observations, given back
   // to be refilled.
-  void gradients(const TensorMap* resync, std::vector<Observation>&& used, StepTensors& out) {
+  void gradients(const TensorMap* resync, std::vector<Observation>&& used, StepTensors& out) override {
     if (resync) model_->load_params(*resync);
     if (baseline_) {
       if (resync) baseline_->load_params(*resync);
@@ -326,7 +340,7 @@ class RankRun {
     sort_in_tensor_order(out.grads, order_);
   }
 
-  void update(UpdateTensors& out) {
+  void update(UpdateTensors& out) override {
     model_->optimizer_step();
     out.params = model_->observe_params();
     if (baseline_) {
@@ -342,7 +356,8 @@ class RankRun {
   // is read in place rather than copied (wte: 100 MB), and the checker reuses this step's
   // check of that same memory (optimizer_step reads the gradients only: Backend::adam_update
   // takes them const).
-  void reassemble(const std::function<void(const Parameter&, ObservedValues grad, ObservedValues value)>& use) {
+  void reassemble(
+      const std::function<void(const Parameter&, ObservedValues, ObservedValues)>& use) override {
     auto full_of = [&](const Parameter& p, const Tensor& t) -> ObservedValues {
       if (p.spec.replicated())
         if (const double* h = here_.be.host_view_f64(t))
@@ -401,36 +416,6 @@ void run_streamed_rank(const RunOptions& o, const RunInputs& in, LocalRank& here
   run.reassemble([](const Parameter&, ObservedValues, ObservedValues) {});  // rank 0 checks
 }
 
-// A rank's tensors as its checker gets them: from its model here, or streamed from the
-// process that runs it.
-class StepSource {
- public:
-  virtual ~StepSource() = default;
-  virtual void gradients(const TensorMap* resync, std::vector<Observation>&& used,
-                         StepTensors& out) = 0;
-  virtual void update(UpdateTensors& out) = 0;
-  // Rank 0 checks the reassembly, and always runs in the first process (here).
-  virtual void reassemble(
-      const std::function<void(const Parameter&, ObservedValues, ObservedValues)>& use) = 0;
-};
-
-class LocalSource final : public StepSource {
- public:
-  LocalSource(const RunOptions& o, const RunInputs& in, LocalRank& here,
-              const std::vector<std::string>& order)
-      : run_(o, in, here, order) {}
-  void gradients(const TensorMap* resync, std::vector<Observation>&& used, StepTensors& out) override {
-    run_.gradients(resync, std::move(used), out);
-  }
-  void update(UpdateTensors& out) override { run_.update(out); }
-  void reassemble(const std::function<void(const Parameter&, ObservedValues, ObservedValues)>& use) override {
-    run_.reassemble(use);
-  }
-
- private:
-  RankRun run_;
-};
-
 class RemoteSource final : public StepSource {
  public:
   RemoteSource(const RunOptions& o, RankChannel& channel) : o_(o), channel_(channel) {}
@@ -475,7 +460,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
     Tp1Reader tp1_reader(against_tp1 ? tp1 : nullptr);
     std::unique_ptr<StepSource> source;
     if (local)
-      source = std::make_unique<LocalSource>(o, in, *local, order);
+      source = std::make_unique<RankRun>(o, in, *local, order);
     else
       source = std::make_unique<RemoteSource>(o, *remote);
     RankFindings& mine = found[me];
