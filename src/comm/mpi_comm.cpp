@@ -462,7 +462,8 @@ void MpiComm::run(CallPost mine) {
 
     // This rank's messages must have left before their buffers go; a peer that never
     // takes a large one (it died) is a timeout like any other.
-    for (MPI_Request& req : sends.reqs) {
+    for (int q = 0; q < n; ++q) {
+      MPI_Request& req = sends.reqs[static_cast<std::size_t>(q)];
       Backoff wait;
       for (;;) {
         int done = 0;
@@ -472,7 +473,8 @@ void MpiComm::run(CallPost mine) {
         if (std::string f = st.failed_reason(); !f.empty()) throw CommError(who + " aborted: " + f);
         if (Clock::now() >= deadline)
           throw fail(who + " timed out after " + format_seconds(st.timeout_s) +
-                     " s with its message to a peer not taken");
+                     " s waiting for rank " + std::to_string(q) + " (process " +
+                     std::to_string(st.process_of(q)) + ") to take its message");
         wait.pause();
       }
     }
