@@ -6,8 +6,9 @@
 #      --sequence-parallel; f64, f32 and bf16), and for GPT-2 and Llama (grouped-query,
 #      both RoPE pairings), at TP 1,2,4,8, with --comm sim and the emulated --comm nccl;
 #   3. verify --tp-invariant on a tiny GPT and GPT-2 in f32 and bf16 under the emulator's
-#      split-K by shape (TPSIM_EMU_CUBLAS_SPLITK=shape): bit-identical to TP 1.
-# Called by scripts/test.sh; about 5 minutes of runs on 2 cores, plus the build.
+#      split-K by shape (TPSIM_EMU_CUBLAS_SPLITK=shape): bit-identical to TP 1;
+#   4. with MPI: --comm nccl under mpirun -np 2 and -np 4, equal to one process's reports.
+# Called by scripts/test.sh; about 7 minutes of runs on 2 cores, plus the build.
 # EMU_ASAN=1 also builds build-emu-asan/ with ASan/UBSan and runs the self-tests and
 # device tests there (slower: not part of CI), so that a host access out of bounds or
 # after free (a pageable copy's freed source) names its line.
@@ -101,4 +102,13 @@ for dt in f32 bf16; do
     fi
   done
 done
+# NCCL across MPI processes (docs/mpi.md): the emulator's cliques span the processes of
+# `mpirun`; verify's JSON report under -np 2 and -np 4 must equal one process's, faults and
+# a killed or stalled process included. Only where tpsim was built with MPI.
+if grep -q '^TPSIM_MPI:BOOL=ON' build-emu/CMakeCache.txt; then
+  echo "== cuda_emu: --comm nccl across MPI processes (EMULATED)"
+  if ! python3 tests/mpi/mpi_verify_test.py build-emu/tpsim --cuda-nccl; then
+    failed=1
+  fi
+fi
 exit "$failed"

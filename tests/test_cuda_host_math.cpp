@@ -355,6 +355,27 @@ TEST_CASE("cuda plan: impossible device requests are one-line usage errors", "[c
   CHECK_THROWS_AS(parse_cuda_device_env("1x"), UsageError);
 }
 
+TEST_CASE("cuda plan across MPI processes: a GPU per rank, after the node's earlier processes'",
+          "[cuda-host]") {
+  using Catch::Matchers::Message;
+  // Two processes of two ranks on a node of 4 GPUs: the second takes cuda:2 and cuda:3.
+  CudaPlan p = plan_cuda_process(CommKind::Auto, 2, 4, 0, 2, "n1");
+  CHECK(p.comm == CommKind::Nccl);
+  CHECK(p.devices == std::vector<int>{2, 3});
+  p = plan_cuda_process(CommKind::Nccl, 1, 8, 4, 3, "n1");  // TPSIM_CUDA_DEVICE=4
+  CHECK(p.devices == std::vector<int>{7});
+  CHECK(plan_cuda_process(CommKind::Nccl, 0, 1, 0, 1, "n1").devices.empty());  // holds no rank
+  CHECK_THROWS_MATCHES(plan_cuda_process(CommKind::Nccl, 2, 4, 0, 3, "n1"), UsageError,
+                       Message("--backend cuda under MPI: n1 has 4 GPUs and its processes hold "
+                               "ranks for cuda:0..cuda:4; run one rank per GPU (mpirun -np P "
+                               "with P ranks per node at most its GPUs)"));
+  CHECK_THROWS_MATCHES(plan_cuda_process(CommKind::Sim, 1, 4, 0, 0, "n1"), UsageError,
+                       Message("--comm sim: CUDA ranks across MPI processes use --comm nccl (one "
+                               "GPU per rank); --comm sim shares one GPU among the ranks of one "
+                               "process"));
+  CHECK_THROWS_AS(plan_cuda_process(CommKind::Nccl, 1, 0, 0, 0, "n1", "no driver"), UsageError);
+}
+
 // ---- the device communicators' rendezvous -----------------------------------------------
 
 // A post as rank q of a sim group on cuda:0 would make it, at made-up addresses.

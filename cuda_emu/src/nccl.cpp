@@ -3,8 +3,18 @@
 // and, while peers are missing, runs their streams up to the same collective (or waits
 // for the threads running them): a rendezvous of the ranks' streams, as NCCL's kernels
 // spin until their peers come. The last rank to arrive computes every rank's result.
+//
+// A clique may span the processes of an MPI job (nccl_net.h): the id names the process
+// that made it, each rank joins through it, and each process then holds the clique's ranks
+// that live there. Once all of a process's ranks have arrived at a collective it sends
+// their calls and send buffers to every other member process, and computes its own ranks'
+// results, in rank order, from everyone's: the bits a one-process clique gives. A stream
+// with such a collective is driven to it by a thread of the emulator's as soon as it is
+// issued, as a device runs its queue without the host's help; otherwise two processes whose
+// hosts wait for each other before synchronising would wait forever.
 #include <nccl.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +23,7 @@
 
 #include "cuda_emu/emu.h"
 #include "internal.h"
+#include "nccl_net.h"
 
 namespace cuda_emu {
 namespace {
@@ -44,7 +55,8 @@ struct Call {
 struct Op {  // one collective (sequence number) of a clique
   std::vector<bool> arrived;
   std::vector<Call> calls;
-  int n_arrived = 0;
+  int n_arrived = 0;  // of this process's ranks
+  bool sent = false;  // this process's part went to the other member processes
   bool complete = false;
   std::string error;
 };
@@ -66,6 +78,11 @@ struct Comm {
 
 struct Clique {
   int n = 0;
+  std::uint64_t key = 0;
+  int root = 0;              // the process that made the id
+  std::vector<int> members;  // [rank]: its process; empty until every rank has joined
+  int n_local = 0;           // ranks in this process
+  std::vector<int> peers;    // the other processes holding ranks
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::shared_ptr<Comm>> ranks;
@@ -226,9 +243,20 @@ void reduce(std::vector<char>& out, const std::vector<const char*>& srcs, std::s
   }
 }
 
+std::size_t send_bytes(const Call& c, int rank, int n) {
+  const std::size_t es = type_size(c.dt);
+  switch (c.kind) {
+    case Kind::ReduceScatter: return c.count * static_cast<std::size_t>(n) * es;
+    case Kind::Broadcast: return rank == c.root ? c.count * es : 0;
+    default: return c.count * es;
+  }
+}
+
 // Every rank has arrived: check that the calls agree and that each rank may read its
-// peers' buffers, then compute all outputs (into temporaries first: in-place calls).
-std::string execute(Op& op, int n) {
+// peers' buffers, then compute this process's ranks' outputs (into temporaries first:
+// in-place calls). srcs[q] is rank q's send buffer, or the copy a peer process sent of it.
+std::string execute(Op& op, int n, const std::vector<const char*>& srcs,
+                    const std::vector<bool>& local) {
   const Call& c0 = op.calls[0];
   for (int q = 1; q < n; ++q) {
     const Call& c = op.calls[static_cast<std::size_t>(q)];
@@ -239,12 +267,12 @@ std::string execute(Op& op, int n) {
              kind_name(c0.kind) + " vs " + kind_name(c.kind) + ")";
   }
   const std::size_t es = type_size(c0.dt);
-  const std::size_t in_elems = c0.kind == Kind::ReduceScatter ? c0.count * static_cast<std::size_t>(n) : c0.count;
   // Peers' buffers are read directly (P2P within one process): memory from a device's
   // cudaMallocAsync pool is readable from another device only after cudaMemPoolSetAccess.
+  // Across processes NCCL copies through its own buffers, which needs no such grant.
   for (int q = 0; q < n; ++q)
     for (int r = 0; r < n; ++r) {
-      if (q == r) continue;
+      if (q == r || !local[static_cast<std::size_t>(q)] || !local[static_cast<std::size_t>(r)]) continue;
       Allocation a;
       const Call& src = op.calls[static_cast<std::size_t>(q)];
       if (c0.kind == Kind::Broadcast && q != c0.root) continue;
@@ -255,9 +283,6 @@ std::string execute(Op& op, int n) {
                "'s cudaMallocAsync pool without cudaMemPoolSetAccess (an illegal address on a device)";
     }
   std::vector<std::vector<char>> results(static_cast<std::size_t>(n));
-  std::vector<const char*> srcs;
-  for (int q = 0; q < n; ++q) srcs.push_back(static_cast<const char*>(op.calls[static_cast<std::size_t>(q)].send));
-  (void)in_elems;
   switch (c0.kind) {
     case Kind::AllReduce: {
       std::vector<char> out;
@@ -267,6 +292,7 @@ std::string execute(Op& op, int n) {
     }
     case Kind::ReduceScatter:
       for (int r = 0; r < n; ++r) {
+        if (!local[static_cast<std::size_t>(r)]) continue;
         std::vector<const char*> part;
         for (const char* s : srcs) part.push_back(s + static_cast<std::size_t>(r) * c0.count * es);
         reduce(results[static_cast<std::size_t>(r)], part, c0.count, c0.dt, c0.op);
@@ -285,9 +311,86 @@ std::string execute(Op& op, int n) {
     }
   }
   for (int r = 0; r < n; ++r)
-    if (!results[static_cast<std::size_t>(r)].empty())
+    if (local[static_cast<std::size_t>(r)] && !results[static_cast<std::size_t>(r)].empty())
       std::memcpy(op.calls[static_cast<std::size_t>(r)].recv, results[static_cast<std::size_t>(r)].data(), results[static_cast<std::size_t>(r)].size());
   return "";
+}
+
+// This process's part of a collective: its ranks' calls and send buffers.
+std::vector<char> encode_part(const Clique& cl, const Op& op) {
+  std::vector<char> b;
+  for (int r = 0; r < cl.n; ++r) {
+    if (cl.members[static_cast<std::size_t>(r)] != net::self()) continue;
+    const Call& c = op.calls[static_cast<std::size_t>(r)];
+    const std::size_t bytes = send_bytes(c, r, cl.n);
+    net::put(b, r);
+    net::put(b, static_cast<int>(c.kind));
+    net::put(b, static_cast<std::uint64_t>(c.count));
+    net::put(b, static_cast<int>(c.dt));
+    net::put(b, static_cast<int>(c.op));
+    net::put(b, c.root);
+    net::put(b, c.device);
+    net::put(b, static_cast<std::uint64_t>(bytes));
+    const char* p = static_cast<const char*>(c.send);
+    b.insert(b.end(), p, p + bytes);
+  }
+  return b;
+}
+
+// A peer process's part into op.calls; srcs[r] points into `part` for its ranks.
+void decode_part(const Clique& cl, Op& op, const std::vector<char>& part,
+                 std::vector<const char*>* srcs) {
+  std::size_t at = 0;
+  while (at < part.size()) {
+    const int r = net::get<int>(part, &at);
+    if (r < 0 || r >= cl.n) fatal("NCCL over MPI: a collective's part names rank " + std::to_string(r));
+    Call& c = op.calls[static_cast<std::size_t>(r)];
+    c.kind = static_cast<Kind>(net::get<int>(part, &at));
+    c.count = static_cast<std::size_t>(net::get<std::uint64_t>(part, &at));
+    c.dt = static_cast<ncclDataType_t>(net::get<int>(part, &at));
+    c.op = static_cast<ncclRedOp_t>(net::get<int>(part, &at));
+    c.root = net::get<int>(part, &at);
+    c.device = net::get<int>(part, &at);
+    const auto bytes = static_cast<std::size_t>(net::get<std::uint64_t>(part, &at));
+    if (at + bytes > part.size()) net::truncated();
+    c.send = part.data() + at;
+    c.recv = nullptr;
+    (*srcs)[static_cast<std::size_t>(r)] = part.data() + at;
+    at += bytes;
+  }
+}
+
+// Once every rank of this process has arrived at `op`: sends this process's part (once),
+// and when every peer process's part has come, computes the result. Under cl.mu.
+void try_complete(Clique& cl, std::uint64_t seq, Op& op) {
+  if (op.complete || op.n_arrived < cl.n_local) return;
+  const int me = net::self();
+  std::vector<bool> local(static_cast<std::size_t>(cl.n));
+  std::vector<const char*> srcs(static_cast<std::size_t>(cl.n), nullptr);
+  for (int r = 0; r < cl.n; ++r) {
+    local[static_cast<std::size_t>(r)] = cl.members[static_cast<std::size_t>(r)] == me;
+    if (local[static_cast<std::size_t>(r)]) srcs[static_cast<std::size_t>(r)] = static_cast<const char*>(op.calls[static_cast<std::size_t>(r)].send);
+  }
+  std::map<int, std::vector<char>> parts;
+  if (!cl.peers.empty()) {
+    if (!op.sent) {
+      net::send(cl.key, seq, cl.peers, encode_part(cl, op));
+      op.sent = true;
+    }
+    if (!net::take(cl.key, seq, cl.peers, &parts)) return;
+    for (const auto& [p, part] : parts) decode_part(cl, op, part, &srcs);
+  }
+  op.error = execute(op, cl.n, srcs, local);
+  op.complete = true;
+  if (!op.error.empty()) {
+    say(std::string(kind_name(op.calls[0].kind)) + " #" + std::to_string(seq) + ": " + op.error);
+    for (auto& r : cl.ranks)
+      if (r) {
+        r->async_error = ncclInvalidUsage;
+        r->last_error = op.error;
+      }
+  }
+  cl.cv.notify_all();
 }
 
 // The stream task of rank `comm->rank`'s collective `seq`.
@@ -310,24 +413,13 @@ bool run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const 
   if (!op.arrived[static_cast<std::size_t>(me)]) {
     op.arrived[static_cast<std::size_t>(me)] = true;
     op.calls[static_cast<std::size_t>(me)] = call;
-    if (++op.n_arrived == cl.n) {
-      op.error = execute(op, cl.n);
-      op.complete = true;
-      if (!op.error.empty()) {
-        say(std::string(kind_name(call.kind)) + " #" + std::to_string(seq) + ": " + op.error);
-        for (auto& r : cl.ranks)
-          if (r) {
-            r->async_error = ncclInvalidUsage;
-            r->last_error = op.error;
-          }
-      }
-      cl.cv.notify_all();
-    }
+    ++op.n_arrived;
   }
+  try_complete(cl, seq, op);
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(hang_seconds()));
   while (!op.complete && !comm->aborted) {
-    // Run the peers' streams up to this collective, where no other thread runs them.
+    // Run the local peers' streams up to this collective, where no other thread runs them.
     std::vector<std::pair<StreamPtr, std::uint64_t>> peers;
     for (int q = 0; q < cl.n; ++q)
       if (!op.arrived[static_cast<std::size_t>(q)] && cl.pending[static_cast<std::size_t>(q)].first)
@@ -335,15 +427,19 @@ bool run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const 
     lk.unlock();
     for (auto& [s, target] : peers) drive(s, target, false);
     lk.lock();
+    try_complete(cl, seq, op);
     if (op.complete || comm->aborted) break;
     if (!may_block) return false;
-    cl.cv.wait_for(lk, std::chrono::milliseconds(2));
+    cl.cv.wait_for(lk, cl.peers.empty() ? std::chrono::microseconds(2000) : std::chrono::microseconds(100));
     if (Clock::now() > deadline) {
       std::string missing;
       for (int q = 0; q < cl.n; ++q)
-        if (!op.arrived[static_cast<std::size_t>(q)]) missing += " " + std::to_string(q);
+        if (cl.members[static_cast<std::size_t>(q)] == net::self() && !op.arrived[static_cast<std::size_t>(q)])
+          missing += " rank " + std::to_string(q);
+      if (missing.empty())
+        for (int p : cl.peers) missing += " process " + std::to_string(p);
       fatal("rank " + std::to_string(me) + "'s " + kind_name(call.kind) + " #" + std::to_string(seq) +
-            " has waited " + std::to_string(hang_seconds()) + " s for ranks" + missing +
+            " has waited " + std::to_string(hang_seconds()) + " s for" + missing +
             ", and no one aborted the communicators: a device would hang here");
     }
   }
@@ -420,6 +516,11 @@ ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream) {
     cl.pending[static_cast<std::size_t>(comm->rank)] = {s, s->enqueued};
     if (!comm->blocking) comm->in_progress_polls = 1;
     cl.cv.notify_all();
+    if (!cl.peers.empty()) {
+      // Peers in other processes: the device runs the queue up to here by itself (see the
+      // top of this file). The thread ends once the collective has run (or was aborted).
+      std::thread([s, target = s->enqueued] { drive(s, target, true); }).detach();
+    }
   }
   return comm->blocking ? ncclSuccess : ncclInProgress;
 }
@@ -433,22 +534,62 @@ ncclResult_t issue_or_defer(ncclComm_t h, const Call& c, cudaStream_t s) {
   return issue(h, c, s);
 }
 
-std::shared_ptr<Clique> clique_for(const ncclUniqueId& id, int n) {
+// An id: the key of its clique, unique over the job's processes, then the process that
+// made it (the clique's root, which learns where every rank lives).
+struct IdFields {
   std::uint64_t key;
-  std::memcpy(&key, id.internal, sizeof key);
+  int root;
+};
+IdFields fields_of(const ncclUniqueId& id) {
+  IdFields f;
+  std::memcpy(&f.key, id.internal, sizeof f.key);
+  std::memcpy(&f.root, id.internal + sizeof f.key, sizeof f.root);
+  return f;
+}
+
+std::shared_ptr<Clique> clique_for(const ncclUniqueId& id, int n) {
+  const IdFields f = fields_of(id);
   std::lock_guard lk(g_mu);
-  std::shared_ptr<Clique> cl = g_cliques[key].lock();
+  std::shared_ptr<Clique> cl = g_cliques[f.key].lock();
   if (!cl) {
     cl = std::make_shared<Clique>();
     cl->n = n;
+    cl->key = f.key;
+    cl->root = f.root;
     cl->ranks.resize(static_cast<std::size_t>(n));
     cl->pending.resize(static_cast<std::size_t>(n));
     cl->faults.assign(static_cast<std::size_t>(n), {-1, NcclFault::Error});
     for (auto& [r, seq, kind] : g_faults)
       if (r >= 0 && r < n) cl->faults[static_cast<std::size_t>(r)] = {seq, kind};
-    g_cliques[key] = cl;
+    g_cliques[f.key] = cl;
   }
   return cl;
+}
+
+// Whether every rank of the clique has joined (in whichever process); marks this
+// process's ranks ready once so.
+bool clique_ready(Clique& cl) {
+  std::vector<int> members;
+  {
+    std::lock_guard lk(cl.mu);
+    if (cl.members.empty()) {
+      members = net::members(cl.key);
+      if (members.empty()) return false;
+      const int me = net::self();
+      cl.members = members;
+      for (int r = 0; r < cl.n; ++r) {
+        const int p = members[static_cast<std::size_t>(r)];
+        if (p == me) ++cl.n_local;
+        else if (std::find(cl.peers.begin(), cl.peers.end(), p) == cl.peers.end()) cl.peers.push_back(p);
+      }
+    }
+    for (int r = 0; r < cl.n; ++r)
+      if (cl.members[static_cast<std::size_t>(r)] == net::self() && !cl.ranks[static_cast<std::size_t>(r)])
+        return false;
+    for (auto& r : cl.ranks)
+      if (r) r->ready = true;
+  }
+  return true;
 }
 
 }  // namespace
@@ -498,9 +639,12 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   if (!id) return error(ncclInvalidArgument, nullptr, "ncclGetUniqueId: null id");
   load_env_faults();
   std::memset(id->internal, 0, sizeof id->internal);
+  const int root = net::self();
   std::lock_guard lk(g_mu);
-  const std::uint64_t key = g_next_unique++;
+  // Unique over the job: the process in the top bits.
+  const std::uint64_t key = (static_cast<std::uint64_t>(root) << 40) | g_next_unique++;
   std::memcpy(id->internal, &key, sizeof key);
+  std::memcpy(id->internal + sizeof key, &root, sizeof root);
   return ncclSuccess;
 }
 
@@ -526,6 +670,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id
                                                     " and rank " + std::to_string(r->rank) + " both on cuda:" + std::to_string(device));
     cl->ranks[static_cast<std::size_t>(rank)] = c;
   }
+  net::join(cl->key, nranks, cl->root, rank);
   {
     std::lock_guard lk(g_mu);
     c->id = g_next_id++;
@@ -533,13 +678,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id
   }
   *out = reinterpret_cast<ncclComm_t>(c->id);
   // Ready once every rank of the clique has joined; a blocking init outside a group waits.
-  const auto full = [&] {
-    std::lock_guard lk(cl->mu);
-    for (auto& r : cl->ranks)
-      if (!r) return false;
-    for (auto& r : cl->ranks) r->ready = true;
-    return true;
-  };
+  const auto full = [&] { return clique_ready(*cl); };
   if (full()) return c->blocking ? ncclSuccess : ncclInProgress;
   if (c->blocking && tl_group_depth == 0) {
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -576,15 +715,12 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t h, ncclResult_t* state) {
   std::shared_ptr<Comm> c = comm_of(h, "ncclCommGetAsyncError");
   InCall in(c);
   if (!state) return ncclInvalidArgument;
+  if (!c->ready) (void)clique_ready(*c->clique);
   std::lock_guard lk(c->clique->mu);
   if (c->async_error != ncclSuccess) {
     *state = c->async_error;
   } else if (!c->ready) {
-    bool full = true;
-    for (auto& r : c->clique->ranks) full = full && r;
-    if (full)
-      for (auto& r : c->clique->ranks) r->ready = true;
-    *state = c->ready ? ncclSuccess : ncclInProgress;
+    *state = ncclInProgress;
   } else if (c->in_progress_polls > 0) {
     --c->in_progress_polls;
     *state = ncclInProgress;

@@ -163,6 +163,23 @@ int MpiProcesses::from_first(int value) const {
   return value;
 }
 
+void MpiProcesses::broadcast(std::byte* bytes, std::size_t n, int root) const {
+  if (n > static_cast<std::size_t>(INT_MAX)) throw UsageError("MpiProcesses::broadcast: over 2 GiB");
+  check_mpi(MPI_Bcast(bytes, static_cast<int>(n), MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
+}
+
+int MpiProcesses::sum_before_on_node(int value) const {
+  MPI_Comm node = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, index_, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type");
+  int node_index = 0, before = 0;
+  MPI_Comm_rank(node, &node_index);
+  const int rc = MPI_Exscan(&value, &before, 1, MPI_INT, MPI_SUM, node);
+  MPI_Comm_free(&node);
+  check_mpi(rc, "MPI_Exscan");
+  return node_index == 0 ? 0 : before;  // MPI_Exscan leaves the first process's undefined
+}
+
 void MpiProcesses::abort_job(int code, double grace_s) const {
   std::this_thread::sleep_for(std::chrono::duration<double>(grace_s));
   MPI_Abort(MPI_COMM_WORLD, code);

@@ -51,6 +51,11 @@ class MpiProcesses {
   // The first process's `value`, in every process (collective: every process calls it, from
   // one thread, when no rank runs).
   int from_first(int value) const;
+  // Process `root`'s `bytes` into every process's (collective, as from_first).
+  void broadcast(std::byte* bytes, std::size_t n, int root) const;
+  // The sum of `value` over the processes on this node before this one (collective, as
+  // from_first): where this process's share of a node-wide numbering starts.
+  int sum_before_on_node(int value) const;
 
   // Ends every process of the job with `code`, after `grace_s` seconds in which the
   // others may print their own line: a failed run cannot finalise MPI, whose MPI_Finalize
@@ -133,6 +138,7 @@ class MpiMesh {
   MpiMesh& operator=(const MpiMesh&) = delete;
 
   int ranks_per_process() const { return per_; }
+  int dp() const { return dp_; }
   int tp() const { return tp_; }
   int process_of(int rank) const { return rank / per_; }
   std::vector<int> local_ranks() const;  // this process's, in order

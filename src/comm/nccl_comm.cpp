@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <thread>
 
@@ -192,23 +193,49 @@ bool wait_ready(NcclGroup::Impl& g, int rank, Clock::time_point deadline, const 
 
 }  // namespace
 
+NcclGroup::Id NcclGroup::new_id() {
+  ncclUniqueId id;
+  TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
+  Id out{};
+  static_assert(sizeof id.internal == std::tuple_size<Id>::value, "ncclUniqueId is 128 bytes");
+  std::memcpy(out.data(), id.internal, out.size());
+  return out;
+}
+
 NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
     : devices_(devices), timeout_s_(timeout_s), impl_(std::make_unique<Impl>()) {
+  set_up(new_id());
+}
+
+NcclGroup::NcclGroup(int size, const std::vector<int>& devices, const Id& id, double timeout_s)
+    : devices_(devices), timeout_s_(timeout_s), impl_(std::make_unique<Impl>()) {
+  if (size < 1 || static_cast<int>(devices.size()) != size)
+    throw UsageError("NcclGroup: " + std::to_string(devices.size()) + " devices for a group of " +
+                     std::to_string(size) + " ranks");
+  set_up(id);
+}
+
+void NcclGroup::set_up(const Id& id_bytes) {
   const int n = world_size();
-  for (int r = 0; r < n; ++r) impl_->slots.push_back(std::make_unique<Impl::Slot>());
+  std::vector<int> here;  // the ranks this process holds
+  for (int r = 0; r < n; ++r) {
+    impl_->slots.push_back(std::make_unique<Impl::Slot>());
+    if (devices_[static_cast<std::size_t>(r)] >= 0) here.push_back(r);
+  }
+  if (here.empty()) throw UsageError("NcclGroup: this process holds none of the group's ranks");
   // Declared before the try: a failed set-up aborts the communicators (whose kernels may
   // use these buffers) before they are freed.
   std::vector<WarmUp> warm;
   try {
     RestoreDevice restore;  // the caller's current device, on every path
     ncclUniqueId id;
-    TPSIM_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
+    std::memcpy(id.internal, id_bytes.data(), id_bytes.size());
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     {
-      // One thread initialises every rank, so the n init calls must be one group.
+      // One thread initialises every rank here, so its init calls must be one group.
       NcclGroupScope group;
-      for (int r = 0; r < n; ++r) {
+      for (int r : here) {
         TPSIM_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
         TPSIM_NCCL_CHECK(nullptr, ncclCommInitRankConfig(
                                       &impl_->slots[static_cast<std::size_t>(r)]->comm, n, id, r,
@@ -216,8 +243,8 @@ NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
       }
       group.end();
     }
-    // Set-up (topology detection, connections) can take seconds even when a collective's
-    // timeout is short, so it gets at least a minute.
+    // Set-up (topology detection, connections, the other processes' ranks joining) can take
+    // seconds even when a collective's timeout is short, so it gets at least a minute.
     const double init_s = timeout_s_ > 60.0 ? timeout_s_ : 60.0;
     const auto deadline = deadline_after(init_s);
     auto not_ready = [&](int r, const char* what) {
@@ -225,32 +252,33 @@ NcclGroup::NcclGroup(const std::vector<int>& devices, double timeout_s)
                             std::to_string(devices_[static_cast<std::size_t>(r)]) + ": " + what +
                             " did not finish within " + seconds_str(init_s) + " s");
     };
-    for (int r = 0; r < n; ++r)
+    for (int r : here)
       if (!wait_ready(*impl_, r, deadline, "ncclCommInitRankConfig", "NcclGroup"))
         throw not_ready(r, "set-up");
-    grant_pool_access(devices_);
+    std::vector<int> local_devices;
+    for (int r : here) local_devices.push_back(devices_[static_cast<std::size_t>(r)]);
+    grant_pool_access(local_devices);
 
     // Warm-up: NCCL connects a communicator's peers lazily, at its first collective, and
     // that set-up can deadlock against a pageable device-to-host copy in a peer's thread
     // (XLA met this). One all-reduce on every communicator, from this thread in one group,
     // finished before any rank runs, is the barrier after which every connection exists.
-    for (int d : devices_) warm.emplace_back(d);
+    for (int d : local_devices) warm.emplace_back(d);
     {
       NcclGroupScope group;
-      for (int r = 0; r < n; ++r) {
-        WarmUp& w = warm[static_cast<std::size_t>(r)];
+      for (std::size_t i = 0; i < here.size(); ++i) {
+        WarmUp& w = warm[i];
         TPSIM_CUDA_CHECK(cudaSetDevice(w.device));
         TPSIM_NCCL_CHECK(nullptr, ncclAllReduce(w.buf, w.buf, 1, ncclFloat32, ncclSum,
-                                                impl_->slots[static_cast<std::size_t>(r)]->comm,
+                                                impl_->slots[static_cast<std::size_t>(here[i])]->comm,
                                                 w.stream));
       }
       group.end();
     }
-    for (int r = 0; r < n; ++r) {
-      if (!wait_ready(*impl_, r, deadline, "warm-up all_reduce", "NcclGroup"))
-        throw not_ready(r, "the warm-up all_reduce");
-      if (!warm[static_cast<std::size_t>(r)].finished_by(deadline))
-        throw not_ready(r, "the warm-up all_reduce's kernel");
+    for (std::size_t i = 0; i < here.size(); ++i) {
+      if (!wait_ready(*impl_, here[i], deadline, "warm-up all_reduce", "NcclGroup"))
+        throw not_ready(here[i], "the warm-up all_reduce");
+      if (!warm[i].finished_by(deadline)) throw not_ready(here[i], "the warm-up all_reduce's kernel");
     }
   } catch (...) {
     // ~NcclGroup does not run for a constructor that throws: free every communicator
@@ -269,10 +297,13 @@ NcclGroup::~NcclGroup() {
   const int n = world_size();
   bool clean = true;
   for (int r = 0; r < n; ++r) {
-    const ncclResult_t res = ncclCommFinalize(impl_->slots[static_cast<std::size_t>(r)]->comm);
+    ncclComm_t comm = impl_->slots[static_cast<std::size_t>(r)]->comm;
+    if (!comm) continue;  // held by another process
+    const ncclResult_t res = ncclCommFinalize(comm);
     if (res != ncclSuccess && res != ncclInProgress) clean = false;
   }
   for (int r = 0; r < n && clean; ++r) {
+    if (!impl_->slots[static_cast<std::size_t>(r)]->comm) continue;
     try {
       clean = wait_ready(*impl_, r, deadline, "ncclCommFinalize", "~NcclGroup");
     } catch (...) {

@@ -1,9 +1,13 @@
-// NcclComm: one GPU per rank, all in one process, a thread per rank.
+// NcclComm: one GPU per rank, a thread per rank, the ranks in one process or spread over
+// the processes of an MPI job.
 //
-// NcclGroup creates the n communicators from one thread (ncclCommInitRankConfig for
-// every rank inside one ncclGroupStart/End), non-blocking (config.blocking = 0), so
-// that no NCCL call can block a thread forever: every call returns at once and its
-// completion is polled, with the group's timeout, through ncclCommGetAsyncError.
+// NcclGroup creates the communicators of the ranks it holds from one thread
+// (ncclCommInitRankConfig for each inside one ncclGroupStart/End), non-blocking
+// (config.blocking = 0), so that no NCCL call can block a thread forever: every call
+// returns at once and its completion is polled, with the group's timeout, through
+// ncclCommGetAsyncError. A group over several processes is one NcclGroup in each, made
+// from the same id (new_id() in one process, its bytes carried to the others by the
+// caller: MPI here, which NCCL itself does not need).
 //
 // Each collective first meets the other ranks at a host rendezvous (DeviceRendezvous over
 // the rank threads' ThreadComm), where all ranks validate all calls: ranks that disagree,
@@ -18,6 +22,7 @@
 // NCCL's lazy connection set-up never overlaps a rank's pageable device-to-host copy.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,16 +37,25 @@ class CudaBackend;
 
 class NcclGroup {
  public:
-  // devices[r] is rank r's GPU; they must be distinct. Throws RuntimeFailure when NCCL
-  // cannot set the group up within max(timeout_s, 60 s); timeout_s then bounds each
-  // call's wait for NCCL to accept it.
+  using Id = std::array<char, 128>;  // an ncclUniqueId's bytes
+  // A fresh id for a group (NCCL's ncclGetUniqueId).
+  static Id new_id();
+
+  // Every rank here: devices[r] is rank r's GPU; they must be distinct. Throws
+  // RuntimeFailure when NCCL cannot set the group up within max(timeout_s, 60 s);
+  // timeout_s then bounds each call's wait for NCCL to accept it.
   NcclGroup(const std::vector<int>& devices, double timeout_s);
+  // One process's share of a group of `size` ranks over several: devices[r] is the GPU of
+  // rank r where this process holds it, -1 where another does. Every process makes its
+  // share from the same `id`, at the same point of its program (the set-up and the
+  // warm-up wait for all of them).
+  NcclGroup(int size, const std::vector<int>& devices, const Id& id, double timeout_s);
   ~NcclGroup();
   NcclGroup(const NcclGroup&) = delete;
   NcclGroup& operator=(const NcclGroup&) = delete;
 
   int world_size() const { return static_cast<int>(devices_.size()); }
-  int device(int rank) const { return devices_[static_cast<std::size_t>(rank)]; }
+  int device(int rank) const { return devices_[static_cast<std::size_t>(rank)]; }  // -1: elsewhere
   double timeout_s() const { return timeout_s_; }
   // Aborts every communicator (once; later calls do nothing). Thread-safe: it waits for
   // a call in flight on each communicator, and later calls on it throw CommError.
@@ -52,6 +66,8 @@ class NcclGroup {
   Impl& impl() { return *impl_; }
 
  private:
+  void set_up(const Id& id);
+
   std::vector<int> devices_;
   double timeout_s_;
   std::unique_ptr<Impl> impl_;

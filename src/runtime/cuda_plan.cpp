@@ -40,6 +40,26 @@ CudaPlan plan_cuda_ranks(CommKind comm, int world, int gpus, int first_device,
   return plan;
 }
 
+CudaPlan plan_cuda_process(CommKind comm, int local, int gpus, int first_device, int node_offset,
+                           const std::string& host, const std::string& why_none) {
+  if (comm == CommKind::Sim || comm == CommKind::Threads)
+    throw UsageError(std::string("--comm ") + (comm == CommKind::Sim ? "sim" : "threads") +
+                     ": CUDA ranks across MPI processes use --comm nccl (one GPU per rank); "
+                     "--comm sim shares one GPU among the ranks of one process");
+  // The GPUs of this process's ranks, as if the node's ranks were one process's.
+  CudaPlan plan = plan_cuda_ranks(CommKind::Sim, 1, gpus, first_device, why_none);
+  plan.comm = CommKind::Nccl;
+  plan.devices.clear();
+  const int first = first_device + node_offset, last = first + local - 1;
+  if (local > 0 && last >= gpus)
+    throw UsageError("--backend cuda under MPI: " + std::string(host.empty() ? "this node" : host) +
+                     " has " + std::to_string(gpus) + " GPUs and its processes hold ranks for cuda:" +
+                     std::to_string(first_device) + ".." + "cuda:" + std::to_string(last) +
+                     "; run one rank per GPU (mpirun -np P with P ranks per node at most its GPUs)");
+  for (int i = 0; i < local; ++i) plan.devices.push_back(first + i);
+  return plan;
+}
+
 int parse_cuda_device_env(const char* value) {
   if (!value || !*value) return 0;
   int d = -1;

@@ -22,6 +22,13 @@ struct CudaPlan {
 CudaPlan plan_cuda_ranks(CommKind comm, int world, int gpus, int first_device,
                          const std::string& why_none = {});
 
+// One process's share of CUDA ranks spread over an MPI job: `local` ranks, one GPU each,
+// NCCL only (SimComm shares one GPU among the threads of one process). They take the GPUs
+// from first_device + node_offset on, node_offset being the ranks of this node's earlier
+// processes; `host` names the node in the refusal when it has too few.
+CudaPlan plan_cuda_process(CommKind comm, int local, int gpus, int first_device, int node_offset,
+                           const std::string& host, const std::string& why_none = {});
+
 // Parses TPSIM_CUDA_DEVICE's value (null or empty: 0); UsageError unless a
 // non-negative integer.
 int parse_cuda_device_env(const char* value);

@@ -56,6 +56,12 @@ void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s
   launcher().launch(dev, dp, tp, timeout_s, fn);
 }
 
+std::unique_ptr<ProcessDevices> cuda_ranks_across_processes(const DeviceOptions& dev,
+                                                            const ProcessLayout& layout,
+                                                            double timeout_s) {
+  return launcher().across_processes(dev, layout, timeout_s);
+}
+
 std::string cuda_backend_description() { return "cuda"; }
 
 }  // namespace tpsim

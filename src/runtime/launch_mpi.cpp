@@ -1,5 +1,6 @@
 // The launcher's MPI half: ranks spread over the processes of an MPI job.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -7,6 +8,7 @@
 
 #include "comm/mpi_comm.h"
 #include "core/errors.h"
+#include "runtime/launch_cuda.h"
 #include "runtime/launch_mpi.h"
 
 namespace tpsim {
@@ -35,9 +37,10 @@ void end_processes_after_failure(const DeviceOptions& dev, int exit_code) {
 }
 
 void check_mpi_launch(const DeviceOptions& dev, int, int) {
-  if (dev.backend == BackendKind::Cuda)
-    throw UsageError("--backend cuda across MPI processes (NCCL over MPI) is not built yet; "
-                     "run CUDA ranks in one process");
+  if (dev.backend == BackendKind::Cuda && (dev.comm == CommKind::Sim || dev.comm == CommKind::Threads))
+    throw UsageError(std::string("--comm ") + (dev.comm == CommKind::Sim ? "sim" : "threads") +
+                     ": CUDA ranks across MPI processes use --comm nccl (one GPU per rank); "
+                     "--comm sim shares one GPU among the ranks of one process");
 }
 
 namespace {
@@ -56,11 +59,39 @@ class MeshChannel final : public RankChannel {
   bool checker_end_;
 };
 
-std::unique_ptr<Backend> rank_backend(const DeviceOptions& dev, int rank) {
-  std::unique_ptr<Backend> be = make_cpu_backend();
-  if (dev.wrap) be = dev.wrap(rank, std::move(be));
-  return be;
-}
+// This process's ranks' models: CPU backends over the MPI communicators, or GPUs with NCCL
+// groups across the processes (set up when made: every process makes one at the same point).
+class RankModels {
+ public:
+  RankModels(const DeviceOptions& dev, const MpiMesh& mesh, double timeout_s) : dev_(dev) {
+    if (dev.backend != BackendKind::Cuda) return;
+    const MpiProcesses& procs = *dev.processes;
+    ProcessLayout layout;
+    layout.dp = mesh.dp();
+    layout.tp = mesh.tp();
+    layout.process = procs.index();
+    layout.local_ranks = mesh.local_ranks();
+    layout.node_offset = procs.sum_before_on_node(static_cast<int>(layout.local_ranks.size()));
+    layout.host = procs.host();
+    layout.process_of = [&mesh](int rank) { return mesh.process_of(rank); };
+    layout.broadcast = [&procs](std::array<char, 128>& id, int root) {
+      procs.broadcast(reinterpret_cast<std::byte*>(id.data()), id.size(), root);
+    };
+    devices_ = cuda_ranks_across_processes(dev, layout, timeout_s);
+  }
+
+  // Rank `at`'s model, held here, over its MPI communicators.
+  void run(const MeshRank& at, Communicator& tp, Communicator& dp, const MeshMain& fn) {
+    if (devices_) return devices_->run_rank(at, tp, dp, fn);
+    std::unique_ptr<Backend> be = make_cpu_backend();
+    if (dev_.wrap) be = dev_.wrap(at.rank, std::move(be));
+    fn(at, *be, tp, dp);
+  }
+
+ private:
+  const DeviceOptions& dev_;
+  std::unique_ptr<ProcessDevices> devices_;  // CUDA ranks only
+};
 
 }  // namespace
 
@@ -68,6 +99,7 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
                              const CheckerMain& checker, const RemoteRankMain& remote) {
   check_launch(dev, dp * tp, dp);
   MpiMesh mesh(*dev.processes, dp, tp, timeout_s);
+  RankModels models(dev, mesh, timeout_s);
   const std::vector<int> mine = mesh.local_ranks();
   if (dev.processes->index() == 0) {
     // The heartbeat that tells the other processes' ranks, waiting for their checkers here,
@@ -98,9 +130,11 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
             if (std::find(mine.begin(), mine.end(), at.rank) != mine.end()) {
               MpiComm tp_comm(mesh.tp_group(at.dp_rank), at.tp_rank);
               MpiComm dp_comm(mesh.dp_group(at.tp_rank), at.dp_rank);
-              auto be = rank_backend(dev, at.rank);
-              LocalRank here{*be, tp_comm, dp_comm};
-              checker(at, check_tp, check_dp, &here, nullptr);
+              models.run(at, tp_comm, dp_comm,
+                         [&](const MeshRank&, Backend& be, Communicator& tp_model, Communicator& dp_model) {
+                           LocalRank here{be, tp_model, dp_model};
+                           checker(at, check_tp, check_dp, &here, nullptr);
+                         });
             } else {
               MeshChannel channel(mesh, at.rank, true);
               checker(at, check_tp, check_dp, nullptr, &channel);
@@ -116,20 +150,22 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
     return;
   }
   run_local_ranks(mesh, [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
-    auto be = rank_backend(dev, at.rank);
-    LocalRank here{*be, tp_comm, dp_comm};
-    MeshChannel channel(mesh, at.rank, false);
-    remote(at, here, channel);
+    models.run(at, tp_comm, dp_comm,
+               [&](const MeshRank&, Backend& be, Communicator& tp_model, Communicator& dp_model) {
+                 LocalRank here{be, tp_model, dp_model};
+                 MeshChannel channel(mesh, at.rank, false);
+                 remote(at, here, channel);
+               });
   });
 }
 
 void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn) {
   check_launch(dev, dp * tp, dp);
-  run_mpi_mesh(*dev.processes, dp, tp, timeout_s,
-               [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
-                 auto be = rank_backend(dev, at.rank);
-                 fn(at, *be, tp_comm, dp_comm);
-               });
+  MpiMesh mesh(*dev.processes, dp, tp, timeout_s);
+  RankModels models(dev, mesh, timeout_s);
+  run_local_ranks(mesh, [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
+    models.run(at, tp_comm, dp_comm, fn);
+  });
 }
 
 }  // namespace tpsim

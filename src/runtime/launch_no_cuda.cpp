@@ -12,6 +12,12 @@ void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double, const Me
   check_cuda_launch(dev, dp * tp, dp);
 }
 
+std::unique_ptr<ProcessDevices> cuda_ranks_across_processes(const DeviceOptions& dev,
+                                                            const ProcessLayout& layout, double) {
+  check_cuda_launch(dev, layout.dp * layout.tp, layout.dp);
+  return nullptr;
+}
+
 std::string cuda_backend_description() { return "cuda (not built)"; }
 
 }  // namespace tpsim

@@ -10,7 +10,12 @@
 - A rank's process killed, or stalled, mid-run: the job ends non-zero within the timeout,
   the first process printing one line, and no process is left behind.
 
-Usage: mpi_verify_test.py TPSIM [--quick]   (--quick: three faults instead of all)
+With --cuda-nccl (a tpsim built against the CUDA emulator, scripts/emu_test.sh): the same
+checks for --backend cuda --comm nccl, NCCL's groups spanning the processes, on smaller
+models (the emulator is slow), with three GPT faults. EMULATED: the emulator is a test
+instrument, not a GPU.
+
+Usage: mpi_verify_test.py TPSIM [--quick] [--cuda-nccl]   (--quick: three faults, not all)
 """
 import json
 import os
@@ -22,7 +27,9 @@ import tempfile
 import time
 
 TPSIM = os.path.realpath(sys.argv[1])
-QUICK = "--quick" in sys.argv[2:]
+CUDA = "--cuda-nccl" in sys.argv[2:]
+QUICK = "--quick" in sys.argv[2:] or CUDA
+DEVICE = ["--backend", "cuda", "--comm", "nccl"] if CUDA else []
 MPIRUN = os.path.join(os.path.dirname(os.path.realpath(__file__)), "mpirun.sh")
 
 CONFIGS = [
@@ -36,6 +43,21 @@ CONFIGS = [
     "--model gpt2 --preset small --tp 1,2 --dropout 0.1 --recompute selective",
     "--model mlp --tp 1,2,4,8",
 ]
+
+# The emulator runs every kernel on the CPU: the emulator tests' small models.
+SMALL = ("--vocab-size 101 --hidden 48 --heads 8 --layers 2 --seq-len 16 --block-size 32 "
+         "--batch-size 2")
+CUDA_CONFIGS = [
+    f"--model gpt {SMALL} --tp 1,2,4",
+    f"--model gpt {SMALL} --tp 1,2,4 --loss-parallel --sequence-parallel",
+    f"--model gpt {SMALL} --tp 2,4 --dtype bf16 --loss-parallel",
+    f"--model gpt {SMALL} --tp 2 --dtype f32 --steps 3 --resync",
+    f"--model llama {SMALL.replace('--batch-size 2', '--batch-size 4')} --kv-heads 2 --tp 2 --dp 2 "
+    "--clip-grad 0.5 --sequence-parallel",
+    "--model mlp --tp 1,2,4 --dtype f32",
+]
+if CUDA:
+    CONFIGS = CUDA_CONFIGS
 
 
 def without_seconds(x):
@@ -88,12 +110,12 @@ def fail(msg):
 
 
 def compare(args, nps, expect_rc, work):
-    rc1, one, err, verdicts1 = run([TPSIM, "verify"] + args.split(), os.path.join(work, "one.json"))
+    rc1, one, err, verdicts1 = run([TPSIM, "verify"] + DEVICE + args.split(), os.path.join(work, "one.json"))
     if rc1 != expect_rc:
         fail(f"verify {args}: one process exited {rc1}, not {expect_rc}: {err.strip()[-300:]}")
     for np in nps:
         path = os.path.join(work, f"np{np}.json")
-        rc, many, err, verdicts = run([MPIRUN, "-np", str(np), TPSIM, "verify"] + args.split(), path)
+        rc, many, err, verdicts = run([MPIRUN, "-np", str(np), TPSIM, "verify"] + DEVICE + args.split(), path)
         if verdicts != verdicts1:
             fail(f"verify {args}: -np {np} printed {verdicts} verdict lines, one process {verdicts1}")
         if rc != rc1:
@@ -125,7 +147,8 @@ def interrupt(sig, seed, work):
     """Starts a long -np 2 verify, sends `sig` to the second process's tpsim, returns
     (exit code, seconds, stderr)."""
     err_path = os.path.join(work, "err.txt")
-    cmd = [MPIRUN, "-np", "2", TPSIM, "verify", "--model", "gpt", "--tp", "2", "--steps", "100000",
+    cmd = [MPIRUN, "-np", "2", TPSIM, "verify"] + DEVICE + [
+           "--model", "gpt", "--tp", "2", "--steps", "100000",
            "--seed", str(seed), "--timeout", "3", "--json", os.path.join(work, "x.json")]
     start = time.time()
     with open(err_path, "w") as err:
@@ -152,13 +175,16 @@ def main():
     with tempfile.TemporaryDirectory() as work:
         for args in CONFIGS:
             compare(args, [2, 4], 0, work)
-        faults = subprocess.run([TPSIM, "verify", "--list-faults"], stdout=subprocess.PIPE,
+        faults = subprocess.run([TPSIM, "verify"] + DEVICE + ["--list-faults"], stdout=subprocess.PIPE,
                                 text=True, check=True).stdout.split("\n")
         faults = [line.split("\t")[0] for line in faults if line.strip()]
-        if QUICK:
-            faults = faults[:3]
-        for fault in faults:
-            compare(f"--inject-fault {fault}", [2], 1, work)
+        runs = [f"--inject-fault {fault}" for fault in (faults[:3] if QUICK else faults)]
+        if CUDA:  # three that apply to the small GPT, one of them in a collective
+            runs = [f"--model gpt {SMALL} --inject-fault {fault}"
+                    for fault in ["gpt-missing-g", "gpt-qk-head-mismatch",
+                                  "sp-swap-backward-collectives --sequence-parallel"]]
+        for args in runs:
+            compare(args, [2], 1, work)
 
         rc, took, err = interrupt(signal.SIGKILL, 918275, work)
         # The first process prints its own line: its timeout's, or, when the launcher ends
