@@ -7,7 +7,8 @@
 #      both RoPE pairings), at TP 1,2,4,8, with --comm sim and the emulated --comm nccl;
 #   3. verify --tp-invariant on a tiny GPT and GPT-2 in f32 and bf16 under the emulator's
 #      split-K by shape (TPSIM_EMU_CUBLAS_SPLITK=shape): bit-identical to TP 1;
-#   4. with MPI: --comm nccl under mpirun -np 2 and -np 4, equal to one process's reports.
+#   4. with MPI: --comm nccl under mpirun -np 2 and -np 4, equal to one process's reports
+#      (and, in step 1, every collective of NcclComm across processes).
 # Called by scripts/test.sh; about 7 minutes of runs on 2 cores, plus the build.
 # EMU_ASAN=1 also builds build-emu-asan/ with ASan/UBSan and runs the self-tests and
 # device tests there (slower: not part of CI), so that a host access out of bounds or
@@ -23,7 +24,14 @@ export TPSIM_REQUIRE_GPU=1
 
 cmake -S . -B build-emu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPSIM_WERROR=ON \
   -DTPSIM_CUDA=OFF -DTPSIM_CUDA_EMU=ON >/dev/null
-cmake --build build-emu -j "$jobs" --target tpsim tpsim_cuda_tests cuda_emu_tests cuda_emu_crash
+targets=(tpsim tpsim_cuda_tests cuda_emu_tests cuda_emu_crash)
+# With MPI: NcclComm across processes (tests/mpi/test_mpi_nccl.cpp, label cuda).
+mpi=0
+if grep -q '^TPSIM_MPI:BOOL=ON' build-emu/CMakeCache.txt; then
+  mpi=1
+  targets+=(tpsim_mpi_nccl_tests)
+fi
+cmake --build build-emu -j "$jobs" --target "${targets[@]}"
 
 echo "== cuda_emu: self-tests and device tests"
 ctest --test-dir build-emu -L 'emu|cuda' --output-on-failure -j "$jobs"
@@ -105,7 +113,7 @@ done
 # NCCL across MPI processes (docs/mpi.md): the emulator's cliques span the processes of
 # `mpirun`; verify's JSON report under -np 2 and -np 4 must equal one process's, faults and
 # a killed or stalled process included. Only where tpsim was built with MPI.
-if grep -q '^TPSIM_MPI:BOOL=ON' build-emu/CMakeCache.txt; then
+if [ "$mpi" = 1 ]; then
   echo "== cuda_emu: --comm nccl across MPI processes (EMULATED)"
   if ! python3 tests/mpi/mpi_verify_test.py build-emu/tpsim --cuda-nccl; then
     failed=1

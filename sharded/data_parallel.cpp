@@ -64,6 +64,11 @@ class DataParallelModel::Misrouted final : public Communicator {
     tp_.set_label(label_);
     tp_.barrier();
   }
+  void all_to_all(const Tensor& in, Tensor& out, const std::vector<std::int64_t>& send_counts,
+                  const std::vector<std::int64_t>& recv_counts) override {
+    tp_.set_label(label_);
+    tp_.all_to_all(in, out, send_counts, recv_counts);
+  }
   void abort(const std::string& reason) override { tp_.abort(reason); }
 
  private:

@@ -853,3 +853,104 @@ TEST_CASE("a world of one needs no peers", "[comm]") {
   for (std::int64_t i = 0; i < 3; ++i) REQUIRE(get(t, i) == static_cast<double>(i) + 0.25);
   REQUIRE(comm.records().size() == 3);
 }
+
+// ---- all_to_all --------------------------------------------------------------------------
+
+namespace {
+
+// Rows rank `from` sends rank `to` in case `salt`: 0 to 3, so some pairs send nothing.
+std::int64_t a2a_rows(int from, int to, int salt) { return (from * 3 + to * 5 + salt) % 4; }
+
+}  // namespace
+
+TEST_CASE("all_to_all moves each rank's rows to their rank, with uneven and empty counts",
+          "[comm]") {
+  const int n = GENERATE(range(1, 7));
+  INFO("world size " << n);
+  std::vector<Errors> errs(static_cast<std::size_t>(n));
+  run_ranks(n, 10.0, [&](int r, Communicator& comm) {
+    HostAllocator alloc;
+    Errors& e = errs[static_cast<std::size_t>(r)];
+    int salt = 0;
+    for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::I64})
+      for (std::int64_t cols : {1, 3}) {
+        ++salt;
+        std::vector<std::int64_t> send, recv;
+        for (int q = 0; q < n; ++q) {
+          send.push_back(a2a_rows(r, q, salt));
+          recv.push_back(a2a_rows(q, r, salt));
+        }
+        std::int64_t in_rows = 0, out_rows = 0;
+        for (int q = 0; q < n; ++q) in_rows += send[static_cast<std::size_t>(q)], out_rows += recv[static_cast<std::size_t>(q)];
+        Tensor in = make(alloc, {in_rows, cols}, dt, "in");
+        Tensor out = make(alloc, {out_rows, cols}, dt, "out");
+        for (std::int64_t i = 0; i < in.numel(); ++i) set(in, i, val(r, i, salt));
+        comm.all_to_all(in, out, send, recv);
+        // Row k of what q sent r is q's row (rows q sent ranks before r) + k.
+        std::int64_t at = 0;
+        for (int q = 0; q < n; ++q) {
+          std::int64_t before = 0;
+          for (int p = 0; p < r; ++p) before += a2a_rows(q, p, salt);
+          for (std::int64_t i = 0; i < a2a_rows(q, r, salt) * cols; ++i) {
+            const double got = get(out, at * cols + i), want = val(q, before * cols + i, salt);
+            e.check(got == want, where("all_to_all", dt, out.numel(), r, at * cols + i, got, want));
+          }
+          at += a2a_rows(q, r, salt);
+        }
+      }
+    const CollectiveRecord& last = comm.records().back();
+    e.check(last.kind == CollectiveKind::AllToAll, "all_to_all recorded as another kind");
+  });
+  require_no_errors(errs);
+}
+
+TEST_CASE("all_to_all counts that do not pair up fail on every rank, naming both ends",
+          "[comm]") {
+  auto m = comm_errors(3, [](int r, Communicator& comm, Allocator& a) {
+    // Rank 1 expects 3 rows from rank 0, which sends it 2; every call fits its own tensors.
+    std::vector<std::int64_t> send{1, 2, 1}, recv{1, r == 1 ? 3 : 2, 1};
+    if (r == 1) recv = {3, 2, 1};
+    Tensor in = make(a, {4, 2}, DType::F32, "in");
+    Tensor out = make(a, {r == 1 ? 6 : 4, 2}, DType::F32, "out");
+    comm.all_to_all(in, out, send, recv);
+  });
+  REQUIRE_THAT(m[2], Contains("rank 2: all_to_all #0: ranks disagree on the counts: rank 0 sends "
+                              "2 rows to rank 1, which expects 3"));
+}
+
+TEST_CASE("all_to_all's own bad arguments fail on that rank only", "[comm]") {
+  SECTION("counts that do not sum to the rows") {
+    auto m = local_error(2, 1, [](int, Communicator& comm, Allocator& a, bool good) {
+      Tensor in = make(a, {2, 3}, DType::F32, "in"), out = make(a, {2, 3}, DType::F32, "out");
+      comm.all_to_all(in, out, {1, good ? 1 : 2}, {1, 1});
+    });
+    REQUIRE_THAT(m, Contains("rank 1: all_to_all #0: bad arguments: all_to_all(in=f32[2,3], "
+                             "out=f32[2,3], send=[1, 2], recv=[1, 1]): send counts sum to 3 rows, "
+                             "and in has 2"));
+  }
+  SECTION("a count per rank") {
+    auto m = local_error(2, 0, [](int, Communicator& comm, Allocator& a, bool good) {
+      Tensor in = make(a, {2}, DType::F64, "in"), out = make(a, {2}, DType::F64, "out");
+      if (good)
+        comm.all_to_all(in, out, {1, 1}, {1, 1});
+      else
+        comm.all_to_all(in, out, {2}, {1, 1});
+    });
+    REQUIRE_THAT(m, Contains("send counts: 1 for a group of 2 ranks"));
+  }
+  SECTION("rows of another shape") {
+    auto m = local_error(2, 0, [](int, Communicator& comm, Allocator& a, bool good) {
+      Tensor in = make(a, {2, 3}, DType::F32, "in"), out = make(a, {2, good ? 3 : 2}, DType::F32, "out");
+      comm.all_to_all(in, out, {1, 1}, {1, 1});
+    });
+    REQUIRE_THAT(m, Contains("in and out must have the same row shape"));
+  }
+  SECTION("in place") {
+    auto m = local_error(2, 1, [](int, Communicator& comm, Allocator& a, bool good) {
+      Tensor in = make(a, {2, 3}, DType::F32, "in");
+      Tensor other = make(a, {2, 3}, DType::F32, "out");
+      comm.all_to_all(in, good ? other : in, {1, 1}, {1, 1});
+    });
+    REQUIRE_THAT(m, Contains("in and out overlap (all_to_all is never in place)"));
+  }
+}

@@ -84,3 +84,11 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t recv_co
                                cudaStream_t stream);
 ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, ncclDataType_t dt,
                            int root, ncclComm_t comm, cudaStream_t stream);
+// Point to point. Inside ncclGroupStart/End a rank's sends and receives on one communicator
+// are one operation (NCCL fuses them into one launch); the emulator rendezvous them as one
+// collective, so every rank of the communicator must issue its group at the same point (as
+// an all-to-all does), and each send must meet the peer's receive of the same count.
+ncclResult_t ncclSend(const void* send, std::size_t count, ncclDataType_t dt, int peer,
+                      ncclComm_t comm, cudaStream_t stream);
+ncclResult_t ncclRecv(void* recv, std::size_t count, ncclDataType_t dt, int peer,
+                      ncclComm_t comm, cudaStream_t stream);

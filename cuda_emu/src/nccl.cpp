@@ -30,16 +30,24 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Kind { AllReduce, AllGather, ReduceScatter, Broadcast };
+enum class Kind { AllReduce, AllGather, ReduceScatter, Broadcast, SendRecv };
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::AllReduce: return "ncclAllReduce";
     case Kind::AllGather: return "ncclAllGather";
     case Kind::ReduceScatter: return "ncclReduceScatter";
     case Kind::Broadcast: return "ncclBroadcast";
+    case Kind::SendRecv: return "ncclSend/ncclRecv";
   }
   return "?";
 }
+
+// One ncclSend or ncclRecv of a group.
+struct PeerBuffer {
+  int peer = 0;
+  const void* ptr = nullptr;  // the send buffer, or the receive buffer
+  std::size_t count = 0;
+};
 
 struct Call {
   Kind kind;
@@ -50,6 +58,7 @@ struct Call {
   ncclRedOp_t op;
   int root;
   int device;
+  std::vector<PeerBuffer> sends = {}, recvs = {};  // SendRecv: the group's calls, in order
 };
 
 struct Op {  // one collective (sequence number) of a clique
@@ -252,6 +261,54 @@ std::size_t send_bytes(const Call& c, int rank, int n) {
   }
 }
 
+// A group of sends and receives: each receive takes the send its peer made to it, of the
+// same count (checked over every pair, so every process reaches the same verdict); the
+// data go through temporaries, so a receive buffer may be another send's.
+std::string execute_send_recv(Op& op, int n, const std::vector<bool>& local) {
+  const std::size_t es = type_size(op.calls[0].dt);
+  auto find = [](const std::vector<PeerBuffer>& v, int peer) -> const PeerBuffer* {
+    for (const PeerBuffer& b : v)
+      if (b.peer == peer) return &b;
+    return nullptr;
+  };
+  for (int a = 0; a < n; ++a) {
+    const Call& ca = op.calls[static_cast<std::size_t>(a)];
+    for (const PeerBuffer& s : ca.sends) {
+      const PeerBuffer* r = find(op.calls[static_cast<std::size_t>(s.peer)].recvs, a);
+      if (!r || r->count != s.count)
+        return "rank " + std::to_string(a) + " sends " + std::to_string(s.count) + " elements to rank " +
+               std::to_string(s.peer) + ", which " +
+               (r ? "receives " + std::to_string(r->count) : std::string("posts no receive from it"));
+    }
+    for (const PeerBuffer& r : ca.recvs)
+      if (!find(op.calls[static_cast<std::size_t>(r.peer)].sends, a))
+        return "rank " + std::to_string(a) + " receives " + std::to_string(r.count) +
+               " elements from rank " + std::to_string(r.peer) + ", which sends it none";
+  }
+  for (int r = 0; r < n; ++r)
+    for (const PeerBuffer& in : op.calls[static_cast<std::size_t>(r)].recvs) {
+      if (!local[static_cast<std::size_t>(r)] || !local[static_cast<std::size_t>(in.peer)] || in.peer == r) continue;
+      Allocation a;
+      const PeerBuffer* s = find(op.calls[static_cast<std::size_t>(in.peer)].sends, r);
+      if (s->count > 0 && find_allocation(s->ptr, 1, &a) && a.pooled &&
+          !pool_accessible(a.device, op.calls[static_cast<std::size_t>(r)].device))
+        return "rank " + std::to_string(r) + " (cuda:" + std::to_string(op.calls[static_cast<std::size_t>(r)].device) +
+               ") receives from rank " + std::to_string(in.peer) + "'s buffer in cuda:" +
+               std::to_string(a.device) + "'s cudaMallocAsync pool without cudaMemPoolSetAccess";
+    }
+  std::vector<std::pair<void*, std::vector<char>>> results;
+  for (int r = 0; r < n; ++r) {
+    if (!local[static_cast<std::size_t>(r)]) continue;
+    for (const PeerBuffer& in : op.calls[static_cast<std::size_t>(r)].recvs) {
+      const char* from = static_cast<const char*>(find(op.calls[static_cast<std::size_t>(in.peer)].sends, r)->ptr);
+      results.emplace_back(const_cast<void*>(in.ptr), std::vector<char>(from, from + in.count * es));
+    }
+  }
+  for (auto& [dst, bytes] : results)
+    if (!bytes.empty()) std::memcpy(dst, bytes.data(), bytes.size());
+  return "";
+}
+
 // Every rank has arrived: check that the calls agree and that each rank may read its
 // peers' buffers, then compute this process's ranks' outputs (into temporaries first:
 // in-place calls). srcs[q] is rank q's send buffer, or the copy a peer process sent of it.
@@ -267,6 +324,7 @@ std::string execute(Op& op, int n, const std::vector<const char*>& srcs,
              kind_name(c0.kind) + " vs " + kind_name(c.kind) + ")";
   }
   const std::size_t es = type_size(c0.dt);
+  if (c0.kind == Kind::SendRecv) return execute_send_recv(op, n, local);
   // Peers' buffers are read directly (P2P within one process): memory from a device's
   // cudaMallocAsync pool is readable from another device only after cudaMemPoolSetAccess.
   // Across processes NCCL copies through its own buffers, which needs no such grant.
@@ -309,6 +367,8 @@ std::string execute(Op& op, int n, const std::vector<const char*>& srcs,
       for (auto& r : results) r = out;
       break;
     }
+    case Kind::SendRecv:  // execute_send_recv, above
+      break;
   }
   for (int r = 0; r < n; ++r)
     if (local[static_cast<std::size_t>(r)] && !results[static_cast<std::size_t>(r)].empty())
@@ -322,7 +382,7 @@ std::vector<char> encode_part(const Clique& cl, const Op& op) {
   for (int r = 0; r < cl.n; ++r) {
     if (cl.members[static_cast<std::size_t>(r)] != net::self()) continue;
     const Call& c = op.calls[static_cast<std::size_t>(r)];
-    const std::size_t bytes = send_bytes(c, r, cl.n);
+    const std::size_t bytes = c.kind == Kind::SendRecv ? 0 : send_bytes(c, r, cl.n);
     net::put(b, r);
     net::put(b, static_cast<int>(c.kind));
     net::put(b, static_cast<std::uint64_t>(c.count));
@@ -333,6 +393,19 @@ std::vector<char> encode_part(const Clique& cl, const Op& op) {
     net::put(b, static_cast<std::uint64_t>(bytes));
     const char* p = static_cast<const char*>(c.send);
     b.insert(b.end(), p, p + bytes);
+    // SendRecv: its receives (peer, count), then its sends with their data.
+    net::put(b, static_cast<std::uint32_t>(c.recvs.size()));
+    for (const PeerBuffer& in : c.recvs) {
+      net::put(b, in.peer);
+      net::put(b, static_cast<std::uint64_t>(in.count));
+    }
+    net::put(b, static_cast<std::uint32_t>(c.sends.size()));
+    for (const PeerBuffer& out : c.sends) {
+      net::put(b, out.peer);
+      net::put(b, static_cast<std::uint64_t>(out.count));
+      const char* d = static_cast<const char*>(out.ptr);
+      b.insert(b.end(), d, d + out.count * type_size(c.dt));
+    }
   }
   return b;
 }
@@ -357,6 +430,20 @@ void decode_part(const Clique& cl, Op& op, const std::vector<char>& part,
     c.recv = nullptr;
     (*srcs)[static_cast<std::size_t>(r)] = part.data() + at;
     at += bytes;
+    c.recvs.assign(net::get<std::uint32_t>(part, &at), PeerBuffer{});
+    for (PeerBuffer& in : c.recvs) {
+      in.peer = net::get<int>(part, &at);
+      in.count = static_cast<std::size_t>(net::get<std::uint64_t>(part, &at));
+    }
+    c.sends.assign(net::get<std::uint32_t>(part, &at), PeerBuffer{});
+    for (PeerBuffer& out : c.sends) {
+      out.peer = net::get<int>(part, &at);
+      out.count = static_cast<std::size_t>(net::get<std::uint64_t>(part, &at));
+      const std::size_t n = out.count * type_size(c.dt);
+      if (at + n > part.size() || out.peer < 0 || out.peer >= cl.n) net::truncated();
+      out.ptr = part.data() + at;
+      at += n;
+    }
   }
 }
 
@@ -477,6 +564,26 @@ ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream) {
   if (c.kind == Kind::ReduceScatter) send_elems = c.count * n;
   const bool sends = c.kind != Kind::Broadcast || comm->rank == c.root;
   std::string why;
+  if (c.kind == Kind::SendRecv) {
+    for (const auto* list : {&c.sends, &c.recvs})
+      for (const PeerBuffer& b : *list) {
+        Allocation a;
+        if (b.peer < 0 || b.peer >= cl.n)
+          why = "peer " + std::to_string(b.peer) + " is not a rank of this " + std::to_string(cl.n) + "-rank communicator";
+        else if (std::count_if(list->begin(), list->end(), [&](const PeerBuffer& o) { return o.peer == b.peer; }) > 1)
+          why = "two " + std::string(list == &c.sends ? "sends to" : "receives from") + " rank " +
+                std::to_string(b.peer) + " in one group (the emulator pairs one of each)";
+        else if (b.count > 0)  // an empty message's pointer is never read
+          why = check_device_range(b.ptr, b.count * es, list == &c.sends ? "send buffer" : "receive buffer");
+        if (why.empty() && b.count > 0 && find_allocation(b.ptr, 1, &a) && a.device != comm->device)
+          why = "a buffer on cuda:" + std::to_string(a.device) + " for a communicator on cuda:" +
+                std::to_string(comm->device);
+        if (!why.empty()) return error(ncclInvalidArgument, comm.get(), std::string(name) + ": " + why);
+      }
+  }
+  if (c.kind == Kind::SendRecv) {
+    // checked above, buffer by buffer
+  } else {
   if (sends) why = check_device_range(c.send, send_elems * es, "send buffer");
   if (why.empty()) why = check_device_range(c.recv, recv_elems * es, "receive buffer");
   if (why.empty()) {
@@ -485,6 +592,7 @@ ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream) {
         (find_allocation(c.recv, 1, &a) && a.device != comm->device))
       why = "a buffer on cuda:" + std::to_string(a.device) + " for a communicator on cuda:" +
             std::to_string(comm->device);
+  }
   }
   if (!why.empty()) return error(ncclInvalidArgument, comm.get(), std::string(name) + ": " + why);
   bool hang = false, fail_now = false;
@@ -523,6 +631,46 @@ ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream) {
     }
   }
   return comm->blocking ? ncclSuccess : ncclInProgress;
+}
+
+// The calling thread's open point-to-point groups: per communicator, the sends and
+// receives issued since ncclGroupStart, issued together at ncclGroupEnd.
+struct P2pBatch {
+  Call call;
+  cudaStream_t stream = nullptr;
+  std::string error;  // a second stream or data type in one group
+};
+thread_local std::map<ncclComm_t, P2pBatch> tl_p2p;
+
+ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream);
+
+ncclResult_t point_to_point(bool send, const void* ptr, std::size_t count, ncclDataType_t dt,
+                            int peer, ncclComm_t h, cudaStream_t stream) {
+  const PeerBuffer b{peer, ptr, count};
+  Call one{Kind::SendRecv, nullptr, nullptr, 0, dt, ncclSum, 0, 0, {}, {}};
+  (send ? one.sends : one.recvs).push_back(b);
+  if (tl_group_depth == 0) return issue(h, one, stream);
+  (void)comm_of(h, kind_name(Kind::SendRecv));  // a freed handle is reported at the call
+  auto [it, fresh] = tl_p2p.try_emplace(h);
+  P2pBatch& batch = it->second;
+  if (fresh) {
+    batch.call = one;
+    batch.stream = stream;
+    // Issued at ncclGroupEnd, in the order of the group's first call on this communicator.
+    tl_group.push_back([h] {
+      const auto found = tl_p2p.find(h);
+      const P2pBatch group = std::move(found->second);
+      tl_p2p.erase(found);
+      if (!group.error.empty()) return error(ncclInvalidUsage, nullptr, group.error);
+      return issue(h, group.call, group.stream);
+    });
+    return ncclSuccess;
+  }
+  if (stream != batch.stream || dt != batch.call.dt)
+    batch.error = "ncclSend/ncclRecv: one group's calls on a communicator use two streams or "
+                  "two data types (the emulator fuses them into one operation)";
+  (send ? batch.call.sends : batch.call.recvs).push_back(b);
+  return ncclSuccess;
 }
 
 ncclResult_t issue_or_defer(ncclComm_t h, const Call& c, cudaStream_t s) {
@@ -801,18 +949,26 @@ ncclResult_t ncclGroupEnd() {
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, std::size_t count, ncclDataType_t dt,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-  return issue_or_defer(comm, {Kind::AllReduce, send, recv, count, dt, op, 0, 0}, stream);
+  return issue_or_defer(comm, {Kind::AllReduce, send, recv, count, dt, op, 0, 0, {}, {}}, stream);
 }
 ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t send_count,
                            ncclDataType_t dt, ncclComm_t comm, cudaStream_t stream) {
-  return issue_or_defer(comm, {Kind::AllGather, send, recv, send_count, dt, ncclSum, 0, 0}, stream);
+  return issue_or_defer(comm, {Kind::AllGather, send, recv, send_count, dt, ncclSum, 0, 0, {}, {}}, stream);
 }
 ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t recv_count,
                                ncclDataType_t dt, ncclRedOp_t op, ncclComm_t comm,
                                cudaStream_t stream) {
-  return issue_or_defer(comm, {Kind::ReduceScatter, send, recv, recv_count, dt, op, 0, 0}, stream);
+  return issue_or_defer(comm, {Kind::ReduceScatter, send, recv, recv_count, dt, op, 0, 0, {}, {}}, stream);
 }
 ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, ncclDataType_t dt,
                            int root, ncclComm_t comm, cudaStream_t stream) {
-  return issue_or_defer(comm, {Kind::Broadcast, send, recv, count, dt, ncclSum, root, 0}, stream);
+  return issue_or_defer(comm, {Kind::Broadcast, send, recv, count, dt, ncclSum, root, 0, {}, {}}, stream);
+}
+ncclResult_t ncclSend(const void* send, std::size_t count, ncclDataType_t dt, int peer,
+                      ncclComm_t comm, cudaStream_t stream) {
+  return point_to_point(true, send, count, dt, peer, comm, stream);
+}
+ncclResult_t ncclRecv(void* recv, std::size_t count, ncclDataType_t dt, int peer,
+                      ncclComm_t comm, cudaStream_t stream) {
+  return point_to_point(false, recv, count, dt, peer, comm, stream);
 }

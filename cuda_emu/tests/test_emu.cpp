@@ -266,6 +266,53 @@ TEST_CASE("emu: NCCL all_reduce is a rendezvous of the ranks' streams, non-block
   for (int r = 0; r < 2; ++r) CHECK(ncclCommDestroy(p.c[r]) == ncclSuccess);
 }
 
+TEST_CASE("emu: grouped ncclSend/ncclRecv move each pair's elements; unpaired ones are reported",
+          "[emu]") {
+  cuda_emu::clear_nccl_faults();
+  Pair p(8);
+  for (int r = 0; r < 2; ++r) CHECK(poll(p.c[r]) == ncclSuccess);
+  // Each rank sends 3 elements to the other and keeps 5 (its own send and receive): the
+  // receive buffers' first 5 and last 3 come from the two ranks.
+  float* recv[2];
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(cudaMalloc(&recv[r], sizeof(float) * 8) == cudaSuccess);
+  }
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(ncclGroupStart() == ncclSuccess);
+    CHECK(ncclSend(p.buf[r], 5, ncclFloat32, r, p.c[r], p.s[r]) == ncclSuccess);
+    CHECK(ncclRecv(recv[r], 5, ncclFloat32, r, p.c[r], p.s[r]) == ncclSuccess);
+    CHECK(ncclSend(p.buf[r] + 5, 3, ncclFloat32, 1 - r, p.c[r], p.s[r]) == ncclSuccess);
+    CHECK(ncclRecv(recv[r] + 5, 3, ncclFloat32, 1 - r, p.c[r], p.s[r]) == ncclSuccess);
+    CHECK(ncclGroupEnd() == ncclInProgress);
+  }
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(cudaStreamSynchronize(p.s[r]) == cudaSuccess);
+    CHECK(poll(p.c[r]) == ncclSuccess);
+    float h[8];
+    cudaMemcpy(h, recv[r], sizeof h, cudaMemcpyDeviceToHost);
+    for (int i = 0; i < 8; ++i) CHECK(h[i] == static_cast<float>(i < 5 ? r + 1 : 2 - r));
+  }
+  // Rank 1 receives 2 elements where rank 0 sends 3: every rank's communicator says so.
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(ncclGroupStart() == ncclSuccess);
+    CHECK(ncclSend(p.buf[r], 3, ncclFloat32, 1 - r, p.c[r], p.s[r]) == ncclSuccess);
+    CHECK(ncclRecv(recv[r], r == 1 ? 2 : 3, ncclFloat32, 1 - r, p.c[r], p.s[r]) == ncclSuccess);
+    CHECK(ncclGroupEnd() == ncclInProgress);
+  }
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    (void)cudaStreamSynchronize(p.s[r]);
+    CHECK(poll(p.c[r]) == ncclInvalidUsage);
+    CHECK_THAT(std::string(ncclGetLastError(p.c[r])),
+               Contains("rank 0 sends 3 elements to rank 1, which receives 2"));
+  }
+  for (int r = 0; r < 2; ++r) CHECK(ncclCommDestroy(p.c[r]) == ncclSuccess);
+}
+
 TEST_CASE("emu: NCCL refuses the sums it does not model (fp16, 8-bit) by name", "[emu]") {
   cuda_emu::clear_nccl_faults();
   Pair p(8);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 
 #include "core/clock.h"
@@ -42,6 +43,34 @@ CallPost make_call(CollectiveKind kind, const Tensor* in, const Tensor* out, Red
   if (out) p.out = TensorArg::of(*out);
   return p;
 }
+
+CallPost make_all_to_all(const Tensor& in, const Tensor& out, std::vector<std::int64_t> send_counts,
+                         std::vector<std::int64_t> recv_counts) {
+  CallPost p = make_call(CollectiveKind::AllToAll, &in, &out);
+  p.send_counts = std::move(send_counts);
+  p.recv_counts = std::move(recv_counts);
+  return p;
+}
+
+std::int64_t row_elements(const TensorArg& t) {
+  std::int64_t e = 1;
+  for (std::size_t d = 1; d < t.shape.size(); ++d) e *= t.shape[d];
+  return e;
+}
+
+namespace {
+// Rows [sum counts[0..q), + counts[q]) of t, as bytes.
+Span rows_of(const TensorArg& t, const std::vector<std::int64_t>& counts, int q) {
+  std::int64_t before = 0;
+  for (int i = 0; i < q; ++i) before += counts[static_cast<std::size_t>(i)];
+  const std::size_t row = static_cast<std::size_t>(row_elements(t)) * dtype_size(t.dtype);
+  return {t.ptr + static_cast<std::size_t>(before) * row,
+          static_cast<std::size_t>(counts[static_cast<std::size_t>(q)]) * row};
+}
+}  // namespace
+
+Span all_to_all_send(const CallPost& p, int q) { return rows_of(p.in, p.send_counts, q); }
+Span all_to_all_recv(const CallPost& p, int q) { return rows_of(p.out, p.recv_counts, q); }
 
 CollectiveRecord start_record(const CallPost& p) {
   // The buffer for all_reduce and broadcast, one chunk for all_gather (its input) and for
@@ -83,6 +112,16 @@ std::string signature(const CallPost& p) {
       break;
     case CollectiveKind::Barrier:
       break;
+    case CollectiveKind::AllToAll: {
+      auto list = [](const std::vector<std::int64_t>& v) {
+        std::string t = "[";
+        for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+        return t + "]";
+      };
+      s += "in=" + p.in.str() + ", out=" + p.out.str() + ", send=" + list(p.send_counts) +
+           ", recv=" + list(p.recv_counts);
+      break;
+    }
   }
   return s + ")" + quoted_label(p.label);
 }
@@ -90,9 +129,14 @@ std::string signature(const CallPost& p) {
 bool same_call(const CallPost& a, const CallPost& b) {
   if (a.kind != b.kind || a.label != b.label) return false;
   if (a.kind == CollectiveKind::Barrier) return true;
-  auto same_arg = [](const TensorArg& x, const TensorArg& y) {
-    return x.defined == y.defined && x.dtype == y.dtype && x.numel == y.numel &&
-           x.shape == y.shape;
+  // all_to_all's ranks pass different numbers of rows, of one shape.
+  const bool rows_vary = a.kind == CollectiveKind::AllToAll;
+  auto same_arg = [rows_vary](const TensorArg& x, const TensorArg& y) {
+    if (x.defined != y.defined || x.dtype != y.dtype) return false;
+    if (!rows_vary) return x.numel == y.numel && x.shape == y.shape;
+    return x.shape.size() == y.shape.size() &&
+           std::equal(x.shape.begin() + (x.shape.empty() ? 0 : 1), x.shape.end(),
+                      y.shape.begin() + (y.shape.empty() ? 0 : 1));
   };
   if (!same_arg(a.in, b.in) || !same_arg(a.out, b.out)) return false;
   if (is_reduction(a.kind) && a.op != b.op) return false;
@@ -138,15 +182,72 @@ std::string disagreement(const std::vector<CallPost>& posts) {
   const int n = static_cast<int>(posts.size());
   bool agree = true;
   for (int q = 1; q < n; ++q) agree = agree && same_call(posts[0], posts[static_cast<std::size_t>(q)]);
+  if (agree && posts[0].kind == CollectiveKind::AllToAll) {
+    // Each rank checked its counts' length against n before posting.
+    int a = 0, b = 0;
+    const std::string unpaired = unpaired_counts(
+        n,
+        [&](int r, bool send, int q) {
+          const CallPost& p = posts[static_cast<std::size_t>(r)];
+          return (send ? p.send_counts : p.recv_counts)[static_cast<std::size_t>(q)];
+        },
+        &a, &b);
+    if (unpaired.empty()) return {};
+    return "ranks disagree on the counts: " + unpaired + " (" +
+           signature(posts[static_cast<std::size_t>(a)]) + " vs " +
+           signature(posts[static_cast<std::size_t>(b)]) + ")";
+  }
   if (agree) return {};
   std::vector<std::pair<int, std::string>> items;
   for (int q = 0; q < n; ++q) items.push_back({q, signature(posts[static_cast<std::size_t>(q)])});
   return "ranks disagree on the call: " + grouped(items);
 }
 
+std::string unpaired_counts(int n, const std::function<std::int64_t(int, bool, int)>& count,
+                            int* a, int* b) {
+  for (*a = 0; *a < n; ++*a)
+    for (*b = 0; *b < n; ++*b) {
+      const std::int64_t sent = count(*a, true, *b), expected = count(*b, false, *a);
+      if (sent != expected)
+        return "rank " + std::to_string(*a) + " sends " + std::to_string(sent) + " rows to rank " +
+               std::to_string(*b) + ", which expects " + std::to_string(expected);
+    }
+  return {};
+}
+
+namespace {
+
+std::string all_to_all_problem(const CallPost& p, int n) {
+  if (p.in.dtype != p.out.dtype) return "in and out must have the same dtype";
+  if (p.in.shape.empty() || p.out.shape.empty()) return "in and out need a dim of rows";
+  if (row_elements(p.in) != row_elements(p.out) || p.in.shape.size() != p.out.shape.size() ||
+      !std::equal(p.in.shape.begin() + 1, p.in.shape.end(), p.out.shape.begin() + 1))
+    return "in and out must have the same row shape (the dims after the first)";
+  for (const auto& [counts, arg, name] :
+       {std::tuple{&p.send_counts, &p.in, "send"}, std::tuple{&p.recv_counts, &p.out, "recv"}}) {
+    if (static_cast<int>(counts->size()) != n)
+      return std::string(name) + " counts: " + std::to_string(counts->size()) + " for a group of " +
+             std::to_string(n) + " ranks";
+    std::int64_t sum = 0;
+    for (std::int64_t c : *counts) {
+      if (c < 0 || c > arg->shape[0]) return std::string(name) + " counts: " + std::to_string(c) + " rows";
+      sum += c;
+    }
+    if (sum != arg->shape[0])
+      return std::string(name) + " counts sum to " + std::to_string(sum) + " rows, and " +
+             (arg == &p.in ? "in" : "out") + " has " + std::to_string(arg->shape[0]);
+  }
+  if (Span{p.in.ptr, p.in.nbytes()}.overlaps(Span{p.out.ptr, p.out.nbytes()}))
+    return "in and out overlap (all_to_all is never in place)";
+  return {};
+}
+
+}  // namespace
+
 std::string local_problem(const CallPost& p, int q, int n, const char* comm) {
   if (p.kind == CollectiveKind::Barrier) return {};
-  const bool two = p.kind == CollectiveKind::AllGather || p.kind == CollectiveKind::ReduceScatter;
+  const bool two = p.kind == CollectiveKind::AllGather || p.kind == CollectiveKind::ReduceScatter ||
+                   p.kind == CollectiveKind::AllToAll;
   const char* in_name = two ? "in" : "the tensor";
   for (const auto& [arg, name] : {std::pair{&p.in, in_name}, std::pair{&p.out, "out"}}) {
     if (!two && arg == &p.out) break;
@@ -159,6 +260,7 @@ std::string local_problem(const CallPost& p, int q, int n, const char* comm) {
     return "root " + std::to_string(p.root) + " is not a rank of this " + std::to_string(n) +
            "-rank group";
   if (!two) return {};
+  if (p.kind == CollectiveKind::AllToAll) return all_to_all_problem(p, n);
   if (p.in.dtype != p.out.dtype) return "in and out must have the same dtype";
   // The chunk is the per-rank part: in for all_gather, out for reduce_scatter.
   const bool gather = p.kind == CollectiveKind::AllGather;
@@ -269,6 +371,12 @@ void PostingCommunicator::broadcast(Tensor& t, int root) {
 }
 
 void PostingCommunicator::barrier() { run(make_call(CollectiveKind::Barrier, nullptr, nullptr)); }
+
+void PostingCommunicator::all_to_all(const Tensor& in, Tensor& out,
+                                     const std::vector<std::int64_t>& send_counts,
+                                     const std::vector<std::int64_t>& recv_counts) {
+  run(make_all_to_all(in, out, send_counts, recv_counts));
+}
 
 std::string format_seconds(double s) {
   char buf[32];

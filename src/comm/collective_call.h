@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,13 +49,22 @@ struct CallPost {
   ReduceOp op = ReduceOp::Sum;
   int root = 0;
   TensorArg in, out;
+  std::vector<std::int64_t> send_counts, recv_counts;  // all_to_all's rows per rank
   std::string label;
 };
+
+// all_to_all: the elements of one row (the product of the dims after the first), and the
+// bytes of `in` rank `me` sends to rank q / of `out` it receives from rank q.
+std::int64_t row_elements(const TensorArg& t);
+Span all_to_all_send(const CallPost& p, int q);
+Span all_to_all_recv(const CallPost& p, int q);
 
 // The call a rank makes: all_reduce and broadcast pass the one tensor as `in` and `out`;
 // barrier passes neither.
 CallPost make_call(CollectiveKind kind, const Tensor* in, const Tensor* out,
                    ReduceOp op = ReduceOp::Sum, int root = 0);
+CallPost make_all_to_all(const Tensor& in, const Tensor& out, std::vector<std::int64_t> send_counts,
+                         std::vector<std::int64_t> recv_counts);
 // The record of a call about to start (communicator.h says what it counts); the caller
 // sets t_end_ns when the call ends, however it ends.
 CollectiveRecord start_record(const CallPost& p);
@@ -69,8 +79,14 @@ std::string signature(const CallPost& p);
 // data between tensors that do not correspond.
 bool same_call(const CallPost& a, const CallPost& b);
 // "ranks disagree on the call: ranks 0, 2 passed X; rank 1 passed Y", or "" when every
-// rank's call is the same collective.
+// rank's call is the same collective (for all_to_all, also when every rank's send count
+// to q is q's receive count from it).
 std::string disagreement(const std::vector<CallPost>& posts);
+// all_to_all over n ranks: the first pair (a, b) where rank a's send count to b is not
+// b's receive count from a, as "rank a sends k rows to rank b, which expects m", or "".
+// count(a, true, b) is rank a's send count to b, count(a, false, b) its receive count from b.
+std::string unpaired_counts(int n, const std::function<std::int64_t(int, bool, int)>& count,
+                            int* a, int* b);
 // What is wrong with rank q's own arguments in an n-rank group, or "". `comm` names the
 // communicator in the message ("ThreadComm needs host memory").
 std::string local_problem(const CallPost& p, int q, int n, const char* comm);
@@ -93,6 +109,8 @@ class PostingCommunicator : public Communicator {
   void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) final;
   void broadcast(Tensor& t, int root) final;
   void barrier() final;
+  void all_to_all(const Tensor& in, Tensor& out, const std::vector<std::int64_t>& send_counts,
+                  const std::vector<std::int64_t>& recv_counts) final;
 
  protected:
   virtual void run(CallPost call) = 0;

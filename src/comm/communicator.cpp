@@ -11,6 +11,7 @@ const char* collective_name(CollectiveKind k) {
     case CollectiveKind::ReduceScatter: return "reduce_scatter";
     case CollectiveKind::Broadcast: return "broadcast";
     case CollectiveKind::Barrier: return "barrier";
+    case CollectiveKind::AllToAll: return "all_to_all";
   }
   return "?";
 }

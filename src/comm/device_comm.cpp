@@ -4,8 +4,10 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 
+#include "comm/collective_call.h"
 #include "core/errors.h"
 
 namespace tpsim {
@@ -31,6 +33,8 @@ void pack(const DeviceCallPost& p, std::int64_t* w) {
   w[12] = static_cast<std::int64_t>(p.in_dev.kind) | (static_cast<std::int64_t>(p.in_dev.index) << 8);
   w[13] = static_cast<std::int64_t>(p.out_dev.kind) |
           (static_cast<std::int64_t>(p.out_dev.index) << 8);
+  w[14] = p.in_row;
+  w[15] = p.out_row;
 }
 
 DeviceCallPost unpack(const std::int64_t* w) {
@@ -51,6 +55,8 @@ DeviceCallPost unpack(const std::int64_t* w) {
   std::memcpy(&p.handle1, &w[11], 8);
   p.in_dev = {static_cast<DeviceKind>(w[12] & 0xff), static_cast<int>(w[12] >> 8)};
   p.out_dev = {static_cast<DeviceKind>(w[13] & 0xff), static_cast<int>(w[13] >> 8)};
+  p.in_row = w[14];
+  p.out_row = w[15];
   return p;
 }
 
@@ -60,12 +66,17 @@ std::string arg_str(bool defined, DType dt, std::int64_t numel, Device dev) {
 }
 
 bool is_two_buffer(CollectiveKind k) {
-  return k == CollectiveKind::AllGather || k == CollectiveKind::ReduceScatter;
+  return k == CollectiveKind::AllGather || k == CollectiveKind::ReduceScatter ||
+         k == CollectiveKind::AllToAll;
 }
 
 bool same_call(const DeviceCallPost& a, const DeviceCallPost& b) {
   if (a.kind != b.kind) return false;
   if (a.kind == CollectiveKind::Barrier) return true;
+  if (a.kind == CollectiveKind::AllToAll)  // ranks pass different numbers of rows
+    return a.in_defined == b.in_defined && a.out_defined == b.out_defined &&
+           a.in_dtype == b.in_dtype && a.out_dtype == b.out_dtype && a.in_row == b.in_row &&
+           a.out_row == b.out_row;
   if (a.in_defined != b.in_defined || a.in_dtype != b.in_dtype || a.in_numel != b.in_numel)
     return false;
   if (is_two_buffer(a.kind) &&
@@ -117,6 +128,28 @@ std::string local_problem(const DeviceCallPost& p, int q, int n) {
   if (!(p.out_dev == here))
     return "out is on " + device_str(p.out_dev) + ", not this rank's " + device_str(here);
   if (p.in_dtype != p.out_dtype) return "in and out must have the same dtype";
+  if (p.kind == CollectiveKind::AllToAll) {
+    if (p.in_row != p.out_row) return "in and out must have the same row shape";
+    for (const auto& [counts, numel, name] : {std::tuple{&p.send_counts, p.in_numel, "send"},
+                                              std::tuple{&p.recv_counts, p.out_numel, "recv"}}) {
+      if (static_cast<int>(counts->size()) != n)
+        return std::string(name) + " counts: " + std::to_string(counts->size()) +
+               " for a group of " + std::to_string(n) + " ranks";
+      std::int64_t rows = 0;
+      for (std::int64_t c : *counts) {
+        if (c < 0 || (p.in_row > 0 && c > numel / p.in_row))
+          return std::string(name) + " counts: " + std::to_string(c) + " rows";
+        rows += c;
+      }
+      if (rows * p.in_row != numel)
+        return std::string(name) + " counts sum to " + std::to_string(rows) + " rows of " +
+               std::to_string(p.in_row) + ", and the tensor has " + std::to_string(numel) +
+               " elements";
+    }
+    const bool overlap = p.in_bytes() > 0 && p.out_bytes() > 0 && p.in_ptr < p.out_ptr + p.out_bytes() &&
+                         p.out_ptr < p.in_ptr + p.in_bytes();
+    return overlap ? "in and out overlap (all_to_all is never in place)" : "";
+  }
   const bool gather = p.kind == CollectiveKind::AllGather;
   const std::int64_t chunk = gather ? p.in_numel : p.out_numel;
   const std::int64_t whole = gather ? p.out_numel : p.in_numel;
@@ -133,20 +166,20 @@ std::string local_problem(const DeviceCallPost& p, int q, int n) {
   return {};
 }
 
-struct Span {
+struct AddressRange {
   std::uint64_t begin = 0, size = 0;
-  bool overlaps(const Span& o) const {
+  bool overlaps(const AddressRange& o) const {
     return size > 0 && o.size > 0 && begin < o.begin + o.size && o.begin < begin + size;
   }
 };
-Span read_span(const DeviceCallPost& p, int q) {
+AddressRange read_span(const DeviceCallPost& p, int q) {
   if (p.kind == CollectiveKind::Barrier) return {};
-  if (p.kind == CollectiveKind::Broadcast) return q == p.root ? Span{p.in_ptr, p.in_bytes()} : Span{};
+  if (p.kind == CollectiveKind::Broadcast) return q == p.root ? AddressRange{p.in_ptr, p.in_bytes()} : AddressRange{};
   return {p.in_ptr, p.in_bytes()};
 }
-Span write_span(const DeviceCallPost& p, int q) {
+AddressRange write_span(const DeviceCallPost& p, int q) {
   if (p.kind == CollectiveKind::Barrier) return {};
-  if (p.kind == CollectiveKind::Broadcast) return q == p.root ? Span{} : Span{p.out_ptr, p.out_bytes()};
+  if (p.kind == CollectiveKind::Broadcast) return q == p.root ? AddressRange{} : AddressRange{p.out_ptr, p.out_bytes()};
   return {p.out_ptr, p.out_bytes()};
 }
 
@@ -177,6 +210,40 @@ DeviceCallPost DeviceCallPost::of(CollectiveKind kind, const Tensor* in, const T
   return p;
 }
 
+DeviceCallPost DeviceCallPost::of_all_to_all(const Tensor& in, const Tensor& out,
+                                              std::vector<std::int64_t> send_counts,
+                                              std::vector<std::int64_t> recv_counts, int device) {
+  DeviceCallPost p = of(CollectiveKind::AllToAll, &in, &out, ReduceOp::Sum, 0, device);
+  auto row = [](const Tensor& t) {
+    std::int64_t e = 1;
+    for (std::size_t d = 1; d < t.shape().size(); ++d) e *= t.shape()[d];
+    return e;
+  };
+  p.in_row = row(in);
+  p.out_row = row(out);
+  p.send_counts = std::move(send_counts);
+  p.recv_counts = std::move(recv_counts);
+  return p;
+}
+
+namespace {
+std::pair<std::uint64_t, std::uint64_t> rows_of(const std::vector<std::int64_t>& counts, int q,
+                                                std::int64_t row, DType dt) {
+  std::int64_t before = 0;
+  for (int i = 0; i < q; ++i) before += counts[static_cast<std::size_t>(i)];
+  const auto bytes = static_cast<std::uint64_t>(row) * dtype_size(dt);
+  return {static_cast<std::uint64_t>(before) * bytes,
+          static_cast<std::uint64_t>(counts[static_cast<std::size_t>(q)]) * bytes};
+}
+}  // namespace
+
+std::pair<std::uint64_t, std::uint64_t> DeviceCallPost::send_rows(int q) const {
+  return rows_of(send_counts, q, in_row, in_dtype);
+}
+std::pair<std::uint64_t, std::uint64_t> DeviceCallPost::recv_rows(int q) const {
+  return rows_of(recv_counts, q, out_row, out_dtype);
+}
+
 std::size_t DeviceCallPost::in_bytes() const {
   return in_defined ? static_cast<std::size_t>(in_numel) * dtype_size(in_dtype) : 0;
 }
@@ -196,6 +263,15 @@ std::string device_call_signature(const DeviceCallPost& p) {
       break;
     case CollectiveKind::Broadcast: s += in + ", root=" + std::to_string(p.root); break;
     case CollectiveKind::Barrier: break;
+    case CollectiveKind::AllToAll: {
+      auto list = [](const std::vector<std::int64_t>& v) {
+        std::string t = "[";
+        for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+        return t + "]";
+      };
+      s += "in=" + in + ", out=" + out + ", send=" + list(p.send_counts) + ", recv=" + list(p.recv_counts);
+      break;
+    }
   }
   return s + ")";
 }
@@ -216,10 +292,24 @@ std::string check_device_calls(const std::vector<DeviceCallPost>& posts, bool sa
     if (!problem.empty()) items.push_back({q, device_call_signature(p) + ": " + problem});
   }
   if (!items.empty()) return "bad arguments: " + grouped(items);
+  if (posts[0].kind == CollectiveKind::AllToAll) {
+    int a = 0, b = 0;
+    const std::string unpaired = unpaired_counts(
+        n,
+        [&](int r, bool send, int q) {
+          const DeviceCallPost& p = posts[static_cast<std::size_t>(r)];
+          return (send ? p.send_counts : p.recv_counts)[static_cast<std::size_t>(q)];
+        },
+        &a, &b);
+    if (!unpaired.empty())
+      return "ranks disagree on the counts: " + unpaired + " (" +
+             device_call_signature(posts[static_cast<std::size_t>(a)]) + " vs " +
+             device_call_signature(posts[static_cast<std::size_t>(b)]) + ")";
+  }
   if (!same_device) return {};
   for (int q = 0; q < n; ++q) {
     const DeviceCallPost& p = posts[static_cast<std::size_t>(q)];
-    const Span w = write_span(p, q);
+    const AddressRange w = write_span(p, q);
     for (int s = 0; s < n; ++s) {
       if (s == q) continue;
       const DeviceCallPost& o = posts[static_cast<std::size_t>(s)];
@@ -251,10 +341,42 @@ std::vector<DeviceCallPost> DeviceRendezvous::exchange(const DeviceCallPost& min
   } catch (const CommError& e) {
     throw CommError(who + ": " + e.what());
   }
-  host_.clear_records();  // the device communicator keeps the records that count
   std::vector<DeviceCallPost> posts;
   posts.reserve(static_cast<std::size_t>(n));
   for (int q = 0; q < n; ++q) posts.push_back(unpack(out.data<std::int64_t>() + q * kWords));
+  bool all_to_all = true;
+  for (const DeviceCallPost& p : posts) all_to_all = all_to_all && p.kind == CollectiveKind::AllToAll;
+  if (all_to_all) {
+    // Every rank sees the same posts, so every rank makes this second exchange: each rank's
+    // counts, n send then n receive, padded with -1 where a rank passed fewer (its post
+    // keeps the length it passed, for the message).
+    // [2n] this rank's counts, [n*2n] everyone's
+    Tensor mine_c = Tensor::empty({2 * n}, DType::I64, alloc_, MemCategory::CommBuffer, "comm.counts");
+    Tensor all_c = Tensor::empty({2 * n * n}, DType::I64, alloc_, MemCategory::CommBuffer, "comm.all_counts");
+    std::int64_t* w = mine_c.data<std::int64_t>();
+    for (int i = 0; i < n; ++i) {
+      const auto ui = static_cast<std::size_t>(i);
+      w[i] = ui < mine.send_counts.size() ? mine.send_counts[ui] : -1;
+      w[n + i] = ui < mine.recv_counts.size() ? mine.recv_counts[ui] : -1;
+    }
+    try {
+      host_.all_gather(mine_c, all_c);
+    } catch (const CommError& e) {
+      throw CommError(who + ": " + e.what());
+    }
+    for (int q = 0; q < n; ++q) {
+      DeviceCallPost& p = posts[static_cast<std::size_t>(q)];
+      const std::int64_t* c = all_c.data<std::int64_t>() + 2 * n * q;
+      if (q == host_.rank()) {
+        p.send_counts = mine.send_counts;
+        p.recv_counts = mine.recv_counts;
+        continue;
+      }
+      p.send_counts.assign(c, c + n);
+      p.recv_counts.assign(c + n, c + 2 * n);
+    }
+  }
+  host_.clear_records();  // the device communicator keeps the records that count
   std::string problem = check_device_calls(posts, same_device);
   if (!problem.empty()) {
     std::string msg = who + ": " + problem;

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -32,10 +33,20 @@ struct DeviceCallPost {
   std::int64_t in_numel = 0, out_numel = 0;
   std::uint64_t in_ptr = 0, out_ptr = 0;    // device addresses
   std::uint64_t handle0 = 0, handle1 = 0;  // implementation's (SimComm: its two events)
+  // all_to_all: elements per row (dims after the first) of in and out, and the rows per
+  // rank (they travel in a second host exchange, every rank's to every rank).
+  std::int64_t in_row = 1, out_row = 1;
+  std::vector<std::int64_t> send_counts, recv_counts;
 
   // For all_reduce and broadcast pass the same tensor twice.
   static DeviceCallPost of(CollectiveKind kind, const Tensor* in, const Tensor* out, ReduceOp op,
                            int root, int device);
+  static DeviceCallPost of_all_to_all(const Tensor& in, const Tensor& out,
+                                      std::vector<std::int64_t> send_counts,
+                                      std::vector<std::int64_t> recv_counts, int device);
+  // all_to_all: the byte offset and size of the rows rank q gets from `in` / puts in `out`.
+  std::pair<std::uint64_t, std::uint64_t> send_rows(int q) const;
+  std::pair<std::uint64_t, std::uint64_t> recv_rows(int q) const;
   std::size_t in_bytes() const;
   std::size_t out_bytes() const;
 };

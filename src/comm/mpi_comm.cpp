@@ -59,6 +59,10 @@ void write_header(ByteWriter& w, const CallPost& p) {
   w.put_string(p.label);
   put_arg(w, p.in);
   put_arg(w, p.out);
+  for (const auto* counts : {&p.send_counts, &p.recv_counts}) {
+    w.put<std::uint32_t>(static_cast<std::uint32_t>(counts->size()));
+    for (std::int64_t c : *counts) w.put<std::int64_t>(c);
+  }
 }
 
 CallPost read_header(ByteReader& r) {
@@ -72,6 +76,11 @@ CallPost read_header(ByteReader& r) {
   p.label = r.get_string();
   p.in = get_arg(r);
   p.out = get_arg(r);
+  for (auto* counts : {&p.send_counts, &p.recv_counts}) {
+    const auto size = r.get<std::uint32_t>();
+    if (size > r.left() / sizeof(std::int64_t)) r.fail();
+    for (std::uint32_t i = 0; i < size; ++i) counts->push_back(r.get<std::int64_t>());
+  }
   return p;
 }
 
@@ -90,6 +99,10 @@ std::pair<const std::byte*, std::size_t> payload_for(const CallPost& p, int me, 
                           : std::pair{static_cast<const std::byte*>(nullptr), std::size_t{0}};
     case CollectiveKind::Barrier:
       break;
+    case CollectiveKind::AllToAll: {
+      const Span rows = all_to_all_send(p, q);
+      return {rows.begin, rows.size};
+    }
   }
   return {nullptr, 0};
 }
@@ -474,6 +487,13 @@ void MpiComm::run(CallPost mine) {
           std::memcpy(out.ptr, payloads[static_cast<std::size_t>(mine.root)].first, out.nbytes());
         break;
       case CollectiveKind::Barrier:
+        break;
+      case CollectiveKind::AllToAll:
+        for (int q = 0; q < n; ++q) {
+          const Span dst = all_to_all_recv(mine, q);
+          const std::byte* src = from(q, all_to_all_send(mine, rank_).begin);
+          if (dst.size > 0) std::memcpy(const_cast<std::byte*>(dst.begin), src, dst.size);
+        }
         break;
     }
 

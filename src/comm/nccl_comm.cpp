@@ -344,6 +344,13 @@ int NcclComm::rank() const { return rz_.rank(); }
 int NcclComm::world_size() const { return rz_.world_size(); }
 
 void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root) {
+  run(DeviceCallPost::of(kind, in, out, op, root, backend_.device_index()), in, out);
+}
+
+void NcclComm::run(const DeviceCallPost& mine, const Tensor* in, Tensor* out) {
+  const CollectiveKind kind = mine.kind;
+  const ReduceOp op = mine.op;
+  const int root = mine.root;
   const int me = rank();
   const std::int64_t seq = seq_++;
   const Tensor* counted = kind == CollectiveKind::ReduceScatter ? out
@@ -363,7 +370,6 @@ void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp 
   try {
     CudaDeviceGuard guard(dev);
     if (kind == CollectiveKind::Barrier) backend_.synchronize();
-    const DeviceCallPost mine = DeviceCallPost::of(kind, in, out, op, root, dev);
     (void)rz_.exchange(mine, seq, label_, who, false);
     if (kind != CollectiveKind::Barrier) {
       const ncclDataType_t dt = nccl_type(in->dtype());
@@ -388,6 +394,23 @@ void NcclComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp 
             break;
           case CollectiveKind::Barrier:
             break;
+          case CollectiveKind::AllToAll: {
+            // Grouped point-to-point, NCCL's all-to-all: one fused launch. Every pair is
+            // posted, empty ones too (NCCL supports zero-size messages), so every rank
+            // issues the same pattern whatever its counts.
+            const std::size_t es = dtype_size(in->dtype());
+            NcclGroupScope group;
+            for (int q = 0; q < world_size(); ++q) {
+              const auto [send_off, send_bytes] = mine.send_rows(q);
+              const auto [recv_off, recv_bytes] = mine.recv_rows(q);
+              TPSIM_NCCL_CHECK(comm, ncclSend(static_cast<const char*>(in->raw()) + send_off,
+                                              send_bytes / es, dt, q, comm, stream));
+              TPSIM_NCCL_CHECK(comm, ncclRecv(static_cast<char*>(out->raw()) + recv_off,
+                                              recv_bytes / es, dt, q, comm, stream));
+            }
+            group.end();
+            break;
+          }
         }
       });
       // Enqueueing may still be in progress on a non-blocking communicator.
@@ -418,6 +441,11 @@ void NcclComm::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
 }
 void NcclComm::broadcast(Tensor& t, int root) { run(CollectiveKind::Broadcast, &t, &t, ReduceOp::Sum, root); }
 void NcclComm::barrier() { run(CollectiveKind::Barrier, nullptr, nullptr, ReduceOp::Sum, 0); }
+void NcclComm::all_to_all(const Tensor& in, Tensor& out, const std::vector<std::int64_t>& send_counts,
+                          const std::vector<std::int64_t>& recv_counts) {
+  run(DeviceCallPost::of_all_to_all(in, out, send_counts, recv_counts, backend_.device_index()), &in,
+      &out);
+}
 
 void NcclComm::check_async() {
   const std::string who = "rank " + std::to_string(rank());

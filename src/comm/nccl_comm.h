@@ -90,6 +90,9 @@ class NcclComm final : public Communicator {
   void broadcast(Tensor& t, int root) override;
   // Waits for this rank's stream, then meets the other ranks on the host.
   void barrier() override;
+  // Grouped ncclSend/ncclRecv, one pair per peer with rows to move.
+  void all_to_all(const Tensor& in, Tensor& out, const std::vector<std::int64_t>& send_counts,
+                  const std::vector<std::int64_t>& recv_counts) override;
   // Fails the host group and aborts every NCCL communicator.
   void abort(const std::string& reason) override;
   // Throws CommError when this rank's communicator reports an asynchronous error or was
@@ -98,6 +101,7 @@ class NcclComm final : public Communicator {
 
  private:
   void run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root);
+  void run(const DeviceCallPost& mine, const Tensor* in, Tensor* out);
 
   NcclGroup& group_;
   DeviceRendezvous rz_;

@@ -73,7 +73,10 @@ SimComm::~SimComm() {
 int SimComm::rank() const { return rz_.rank(); }
 int SimComm::world_size() const { return rz_.world_size(); }
 
-void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root) {
+void SimComm::run(DeviceCallPost mine, const Tensor* in, Tensor* out) {
+  const CollectiveKind kind = mine.kind;
+  const ReduceOp op = mine.op;
+  const int root = mine.root;
   const int n = world_size(), me = rank();
   const std::int64_t seq = seq_++;
   const Tensor* counted = kind == CollectiveKind::ReduceScatter ? out
@@ -92,7 +95,6 @@ void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp o
   const int dev = backend_.device_index();
   try {
     CudaDeviceGuard guard(dev);
-    DeviceCallPost mine = DeviceCallPost::of(kind, in, out, op, root, dev);
     mine.handle0 = reinterpret_cast<std::uint64_t>(events_.posted);
     mine.handle1 = reinterpret_cast<std::uint64_t>(events_.done);
     TPSIM_CUDA_CHECK(cudaEventRecord(events_.posted, stream));
@@ -144,6 +146,17 @@ void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp o
           break;
         case CollectiveKind::Barrier:
           break;
+        case CollectiveKind::AllToAll:
+          for (int q = 0; q < n; ++q) {
+            const DeviceCallPost& from = posts[static_cast<std::size_t>(q)];
+            const auto [src_off, bytes] = from.send_rows(me);
+            const auto dst_off = posts[static_cast<std::size_t>(me)].recv_rows(q).first;
+            if (bytes > 0)
+              TPSIM_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out->raw()) + dst_off,
+                                               reinterpret_cast<const char*>(from.in_ptr) + src_off,
+                                               bytes, cudaMemcpyDeviceToDevice, stream));
+          }
+          break;
       }
       TPSIM_CUDA_CHECK(cudaEventRecord(events_.done, stream));
     } catch (...) {
@@ -172,6 +185,10 @@ void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp o
   records_.push_back(std::move(rec));
 }
 
+void SimComm::run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root) {
+  run(DeviceCallPost::of(kind, in, out, op, root, backend_.device_index()), in, out);
+}
+
 void SimComm::all_reduce(Tensor& t, ReduceOp op) { run(CollectiveKind::AllReduce, &t, &t, op, 0); }
 void SimComm::all_gather(const Tensor& in, Tensor& out) {
   run(CollectiveKind::AllGather, &in, &out, ReduceOp::Sum, 0);
@@ -181,6 +198,11 @@ void SimComm::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
 }
 void SimComm::broadcast(Tensor& t, int root) { run(CollectiveKind::Broadcast, &t, &t, ReduceOp::Sum, root); }
 void SimComm::barrier() { run(CollectiveKind::Barrier, nullptr, nullptr, ReduceOp::Sum, 0); }
+void SimComm::all_to_all(const Tensor& in, Tensor& out, const std::vector<std::int64_t>& send_counts,
+                         const std::vector<std::int64_t>& recv_counts) {
+  run(DeviceCallPost::of_all_to_all(in, out, send_counts, recv_counts, backend_.device_index()), &in,
+      &out);
+}
 
 void SimComm::abort(const std::string& reason) {
   rz_.host().abort("rank " + std::to_string(rank()) + " called abort: " + reason);

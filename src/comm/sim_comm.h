@@ -69,10 +69,14 @@ class SimComm final : public Communicator {
   void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override;
   void broadcast(Tensor& t, int root) override;
   void barrier() override;
+  // Rows copied stream-ordered from each peer's `in`, as the other collectives read them.
+  void all_to_all(const Tensor& in, Tensor& out, const std::vector<std::int64_t>& send_counts,
+                  const std::vector<std::int64_t>& recv_counts) override;
   void abort(const std::string& reason) override;
 
  private:
   void run(CollectiveKind kind, const Tensor* in, Tensor* out, ReduceOp op, int root);
+  void run(DeviceCallPost mine, const Tensor* in, Tensor* out);
 
   DeviceRendezvous rz_;
   CudaBackend& backend_;

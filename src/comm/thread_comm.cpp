@@ -313,6 +313,13 @@ void ThreadComm::run(CallPost mine) {
             break;
           case CollectiveKind::Barrier:
             break;
+          case CollectiveKind::AllToAll:
+            for (int q = 0; q < n; ++q) {
+              const Span src = all_to_all_send(posts[static_cast<std::size_t>(q)], rank_);
+              const Span dst = all_to_all_recv(posts[static_cast<std::size_t>(rank_)], q);
+              if (src.size > 0) std::memcpy(const_cast<std::byte*>(dst.begin), src.begin, src.size);
+            }
+            break;
         }
       } catch (...) {
         compute_error = std::current_exception();

@@ -95,8 +95,29 @@ void check_collectives(CommKind comm, int world) {
     std::vector<double> root = inputs(world - 1, count);
     for (auto& x : root) x = double(T(x));
     CHECK(be.to_host(t) == root);
+    // all_to_all: rank a sends rank b (a + 2b) % 3 rows of 7, some none
+    std::vector<i64> send, recv;
+    i64 in_rows = 0, out_rows = 0;
+    for (int q = 0; q < world; ++q) {
+      send.push_back((r + 2 * q) % 3);
+      recv.push_back((q + 2 * r) % 3);
+      in_rows += send.back();
+      out_rows += recv.back();
+    }
+    Tensor a2a_in = be.empty({in_rows, 7}, dt, MemCategory::CommBuffer, "a2a_in");
+    Tensor a2a_out = be.empty({out_rows, 7}, dt, MemCategory::CommBuffer, "a2a_out");
+    be.from_host(a2a_in, in.data());
+    c.all_to_all(a2a_in, a2a_out, send, recv);
+    std::vector<double> rows;
+    for (int q = 0; q < world; ++q) {
+      i64 before = 0;  // rows q sent the ranks before r
+      for (int p = 0; p < r; ++p) before += (q + 2 * p) % 3;
+      for (i64 i = 0; i < (q + 2 * r) % 3 * 7; ++i) rows.push_back(double(T(value(q, before * 7 + i))));
+    }
+    CHECK(be.to_host(a2a_out) == rows);
     c.barrier();
-    CHECK(c.records().size() == 8);  // 2 all_reduce, 2 all_gather, 2 reduce_scatter, broadcast, barrier
+    // 2 all_reduce, 2 all_gather, 2 reduce_scatter, broadcast, all_to_all, barrier
+    CHECK(c.records().size() == 9);
   });
 }
 
@@ -229,6 +250,24 @@ TEST_CASE("SimComm: ranks that disagree fail on every rank with one message", "[
     FAIL("expected CommError");
   } catch (const CommError& e) {
     CHECK_THAT(std::string(e.what()), Catch::Matchers::Contains("ranks disagree on the call"));
+  }
+}
+
+TEST_CASE("SimComm: all_to_all counts that do not pair up fail on every rank", "[cuda]") {
+  TPSIM_REQUIRE_CUDA();
+  try {
+    launch_ranks({BackendKind::Cuda, CommKind::Sim, {}, {}}, 2, 5.0, [](int r, Backend& be, Communicator& c) {
+      // Rank 1 expects 2 rows from rank 0, which sends it 1.
+      Tensor in = be.empty({2, 3}, DType::F32, MemCategory::CommBuffer, "in");
+      Tensor out = be.empty({r == 1 ? 3 : 2, 3}, DType::F32, MemCategory::CommBuffer, "out");
+      be.fill(in, 1.0);
+      c.all_to_all(in, out, {1, 1}, r == 1 ? std::vector<i64>{2, 1} : std::vector<i64>{1, 1});
+    });
+    FAIL("expected CommError");
+  } catch (const CommError& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Matchers::Contains(
+                                          "ranks disagree on the counts: rank 0 sends 1 rows to "
+                                          "rank 1, which expects 2"));
   }
 }
 

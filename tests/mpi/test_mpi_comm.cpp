@@ -1,4 +1,5 @@
-// MpiComm across the processes of `mpirun -np P`: every collective's result equal to
+// MpiComm across the processes of `mpirun -np P`: every collective's result (all_to_all's
+// included) equal to
 // ThreadComm's bit for bit (non-integer data, so the order of the additions shows), the
 // same records; a disagreement, an abort and a missing rank each ending every rank of every
 // process with CommError, never a hang; a rank's own bad argument failing nothing.
@@ -86,6 +87,11 @@ void exercise(const std::string& group, int n, Communicator& c, Results& into) {
     Tensor b = filled(alloc, chunk, dt, r, ++salt);
     c.broadcast(b, n - 1);
     out["broadcast " + d] = bytes_of(b);
+    const AllToAllCounts a2a = all_to_all_counts(r, n);
+    Tensor a2a_in = filled(alloc, a2a.in_rows * 5, dt, r, ++salt).reshape({a2a.in_rows, 5});
+    Tensor a2a_out = Tensor::empty({a2a.out_rows, 5}, dt, alloc, MemCategory::CommBuffer, "a2a");
+    c.all_to_all(a2a_in, a2a_out, a2a.send, a2a.recv);
+    out["all_to_all " + d] = bytes_of(a2a_out);
   }
   c.set_label("labelled");
   c.barrier();
@@ -124,7 +130,7 @@ TEST_CASE("MpiComm gives ThreadComm's results bit for bit, across processes", "[
         const auto& a = mpi[static_cast<std::size_t>(r)];
         const auto& b = threads[static_cast<std::size_t>(r)];
         REQUIRE(a.size() == b.size());
-        REQUIRE(b.size() == 2 * (4 * (2 * 3 + 2) + 1));  // both groups' results and records
+        REQUIRE(b.size() == 2 * (4 * (2 * 3 + 3) + 1));  // both groups' results and records
         for (const auto& [what, bytes] : b) {
           INFO(what);
           CHECK(a.at(what) == bytes);

@@ -92,12 +92,14 @@ nlohmann::json to_json(const Comparison& c) {
 
 // Bytes each rank moves on the wire, with nccl-tests' bus-bandwidth factors: all-reduce
 // of S bytes 2(n-1)/n·S; all-gather and reduce-scatter of a total S = n·chunk (n-1)/n·S,
-// i.e. (n-1)·chunk (records hold the chunk); broadcast S.
+// i.e. (n-1)·chunk (records hold the chunk); broadcast S; all-to-all of S bytes sent
+// (n-1)/n·S (records hold S).
 double bus_bytes(const CollectiveTotals& c, int n) {
   const double f = n > 1 ? static_cast<double>(n - 1) : 0.0;
   auto b = [&](CollectiveKind k) { return static_cast<double>(c.bytes[static_cast<int>(k)]); };
   return b(CollectiveKind::AllReduce) * 2.0 * f / n + (b(CollectiveKind::AllGather) +
-         b(CollectiveKind::ReduceScatter)) * f + (n > 1 ? b(CollectiveKind::Broadcast) : 0.0);
+         b(CollectiveKind::ReduceScatter)) * f + (n > 1 ? b(CollectiveKind::Broadcast) : 0.0) +
+         b(CollectiveKind::AllToAll) * f / n;
 }
 
 }  // namespace
