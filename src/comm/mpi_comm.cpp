@@ -530,8 +530,10 @@ void MpiComm::abort(const std::string& reason) {
 
 // ---- a mesh, and each rank's channel to the first process ----------------------------
 
-MpiMesh::MpiMesh(const MpiProcesses& procs, int dp, int tp, double timeout_s)
-    : procs_(procs), dp_(dp), tp_(tp), timeout_s_(timeout_s) {
+MpiMesh::MpiMesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, std::size_t piece_bytes)
+    : procs_(procs), dp_(dp), tp_(tp), timeout_s_(timeout_s), piece_bytes_(piece_bytes) {
+  if (piece_bytes < 1 || piece_bytes > static_cast<std::size_t>(INT_MAX))
+    throw UsageError("MpiMesh: a piece must be 1 byte to 2 GiB, got " + std::to_string(piece_bytes));
   if (dp < 1 || tp < 1)
     throw UsageError("MpiMesh: the mesh must be at least 1 x 1, got dp " + std::to_string(dp) +
                      " x tp " + std::to_string(tp));
@@ -637,29 +639,45 @@ class MpiMesh::Wait {
   Backoff pause_;
 };
 
+// A channel message goes as its length (8 bytes), then its bytes in pieces of at most
+// piece_bytes_: MPI counts are ints, so one MPI message carries at most 2 GiB, and a
+// rank's step or the weights sent to it (--resync) may be larger. Every piece is a
+// synchronous send on the channel's tag, so pieces arrive in order and at most one is in
+// flight; each piece gets the whole timeout (a large message over a slow link is progress,
+// not a stall).
 void MpiMesh::send(int rank, bool to_first, std::vector<std::byte> msg) {
   MpiCommGroup::State& st = *channels_->state_;
   const std::string who = to_first ? "rank " + std::to_string(rank) + ", sending its step to its checker in process 0"
                                    : "the checker of rank " + std::to_string(rank) + ", sending to process " +
                                          std::to_string(process_of(rank));
-  if (msg.size() > static_cast<std::size_t>(INT_MAX))
-    throw CommError(who + ": a message of " + std::to_string(msg.size()) + " bytes is over MPI's 2 GiB count");
-  PendingSends sends;
-  sends.bufs.push_back(std::move(msg));
-  const std::vector<std::byte>& m = sends.bufs[0];
-  sends.reqs.assign(1, MPI_REQUEST_NULL);
-  // Synchronous: done once the receiver has taken it, so at most one message per channel
-  // is ever in flight and memory does not grow with steps.
-  check_mpi(MPI_Issend(m.data(), static_cast<int>(m.size()), MPI_BYTE, to_first ? 0 : process_of(rank),
-                       to_first ? to_first_tag(rank) : to_rank_tag(rank), st.comm, &sends.reqs[0]),
-            "MPI_Issend");
-  Wait wait(*this, rank, to_first);
-  for (;;) {
-    int done = 0;
-    check_mpi(MPI_Test(&sends.reqs[0], &done, MPI_STATUS_IGNORE), "MPI_Test");
-    if (done) return;
-    wait.check(who);
-  }
+  const int dest = to_first ? 0 : process_of(rank);
+  const int tag = to_first ? to_first_tag(rank) : to_rank_tag(rank);
+  const std::uint64_t total = msg.size();
+  std::vector<std::byte> length(sizeof total);
+  std::memcpy(length.data(), &total, sizeof total);
+  auto piece = [&](const std::byte* data, std::size_t size) {
+    MPI_Request req = MPI_REQUEST_NULL;
+    check_mpi(MPI_Issend(data, static_cast<int>(size), MPI_BYTE, dest, tag, st.comm, &req),
+              "MPI_Issend");
+    Wait wait(*this, rank, to_first);
+    for (;;) {
+      int done = 0;
+      check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      try {
+        wait.check(who);
+      } catch (...) {
+        // The piece may still be read by MPI: leak the buffers rather than free them under it.
+        MPI_Request_free(&req);
+        new std::vector<std::byte>(std::move(msg));
+        new std::vector<std::byte>(std::move(length));
+        throw;
+      }
+    }
+  };
+  piece(length.data(), length.size());
+  for (std::size_t at = 0; at < msg.size(); at += piece_bytes_)
+    piece(msg.data() + at, std::min(piece_bytes_, msg.size() - at));
 }
 
 std::vector<std::byte> MpiMesh::receive(int rank, bool to_first) {
@@ -669,23 +687,50 @@ std::vector<std::byte> MpiMesh::receive(int rank, bool to_first) {
                                          std::to_string(process_of(rank))
                                    : "rank " + std::to_string(rank) +
                                          ", waiting for its checker's message from process 0";
-  Wait wait(*this, rank, !to_first);
-  for (;;) {
-    int flag = 0;
-    MPI_Message msg;
-    MPI_Status status;
-    check_mpi(MPI_Improbe(to_first ? process_of(rank) : 0, to_first ? to_first_tag(rank) : to_rank_tag(rank),
-                          st.comm, &flag, &msg, &status),
-              "MPI_Improbe");
-    if (flag) {
-      int count = 0;
-      MPI_Get_count(&status, MPI_BYTE, &count);
-      std::vector<std::byte> buf(static_cast<std::size_t>(count));
-      check_mpi(MPI_Mrecv(buf.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
-      return buf;
+  const int source = to_first ? process_of(rank) : 0;
+  const int tag = to_first ? to_first_tag(rank) : to_rank_tag(rank);
+  // The next piece, into `into` (at most `room` bytes); returns its size.
+  auto piece = [&](std::byte* into, std::size_t room) -> std::size_t {
+    Wait wait(*this, rank, !to_first);
+    for (;;) {
+      int flag = 0;
+      MPI_Message msg;
+      MPI_Status status;
+      check_mpi(MPI_Improbe(source, tag, st.comm, &flag, &msg, &status), "MPI_Improbe");
+      if (flag) {
+        int count = 0;
+        MPI_Get_count(&status, MPI_BYTE, &count);
+        if (count < 0 || static_cast<std::size_t>(count) > room) {
+          const std::string why = who + ": a piece of " + std::to_string(count) + " bytes where " +
+                                  std::to_string(room) + " were left (a peer of another build?)";
+          abort(why);
+          throw CommError(why);
+        }
+        check_mpi(MPI_Mrecv(into, count, MPI_BYTE, &msg, MPI_STATUS_IGNORE), "MPI_Mrecv");
+        return static_cast<std::size_t>(count);
+      }
+      wait.check(who);
     }
-    wait.check(who);
+  };
+  std::uint64_t total = 0;
+  std::byte length[sizeof total];
+  if (piece(length, sizeof length) != sizeof length) {
+    const std::string why = who + ": a message without its length (a peer of another build?)";
+    abort(why);
+    throw CommError(why);
   }
+  std::memcpy(&total, length, sizeof total);
+  std::vector<std::byte> buf(total);
+  for (std::size_t got = 0; got < buf.size();) {
+    const std::size_t n = piece(buf.data() + got, std::min<std::size_t>(piece_bytes_, buf.size() - got));
+    if (n == 0) {
+      const std::string why = who + ": an empty piece (a peer of another build?)";
+      abort(why);
+      throw CommError(why);
+    }
+    got += n;
+  }
+  return buf;
 }
 
 void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn) {

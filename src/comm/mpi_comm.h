@@ -132,7 +132,10 @@ class MpiComm final : public PostingCommunicator {
 // program, from one thread (collective over MPI_COMM_WORLD).
 class MpiMesh {
  public:
-  MpiMesh(const MpiProcesses& procs, int dp, int tp, double timeout_s);
+  // Channel messages travel in pieces of at most `piece_bytes` (MPI counts are ints);
+  // tests pass small pieces.
+  MpiMesh(const MpiProcesses& procs, int dp, int tp, double timeout_s,
+          std::size_t piece_bytes = std::size_t{1} << 30);
   ~MpiMesh();
   MpiMesh(const MpiMesh&) = delete;
   MpiMesh& operator=(const MpiMesh&) = delete;
@@ -147,7 +150,7 @@ class MpiMesh {
   // Fails every group in every process.
   void abort(const std::string& reason);
 
-  // Rank `rank`'s channel: messages from the rank's process to the first process
+  // Rank `rank`'s channel: messages of any size from the rank's process to the first process
   // (`to_first`) or back. One thread per end. A send returns once the message is taken, a
   // receive once it came; both throw CommError once the mesh failed, or once their wait
   // passed the timeout (failing the mesh). The first process's end waits the timeout for
@@ -165,6 +168,7 @@ class MpiMesh {
   const MpiProcesses& procs_;
   int dp_, tp_, per_;
   double timeout_s_;
+  std::size_t piece_bytes_;
   std::vector<std::unique_ptr<MpiCommGroup>> tp_groups_, dp_groups_;
   std::unique_ptr<MpiCommGroup> channels_;  // the channels' own communicator (group of all ranks)
 };
