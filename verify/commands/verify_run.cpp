@@ -553,6 +553,10 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       comm.barrier();
       if (dp > 1) dp_comm.barrier();
       if (rank != 0) check.check_replicas(slot, replica_slots[tp0], phases, &found[tp0].step);
+      // Rank 0 of this TP group appends its DP replica checks to the very checks its TP peers
+      // have just read (found[tp0].step): a push_back under a reader can move the element it
+      // copies (a report once lost a worst_index that way, at dp 2 x tp 4).
+      comm.barrier();
       if (at.dp_rank != 0) check.check_dp_replicas(slot, replica_slots[dp0], phases);
       comm.barrier();
       if (dp > 1) dp_comm.barrier();
