@@ -90,6 +90,7 @@ struct Clique {
   std::uint64_t key = 0;
   int root = 0;              // the process that made the id
   std::vector<int> members;  // [rank]: its process; empty until every rank has joined
+  std::vector<bool> local;   // [rank]: it lives in this process (set with members)
   int n_local = 0;           // ranks in this process
   std::vector<int> peers;    // the other processes holding ranks
   std::mutex mu;
@@ -380,7 +381,7 @@ std::string execute(Op& op, int n, const std::vector<const char*>& srcs,
 std::vector<char> encode_part(const Clique& cl, const Op& op) {
   std::vector<char> b;
   for (int r = 0; r < cl.n; ++r) {
-    if (cl.members[static_cast<std::size_t>(r)] != net::self()) continue;
+    if (!cl.local[static_cast<std::size_t>(r)]) continue;
     const Call& c = op.calls[static_cast<std::size_t>(r)];
     const std::size_t bytes = c.kind == Kind::SendRecv ? 0 : send_bytes(c, r, cl.n);
     net::put(b, r);
@@ -451,13 +452,6 @@ void decode_part(const Clique& cl, Op& op, const std::vector<char>& part,
 // and when every peer process's part has come, computes the result. Under cl.mu.
 void try_complete(Clique& cl, std::uint64_t seq, Op& op) {
   if (op.complete || op.n_arrived < cl.n_local) return;
-  const int me = net::self();
-  std::vector<bool> local(static_cast<std::size_t>(cl.n));
-  std::vector<const char*> srcs(static_cast<std::size_t>(cl.n), nullptr);
-  for (int r = 0; r < cl.n; ++r) {
-    local[static_cast<std::size_t>(r)] = cl.members[static_cast<std::size_t>(r)] == me;
-    if (local[static_cast<std::size_t>(r)]) srcs[static_cast<std::size_t>(r)] = static_cast<const char*>(op.calls[static_cast<std::size_t>(r)].send);
-  }
   std::map<int, std::vector<char>> parts;
   if (!cl.peers.empty()) {
     if (!op.sent) {
@@ -465,9 +459,13 @@ void try_complete(Clique& cl, std::uint64_t seq, Op& op) {
       op.sent = true;
     }
     if (!net::take(cl.key, seq, cl.peers, &parts)) return;
-    for (const auto& [p, part] : parts) decode_part(cl, op, part, &srcs);
   }
-  op.error = execute(op, cl.n, srcs, local);
+  std::vector<const char*> srcs(static_cast<std::size_t>(cl.n), nullptr);
+  for (int r = 0; r < cl.n; ++r)
+    if (cl.local[static_cast<std::size_t>(r)])
+      srcs[static_cast<std::size_t>(r)] = static_cast<const char*>(op.calls[static_cast<std::size_t>(r)].send);
+  for (const auto& [p, part] : parts) decode_part(cl, op, part, &srcs);
+  op.error = execute(op, cl.n, srcs, cl.local);
   op.complete = true;
   if (!op.error.empty()) {
     say(std::string(kind_name(op.calls[0].kind)) + " #" + std::to_string(seq) + ": " + op.error);
@@ -521,7 +519,7 @@ bool run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const 
     if (Clock::now() > deadline) {
       std::string missing;
       for (int q = 0; q < cl.n; ++q)
-        if (cl.members[static_cast<std::size_t>(q)] == net::self() && !op.arrived[static_cast<std::size_t>(q)])
+        if (cl.local[static_cast<std::size_t>(q)] && !op.arrived[static_cast<std::size_t>(q)])
           missing += " rank " + std::to_string(q);
       if (missing.empty())
         for (int p : cl.peers) missing += " process " + std::to_string(p);
@@ -558,11 +556,6 @@ ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream) {
                  std::string(name) + ": the emulator does not reduce data type " +
                      std::to_string(dt) + " (fp16, int8, uint8)");
   const std::size_t es = type_size(c.dt);
-  const std::size_t n = static_cast<std::size_t>(cl.n);
-  std::size_t send_elems = c.count, recv_elems = c.count;
-  if (c.kind == Kind::AllGather) recv_elems = c.count * n;
-  if (c.kind == Kind::ReduceScatter) send_elems = c.count * n;
-  const bool sends = c.kind != Kind::Broadcast || comm->rank == c.root;
   std::string why;
   if (c.kind == Kind::SendRecv) {
     for (const auto* list : {&c.sends, &c.recvs})
@@ -580,19 +573,18 @@ ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream) {
                 std::to_string(comm->device);
         if (!why.empty()) return error(ncclInvalidArgument, comm.get(), std::string(name) + ": " + why);
       }
-  }
-  if (c.kind == Kind::SendRecv) {
-    // checked above, buffer by buffer
   } else {
-  if (sends) why = check_device_range(c.send, send_elems * es, "send buffer");
-  if (why.empty()) why = check_device_range(c.recv, recv_elems * es, "receive buffer");
-  if (why.empty()) {
-    Allocation a;
-    if ((sends && find_allocation(c.send, 1, &a) && a.device != comm->device) ||
-        (find_allocation(c.recv, 1, &a) && a.device != comm->device))
-      why = "a buffer on cuda:" + std::to_string(a.device) + " for a communicator on cuda:" +
-            std::to_string(comm->device);
-  }
+    const std::size_t recv_elems = c.kind == Kind::AllGather ? c.count * static_cast<std::size_t>(cl.n) : c.count;
+    const bool sends = c.kind != Kind::Broadcast || comm->rank == c.root;
+    if (sends) why = check_device_range(c.send, send_bytes(c, comm->rank, cl.n), "send buffer");
+    if (why.empty()) why = check_device_range(c.recv, recv_elems * es, "receive buffer");
+    if (why.empty()) {
+      Allocation a;
+      if ((sends && find_allocation(c.send, 1, &a) && a.device != comm->device) ||
+          (find_allocation(c.recv, 1, &a) && a.device != comm->device))
+        why = "a buffer on cuda:" + std::to_string(a.device) + " for a communicator on cuda:" +
+              std::to_string(comm->device);
+    }
   }
   if (!why.empty()) return error(ncclInvalidArgument, comm.get(), std::string(name) + ": " + why);
   bool hang = false, fail_now = false;
@@ -641,8 +633,6 @@ struct P2pBatch {
   std::string error;  // a second stream or data type in one group
 };
 thread_local std::map<ncclComm_t, P2pBatch> tl_p2p;
-
-ncclResult_t issue(ncclComm_t h, const Call& c, cudaStream_t stream);
 
 ncclResult_t point_to_point(bool send, const void* ptr, std::size_t count, ncclDataType_t dt,
                             int peer, ncclComm_t h, cudaStream_t stream) {
@@ -717,26 +707,21 @@ std::shared_ptr<Clique> clique_for(const ncclUniqueId& id, int n) {
 // Whether every rank of the clique has joined (in whichever process); marks this
 // process's ranks ready once so.
 bool clique_ready(Clique& cl) {
-  std::vector<int> members;
-  {
-    std::lock_guard lk(cl.mu);
-    if (cl.members.empty()) {
-      members = net::members(cl.key);
-      if (members.empty()) return false;
-      const int me = net::self();
-      cl.members = members;
-      for (int r = 0; r < cl.n; ++r) {
-        const int p = members[static_cast<std::size_t>(r)];
-        if (p == me) ++cl.n_local;
-        else if (std::find(cl.peers.begin(), cl.peers.end(), p) == cl.peers.end()) cl.peers.push_back(p);
-      }
+  std::lock_guard lk(cl.mu);
+  if (cl.members.empty()) {
+    cl.members = net::members(cl.key);
+    if (cl.members.empty()) return false;
+    const int me = net::self();
+    for (int p : cl.members) {
+      cl.local.push_back(p == me);
+      if (p == me) ++cl.n_local;
+      else if (std::find(cl.peers.begin(), cl.peers.end(), p) == cl.peers.end()) cl.peers.push_back(p);
     }
-    for (int r = 0; r < cl.n; ++r)
-      if (cl.members[static_cast<std::size_t>(r)] == net::self() && !cl.ranks[static_cast<std::size_t>(r)])
-        return false;
-    for (auto& r : cl.ranks)
-      if (r) r->ready = true;
   }
+  for (int r = 0; r < cl.n; ++r)
+    if (cl.local[static_cast<std::size_t>(r)] && !cl.ranks[static_cast<std::size_t>(r)]) return false;
+  for (auto& r : cl.ranks)
+    if (r) r->ready = true;
   return true;
 }
 

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
-#include <tuple>
 #include <type_traits>
 
 #include "core/clock.h"
@@ -58,14 +57,42 @@ std::int64_t row_elements(const TensorArg& t) {
   return e;
 }
 
+std::string counts_str(const std::vector<std::int64_t>& counts) {
+  std::string t = "[";
+  for (std::size_t i = 0; i < counts.size(); ++i) t += (i ? ", " : "") + std::to_string(counts[i]);
+  return t + "]";
+}
+
+std::pair<std::size_t, std::size_t> count_rows(const std::vector<std::int64_t>& counts, int q,
+                                               std::size_t row_bytes) {
+  std::int64_t before = 0;
+  for (int i = 0; i < q; ++i) before += counts[static_cast<std::size_t>(i)];
+  return {static_cast<std::size_t>(before) * row_bytes,
+          static_cast<std::size_t>(counts[static_cast<std::size_t>(q)]) * row_bytes};
+}
+
+std::string counts_problem(const std::vector<std::int64_t>& counts, int n, std::int64_t rows,
+                           const char* side, const char* tensor) {
+  if (static_cast<int>(counts.size()) != n)
+    return std::string(side) + " counts: " + std::to_string(counts.size()) + " for a group of " +
+           std::to_string(n) + " ranks";
+  std::int64_t sum = 0;
+  for (std::int64_t c : counts) {
+    if (c < 0 || c > rows) return std::string(side) + " counts: " + std::to_string(c) + " rows";
+    sum += c;
+  }
+  if (sum != rows)
+    return std::string(side) + " counts sum to " + std::to_string(sum) + " rows, and " + tensor +
+           " has " + std::to_string(rows);
+  return {};
+}
+
 namespace {
 // Rows [sum counts[0..q), + counts[q]) of t, as bytes.
 Span rows_of(const TensorArg& t, const std::vector<std::int64_t>& counts, int q) {
-  std::int64_t before = 0;
-  for (int i = 0; i < q; ++i) before += counts[static_cast<std::size_t>(i)];
-  const std::size_t row = static_cast<std::size_t>(row_elements(t)) * dtype_size(t.dtype);
-  return {t.ptr + static_cast<std::size_t>(before) * row,
-          static_cast<std::size_t>(counts[static_cast<std::size_t>(q)]) * row};
+  const auto [offset, size] =
+      count_rows(counts, q, static_cast<std::size_t>(row_elements(t)) * dtype_size(t.dtype));
+  return {t.ptr + offset, size};
 }
 }  // namespace
 
@@ -112,16 +139,10 @@ std::string signature(const CallPost& p) {
       break;
     case CollectiveKind::Barrier:
       break;
-    case CollectiveKind::AllToAll: {
-      auto list = [](const std::vector<std::int64_t>& v) {
-        std::string t = "[";
-        for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
-        return t + "]";
-      };
-      s += "in=" + p.in.str() + ", out=" + p.out.str() + ", send=" + list(p.send_counts) +
-           ", recv=" + list(p.recv_counts);
+    case CollectiveKind::AllToAll:
+      s += "in=" + p.in.str() + ", out=" + p.out.str() + ", send=" + counts_str(p.send_counts) +
+           ", recv=" + counts_str(p.recv_counts);
       break;
-    }
   }
   return s + ")" + quoted_label(p.label);
 }
@@ -223,20 +244,8 @@ std::string all_to_all_problem(const CallPost& p, int n) {
   if (row_elements(p.in) != row_elements(p.out) || p.in.shape.size() != p.out.shape.size() ||
       !std::equal(p.in.shape.begin() + 1, p.in.shape.end(), p.out.shape.begin() + 1))
     return "in and out must have the same row shape (the dims after the first)";
-  for (const auto& [counts, arg, name] :
-       {std::tuple{&p.send_counts, &p.in, "send"}, std::tuple{&p.recv_counts, &p.out, "recv"}}) {
-    if (static_cast<int>(counts->size()) != n)
-      return std::string(name) + " counts: " + std::to_string(counts->size()) + " for a group of " +
-             std::to_string(n) + " ranks";
-    std::int64_t sum = 0;
-    for (std::int64_t c : *counts) {
-      if (c < 0 || c > arg->shape[0]) return std::string(name) + " counts: " + std::to_string(c) + " rows";
-      sum += c;
-    }
-    if (sum != arg->shape[0])
-      return std::string(name) + " counts sum to " + std::to_string(sum) + " rows, and " +
-             (arg == &p.in ? "in" : "out") + " has " + std::to_string(arg->shape[0]);
-  }
+  if (std::string c = counts_problem(p.send_counts, n, p.in.shape[0], "send", "in"); !c.empty()) return c;
+  if (std::string c = counts_problem(p.recv_counts, n, p.out.shape[0], "recv", "out"); !c.empty()) return c;
   if (Span{p.in.ptr, p.in.nbytes()}.overlaps(Span{p.out.ptr, p.out.nbytes()}))
     return "in and out overlap (all_to_all is never in place)";
   return {};

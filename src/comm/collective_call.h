@@ -82,6 +82,15 @@ bool same_call(const CallPost& a, const CallPost& b);
 // rank's call is the same collective (for all_to_all, also when every rank's send count
 // to q is q's receive count from it).
 std::string disagreement(const std::vector<CallPost>& posts);
+// all_to_all's counts, as the host and the device communicators both print, place and
+// check them: "[1, 2]"; the byte offset and size of rank q's rows for rows of `row_bytes`;
+// what is wrong with one side's counts ("send" of "in", "recv" of "out") for a tensor of
+// `rows` rows in an n-rank group, or "".
+std::string counts_str(const std::vector<std::int64_t>& counts);
+std::pair<std::size_t, std::size_t> count_rows(const std::vector<std::int64_t>& counts, int q,
+                                               std::size_t row_bytes);
+std::string counts_problem(const std::vector<std::int64_t>& counts, int n, std::int64_t rows,
+                           const char* side, const char* tensor);
 // all_to_all over n ranks: the first pair (a, b) where rank a's send count to b is not
 // b's receive count from a, as "rank a sends k rows to rank b, which expects m", or "".
 // count(a, true, b) is rank a's send count to b, count(a, false, b) its receive count from b.

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <utility>
 
 #include "comm/collective_call.h"
@@ -130,22 +129,19 @@ std::string local_problem(const DeviceCallPost& p, int q, int n) {
   if (p.in_dtype != p.out_dtype) return "in and out must have the same dtype";
   if (p.kind == CollectiveKind::AllToAll) {
     if (p.in_row != p.out_row) return "in and out must have the same row shape";
-    for (const auto& [counts, numel, name] : {std::tuple{&p.send_counts, p.in_numel, "send"},
-                                              std::tuple{&p.recv_counts, p.out_numel, "recv"}}) {
-      if (static_cast<int>(counts->size()) != n)
-        return std::string(name) + " counts: " + std::to_string(counts->size()) +
-               " for a group of " + std::to_string(n) + " ranks";
-      std::int64_t rows = 0;
-      for (std::int64_t c : *counts) {
-        if (c < 0 || (p.in_row > 0 && c > numel / p.in_row))
-          return std::string(name) + " counts: " + std::to_string(c) + " rows";
-        rows += c;
-      }
-      if (rows * p.in_row != numel)
-        return std::string(name) + " counts sum to " + std::to_string(rows) + " rows of " +
-               std::to_string(p.in_row) + ", and the tensor has " + std::to_string(numel) +
-               " elements";
-    }
+    // The rows of each tensor (rows of no elements: any count fits them).
+    auto rows = [&](const std::vector<std::int64_t>& counts, std::int64_t numel) {
+      if (p.in_row > 0) return numel / p.in_row;
+      std::int64_t sum = 0;
+      for (std::int64_t c : counts) sum += c > 0 ? c : 0;
+      return sum;
+    };
+    if (std::string c = counts_problem(p.send_counts, n, rows(p.send_counts, p.in_numel), "send", "in");
+        !c.empty())
+      return c;
+    if (std::string c = counts_problem(p.recv_counts, n, rows(p.recv_counts, p.out_numel), "recv", "out");
+        !c.empty())
+      return c;
     const bool overlap = p.in_bytes() > 0 && p.out_bytes() > 0 && p.in_ptr < p.out_ptr + p.out_bytes() &&
                          p.out_ptr < p.in_ptr + p.in_bytes();
     return overlap ? "in and out overlap (all_to_all is never in place)" : "";
@@ -214,34 +210,18 @@ DeviceCallPost DeviceCallPost::of_all_to_all(const Tensor& in, const Tensor& out
                                               std::vector<std::int64_t> send_counts,
                                               std::vector<std::int64_t> recv_counts, int device) {
   DeviceCallPost p = of(CollectiveKind::AllToAll, &in, &out, ReduceOp::Sum, 0, device);
-  auto row = [](const Tensor& t) {
-    std::int64_t e = 1;
-    for (std::size_t d = 1; d < t.shape().size(); ++d) e *= t.shape()[d];
-    return e;
-  };
-  p.in_row = row(in);
-  p.out_row = row(out);
+  p.in_row = row_elements(TensorArg::of(in));
+  p.out_row = row_elements(TensorArg::of(out));
   p.send_counts = std::move(send_counts);
   p.recv_counts = std::move(recv_counts);
   return p;
 }
 
-namespace {
-std::pair<std::uint64_t, std::uint64_t> rows_of(const std::vector<std::int64_t>& counts, int q,
-                                                std::int64_t row, DType dt) {
-  std::int64_t before = 0;
-  for (int i = 0; i < q; ++i) before += counts[static_cast<std::size_t>(i)];
-  const auto bytes = static_cast<std::uint64_t>(row) * dtype_size(dt);
-  return {static_cast<std::uint64_t>(before) * bytes,
-          static_cast<std::uint64_t>(counts[static_cast<std::size_t>(q)]) * bytes};
-}
-}  // namespace
-
 std::pair<std::uint64_t, std::uint64_t> DeviceCallPost::send_rows(int q) const {
-  return rows_of(send_counts, q, in_row, in_dtype);
+  return count_rows(send_counts, q, static_cast<std::size_t>(in_row) * dtype_size(in_dtype));
 }
 std::pair<std::uint64_t, std::uint64_t> DeviceCallPost::recv_rows(int q) const {
-  return rows_of(recv_counts, q, out_row, out_dtype);
+  return count_rows(recv_counts, q, static_cast<std::size_t>(out_row) * dtype_size(out_dtype));
 }
 
 std::size_t DeviceCallPost::in_bytes() const {
@@ -263,15 +243,10 @@ std::string device_call_signature(const DeviceCallPost& p) {
       break;
     case CollectiveKind::Broadcast: s += in + ", root=" + std::to_string(p.root); break;
     case CollectiveKind::Barrier: break;
-    case CollectiveKind::AllToAll: {
-      auto list = [](const std::vector<std::int64_t>& v) {
-        std::string t = "[";
-        for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
-        return t + "]";
-      };
-      s += "in=" + in + ", out=" + out + ", send=" + list(p.send_counts) + ", recv=" + list(p.recv_counts);
+    case CollectiveKind::AllToAll:
+      s += "in=" + in + ", out=" + out + ", send=" + counts_str(p.send_counts) +
+           ", recv=" + counts_str(p.recv_counts);
       break;
-    }
   }
   return s + ")";
 }
