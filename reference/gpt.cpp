@@ -481,6 +481,8 @@ Gpt<S>::Gpt(const GptConfig& config, ParamSet<S> params, std::uint64_t dropout_s
     throw UsageError("reference Gpt: vocab, block size, hidden and heads must be >= 1");
   check_gpt_architecture(c);
   grads_ = zeros_like_specs<S>(gpt_param_specs(config_));
+  expert_bias_.assign(static_cast<std::size_t>(std::max<Index>(c.layers, 0)),
+                      Vector<S>::Zero(std::max<Index>(c.num_experts, 0)));
   set_params(std::move(params));
 }
 
@@ -505,12 +507,16 @@ double Gpt<S>::clip_gradients(double max_norm) {
 template <class S>
 void Gpt<S>::adam_step(const AdamConfig& adam) {
   adam_.step(adam, params_, grads_);
+  if (config_.moe_expert_bias)
+    for (Index l = 0; l < config_.layers; ++l)
+      if (config_.moe_layer(l))
+        moe_[static_cast<std::size_t>(l)].update_bias(expert_bias_[static_cast<std::size_t>(l)], config_);
 }
 
 template <class S>
 S Gpt<S>::forward_backward(const GptBatch& batch) {
   const GptConfig& c = config_;
-  const Index B = batch.B, T = batch.T, H = c.hidden, A = c.heads, F = c.ffn();
+  const Index B = batch.B, T = batch.T, H = c.hidden, A = c.heads;
   const Index L = c.layers, N = B * T;
   if (B < 1 || T < 2 || static_cast<Index>(batch.input_ids.size()) != N ||
       static_cast<Index>(batch.labels.size()) != B * (T - 1))
@@ -565,6 +571,23 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
         (name == "wte.weight" && !c.tied_embeddings))
       g.setZero();
   blocks_.resize(static_cast<std::size_t>(L));
+  moe_.resize(static_cast<std::size_t>(L));
+  S router_loss = 0;  // the MoE layers' aux and z losses
+  // The routing's discrete decisions as points: the experts [N,K] and whether each pair
+  // was kept [N,K] (ids and flags as numbers), the load [1,E], the gap [N,1].
+  const auto note_routing = [&](const std::string& pt, const typename Moe<S>::Routing& r, Index n) {
+    if (!record_) return;
+    const Index K = c.moe_topk;
+    Matrix<S> ex(n, K), kept(n, K), load(1, c.num_experts);
+    for (Index i = 0; i < n * K; ++i) {
+      ex(i / K, i % K) = static_cast<S>(r.expert[static_cast<std::size_t>(i)]);
+      kept(i / K, i % K) = r.kept[static_cast<std::size_t>(i)];
+    }
+    for (Index e = 0; e < c.num_experts; ++e) load(0, e) = static_cast<S>(r.load[static_cast<std::size_t>(e)]);
+    points_[pt + "mlp.router.topk"] = ex;
+    points_[pt + "mlp.router.kept"] = kept;
+    points_[pt + "mlp.router.load"] = load;
+  };
   // A copy of an activation point as computed here (storage reused across steps).
   const auto note = [this](const std::string& name, const Matrix<S>& m) {
     if (record_) points_[name] = m;
@@ -617,20 +640,37 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     norm_forward(a.ln2_out, a.ln2_xhat, a.ln2_rstd, x, P(p + "ln2.weight"), Pb(p + "ln2"), c.norm,
                  c.ln_eps);
     note(pt + "ln2.out", a.ln2_out);
-    linear_forward(a.ffn_pre, a.ln2_out, P(p + mlp[0] + ".weight"), Pb(p + mlp[0]));
-    note(pt + mlp[0] + ".out", a.ffn_pre);
-    if (c.swiglu()) {
-      linear_forward(a.ffn_up, a.ln2_out, P(p + mlp[1] + ".weight"), Pb(p + mlp[1]));
-      swiglu_forward(a.ffn_act, a.ffn_pre, a.ffn_up);
-      note(pt + mlp[1] + ".out", a.ffn_up);
-      note(pt + "mlp.swiglu.out", a.ffn_act);
+    const bool dense = c.mlp_ffn(l) > 0;  // an MoE layer's dense MLP is its shared expert
+    if (dense) {
+      linear_forward(a.ffn_pre, a.ln2_out, P(p + mlp[0] + ".weight"), Pb(p + mlp[0]));
+      note(pt + mlp[0] + ".out", a.ffn_pre);
+      if (c.swiglu()) {
+        linear_forward(a.ffn_up, a.ln2_out, P(p + mlp[1] + ".weight"), Pb(p + mlp[1]));
+        swiglu_forward(a.ffn_act, a.ffn_pre, a.ffn_up);
+        note(pt + mlp[1] + ".out", a.ffn_up);
+        note(pt + "mlp.swiglu.out", a.ffn_act);
+      } else {
+        if (c.mlp == MlpKind::GeluTanh) gelu_tanh_forward(a.ffn_act, a.ffn_pre);
+        else gelu_forward(a.ffn_act, a.ffn_pre);
+        note(pt + "mlp.gelu.out", a.ffn_act);
+      }
+      linear_forward(tmp, a.ffn_act, P(p + mlp.back() + ".weight"), Pb(p + mlp.back()));
+      note(pt + mlp.back() + ".out", tmp);
     } else {
-      if (c.mlp == MlpKind::GeluTanh) gelu_tanh_forward(a.ffn_act, a.ffn_pre);
-      else gelu_forward(a.ffn_act, a.ffn_pre);
-      note(pt + "mlp.gelu.out", a.ffn_act);
+      tmp = Matrix<S>::Zero(N, H);
     }
-    linear_forward(tmp, a.ffn_act, P(p + mlp.back() + ".weight"), Pb(p + mlp.back()));
-    note(pt + mlp.back() + ".out", tmp);
+    if (c.moe_layer(l)) {
+      Moe<S>& moe = moe_[static_cast<std::size_t>(l)];
+      const Vector<S>& bias = expert_bias_[static_cast<std::size_t>(l)];
+      note(pt + "mlp.router.expert_bias", Matrix<S>(bias.transpose()));
+      Matrix<S> routed;  // [N,H]
+      router_loss += moe.forward(routed, a.ln2_out, params_, p, c, bias);
+      note(pt + "mlp.router.logits", moe.logits());
+      note(pt + "mlp.router.scores", moe.scores());
+      note_routing(pt, moe.routing(), N);
+      note(pt + "mlp.experts.out", routed);
+      tmp += routed;
+    }
     dropout(p + "mlp.residual").apply(tmp);
     x += tmp;
     note(pt + "residual.out", x);
@@ -642,7 +682,8 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
 
   const LossRows rows = loss_rows(batch);
   const Index M = static_cast<Index>(rows.row.size());
-  const double loss = crossentropy_forward_backward(dlogits_, logits_, rows);
+  const double loss =
+      crossentropy_forward_backward(dlogits_, logits_, rows) + static_cast<double>(router_loss);
 
   // ------------------------------------------------------------ backward
   // LM head on the M loss rows: dW = dlogits^T ln_f_out[rows]; dln_f_out[rows] = dlogits W.
@@ -713,13 +754,22 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     // branch gets it through its mask.
     dbranch = dx;
     dropout(p + "mlp.residual").apply(dbranch);
+    dln = Matrix<S>::Zero(N, H);
+    e2 = Vector<S>::Zero(N);
+    if (c.moe_layer(l)) {
+      note_grad(pt + "mlp.experts.out.grad", dbranch, a_x);
+      moe_[static_cast<std::size_t>(l)].backward(part, grads_, dbranch, params_, p, c);
+      note(pt + "mlp.router.logits.grad", moe_[static_cast<std::size_t>(l)].logits_grad());
+      e2 += row_errors_sq(part, a_x);
+      dln += part;
+    }
+    if (c.mlp_ffn(l) > 0) {
+    const Index F = c.mlp_ffn(l);
     note_grad(pt + mlp.back() + ".out.grad", dbranch, a_x);
     dact = Matrix<S>::Zero(N, F);
     linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dbranch, a.ffn_act,
                     P(p + mlp.back() + ".weight"));
     terms(p + mlp.back(), dbranch, a_x, a.ffn_act);
-    dln = Matrix<S>::Zero(N, H);
-    e2 = Vector<S>::Zero(N);
     if (c.swiglu()) {
       note_grad(pt + "mlp.swiglu.out.grad", dact, a_x);
       swiglu_backward(dpre, dup, a.ffn_pre, a.ffn_up, dact);
@@ -733,6 +783,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       note_grad(pt + mlp[0] + ".out.grad", dpre, a_x);
     }
     linear_part(p + mlp[0], dpre, a_x, a.ln2_out);
+    }
     a_ln = factors_of(e2, dln);
     norm_part(p + "ln2", a.ln2_xhat, a.ln2_rstd);
     note_grad(pt + "ln2.out.grad", dln, a_ln);

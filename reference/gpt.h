@@ -8,6 +8,8 @@
 //           head shared by A/KV consecutive query heads; RoPE on q and k (half or
 //           interleaved pairs) with RoPE positions; causal softmax(q k^T/sqrt d) v; o
 //     mlp:  F = ffn(); ffn1, GELU (exact or tanh), ffn2; or down(silu(gate) * up)
+//     MoE layers (config.moe_layer): the MLP is the shared expert (if any) plus the
+//           routed experts of reference/moe.h; their aux and z losses join the loss
 //   logits = norm_f(x) wte^T (tied) or lm_head^T (untied), at all T positions
 //   loss = mean cross-entropy of logits at positions 0..T-2 against labels [B,T-1],
 //          ignore_index -100, divided by the number of labels not ignored.
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "reference/moe.h"
 #include "reference/optim.h"
 #include "reference/params.h"
 
@@ -35,7 +38,8 @@ class Gpt {
   // Forward and backward on one batch; returns the loss, fills logits() [B*T, V] (row
   // b*T+t is position t of sequence b; all T positions) and grads() (overwritten).
   S forward_backward(const GptBatch& batch);
-  // One torch.optim.Adam step on grads(); the internal step counter starts at 1.
+  // One torch.optim.Adam step on grads(), then each MoE layer's expert bias update; the
+  // internal step counter starts at 1.
   void adam_step(const AdamConfig& adam);
   // Clips grads() by their global L2 norm (reference/optim.h, clip_grad_norm), the term
   // scales with them; returns the norm before clipping.
@@ -113,6 +117,8 @@ class Gpt {
   std::map<std::string, TermScale> terms_;
   std::map<std::string, Matrix<S>> factors_;  // point -> [N, G]
   bool measure_ = true;
+  std::vector<Moe<S>> moe_;            // [L] the MoE layers' routing state (unused in dense ones)
+  std::vector<Vector<S>> expert_bias_; // [L] of [E]
   ParamSet<S> points_;             // name -> [N, width], when recording
 };
 

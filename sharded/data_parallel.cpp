@@ -82,11 +82,12 @@ double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& par
   const int r = tp.rank();
   double split = 0.0, replicated = 0.0;  // Σ g² of this rank's TP shards; of replicated ones
   for (const Parameter& p : params) {
+    if (p.spec.expert && fault == Fault::MoeClipNormMissingExperts) continue;
     const double s = be.sum_squares(p.grad);
     if (p.spec.replicated())
       replicated += s;
-    else if (r % p.spec.replicas == 0)  // a block several ranks hold counts once
-      split += s;
+    else if (r % p.spec.replicas == 0 && p.spec.primary)  // a block several ranks hold
+      split += s;                                          // counts once
   }
   if (fault == Fault::ClipNormReplicatedTimesT) split += replicated;  // summed t times below
   Scalar total(be);

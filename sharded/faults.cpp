@@ -124,6 +124,30 @@ const std::vector<FaultInfo>& all_faults() {
       {Fault::ClipNormRank0ShardsOnly, "clip-norm-rank0-shards-only",
        "clipping: the global norm from rank 0's shards only, missing the other ranks'",
        {.mlp = false, .gpt = true, .clip = true}},
+      {Fault::MoeRouterGradNotReduced, "moe-router-grad-not-reduced",
+       "MoE: the router's gradient not all-reduced over the ranks that routed other tokens",
+       {.mlp = false, .gpt = true, .moe = true}},
+      {Fault::MoeExpertGradOverEp, "moe-expert-grad-over-ep",
+       "MoE: expert gradients summed over the EP group instead of the expert-DP group",
+       {.mlp = false, .gpt = true, .moe = true, .min_ep = 2}},
+      {Fault::MoeSharedExpertReducedTwice, "moe-shared-expert-reduced-twice",
+       "MoE: the shared expert's output all-reduced twice (t times too large)",
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::Off, .moe = true,
+        .shared_expert = true}},
+      {Fault::MoeSharedExpertPartial, "moe-shared-expert-partial",
+       "MoE: the shared expert's output left a partial sum, not reduced over TP",
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::Off, .moe = true,
+        .shared_expert = true}},
+      {Fault::MoeClipNormMissingExperts, "moe-clip-norm-missing-experts",
+       "MoE: the gradient norm for clipping leaves out the experts",
+       {.mlp = false, .gpt = true, .min_tp = 1, .clip = true, .moe = true}},
+      {Fault::MoeGlobalExpertIdAsLocal, "moe-global-expert-id-as-local",
+       "MoE: dispatch indexes the destination's experts by global id; the tokens of every "
+       "EP rank but the first are dropped",
+       {.mlp = false, .gpt = true, .moe = true, .min_ep = 2}},
+      {Fault::MoeExpertBiasLocalLoads, "moe-expert-bias-local-loads",
+       "MoE: the expert bias updated from this rank's token loads, not the global batch's",
+       {.mlp = false, .gpt = true, .moe = true, .expert_bias = true}},
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},
@@ -193,6 +217,13 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
     return "breaks a data-parallel collective; it needs --dp " + std::to_string(s.min_dp) +
            " or more";
   if (s.clip && !run.clip) return "breaks gradient clipping; it needs --clip-grad above 0";
+  if (s.moe && !run.moe) return "breaks a Mixture-of-Experts layer; it needs --num-experts";
+  if (run.ep < s.min_ep)
+    return "needs --ep " + std::to_string(s.min_ep) + " or more to change anything";
+  if (s.shared_expert && !run.shared_expert)
+    return "breaks the shared expert; it needs --moe-shared-expert-intermediate-size above 0";
+  if (s.expert_bias && !run.expert_bias)
+    return "breaks the expert bias; it needs --moe-router-enable-expert-bias";
   if (s.sp_chunk_mid_sequence && !run.sp_chunk_mid_sequence)
     return "miscounts positions from a rank's first token, which at every degree of this run "
            "starts a sequence (batch x sequence / tp is a multiple of --seq-len)";

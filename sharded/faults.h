@@ -58,6 +58,17 @@ enum class Fault {
   DpNormGradSyncSkipped,   // the DP all-reduce of replicated norm weight gradients skipped
   ClipNormReplicatedTimesT,  // the clip norm counts a TP-replicated parameter t times
   ClipNormRank0ShardsOnly,   // the clip norm from rank 0's shards only (broadcast, not summed)
+  // Mixture-of-Experts (sharded/moe_layer.h)
+  MoeRouterGradNotReduced,   // the router weight's gradient not all-reduced over the ranks
+                             // that routed different tokens: its replicas drift
+  MoeExpertGradOverEp,       // expert gradients summed over the EP group (other experts'),
+                             // not over the expert-DP group
+  MoeSharedExpertReducedTwice,  // the shared expert's output all-reduced twice: t times
+  MoeSharedExpertPartial,    // the shared expert's output left a partial sum (no g)
+  MoeClipNormMissingExperts, // the clip norm leaves out the experts' gradients
+  MoeGlobalExpertIdAsLocal,  // dispatch indexes the destination's experts by global id:
+                             // only EP rank 0's are right, the others' tokens dropped
+  MoeExpertBiasLocalLoads,   // the expert bias updated from this rank's loads only
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
 };
@@ -86,6 +97,10 @@ struct FaultScope {
   bool recompute_chunks = false;  // --recompute full in chunks of 2 or more blocks
   int min_dp = 1;              // below it no DP collective runs
   bool clip = false;           // --clip-grad above 0
+  bool moe = false;            // --num-experts above 0
+  int min_ep = 1;              // --ep at least this
+  bool shared_expert = false;  // --moe-shared-expert-intermediate-size above 0
+  bool expert_bias = false;    // --moe-router-enable-expert-bias
   // Whether it breaks the model named `model` ("mlp", "gpt").
   bool covers(const std::string& model) const { return model == "mlp" ? mlp : gpt; }
 };
@@ -119,6 +134,8 @@ struct FaultTarget {
   bool recompute_chunks = false;  // a full-recompute chunk holds 2 or more blocks
   int dp = 1;
   bool clip = false;
+  bool moe = false, shared_expert = false, expert_bias = false;
+  int ep = 1;
 };
 
 // "" when `f` changes such a run at some TP degree; otherwise why it cannot ("needs

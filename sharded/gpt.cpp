@@ -9,6 +9,7 @@
 #include "core/text.h"
 #include "sharded/column_parallel_linear.h"
 #include "sharded/mappings.h"
+#include "sharded/moe_layer.h"
 #include "sharded/row_parallel_linear.h"
 #include "sharded/tp_invariant.h"
 #include "sharded/vocab_parallel_cross_entropy.h"
@@ -53,6 +54,7 @@ ShardSpec kv_shard(const ParamSpec& p, int dim, const GptConfig& c, int r, int t
 ShardSpec gpt_param_shard(const ParamSpec& p, const GptConfig& c, const GptParallelism& par,
                           int r, int t) {
   const std::string& n = p.name;
+  if (is_expert_param(n)) return expert_param_shard(p, c, ExpertLayout{t, r, par.ep, par.etp});
   if (n == "wte.weight" || n == "lm_head.weight")
     return par.loss_parallel ? split(p, 0, r, t, padded_vocab(c, par, t)) : replicate(p, r, t);
   if (ends_with_any(n, {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"}))
@@ -97,6 +99,16 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
       (layer.size() > 1 && layer[0] == '0') || std::stoll(layer) >= c.layers)
     return std::nullopt;
   const std::string rest = point.substr(dot + 1);
+  if (c.moe_layer(std::stoll(layer))) {  // sharded/moe_layer.h: every rank its own tokens
+    const auto routed = [&](std::int64_t width) {
+      return split(ParamSpec{name, {tokens, width}, {}}, 0, r, t);
+    };
+    if (rest == "mlp.router.logits" || rest == "mlp.router.scores") return routed(c.num_experts);
+    if (!grad && (rest == "mlp.router.topk" || rest == "mlp.router.kept")) return routed(c.moe_topk);
+    if (rest == "mlp.experts.out") return routed(H);
+    if (!grad && (rest == "mlp.router.load" || rest == "mlp.router.expert_bias"))
+      return replicate(ParamSpec{name, {1, c.num_experts}, {}}, r, t);
+  }
   for (const char* p : {"attn.q", "attn.out"})
     if (rest == p) return columns(H);
   if (rest == "attn.k" || rest == "attn.v") {
@@ -106,10 +118,11 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
     return kv_shard(ParamSpec{name, {tokens, c.kv() * c.head_dim()}, {}}, 1, c, r, t);
   }
   const auto mlp = c.mlp_linears();
-  for (std::size_t j = 0; j + 1 < mlp.size(); ++j)
-    if (rest == mlp[j] + ".out") return columns(c.ffn());
-  if (rest == (c.swiglu() ? "mlp.swiglu.out" : "mlp.gelu.out")) return columns(c.ffn());
-  if (rest == mlp.back() + ".out") return tokens_split();
+  const std::int64_t F = c.mlp_ffn(std::stoll(layer));  // 0: an MoE layer without a shared expert
+  for (std::size_t j = 0; F > 0 && j + 1 < mlp.size(); ++j)
+    if (rest == mlp[j] + ".out") return columns(F);
+  if (F > 0 && rest == (c.swiglu() ? "mlp.swiglu.out" : "mlp.gelu.out")) return columns(F);
+  if (F > 0 && rest == mlp.back() + ".out") return tokens_split();
   for (const char* p : {"ln1.out", "attn.o.out", "residual.mid", "ln2.out", "residual.out"})
     if (rest == p) return tokens_split();
   return std::nullopt;
@@ -132,6 +145,9 @@ struct ShardedGpt::Block {
   Parameter* mlp_out_b = nullptr;
   Parameter mlp_in_fused;        // SwiGLU: the fused [gate_r; up_r] weight and bias, whose
   Parameter mlp_in_bias_fused;   // halves are the gate_proj and up_proj parameters
+  bool dense = true;             // a dense MLP: the layer's own, or an MoE layer's shared expert
+  std::unique_ptr<MoeLayer> moe; // an MoE layer's routed experts
+  std::vector<Parameter> experts_fused;  // [El] each local expert's fused [gate_r; up_r]
 
   Tensor h1;                  // [Nl,H]  ln1 output
   Tensor ln1_mean, ln1_rstd;  // [Nl]    (RMSNorm: rstd only)
@@ -173,6 +189,9 @@ struct ShardedGpt::Workspace {
   Tensor dbranch;   // [Nl,H]   a residual branch's gradient through its dropout (dropout only)
   Tensor att_rerun; // [N,Hl]   selective recompute: the rerun attention's output, unused
   Tensor fault_buf; // [t·N,H] or [N,H], only for the rank-order and chunk-order faults
+  Tensor moe_local; // [N/t,H]  MoE: the routed experts' output for this rank's tokens
+  Tensor moe_dx;    // [N/t,H]  MoE: their input gradient
+  Tensor moe_full;  // [N,H]    MoE without SP: either, gathered over the TP group
 };
 
 // The TP-invariant mode's state. Canonical sizes, the same at every TP degree: Hc = H/C
@@ -210,6 +229,12 @@ struct ShardedGpt::Snapshots {
     throw Error("ShardedGpt: activation point " + name + " was not recorded this step");
   }
 };
+
+void ShardedGpt::keep(Snapshots& into, Observation o) {
+  if (!record_ || rerun_) return;
+  if (into.used == into.obs.size()) into.obs.emplace_back();
+  into.obs[into.used++] = std::move(o);
+}
 
 void ShardedGpt::snapshot(Snapshots& into, const std::string& name, const ShardSpec& spec,
                           const Tensor& t) {
@@ -295,10 +320,11 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     std::int64_t filled = 0;  // rows handed out so far
   };
   std::map<std::string, Fused> fused;  // "h.0.mlp.gate_up.weight" / ".bias"
+  // ("h.0.mlp.gate_up.weight"; an expert's "h.0.mlp.experts.3.gate_up.weight")
   auto fused_name = [&](const std::string& n) -> std::string {
     for (const char* part : {"gate_proj.", "up_proj."})
-      if (const auto at = n.find(std::string("mlp.") + part); at != std::string::npos)
-        return n.substr(0, at) + "mlp.gate_up." + n.substr(at + 4 + std::strlen(part));
+      if (const auto at = n.find(std::string(".") + part); at != std::string::npos)
+        return n.substr(0, at) + ".gate_up." + n.substr(at + 1 + std::strlen(part));
     return "";
   };
   params_.reserve(specs.size());
@@ -329,7 +355,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     params_.push_back(make_parameter_in(be, sh, dtype, seed, f.value.narrow0(f.filled, rows),
                                         f.grad.narrow0(f.filled, rows)));
     f.filled += rows;
-    if (fault == Fault::SwigluContiguousSplit) {
+    if (fault == Fault::SwigluContiguousSplit && !is_expert_param(n)) {
       // The bug: the full [G; U] cut into t contiguous blocks, rank r taking block r as
       // its [gate; up]. In blocks of F/t rows, its gate is block 2r of the 2t, its up
       // block 2r+1; block k < t is G's k-th, else U's (k-t)-th.
@@ -389,7 +415,9 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   be.from_host_i64(targets_, targets.data() + (rows_local ? tok0_ : 0));
 
   // ---- activations saved for backward ----
-  const std::int64_t Hl = H / t, Fl = cfg.ffn() / t, Al = cfg.heads / t;
+  const std::int64_t Hl = H / t, Al = cfg.heads / t;
+  std::int64_t Fmax = 0;  // the widest dense MLP's F/t: the workspace's
+  for (std::int64_t l = 0; l < cfg.layers; ++l) Fmax = std::max(Fmax, cfg.mlp_ffn(l) / t);
   const std::int64_t KVl = (cfg.kv() % t == 0 ? cfg.kv() / t : 1) * cfg.head_dim();
   const bool layer_norm = cfg.norm == NormKind::LayerNorm;
   auto act = [&](Shape s, const std::string& tag) {
@@ -416,28 +444,44 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     blk->v = {&param(p + "attn.v_proj.weight"), bias_of(p + "attn.v_proj")};
     blk->o.weight = &param(p + "attn.o_proj.weight");
     blk->o_b = bias_of(p + "attn.o_proj");
-    if (cfg.swiglu()) {
-      // The fused tensors, as one parameter each for the column-parallel layer. They are
-      // [G_r; U_r], no block of one full tensor, so they have a name and no shard spec;
-      // gate_proj's and up_proj's parameters (their halves) carry the specs.
-      auto fused_param = [&](Parameter& into, const std::string& name) {
-        const Fused& f = fused.at(name);
-        into.spec = ShardSpec{};
-        into.spec.name = name;
-        into.value = f.value;
-        into.grad = f.grad;
-      };
+    // The fused tensors, as one parameter each for the column-parallel layer. They are
+    // [G_r; U_r], no block of one full tensor, so they have a name and no shard spec;
+    // gate_proj's and up_proj's parameters (their halves) carry the specs.
+    auto fused_param = [&](Parameter& into, const std::string& name) {
+      const Fused& f = fused.at(name);
+      into.spec = ShardSpec{};
+      into.spec.name = name;
+      into.value = f.value;
+      into.grad = f.grad;
+    };
+    blk->dense = cfg.mlp_ffn(l) > 0;
+    if (blk->dense && cfg.swiglu()) {
       fused_param(blk->mlp_in_fused, p + "mlp.gate_up.weight");
       blk->mlp_in.weight = &blk->mlp_in_fused;
       if (cfg.linear_bias) {
         fused_param(blk->mlp_in_bias_fused, p + "mlp.gate_up.bias");
         blk->mlp_in.bias = &blk->mlp_in_bias_fused;
       }
-    } else {
+    } else if (blk->dense) {
       blk->mlp_in = {&param(p + mlp[0] + ".weight"), bias_of(p + mlp[0])};
     }
-    blk->mlp_out.weight = &param(p + mlp.back() + ".weight");
-    blk->mlp_out_b = bias_of(p + mlp.back());
+    if (blk->dense) {
+      blk->mlp_out.weight = &param(p + mlp.back() + ".weight");
+      blk->mlp_out_b = bias_of(p + mlp.back());
+    }
+    if (cfg.moe_layer(l)) {
+      const ExpertLayout x{t, r, par.ep, par.etp};
+      const std::int64_t El = cfg.num_experts / par.ep;
+      std::vector<Parameter*> local;
+      blk->experts_fused.resize(static_cast<std::size_t>(El));
+      for (std::int64_t le = 0; le < El; ++le) {
+        const std::string name =
+            p + "mlp.experts." + std::to_string(x.ep_rank() * El + le) + ".gate_up.weight";
+        fused_param(blk->experts_fused[static_cast<std::size_t>(le)], name);
+        local.push_back(&blk->experts_fused[static_cast<std::size_t>(le)]);
+      }
+      blk->moe = std::make_unique<MoeLayer>(cfg, l, x, be, comm, params_, local, N_, dtype, fault);
+    }
     // Full recompute: the first chunk_layers() blocks own the activations, which every
     // chunk's blocks share (block l the slot l mod chunk_layers()); the others alias them.
     const std::size_t n = chunk_layers();
@@ -481,8 +525,11 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     if (layer_norm) blk->ln2_mean = stat({Nl_}, p + "ln2.mean");
     blk->ln2_rstd = stat({Nl_}, p + "ln2.rstd");
     blk->h2_full = par.sequence_parallel ? h_gathered_ : blk->h2;
-    blk->u = act({N_, cfg.swiglu() ? 2 * Fl : Fl}, p + (cfg.swiglu() ? "mlp.gate_up.out" : "mlp.ffn1.out"));
-    blk->a = act({N_, Fl}, p + (cfg.swiglu() ? "mlp.swiglu.out" : "mlp.gelu.out"));
+    if (const std::int64_t Fl = cfg.mlp_ffn(l) / t; Fl > 0) {
+      blk->u = act({N_, cfg.swiglu() ? 2 * Fl : Fl},
+                   p + (cfg.swiglu() ? "mlp.gate_up.out" : "mlp.ffn1.out"));
+      blk->a = act({N_, Fl}, p + (cfg.swiglu() ? "mlp.swiglu.out" : "mlp.gelu.out"));
+    }
     blk->x_out = act({Nl_, H}, p + "residual.out");
     blocks_.push_back(std::move(blk));
   }
@@ -551,9 +598,14 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
     w.kv_grads = be.empty({t * KVl * H}, compute_dtype(dtype), MemCategory::CommBuffer,
                           "kv.grad.gathered");
   }
-  w.da = tmp({N_, Fl}, cfg.swiglu() ? "mlp.swiglu.out.grad" : "mlp.gelu.out.grad");
-  w.du = tmp(blocks_.empty() ? Shape{N_, Fl} : blocks_[0]->u.shape(),
+  w.da = tmp({N_, Fmax}, cfg.swiglu() ? "mlp.swiglu.out.grad" : "mlp.gelu.out.grad");
+  w.du = tmp({N_, cfg.swiglu() ? 2 * Fmax : Fmax},
              cfg.swiglu() ? "mlp.gate_up.out.grad" : "mlp.ffn1.out.grad");
+  if (cfg.moe()) {  // this rank's tokens of the routed experts' output and input gradient
+    w.moe_local = tmp({N_ / t, H}, "moe.out");
+    w.moe_dx = tmp({N_ / t, H}, "moe.in.grad");
+    if (!par.sequence_parallel) w.moe_full = tmp({N_, H}, "moe.out.gathered");
+  }
   w.dres[0] = tmp({Nl_, H}, "residual.grad.0");
   w.dres[1] = tmp({Nl_, H}, "residual.grad.1");
   if (cfg.dropout > 0) w.dbranch = tmp({Nl_, H}, "residual.branch.grad");
@@ -818,12 +870,17 @@ double ShardedGpt::forward_backward() {
   // Only the gradients that are sums over rows start from zero (see summed_grads_).
   for (Parameter* p : summed_grads_) be_.fill(p->grad, 0.0);
   fwd_snaps_->used = bwd_snaps_->used = 0;
+  moe_loss_ = 0.0;
   forward();
   backward();
   return loss_;
 }
 
-void ShardedGpt::optimizer_step() { adam_step(be_, params_, adam_, ++step_); }
+void ShardedGpt::optimizer_step() {
+  adam_step(be_, params_, adam_, ++step_);
+  for (auto& b : blocks_)
+    if (b->moe) b->moe->update_expert_bias();
+}
 
 double ShardedGpt::softmax_scale() const {
   // 1/sqrt(head dim); the fault takes the local width of all this rank's heads instead.
@@ -943,24 +1000,43 @@ void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
   if (!rerun_) comm_.set_label(label + ".mlp");
   norm_forward(b.h2, b.ln2_mean, b.ln2_rstd, b.x_mid, *b.ln2, b.ln2_b);
   forward_point(pt + "ln2.out", b.h2);
-  enter_tp(b.h2_full, b.h2);
-  col_forward(b.mlp_in, b.u, b.h2_full, Fc);
-  if (cfg_.swiglu()) {
-    snapshot_halves(*fwd_snaps_, pt + "mlp.gate_proj.out", pt + "mlp.up_proj.out", b.u);
-    be_.swiglu_forward(b.a, b.u);
-    forward_point(pt + "mlp.swiglu.out", b.a);
-  } else {
-    forward_point(pt + "mlp.ffn1.out", b.u);
-    if (cfg_.mlp == MlpKind::GeluTanh) be_.gelu_tanh_forward(b.a, b.u);
-    else be_.gelu_forward(b.a, b.u);
-    forward_point(pt + "mlp.gelu.out", b.a);
+  Tensor* mlp_out = nullptr;  // [Nl,H] the MLP branch's output
+  if (b.dense) {  // the dense MLP, or an MoE layer's shared expert
+    enter_tp(b.h2_full, b.h2);
+    col_forward(b.mlp_in, b.u, b.h2_full, Fc);
+    if (cfg_.swiglu()) {
+      snapshot_halves(*fwd_snaps_, pt + "mlp.gate_proj.out", pt + "mlp.up_proj.out", b.u);
+      be_.swiglu_forward(b.a, b.u);
+      forward_point(pt + "mlp.swiglu.out", b.a);
+    } else {
+      forward_point(pt + "mlp.ffn1.out", b.u);
+      if (cfg_.mlp == MlpKind::GeluTanh) be_.gelu_tanh_forward(b.a, b.u);
+      else be_.gelu_forward(b.a, b.u);
+      forward_point(pt + "mlp.gelu.out", b.a);
+    }
+    row_forward(b.mlp_out, b.a, Fc);
+    // (the faults: no g, or the shared expert's left partial)
+    const bool no_g = !sp && (fault_ == Fault::GptMissingG ||
+                              (b.moe && fault_ == Fault::MoeSharedExpertPartial));
+    mlp_out = &partial;
+    if (!no_g) mlp_out = &leave_tp_biased(leave_tp, b.mlp_out_b);
+    else if (inv_) mlp_out = &leave_tp(/*own_only=*/true);  // the missing g: own chunks only
+    if (b.moe && !sp && fault_ == Fault::MoeSharedExpertReducedTwice)
+      reduce_from_tp_region_forward(comm_, *mlp_out);  // the bug: a second all-reduce
+    const std::string out_point = pt + cfg_.mlp_linears().back() + ".out";
+    snapshot(*fwd_snaps_, out_point, point(out_point), *mlp_out);
   }
-  row_forward(b.mlp_out, b.a, Fc);
-  Tensor* mlp_out = &partial;
-  if (sp || fault_ != Fault::GptMissingG) mlp_out = &leave_tp_biased(leave_tp, b.mlp_out_b);
-  else if (inv_) mlp_out = &leave_tp(/*own_only=*/true);  // the missing g: own chunks only
-  const std::string out_point = pt + cfg_.mlp_linears().back() + ".out";
-  snapshot(*fwd_snaps_, out_point, point(out_point), *mlp_out);
+  if (b.moe) {  // the routed experts on this rank's tokens, joined to the shared expert's sum
+    Tensor& routed = ws_->moe_local;  // [N/t,H]
+    moe_loss_ += b.moe->forward(routed, sp ? b.h2 : b.h2.narrow0(rank_ * (N_ / world_), N_ / world_));
+    Tensor* joined = &routed;
+    if (!sp) {  // gather_from_sequence_parallel_region: every rank's tokens
+      gather_from_sp_region_forward(comm_, ws_->moe_full, routed);
+      joined = &ws_->moe_full;
+    }
+    if (mlp_out) be_.add_inplace(*mlp_out, *joined);
+    else mlp_out = joined;
+  }
   be_.dropout(*mlp_out, tokens_mask(site + "mlp.residual"));
   be_.copy(b.x_out, b.x_mid);
   be_.add_inplace(b.x_out, *mlp_out);
@@ -1037,7 +1113,8 @@ void ShardedGpt::forward() {
     be_.gemm(logits_, hf_full_, false, head.value, true);
   comm_.set_label("cross_entropy");
   loss_ = ce_->ce.forward(be_, comm_, logits_, targets_, n_valid_,
-                          /*rows_split=*/sp && !par_.loss_parallel);
+                          /*rows_split=*/sp && !par_.loss_parallel) +
+          moe_loss_;
 }
 
 void ShardedGpt::backward() {
@@ -1184,25 +1261,52 @@ void ShardedGpt::backward() {
     // x_out = x_mid + dropout(mlp(ln2(x_mid)))
     comm_.set_label("h." + std::to_string(li) + ".mlp");
     const Tensor& dmlp_out = branch_grad(*dx, site + "mlp.residual");
-    snapshot(snaps, pt + mlp.back() + ".out.grad", point(pt + mlp.back() + ".out.grad"), dmlp_out);
-    const Tensor& dmlp = (sp || fault_ != Fault::GptMissingG) ? g_backward(dmlp_out) : dmlp_out;
-    row_bias_backward(b.mlp_out_b, dmlp_out);
-    row_backward(b.mlp_out, s.da, dmlp, b.a, Fc);
-    if (cfg_.swiglu()) {
-      snap("mlp.swiglu.out.grad", s.da);
-      be_.swiglu_backward(s.du, s.da, b.u);
-      snapshot_halves(snaps, pt + mlp[0] + ".out.grad", pt + mlp[1] + ".out.grad", s.du);
-    } else {
-      snap("mlp.gelu.out.grad", s.da);
-      if (cfg_.mlp == MlpKind::GeluTanh) be_.gelu_tanh_backward(s.du, s.da, b.u);
-      else be_.gelu_backward(s.du, s.da, b.u);
-      snap("mlp.ffn1.out.grad", s.du);
+    if (b.moe) {  // the routed experts: this rank's tokens' share of the branch gradient
+      const Tensor mine = sp ? dmlp_out : dmlp_out.narrow0(rank_ * (N_ / world_), N_ / world_);
+      b.moe->backward(s.moe_dx, mine);
+      if (record_)
+        for (auto& o : b.moe->observe_backward()) keep(snaps, std::move(o));
     }
-    if (sp) gather_tokens(b.h2_full, b.h2);  // not saved: gather again
-    col_backward(b.mlp_in, s.du, b.h2_full, Fc, /*accumulate=*/false, cfg_.swiglu());
-    Tensor& dh2 = f_backward();
-    snap("ln2.out.grad", dh2);
-    norm_backward(*dx, *b.ln2, b.ln2_b, dh2, b.x_mid, b.ln2_mean, b.ln2_rstd);
+    Tensor* dh2 = nullptr;  // [Nl,H] ln2's output gradient
+    if (b.dense) {
+      snapshot(snaps, pt + mlp.back() + ".out.grad", point(pt + mlp.back() + ".out.grad"), dmlp_out);
+      const bool no_g = !sp && (fault_ == Fault::GptMissingG ||
+                                (b.moe && fault_ == Fault::MoeSharedExpertPartial));
+      const Tensor& dmlp = no_g ? dmlp_out : g_backward(dmlp_out);
+      row_bias_backward(b.mlp_out_b, dmlp_out);
+      // The workspace fits the widest MLP: this layer's F/t columns of it.
+      const std::int64_t Fl = b.a.dim(1);
+      auto cols = [&](Tensor& t, std::int64_t w) {
+        return t.dim(1) == w ? t : t.reshape({t.numel()}).narrow0(0, N_ * w).reshape({N_, w});
+      };
+      Tensor da = cols(s.da, Fl), du = cols(s.du, b.u.dim(1));
+      row_backward(b.mlp_out, da, dmlp, b.a, Fc);
+      if (cfg_.swiglu()) {
+        snap("mlp.swiglu.out.grad", da);
+        be_.swiglu_backward(du, da, b.u);
+        snapshot_halves(snaps, pt + mlp[0] + ".out.grad", pt + mlp[1] + ".out.grad", du);
+      } else {
+        snap("mlp.gelu.out.grad", da);
+        if (cfg_.mlp == MlpKind::GeluTanh) be_.gelu_tanh_backward(du, da, b.u);
+        else be_.gelu_backward(du, da, b.u);
+        snap("mlp.ffn1.out.grad", du);
+      }
+      if (sp) gather_tokens(b.h2_full, b.h2);  // not saved: gather again
+      col_backward(b.mlp_in, du, b.h2_full, Fc, /*accumulate=*/false, cfg_.swiglu());
+      dh2 = &f_backward();
+    }
+    if (b.moe) {
+      Tensor* routed = &s.moe_dx;
+      if (!sp) {  // gather_from_sequence_parallel_region's backward is a split: the reverse
+                  // of the forward's split (scatter_to_sequence_parallel_region) gathers
+        gather_from_sp_region_forward(comm_, s.moe_full, s.moe_dx);
+        routed = &s.moe_full;
+      }
+      if (dh2) be_.add_inplace(*dh2, *routed);
+      else dh2 = routed;
+    }
+    snap("ln2.out.grad", *dh2);
+    norm_backward(*dx, *b.ln2, b.ln2_b, *dh2, b.x_mid, b.ln2_mean, b.ln2_rstd);
     snap("residual.mid.grad", *dx);
 
     // x_mid = x_in + dropout(attn(ln1(x_in)))
@@ -1317,6 +1421,14 @@ void ShardedGpt::backward() {
         sum_over_kv_replicas(p.grad);
   }
 
+  // ---- MoE: each rank routed its own tokens, so the router's gradient is a share ----
+  if (!sp) {  // (under SP, with the other replicated parameters', below)
+    comm_.set_label("moe.router_grad_sync");
+    for (auto& blk : blocks_)
+      if (blk->moe && fault_ != Fault::MoeRouterGradNotReduced)
+        comm_.all_reduce(blk->moe->router().grad, ReduceOp::Sum);
+  }
+
   // ---- sequence parallel: replicated parameters saw only this rank's tokens ----
   if (sp && !inv_) {  // the invariant mode has combined them, chunk by chunk, above
     comm_.set_label("sp.grad_sync");
@@ -1325,6 +1437,8 @@ void ShardedGpt::backward() {
       const bool is_norm = p.spec.name.find("ln") != std::string::npos;
       if (is_norm && fault_ == Fault::SpLnGradNotSummed) continue;
       if (is_norm && p.spec.name.ends_with(".bias") && fault_ == Fault::SpNormBiasGradNotSummed)
+        continue;
+      if (p.spec.name.ends_with("router.weight") && fault_ == Fault::MoeRouterGradNotReduced)
         continue;
       comm_.all_reduce(p.grad, ReduceOp::Sum);
     }
@@ -1356,15 +1470,17 @@ std::vector<Observation> ShardedGpt::observe_forward() {
     obs.push_back(fwd_snaps_->view(pt + "attn.o.out"));
     add_block(pt + "residual.mid", b.x_mid);
     add_block(pt + "ln2.out", b.h2);
-    if (cfg_.swiglu()) {
+    if (b.dense && cfg_.swiglu()) {
       obs.push_back(fwd_snaps_->view(pt + "mlp.gate_proj.out"));
       obs.push_back(fwd_snaps_->view(pt + "mlp.up_proj.out"));
       add_block(pt + "mlp.swiglu.out", b.a);
-    } else {
+    } else if (b.dense) {
       add_block(pt + "mlp.ffn1.out", b.u);
       add_block(pt + "mlp.gelu.out", b.a);
     }
-    obs.push_back(fwd_snaps_->view(pt + cfg_.mlp_linears().back() + ".out"));
+    if (b.dense) obs.push_back(fwd_snaps_->view(pt + cfg_.mlp_linears().back() + ".out"));
+    if (b.moe)
+      for (auto& o : b.moe->observe_forward()) obs.push_back(std::move(o));
     add_block(pt + "residual.out", b.x_out);
   }
   add("act/ln_f.out", hf_);

@@ -42,6 +42,9 @@ struct GptParallelism {
   // batch's count, the mean over its own tokens).
   std::int64_t batch_row0 = 0;
   std::int64_t loss_tokens = 0;
+  // Mixture-of-Experts (sharded/moe_layer.h): the experts' EP and ETP degrees over the
+  // ranks (ep·etp divides them; the rest is expert-DP).
+  int ep = 1, etp = 1;
 };
 
 // The padded vocabulary: V rounded up to a multiple of t·M when loss parallel (of C·M,
@@ -171,6 +174,8 @@ class ShardedGpt final : public ShardedModel {
   // Host copy of a point whose buffer is reused before observe_* runs (a workspace
   // tensor), taken where it is produced; a no-op unless recording.
   void snapshot(Snapshots& into, const std::string& name, const ShardSpec& spec, const Tensor& t);
+  // An observation made elsewhere (an MoE layer's), kept in production order.
+  void keep(Snapshots& into, Observation o);
 
   GptConfig cfg_;
   AdamConfig adam_;
@@ -180,6 +185,7 @@ class ShardedGpt final : public ShardedModel {
   std::uint64_t seed_;  // the run's seed: weights, and the dropout masks' streams
   std::int64_t step_ = 0;
   double loss_ = 0.0;
+  double moe_loss_ = 0.0;  // the MoE layers' aux and z losses, part of loss_
 
   int rank_, world_;
   std::int64_t B_, T_, N_;   // batch, sequence, tokens = B·T

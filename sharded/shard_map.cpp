@@ -32,6 +32,7 @@ std::int64_t ShardSpec::valid_length() const {
 std::string ShardSpec::shard_str() const {
   std::string s = "rank " + std::to_string(rank) + "/" + std::to_string(world);
   if (replicated()) return world == 1 ? std::string("full") : s.append(" replica");
+  if (expert && length == 0) return s.append(" none (not its expert)");
   if (split_dim == 0)
     s.append(" rows [");
   else if (split_dim == 1)

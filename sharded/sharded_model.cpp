@@ -47,6 +47,16 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
                                 const Tensor& t, Fault fault) {
   if (spec.replicated()) return be.to_host(t);
   std::vector<double> full(static_cast<std::size_t>(shape_numel(spec.full_shape)), 0.0);
+  if (spec.expert) {
+    // Blocks of unequal sizes (none off the expert's ranks): each placed by its primary
+    // holder into zeros, and summed.
+    if (spec.primary) place_shard(full, be.to_host(t), spec);
+    Tensor sum = be.empty({static_cast<std::int64_t>(full.size())}, DType::F64,
+                          MemCategory::CommBuffer, spec.name + ".gather");
+    be.from_host(sum, full.data());
+    comm.all_reduce(sum, ReduceOp::Sum);
+    return be.to_host(sum);
+  }
   const int world = comm.world_size();
   const std::int64_t n = t.numel();
   Tensor all = be.empty({world, n}, t.dtype(), MemCategory::CommBuffer, spec.name + ".gather");

@@ -93,6 +93,7 @@ struct Caught {
   std::string tensor;  // the first failing tensor
   std::string shard;   // a prefix of its shard ("" for any)
   int tp;              // the TP degree where it first fails
+  int step = 1;        // the step where it first fails (the reassembled check: 2)
 };
 }  // namespace
 
@@ -168,6 +169,23 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
       // after it); replicated tensors exist only from tp 2.
       {"clip-norm-replicated-times-t", {"reference", "grad_norm", "dp 0/2, rank 0/2", 2}},
       {"clip-norm-rank0-shards-only", {"reference", "grad_norm", "dp 0/2, rank 0/2", 2}},
+      // Mixture-of-Experts, on the first MoE case (deepseek-moe, tp 2 = ep 2): each rank
+      // routed its own tokens, so the unreduced router gradient differs from its first sum.
+      {"moe-router-grad-not-reduced", {"reference", "h.1.mlp.router.weight.grad", "rank 0/2", 2}},
+      // Expert 0's gradient plus expert 8's (the EP peer's first): the first expert
+      // gradient backward produces.
+      {"moe-expert-grad-over-ep",
+       {"reference", "h.1.mlp.experts.0.down_proj.weight.grad", "rank 0/2", 2}},
+      // The shared expert's output, before it joins the routed experts': t times, or partial.
+      {"moe-shared-expert-reduced-twice", {"reference", "act/h.0.mlp.down_proj.out", "", 2}},
+      {"moe-shared-expert-partial", {"reference", "act/h.0.mlp.down_proj.out", "", 2}},
+      // Rank 0's tokens routed to EP rank 1's experts fall off: their pairs are not kept.
+      {"moe-global-expert-id-as-local", {"reference", "act/h.0.mlp.router.kept", "rank 0/2", 2}},
+      // The first step's loads are this rank's; the bias they move is read at step 2.
+      {"moe-expert-bias-local-loads",
+       {"reference", "act/h.0.mlp.router.expert_bias", "rank 0/2", 2, 2}},
+      // The clip norm without the experts: the first tensor a wrong norm reaches.
+      {"moe-clip-norm-missing-experts", {"reference", "grad_norm", "rank 0/2", 2}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.
       {"reassembly-shard-order", {"reassembled", "fc1.weight.grad", "reassembled from 2", 2}},
   };
@@ -190,7 +208,7 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
     const std::string first = f["tensor"];
     CHECK(one_of(it->second.tensor, first));
     CHECK(f["shard"].get<std::string>().rfind(it->second.shard, 0) == 0);
-    CHECK(f["step"] == 1 + (it->second.check == "reassembled" ? 1 : 0));
+    CHECK(f["step"] == (it->second.check == "reassembled" ? 2 : it->second.step));
     if (it->second.check == "replica of rank 0") CHECK(f["rank"] != 0);  // never rank 0 itself
     CHECK(r.out.find("verify: FAIL: first mismatch at tp " + std::to_string(it->second.tp) +
                      ": " + first) != std::string::npos);

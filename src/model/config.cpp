@@ -25,6 +25,12 @@ std::int64_t GptConfig::ffn() const {
   return (f + 63) / 64 * 64;
 }
 
+std::int64_t GptConfig::moe_capacity(std::int64_t n) const {
+  if (moe_capacity_factor <= 0) return n;
+  return static_cast<std::int64_t>(
+      std::ceil(moe_capacity_factor * static_cast<double>(n * moe_topk) / static_cast<double>(num_experts)));
+}
+
 std::vector<std::string> GptConfig::mlp_linears() const {
   if (swiglu()) return {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
   return {"mlp.ffn1", "mlp.ffn2"};
@@ -32,6 +38,18 @@ std::vector<std::string> GptConfig::mlp_linears() const {
 
 void apply_gpt_family(GptConfig& c, const std::string& family) {
   GptConfig a;  // the seed's architecture
+  if (family == "mixtral" || family == "deepseek-moe") {
+    apply_gpt_family(c, "llama");
+    const bool mixtral = family == "mixtral";
+    c.num_experts = mixtral ? 8 : 16;
+    c.moe_topk = mixtral ? 2 : 4;
+    c.moe_ffn_hidden = mixtral ? 0 : std::max<std::int64_t>(1, c.ffn() / 4);
+    c.moe_shared_ffn = mixtral ? 0 : std::max<std::int64_t>(1, c.ffn() / 2);
+    c.moe_score = mixtral ? MoeScore::Softmax : MoeScore::Sigmoid;
+    c.moe_topk_renorm = true;
+    c.moe_expert_bias = !mixtral;
+    return;
+  }
   if (family == "gpt2") {
     a.norm_bias = true;
     a.linear_bias = true;
@@ -42,7 +60,8 @@ void apply_gpt_family(GptConfig& c, const std::string& family) {
     a.positions = PositionKind::Rope;
     a.tied_embeddings = false;
   } else if (family != "gpt") {
-    throw UsageError("unknown model family '" + family + "' (gpt, gpt2 or llama)");
+    throw UsageError("unknown model family '" + family +
+                     "' (gpt, gpt2, llama, mixtral or deepseek-moe)");
   }
   c.norm = a.norm;
   c.norm_bias = a.norm_bias;
@@ -51,6 +70,7 @@ void apply_gpt_family(GptConfig& c, const std::string& family) {
   c.positions = a.positions;
   c.rope_style = a.rope_style;
   c.tied_embeddings = a.tied_embeddings;
+  c.num_experts = 0;
 }
 
 std::optional<std::string> config_difference(const GptConfig& a, const GptConfig& b) {
@@ -86,6 +106,20 @@ std::optional<std::string> config_difference(const GptConfig& a, const GptConfig
                : std::nullopt,
       diff("tied_embeddings", yes(a.tied_embeddings), yes(b.tied_embeddings)),
       diff("ln_eps", num(a.ln_eps), num(b.ln_eps)),
+      diff("num_experts", i(a.num_experts), i(b.num_experts)),
+      a.moe() ? diff("moe_topk", i(a.moe_topk), i(b.moe_topk)) : std::nullopt,
+      a.moe() ? diff("moe_ffn_hidden", i(a.moe_ffn()), i(b.moe_ffn())) : std::nullopt,
+      a.moe() ? diff("moe_shared_ffn", i(a.moe_shared_ffn), i(b.moe_shared_ffn)) : std::nullopt,
+      a.moe() ? diff("moe_layer_freq", i(a.moe_layer_freq), i(b.moe_layer_freq)) : std::nullopt,
+      a.moe() ? diff("moe_score", choice_name(kMoeScoreNames, a.moe_score),
+                     choice_name(kMoeScoreNames, b.moe_score))
+              : std::nullopt,
+      a.moe() ? diff("moe_topk_renorm", yes(a.moe_topk_renorm), yes(b.moe_topk_renorm)) : std::nullopt,
+      a.moe() ? diff("moe_aux_coeff", num(a.moe_aux_coeff), num(b.moe_aux_coeff)) : std::nullopt,
+      a.moe() ? diff("moe_z_coeff", num(a.moe_z_coeff), num(b.moe_z_coeff)) : std::nullopt,
+      a.moe() ? diff("moe_expert_bias", yes(a.moe_expert_bias), yes(b.moe_expert_bias)) : std::nullopt,
+      a.moe() ? diff("moe_capacity_factor", num(a.moe_capacity_factor), num(b.moe_capacity_factor))
+              : std::nullopt,
   };
   for (const auto& f : fields)
     if (f) return f;
@@ -106,6 +140,18 @@ std::string describe_architecture(const GptConfig& c) {
   s += ", " + std::to_string(c.heads) + " heads";
   if (c.kv() != c.heads) s += " / " + std::to_string(c.kv()) + " kv";
   s += c.tied_embeddings ? ", tied" : ", untied";
+  if (c.moe()) {
+    s += ", MoE " + std::to_string(c.num_experts) + " experts top " + std::to_string(c.moe_topk) +
+         " F " + std::to_string(c.moe_ffn()) + " " + choice_name(kMoeScoreNames, c.moe_score);
+    if (c.moe_shared_ffn > 0) s += ", shared expert F " + std::to_string(c.moe_shared_ffn);
+    if (c.moe_layer_freq > 1) s += ", every " + std::to_string(c.moe_layer_freq) + " layers";
+    if (c.moe_expert_bias) s += ", expert bias";
+    if (c.moe_capacity_factor > 0) {
+      std::ostringstream f;
+      f << c.moe_capacity_factor;
+      s += ", capacity " + f.str();
+    }
+  }
   if (c.dropout > 0) {
     std::ostringstream p;
     p << c.dropout;
@@ -140,11 +186,25 @@ void check_gpt_architecture(const GptConfig& c) {
   }
   if (c.rope() && !(c.rope_theta > 1.0))
     throw UsageError("--rope-theta must be > 1, got " + std::to_string(c.rope_theta));
+  if (c.num_experts < 0) throw UsageError("--num-experts must be >= 0 (0: dense)");
+  if (!c.moe()) return;
+  if (!c.swiglu()) throw UsageError("--num-experts: experts are SwiGLU MLPs; add --mlp swiglu");
+  if (c.linear_bias) throw UsageError("--num-experts: experts have no biases; drop --linear-bias");
+  if (c.moe_topk < 1 || c.moe_topk > c.num_experts)
+    throw UsageError("--moe-router-topk " + std::to_string(c.moe_topk) + ": between 1 and " +
+                     "--num-experts " + std::to_string(c.num_experts));
+  if (c.moe_ffn_hidden < 0 || c.moe_shared_ffn < 0 || c.moe_layer_freq < 1)
+    throw UsageError("--moe-ffn-hidden-size and --moe-shared-expert-intermediate-size must be "
+                     ">= 0, --moe-layer-freq >= 1");
+  for (double v : {c.moe_aux_coeff, c.moe_z_coeff, c.moe_bias_rate, c.moe_capacity_factor})
+    if (!(v >= 0.0 && std::isfinite(v)))
+      throw UsageError("--moe-aux-loss-coeff, --moe-z-loss-coeff, --moe-router-bias-update-rate "
+                       "and --moe-expert-capacity-factor must be finite and >= 0");
 }
 
 std::vector<ParamSpec> gpt_param_specs(const GptConfig& c) {
   const auto one = InitSpec::constant(1.0), zero = InitSpec::constant(0.0);
-  const std::int64_t H = c.hidden, F = c.ffn(), KV = c.kv() * c.head_dim();
+  const std::int64_t H = c.hidden, KV = c.kv() * c.head_dim();
   // PyTorch's defaults, which the seed's losses (about 11 falling to 3 in five steps)
   // come from: nn.Linear's weight and bias are uniform in +-1/sqrt(fan_in); the tied wte
   // is the LM head's Linear(H,V) weight; wpe and an untied wte are nn.Embeddings,
@@ -172,9 +232,21 @@ std::vector<ParamSpec> gpt_param_specs(const GptConfig& c) {
     linear(p + "attn.v_proj", KV, H);
     linear(p + "attn.o_proj", H, H);
     norm(p + "ln2");
-    const auto m = c.mlp_linears();
-    for (std::size_t j = 0; j + 1 < m.size(); ++j) linear(p + m[j], F, H);
-    linear(p + m.back(), H, F);
+    const std::int64_t Fl = c.mlp_ffn(i);
+    if (Fl > 0) {
+      const auto m = c.mlp_linears();
+      for (std::size_t j = 0; j + 1 < m.size(); ++j) linear(p + m[j], Fl, H);
+      linear(p + m.back(), H, Fl);
+    }
+    if (!c.moe_layer(i)) continue;
+    s.push_back({p + "mlp.router.weight", {c.num_experts, H}, lin(H)});
+    const std::int64_t Fe = c.moe_ffn();
+    for (std::int64_t e = 0; e < c.num_experts; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      s.push_back({x + "gate_proj.weight", {Fe, H}, lin(H)});
+      s.push_back({x + "up_proj.weight", {Fe, H}, lin(H)});
+      s.push_back({x + "down_proj.weight", {H, Fe}, lin(Fe)});
+    }
   }
   norm("ln_f");
   if (!c.tied_embeddings) s.push_back({"lm_head.weight", {c.vocab_size, H}, lin(H)});

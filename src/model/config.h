@@ -49,6 +49,10 @@ inline constexpr NamedChoice<PositionKind> kPositionNames[] = {{"learned", Posit
                                                                {"rope", PositionKind::Rope}};
 inline constexpr NamedChoice<RopeStyle> kRopeStyleNames[] = {{"half", RopeStyle::Half},
                                                              {"interleaved", RopeStyle::Interleaved}};
+// The router's score function (Megatron's --moe-router-score-function).
+enum class MoeScore { Softmax, Sigmoid };
+inline constexpr NamedChoice<MoeScore> kMoeScoreNames[] = {{"softmax", MoeScore::Softmax},
+                                                           {"sigmoid", MoeScore::Sigmoid}};
 template <class E, std::size_t N>
 const char* choice_name(const NamedChoice<E> (&table)[N], E value) {
   for (const auto& c : table)
@@ -82,11 +86,38 @@ struct GptConfig {
   // (backend/dropout_mask.h), so every TP layout draws the reference's mask.
   double dropout = 0.0;
 
+  // Mixture-of-Experts (docs/moe.md), with Megatron-core's flag names. num_experts 0: every
+  // MLP is dense. Otherwise layer l is an MoE layer when l % moe_layer_freq == 0: a router
+  // (Linear H->E, no bias) scores each token, its top-k experts (SwiGLU MLPs of width
+  // moe_ffn()) each see it, and their outputs, weighted by the gates, are summed; the
+  // layer's dense MLP, of width moe_shared_ffn (0: none), is the shared expert and sees
+  // every token.
+  std::int64_t num_experts = 0;       // E
+  std::int64_t moe_topk = 2;          // K
+  std::int64_t moe_ffn_hidden = 0;    // an expert's width; 0: ffn()
+  std::int64_t moe_shared_ffn = 0;    // the shared expert's width; 0: no shared expert
+  std::int64_t moe_layer_freq = 1;
+  MoeScore moe_score = MoeScore::Softmax;
+  bool moe_topk_renorm = true;        // gates divided by their sum over the k chosen
+  double moe_aux_coeff = 0.0;         // Switch load-balancing loss over the global batch
+  double moe_z_coeff = 0.0;           // router z-loss
+  bool moe_expert_bias = false;       // DeepSeek-V3's loss-free balancing
+  double moe_bias_rate = 1e-3;        // its update per step
+  double moe_capacity_factor = 0.0;   // 0: no capacity, no token dropped
+
   std::int64_t head_dim() const { return hidden / heads; }
   std::int64_t ffn() const;
   std::int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
   bool swiglu() const { return mlp == MlpKind::SwiGLU; }
   bool rope() const { return positions == PositionKind::Rope; }
+  bool moe() const { return num_experts > 0; }
+  bool moe_layer(std::int64_t l) const { return moe() && l % moe_layer_freq == 0; }
+  std::int64_t moe_ffn() const { return moe_ffn_hidden > 0 ? moe_ffn_hidden : ffn(); }
+  // Layer l's dense MLP width: ffn(), or in an MoE layer the shared expert's (0: none).
+  std::int64_t mlp_ffn(std::int64_t l) const { return moe_layer(l) ? moe_shared_ffn : ffn(); }
+  // Tokens an expert keeps of a global batch of n tokens: ceil(factor·n·K/E); n without
+  // a capacity factor.
+  std::int64_t moe_capacity(std::int64_t n) const;
   // The MLP's parameter names, up to ".weight"/".bias": {in, out} for GELU, {gate, up,
   // down} for SwiGLU.
   std::vector<std::string> mlp_linears() const;
@@ -94,8 +125,11 @@ struct GptConfig {
 
 // The families: "gpt" (the seed's model, the default), "gpt2" (LayerNorm with bias,
 // biases on every Linear, tanh GELU, learned positions, tied) and "llama" (RMSNorm,
-// SwiGLU, RoPE half, untied, no biases; GQA is a --kv-heads away). Sets the architecture
-// fields of `c` and leaves its sizes alone; throws UsageError for another name.
+// SwiGLU, RoPE half, untied, no biases; GQA is a --kv-heads away), and two MoE families on
+// llama: "mixtral" (8 experts, top 2, softmax, renormalised, no shared expert) and
+// "deepseek-moe" (16 fine-grained experts of width F/4, top 4, one shared expert of width
+// F/2, sigmoid scores renormalised, expert bias). Sets the architecture fields of `c` and
+// leaves its sizes alone; throws UsageError for another name.
 void apply_gpt_family(GptConfig& c, const std::string& family);
 // The architecture in a few words: "LayerNorm, exact GELU F 1024, learned positions,
 // 8 heads, tied" for the seed's model.
@@ -105,7 +139,8 @@ std::string describe_architecture(const GptConfig& c);
 // "heads 8, not 4", or none.
 std::optional<std::string> config_difference(const GptConfig& a, const GptConfig& b);
 // Throws UsageError naming the field when the architecture cannot be built: heads must
-// divide hidden, kv heads divide heads, RoPE needs an even head size.
+// divide hidden, kv heads divide heads, RoPE needs an even head size; experts are SwiGLU
+// without biases, 1 <= K <= E, and the MoE coefficients are >= 0.
 void check_gpt_architecture(const GptConfig& c);
 
 // Activation recomputation, with Megatron's meanings (Korthikanti et al. 2022): what a
@@ -143,7 +178,9 @@ struct ParamSpec {
 std::vector<ParamSpec> mlp_param_specs(const MlpConfig& c);
 
 // In forward order: wte, wpe (learned positions), then per block ln1, q, k, v, o, ln2, the
-// MLP's Linears, then ln_f and lm_head (untied); each bias right after its weight.
+// MLP's Linears (in an MoE layer: the shared expert's, if any, then "mlp.router.weight"
+// [E,H] and each expert's "mlp.experts.<e>.gate_proj/up_proj/down_proj.weight"), then ln_f
+// and lm_head (untied); each bias right after its weight.
 // PyTorch's default init, as the seed's model had: uniform +-1/sqrt(fan_in) for every
 // Linear's weight and bias (wte, when tied to the LM head, is one), standard normal for
 // wpe and an untied wte (nn.Embedding), 1 for norm weights and 0 for norm biases.

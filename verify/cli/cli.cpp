@@ -43,6 +43,8 @@ struct RawFlags {
   // The architecture, over the --model family's choices: empty or 0 where not given.
   std::string norm, mlp, positions, rope_style;
   std::string recompute;  // empty: none
+  std::string moe_score;  // empty: the family's
+  int moe_renorm = 0, no_moe_renorm = 0, moe_bias = 0, no_moe_bias = 0;
   int norm_bias = 0, no_norm_bias = 0, linear_bias = 0, no_linear_bias = 0;
   int tied = 0, untied = 0;
 };
@@ -58,7 +60,14 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--ffn-hidden", "--positions", "--rope-theta", "--rope-style",
                                  "--kv-heads", "--tied-embeddings", "--untied-embeddings",
                                  "--dropout", "--recompute", "--recompute-layers", "--dp",
-                                 "--clip-grad"};
+                                 "--clip-grad", "--num-experts", "--moe-router-topk",
+                                 "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+                                 "--moe-router-score-function", "--moe-router-topk-renorm",
+                                 "--no-moe-router-topk-renorm", "--moe-aux-loss-coeff",
+                                 "--moe-z-loss-coeff", "--moe-router-enable-expert-bias",
+                                 "--no-moe-router-enable-expert-bias",
+                                 "--moe-router-bias-update-rate", "--moe-expert-capacity-factor",
+                                 "--moe-layer-freq", "--ep", "--etp"};
 
 // --preset small: the sweep's small GPT, for the fields the user did not set.
 void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
@@ -77,10 +86,11 @@ void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
 void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {
   cmd.add_option("-m,--model", raw.model,
                  "mlp (the seed's naive TP MLP); gpt (the seed's transformer), gpt2 (LayerNorm "
-                 "and Linear biases, tanh GELU) or llama (RMSNorm, SwiGLU, RoPE, untied head), "
-                 "each a set of the architecture flags below; verify without --model runs the "
-                 "default sweep")
-      ->check(CLI::IsMember({"mlp", "gpt", "gpt2", "llama"}));
+                 "and Linear biases, tanh GELU), llama (RMSNorm, SwiGLU, RoPE, untied head), "
+                 "mixtral (llama with 8 experts, top 2, softmax) or deepseek-moe (16 experts of "
+                 "F/4, top 4, a shared expert of F/2, sigmoid scores, expert bias), each a set "
+                 "of the architecture flags below; verify without --model runs the default sweep")
+      ->check(CLI::IsMember({"mlp", "gpt", "gpt2", "llama", "mixtral", "deepseek-moe"}));
   cmd.add_option("-t,--tp", raw.tp,
                  tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
                          : "TP degree (number of ranks)")
@@ -123,6 +133,36 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                  "architecture: dropout probability on the embeddings, attention probabilities "
                  "and residual branches (0: none, the default); masks are drawn by global index, "
                  "so every TP layout draws the same");
+  cmd.add_option("--num-experts", o.gpt.num_experts,
+                 "MoE (docs/moe.md): routed experts E per MoE layer (0: dense)");
+  cmd.add_option("--moe-router-topk", o.gpt.moe_topk, "MoE: experts per token K");
+  cmd.add_option("--moe-ffn-hidden-size", o.gpt.moe_ffn_hidden,
+                 "MoE: an expert's SwiGLU width (0: --ffn-hidden's)");
+  cmd.add_option("--moe-shared-expert-intermediate-size", o.gpt.moe_shared_ffn,
+                 "MoE: the shared expert's width, a dense TP MLP every token sees (0: none)");
+  cmd.add_option("--moe-router-score-function", raw.moe_score, "MoE: softmax or sigmoid")
+      ->check(CLI::IsMember({"softmax", "sigmoid"}));
+  cmd.add_flag("--moe-router-topk-renorm", raw.moe_renorm,
+               "MoE: divide the k gates by their sum");
+  cmd.add_flag("--no-moe-router-topk-renorm", raw.no_moe_renorm, "MoE: the k scores as gates");
+  cmd.add_option("--moe-aux-loss-coeff", o.gpt.moe_aux_coeff,
+                 "MoE: Switch load-balancing loss over the global batch (0: none)");
+  cmd.add_option("--moe-z-loss-coeff", o.gpt.moe_z_coeff, "MoE: router z-loss (0: none)");
+  cmd.add_flag("--moe-router-enable-expert-bias", raw.moe_bias,
+               "MoE: DeepSeek-V3's expert bias, added to the scores to choose the experts and "
+               "moved after each step towards the mean load of the global batch");
+  cmd.add_flag("--no-moe-router-enable-expert-bias", raw.no_moe_bias, "MoE: no expert bias");
+  cmd.add_option("--moe-router-bias-update-rate", o.gpt.moe_bias_rate,
+                 "MoE: the expert bias's step (default 1e-3)");
+  cmd.add_option("--moe-expert-capacity-factor", o.gpt.moe_capacity_factor,
+                 "MoE: each expert keeps ceil(factor x tokens x K / E) tokens of the global "
+                 "batch, the highest gates first, then the lowest token index (0: no dropping)");
+  cmd.add_option("--moe-layer-freq", o.gpt.moe_layer_freq,
+                 "MoE: layer l is an MoE layer when l % freq == 0 (default 1: every layer)");
+  cmd.add_option("--ep", o.ep,
+                 "MoE: expert parallel, the experts split over ep ranks (ranks ordered ETP "
+                 "fastest, then EP, then expert-DP over the same world; default 1)");
+  cmd.add_option("--etp", o.etp, "MoE: each expert's Linears split over etp ranks (default 1)");
   cmd.add_option("-b,--batch-size", raw.batch_size, "batch rows (default: mlp 32, gpt 2)");
   cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
   cmd.add_option("--load", o.load_path,
@@ -182,9 +222,17 @@ void add_tp_invariant_flag(CLI::App& cmd, RunOptions& o, const std::string& what
 }
 
 // The --model family's architecture, then each architecture flag given over it.
-void apply_architecture(RunOptions& o, const RawFlags& raw) {
+void apply_architecture(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
   GptConfig& c = o.gpt;
+  const GptConfig given = c;  // the numbers the flags parsed into, which the family sets
   apply_gpt_family(c, raw.model == "mlp" ? "gpt" : raw.model);
+  auto keep = [&](const char* flag, auto field) {
+    if (cmd.count(flag) > 0) c.*field = given.*field;
+  };
+  keep("--num-experts", &GptConfig::num_experts);
+  keep("--moe-router-topk", &GptConfig::moe_topk);
+  keep("--moe-ffn-hidden-size", &GptConfig::moe_ffn_hidden);
+  keep("--moe-shared-expert-intermediate-size", &GptConfig::moe_shared_ffn);
   auto pair = [](int on, int off, const char* a, const char* b, bool& field) {
     if (on && off) throw UsageError(std::string(a) + " and " + b + " exclude each other");
     if (on) field = true;
@@ -205,6 +253,12 @@ void apply_architecture(RunOptions& o, const RawFlags& raw) {
     c.positions = raw.positions == "rope" ? PositionKind::Rope : PositionKind::Learned;
   if (!raw.rope_style.empty())
     c.rope_style = raw.rope_style == "interleaved" ? RopeStyle::Interleaved : RopeStyle::Half;
+  pair(raw.moe_renorm, raw.no_moe_renorm, "--moe-router-topk-renorm",
+       "--no-moe-router-topk-renorm", c.moe_topk_renorm);
+  pair(raw.moe_bias, raw.no_moe_bias, "--moe-router-enable-expert-bias",
+       "--no-moe-router-enable-expert-bias", c.moe_expert_bias);
+  if (!raw.moe_score.empty())
+    c.moe_score = raw.moe_score == "sigmoid" ? MoeScore::Sigmoid : MoeScore::Softmax;
 }
 
 // --load DIR, a Hugging Face checkpoint: its config.json is the model, so no flag may say
@@ -273,7 +327,7 @@ void refuse_across_processes(const RunOptions& o, const char* command) {
 void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DType default_dtype,
                     bool verify) {
   o.model = raw.model == "mlp" ? ModelKind::Mlp : ModelKind::Gpt;
-  apply_architecture(o, raw);
+  apply_architecture(cmd, o, raw);
   apply_hf_checkpoint(cmd, o, raw);
   o.recompute = raw.recompute == "selective" ? RecomputeKind::Selective
                 : raw.recompute == "full"    ? RecomputeKind::Full

@@ -38,6 +38,8 @@ void put(ByteWriter& w, const std::vector<Observation>& obs) {
     w.put<std::int32_t>(s.rank);
     w.put<std::int32_t>(s.world);
     w.put<std::int32_t>(s.replicas);
+    w.put<std::uint8_t>(static_cast<std::uint8_t>(s.expert));
+    w.put<std::uint8_t>(static_cast<std::uint8_t>(s.primary));
     w.put<std::uint64_t>(ob.values.size());
     w.put_bytes(ob.values.data(), ob.values.size() * sizeof(double));
   }
@@ -66,6 +68,8 @@ void get(ByteReader& r, std::vector<Observation>& obs) {
     s.rank = r.get<std::int32_t>();
     s.world = r.get<std::int32_t>();
     s.replicas = r.get<std::int32_t>();
+    s.expert = r.get<std::uint8_t>() != 0;
+    s.primary = r.get<std::uint8_t>() != 0;
     const auto count = r.get<std::uint64_t>();
     if (count > r.left() / sizeof(double)) r.fail();
     std::vector<double>& v = ob.values.copy();

@@ -82,6 +82,8 @@ std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunI
   par.tp_invariant = o.tp_invariant;
   par.recompute = o.recompute;
   par.recompute_layers = o.recompute_layers;
+  par.ep = o.ep;
+  par.etp = o.etp;
   if (o.dp == 1 && o.clip_grad == 0)
     return std::make_unique<ShardedGpt>(o.gpt, in.gpt_batch, o.adam, par, be, comm, o.dtype,
                                         o.seed, o.fault);

@@ -37,6 +37,8 @@ struct RunOptions {
   std::int64_t make_vocab_divisible_by = 1;
   int dp = 1;               // --dp: data-parallel replicas, each a TP group (sharded/data_parallel.h)
   double clip_grad = 0.0;   // --clip-grad: the global gradient norm's cap; 0 = no clipping
+  int ep = 1;               // --ep: expert parallel (MoE, docs/moe.md)
+  int etp = 1;              // --etp: each expert's tensor parallel
   BatchKind batch = BatchKind::Random;  // without --data
   std::string load_path;   // --load W.safetensors
   std::string data_path;   // --data D.safetensors

@@ -24,9 +24,16 @@ std::vector<std::string> gpt_tensor_order(const GptConfig& c, bool clipped) {
     for (const char* p : {"ln1.out", "attn.q", "attn.k", "attn.v", "attn.out", "attn.o.out",
                           "residual.mid", "ln2.out"})
       o.push_back(a + p);
-    for (std::size_t j = 0; j + 1 < mlp.size(); ++j) o.push_back(a + mlp[j] + ".out");
-    o.push_back(a + act);
-    o.push_back(a + mlp.back() + ".out");
+    if (c.mlp_ffn(l) > 0) {  // the dense MLP, or an MoE layer's shared expert
+      for (std::size_t j = 0; j + 1 < mlp.size(); ++j) o.push_back(a + mlp[j] + ".out");
+      o.push_back(a + act);
+      o.push_back(a + mlp.back() + ".out");
+    }
+    if (c.moe_layer(l))  // the router's inputs and decisions, then the experts' sum
+      for (const char* p : {"mlp.router.expert_bias", "mlp.router.logits", "mlp.router.scores",
+                            "mlp.router.topk", "mlp.router.kept", "mlp.router.load",
+                            "mlp.experts.out"})
+        o.push_back(a + p);
     o.push_back(a + "residual.out");
   }
   o.push_back("act/ln_f.out");
@@ -41,11 +48,21 @@ std::vector<std::string> gpt_tensor_order(const GptConfig& c, bool clipped) {
   for (std::int64_t l = c.layers - 1; l >= 0; --l) {
     const std::string b = block(l), a = "act/" + b;
     o.push_back(a + "residual.out.grad");
-    o.push_back(a + mlp.back() + ".out.grad");
-    grads(b + mlp.back(), lb);
-    o.push_back(a + act + ".grad");
-    for (std::size_t j = 0; j + 1 < mlp.size(); ++j) o.push_back(a + mlp[j] + ".out.grad");
-    for (std::size_t j = mlp.size() - 1; j-- > 0;) grads(b + mlp[j], lb);
+    if (c.moe_layer(l)) {  // the routed experts' backward runs first, then the router's
+      o.push_back(a + "mlp.experts.out.grad");
+      for (std::int64_t e = 0; e < c.num_experts; ++e)
+        for (const char* p : {"down_proj", "gate_proj", "up_proj"})
+          grads(b + "mlp.experts." + std::to_string(e) + "." + p, false);
+      o.push_back(a + "mlp.router.logits.grad");
+      grads(b + "mlp.router", false);
+    }
+    if (c.mlp_ffn(l) > 0) {
+      o.push_back(a + mlp.back() + ".out.grad");
+      grads(b + mlp.back(), lb);
+      o.push_back(a + act + ".grad");
+      for (std::size_t j = 0; j + 1 < mlp.size(); ++j) o.push_back(a + mlp[j] + ".out.grad");
+      for (std::size_t j = mlp.size() - 1; j-- > 0;) grads(b + mlp[j], lb);
+    }
     o.push_back(a + "ln2.out.grad");
     grads(b + "ln2", nb);
     o.push_back(a + "residual.mid.grad");

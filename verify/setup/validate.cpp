@@ -12,6 +12,7 @@
 
 namespace tpsim {
 
+
 namespace {
 
 // The largest sizes tpsim accepts. Each is far beyond what fits in memory (the memory
@@ -104,6 +105,10 @@ FaultTarget fault_target(const RunOptions& o) {
   run.recompute_chunks = run.full_recompute && o.recompute_layers >= 2 && g.layers >= 2;
   run.dp = o.dp;
   run.clip = o.clip_grad > 0;
+  run.moe = g.moe();
+  run.ep = o.ep;
+  run.shared_expert = g.moe() && g.moe_shared_ffn > 0;
+  run.expert_bias = g.moe() && g.moe_expert_bias;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || padded_vocab(g, par, t) > g.vocab_size;
@@ -145,6 +150,52 @@ void check_tp_invariant(const RunOptions& o) {
                      std::to_string(tokens) + " tokens is not a multiple of " +
                      std::to_string(C) + " (the canonical token chunks)");
 }
+
+// MoE's parallel folding (docs/moe.md): the experts' ETP x EP x expert-DP mesh over the
+// attention's dp x tp ranks.
+void check_moe_layout(const RunOptions& o) {
+  const GptConfig& g = o.gpt;
+  check_int("--ep", o.ep, 1, kMaxRanks);
+  check_int("--etp", o.etp, 1, kMaxRanks);
+  if (o.model != ModelKind::Gpt || !g.moe()) {
+    if (o.ep > 1 || o.etp > 1)
+      throw UsageError("--ep and --etp split experts: add --num-experts (or --model mixtral)");
+    return;
+  }
+  if (o.tp_invariant)
+    throw UsageError("--tp-invariant: not yet with experts (the routed sums are not in "
+                     "canonical order)");
+  if (o.recompute == RecomputeKind::Full)
+    throw UsageError("--recompute full: not yet with experts (selective is supported)");
+  if (!o.dump_dir.empty())
+    throw UsageError("--dump: not yet with experts (docs/dump-format.md has no expert layout)");
+  if (o.dp > 1)
+    throw UsageError("--num-experts: not yet with --dp (the experts' groups span the TP group "
+                     "only so far); run --dp 1");
+  if (g.num_experts % o.ep != 0)
+    throw UsageError("--ep " + std::to_string(o.ep) + " must divide --num-experts " +
+                     std::to_string(g.num_experts));
+  if (g.moe_ffn() % o.etp != 0)
+    throw UsageError("--etp " + std::to_string(o.etp) + " must divide the experts' width " +
+                     std::to_string(g.moe_ffn()));
+  const std::int64_t tokens = o.batch_size / o.dp * o.seq_len;
+  for (int t : o.tp) {
+    const int world = t * o.dp;
+    if (world % (o.ep * o.etp) != 0)
+      throw UsageError("--ep " + std::to_string(o.ep) + " x --etp " + std::to_string(o.etp) +
+                       " must divide the " + std::to_string(world) + " ranks of --dp " +
+                       std::to_string(o.dp) + " x --tp " + std::to_string(t) +
+                       " (the experts fold onto the same ranks)");
+    if (g.moe_shared_ffn % t != 0)
+      throw UsageError("--moe-shared-expert-intermediate-size " + std::to_string(g.moe_shared_ffn) +
+                       " does not split over tp " + std::to_string(t));
+    if (tokens % t != 0)
+      throw UsageError("--num-experts: a replica's " + std::to_string(tokens) +
+                       " tokens (batch x sequence) must split evenly over tp " + std::to_string(t) +
+                       " (each rank routes its share)");
+  }
+}
+
 
 }  // namespace
 
@@ -193,6 +244,7 @@ void validate_run_options(const RunOptions& o) {
                      "layout); dump one replica's run with --dp 1");
 
   if (o.tp_invariant) check_tp_invariant(o);
+  check_moe_layout(o);
 
   if (!o.json_path.empty()) check_writable(o.json_path, "--json");
   if (!o.html_path.empty()) check_writable(o.html_path, "--html");

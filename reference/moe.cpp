@@ -1,0 +1,210 @@
+#include "reference/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace tpsim::ref {
+
+namespace {
+
+using Index = Eigen::Index;
+
+template <class S>
+S sigmoid(S v) {
+  return S(1) / (S(1) + std::exp(-v));
+}
+
+std::string expert_name(const std::string& prefix, std::int64_t e, const char* proj) {
+  return prefix + "mlp.experts." + std::to_string(e) + "." + proj + ".weight";
+}
+
+}  // namespace
+
+template <class S>
+S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
+                  const std::string& prefix, const GptConfig& c, const Vector<S>& bias) {
+  const Index N = x.rows(), H = x.cols(), E = c.num_experts, K = c.moe_topk;
+  x_ = x;
+  z_ = x * params.at(prefix + "mlp.router.weight").transpose();  // [N,E]
+  s_.resize(N, E);
+  lse_.resize(N);
+  for (Index n = 0; n < N; ++n) {
+    const S m = z_.row(n).maxCoeff();
+    const S sum = (z_.row(n).array() - m).exp().sum();
+    lse_(n) = m + std::log(sum);
+    for (Index e = 0; e < E; ++e)
+      s_(n, e) = c.moe_score == MoeScore::Softmax ? std::exp(z_(n, e) - lse_(n)) : sigmoid(z_(n, e));
+  }
+
+  // ---- top-k by score + bias, ties to the lower expert id ----
+  Routing& r = route_;
+  r.expert.assign(static_cast<std::size_t>(N * K), 0);
+  r.gate.assign(static_cast<std::size_t>(N * K), S(0));
+  r.kept.assign(static_cast<std::size_t>(N * K), 1);
+  r.gap.assign(static_cast<std::size_t>(N), std::numeric_limits<S>::infinity());
+  r.load.assign(static_cast<std::size_t>(E), 0);
+  std::vector<std::int64_t> order(static_cast<std::size_t>(E));
+  for (Index n = 0; n < N; ++n) {
+    std::iota(order.begin(), order.end(), 0);
+    const auto sel = [&](std::int64_t e) { return s_(n, e) + bias(e); };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::int64_t a, std::int64_t b) { return sel(a) > sel(b); });
+    if (K < E) r.gap[n] = sel(order[K - 1]) - sel(order[K]);
+    S sum = 0;
+    for (Index k = 0; k < K; ++k) {
+      const std::int64_t e = order[static_cast<std::size_t>(k)];
+      r.expert[n * K + k] = e;
+      r.gate[n * K + k] = s_(n, e);
+      sum += s_(n, e);
+      ++r.load[e];
+    }
+    if (c.moe_topk_renorm)
+      for (Index k = 0; k < K; ++k) r.gate[n * K + k] /= sum;
+  }
+
+  // ---- capacity: each expert's largest gates, then the lowest token index ----
+  experts_.assign(static_cast<std::size_t>(E), Expert{});
+  for (Index i = 0; i < N * K; ++i) experts_[r.expert[i]].pair.push_back(i);
+  const std::int64_t cap = c.moe_capacity(N);
+  for (auto& ex : experts_) {
+    std::stable_sort(ex.pair.begin(), ex.pair.end(), [&](std::int64_t a, std::int64_t b) {
+      return r.gate[a] > r.gate[b];  // stable: equal gates keep token order
+    });
+    if (static_cast<std::int64_t>(ex.pair.size()) > cap) {
+      for (std::size_t j = static_cast<std::size_t>(cap); j < ex.pair.size(); ++j) r.kept[ex.pair[j]] = 0;
+      ex.pair.resize(static_cast<std::size_t>(cap));
+    }
+    std::sort(ex.pair.begin(), ex.pair.end());  // token order for the GEMMs
+  }
+
+  // ---- the experts, each on its kept tokens; y = Σ gate · output ----
+  y = Matrix<S>::Zero(N, H);
+  for (Index e = 0; e < E; ++e) {
+    Expert& ex = experts_[static_cast<std::size_t>(e)];
+    const Index m = static_cast<Index>(ex.pair.size());
+    ex.x.resize(m, H);
+    for (Index j = 0; j < m; ++j) ex.x.row(j) = x.row(ex.pair[j] / K);
+    ex.gate = ex.x * params.at(expert_name(prefix, e, "gate_proj")).transpose();
+    ex.up = ex.x * params.at(expert_name(prefix, e, "up_proj")).transpose();
+    ex.act = ex.gate.binaryExpr(ex.up, [](S g, S u) { return g * sigmoid(g) * u; });
+    ex.out = ex.act * params.at(expert_name(prefix, e, "down_proj")).transpose();
+    for (Index j = 0; j < m; ++j) y.row(ex.pair[j] / K) += r.gate[ex.pair[j]] * ex.out.row(j);
+  }
+
+  // ---- the router's losses ----
+  S loss = 0;
+  if (c.moe_aux_coeff > 0) {
+    S total = 0;
+    for (Index e = 0; e < E; ++e) {
+      S p = 0;
+      for (Index n = 0; n < N; ++n)
+        p += c.moe_score == MoeScore::Softmax ? s_(n, e) : s_(n, e) / s_.row(n).sum();
+      total += static_cast<S>(r.load[e]) * p;
+    }
+    loss += static_cast<S>(c.moe_aux_coeff * static_cast<double>(E) /
+                           (static_cast<double>(K) * static_cast<double>(N) * static_cast<double>(N))) *
+            total;
+  }
+  if (c.moe_z_coeff > 0)
+    loss += static_cast<S>(c.moe_z_coeff) * lse_.squaredNorm() / static_cast<S>(N);
+  return loss;
+}
+
+template <class S>
+void Moe<S>::backward(Matrix<S>& dx, ParamSet<S>& grads, const Matrix<S>& dy,
+                      const ParamSet<S>& params, const std::string& prefix, const GptConfig& c) {
+  const Index N = x_.rows(), H = x_.cols(), E = c.num_experts, K = c.moe_topk;
+  const Routing& r = route_;
+  dx = Matrix<S>::Zero(N, H);
+  std::vector<S> dgate(static_cast<std::size_t>(N * K), S(0));  // [N·K] dL/dg, 0 when dropped
+  for (Index e = 0; e < E; ++e) {
+    const Expert& ex = experts_[static_cast<std::size_t>(e)];
+    const Index m = static_cast<Index>(ex.pair.size());
+    Matrix<S> dout(m, H);  // [m,H]
+    for (Index j = 0; j < m; ++j) {
+      const std::int64_t i = ex.pair[j];
+      dout.row(j) = r.gate[i] * dy.row(i / K);
+      dgate[i] = dy.row(i / K).dot(ex.out.row(j));
+    }
+    const Matrix<S>& wd = params.at(expert_name(prefix, e, "down_proj"));
+    grads.at(expert_name(prefix, e, "down_proj")) = dout.transpose() * ex.act;
+    const Matrix<S> dact = dout * wd;  // [m,Fe]
+    Matrix<S> dg(m, ex.gate.cols()), du(m, ex.gate.cols());
+    for (Index j = 0; j < m; ++j)
+      for (Index f = 0; f < ex.gate.cols(); ++f) {
+        const S g = ex.gate(j, f), sg = sigmoid(g);
+        dg(j, f) = dact(j, f) * ex.up(j, f) * sg * (S(1) + g * (S(1) - sg));
+        du(j, f) = dact(j, f) * g * sg;
+      }
+    grads.at(expert_name(prefix, e, "gate_proj")) = dg.transpose() * ex.x;
+    grads.at(expert_name(prefix, e, "up_proj")) = du.transpose() * ex.x;
+    const Matrix<S> dxe = dg * params.at(expert_name(prefix, e, "gate_proj")) +
+                          du * params.at(expert_name(prefix, e, "up_proj"));
+    for (Index j = 0; j < m; ++j) dx.row(ex.pair[j] / K) += dxe.row(j);
+  }
+
+  // ---- through the gates to the scores ----
+  Matrix<S> ds = Matrix<S>::Zero(N, E);  // [N,E]
+  for (Index n = 0; n < N; ++n) {
+    if (c.moe_topk_renorm) {
+      // g_k = s_k / Σ s: ds_j = (dg_j − Σ_k dg_k g_k) / Σ s
+      S sum = 0, dot = 0;
+      for (Index k = 0; k < K; ++k) {
+        sum += s_(n, r.expert[n * K + k]);
+        dot += dgate[n * K + k] * r.gate[n * K + k];
+      }
+      for (Index k = 0; k < K; ++k) ds(n, r.expert[n * K + k]) += (dgate[n * K + k] - dot) / sum;
+    } else {
+      for (Index k = 0; k < K; ++k) ds(n, r.expert[n * K + k]) += dgate[n * K + k];
+    }
+  }
+  if (c.moe_aux_coeff > 0) {
+    const S scale = static_cast<S>(c.moe_aux_coeff * static_cast<double>(E) /
+                                   (static_cast<double>(K) * static_cast<double>(N) *
+                                    static_cast<double>(N)));
+    for (Index n = 0; n < N; ++n) {
+      if (c.moe_score == MoeScore::Softmax) {
+        for (Index e = 0; e < E; ++e) ds(n, e) += scale * static_cast<S>(r.load[e]);
+      } else {  // p = s / Σ s: ds_e = (dp_e − Σ p dp) / Σ s
+        const S sum = s_.row(n).sum();
+        S dot = 0;
+        for (Index e = 0; e < E; ++e) dot += s_(n, e) / sum * scale * static_cast<S>(r.load[e]);
+        for (Index e = 0; e < E; ++e) ds(n, e) += (scale * static_cast<S>(r.load[e]) - dot) / sum;
+      }
+    }
+  }
+  dz_.resize(N, E);
+  for (Index n = 0; n < N; ++n) {
+    if (c.moe_score == MoeScore::Softmax) {
+      const S dot = s_.row(n).dot(ds.row(n));
+      for (Index e = 0; e < E; ++e) dz_(n, e) = s_(n, e) * (ds(n, e) - dot);
+    } else {
+      for (Index e = 0; e < E; ++e) dz_(n, e) = ds(n, e) * s_(n, e) * (S(1) - s_(n, e));
+    }
+    if (c.moe_z_coeff > 0) {
+      const S k = static_cast<S>(2 * c.moe_z_coeff) / static_cast<S>(N) * lse_(n);
+      for (Index e = 0; e < E; ++e) dz_(n, e) += k * std::exp(z_(n, e) - lse_(n));
+    }
+  }
+  grads.at(prefix + "mlp.router.weight") = dz_.transpose() * x_;
+  dx += dz_ * params.at(prefix + "mlp.router.weight");
+}
+
+template <class S>
+void Moe<S>::update_bias(Vector<S>& bias, const GptConfig& c) const {
+  const Index E = c.num_experts;
+  std::int64_t total = 0;
+  for (auto l : route_.load) total += l;
+  // mean − load_e, in units of 1/E tokens: exact integers, so the sign is too
+  for (Index e = 0; e < E; ++e) {
+    const std::int64_t d = total - E * route_.load[static_cast<std::size_t>(e)];
+    bias(e) += static_cast<S>(c.moe_bias_rate) * static_cast<S>((d > 0) - (d < 0));
+  }
+}
+
+template class Moe<float>;
+template class Moe<double>;
+
+}  // namespace tpsim::ref

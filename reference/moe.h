@@ -1,0 +1,66 @@
+// The reference Mixture-of-Experts layer, unsharded: every token of the global batch routed
+// by this file's own code (docs/moe.md, "The layer"):
+//   z = x Wrᵀ                      router logits [N,E]
+//   s = softmax(z) or sigmoid(z)   scores [N,E]
+//   experts of n: the k largest s_n + b (b the expert bias, else 0), ties to the lower id
+//   gates g_nk = s_{n,e_k}, divided by their sum over the k when renormalised
+//   capacity: expert e keeps ceil(f·N·K/E) of its tokens, the largest gates first, then
+//             the lowest token index; a dropped pair's expert output is 0
+//   y_n = Σ_k g_nk · expert_{e_k}(x_n),  expert(x) = down(silu(gate(x)) · up(x))
+//   aux = c_aux·E/(K·N²) Σ_e load_e Σ_n p_ne  (p = s for softmax, s/Σs for sigmoid; load_e
+//         the tokens routed to e before dropping)
+//   zloss = c_z/N Σ_n logsumexp(z_n)²
+// and its own backward through the gates, the scores and both losses.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reference/params.h"
+
+namespace tpsim::ref {
+
+template <class S>
+class Moe {
+ public:
+  // The routing of the last forward, [N·K] in each token's order of choice.
+  struct Routing {
+    std::vector<std::int64_t> expert;  // [N·K]
+    std::vector<S> gate;               // [N·K]
+    std::vector<char> kept;            // [N·K] 0: dropped by the capacity
+    std::vector<S> gap;                // [N]   (k-th − (k+1)-th) selection score; inf when K = E
+    std::vector<std::int64_t> load;    // [E]   tokens routed to each expert, before dropping
+  };
+
+  // y [N,H] from x [N,H] with the parameters of layer `prefix` ("h.0."); `bias` [E] (zeros
+  // without expert bias). Returns the layer's aux + z losses.
+  S forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params, const std::string& prefix,
+            const GptConfig& c, const Vector<S>& bias);
+  // dx [N,H] (written) and the router's and experts' gradients (written) from dy [N,H].
+  void backward(Matrix<S>& dx, ParamSet<S>& grads, const Matrix<S>& dy, const ParamSet<S>& params,
+                const std::string& prefix, const GptConfig& c);
+  // DeepSeek-V3's update after a step: b_e += rate · sign(mean load − load_e).
+  void update_bias(Vector<S>& bias, const GptConfig& c) const;
+
+  const Routing& routing() const { return route_; }
+  const Matrix<S>& logits() const { return z_; }       // [N,E]
+  const Matrix<S>& scores() const { return s_; }       // [N,E]
+  const Matrix<S>& logits_grad() const { return dz_; } // [N,E]
+
+ private:
+  struct Expert {
+    std::vector<std::int64_t> pair;  // indices n·K + k of the kept pairs it serves
+    Matrix<S> x, gate, up, act, out; // [m,H], [m,Fe], [m,Fe], [m,Fe], [m,H]
+  };
+  Routing route_;
+  Matrix<S> x_;   // [N,H]
+  Matrix<S> z_, s_, dz_;  // [N,E]
+  Vector<S> lse_;  // [N]
+  std::vector<Expert> experts_;
+};
+
+extern template class Moe<float>;
+extern template class Moe<double>;
+
+}  // namespace tpsim::ref

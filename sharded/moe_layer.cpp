@@ -1,0 +1,565 @@
+#include "sharded/moe_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "core/errors.h"
+
+namespace tpsim {
+
+bool is_expert_param(const std::string& name, std::int64_t* expert) {
+  const auto at = name.find(".mlp.experts.");
+  if (at == std::string::npos) return false;
+  if (expert) *expert = std::stoll(name.substr(at + 13));
+  return true;
+}
+
+ShardSpec expert_param_shard(const ParamSpec& p, const GptConfig& c, const ExpertLayout& x) {
+  std::int64_t e = 0;
+  if (!is_expert_param(p.name, &e)) throw Error("expert_param_shard: " + p.name + " is no expert's");
+  const int dim = p.name.ends_with("down_proj.weight") ? 1 : 0;  // the expert's F
+  ShardSpec s = split(p, dim, x.etp_rank(), x.etp);
+  s.rank = x.rank;
+  s.world = x.world;
+  s.expert = true;
+  const std::int64_t local = c.num_experts / x.ep;
+  if (e / local != x.ep_rank()) {  // another EP rank's expert
+    s.offset = 0;
+    s.length = 0;
+    s.primary = false;
+  } else {
+    s.primary = x.edp_rank() == 0;
+  }
+  return s;
+}
+
+namespace {
+
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+
+}  // namespace
+
+// Everything one layer keeps between its forward and backward. n this rank's tokens, E
+// experts, K per token, El = E/ep local experts, Fel = F/etp their local width, P = ep·etp
+// the ranks of this expert-DP block, S the rows this rank sends, R the rows it receives.
+struct MoeLayer::State {
+  GptConfig c;
+  std::string prefix, pt;  // "h.0.", "act/h.0."
+  ExpertLayout x;
+  Backend& be;
+  Communicator& comm;
+  DType dtype;
+  Fault fault;
+  std::int64_t N = 0, n = 0, tok0 = 0, E = 0, K = 0, El = 0, H = 0;
+  struct Local {
+    Parameter* gate_up;  // [2Fel,H] fused [gate_r; up_r]
+    Parameter* down;     // [H,Fel]
+  };
+  std::vector<Local> local;  // [El]
+  std::vector<double> bias;  // [E] the expert bias (zeros without)
+
+  // ---- the routing of the last forward, on the host ----
+  std::vector<double> z, s;         // [n,E] logits, scores
+  std::vector<double> lse;          // [n]
+  std::vector<std::int64_t> expert; // [n,K]
+  std::vector<double> gate;         // [n,K]
+  std::vector<char> kept;           // [n,K]
+  std::vector<double> load, load_local;  // [E] tokens routed per expert: global, this rank's
+  std::vector<double> pair_out;     // [n·K,H] each pair's expert output (0 when dropped)
+  std::vector<double> out_host;     // [n,H] (recording)
+  std::vector<double> dout_host, dz;  // [n,H], [n,E] (recording)
+  // ---- the dispatch plan ----
+  std::vector<std::int64_t> sent;   // [S] the pair index of each row sent, destinations in rank order
+  std::vector<std::int64_t> send_counts, recv_counts;  // [world]
+  std::vector<std::int64_t> off, m; // [El] each local expert's rows in the expert-major buffer
+  Tensor perm, inv;                 // [R] i64: expert-major row -> received row, and back
+  // ---- device tensors of the last forward ----
+  Tensor xin;                       // [n,H] the caller's input (kept by the caller)
+  Tensor xe, gu, a;                 // [R,H], [R,2Fel], [R,Fel] expert-major
+  double aux = 0, zloss = 0;
+
+  State(Backend& b, Communicator& cm) : be(b), comm(cm) {}
+  int block0() const { return x.edp_rank() * x.ep * x.etp; }
+  int block() const { return x.ep * x.etp; }
+  Tensor rows(std::int64_t r, std::int64_t w, const char* tag) {
+    return be.empty({r, w}, dtype, MemCategory::Temporary, prefix + tag);
+  }
+  Tensor ids(const std::vector<std::int64_t>& v, const char* tag) {
+    Tensor t = be.empty({static_cast<std::int64_t>(v.size())}, DType::I64, MemCategory::Temporary,
+                        prefix + tag);
+    if (!v.empty()) be.from_host_i64(t, v.data());
+    return t;
+  }
+  // out [len(ids),C] = rows ids of in [*,C]; nothing for no rows.
+  void gather_rows(Tensor& out, const Tensor& in, const Tensor& id) {
+    if (out.dim(0) > 0) be.embedding_forward(out, id, in, 0);
+  }
+  // The all_to_all of the plan (back = the combine's direction).
+  void exchange(const Tensor& in, Tensor& out, bool back) {
+    comm.all_to_all(in, out, back ? recv_counts : send_counts, back ? send_counts : recv_counts);
+  }
+  // grad summed over the ranks `peers` (in their order, this rank among them): every peer
+  // ends with the same sum.
+  void sum_over(Tensor& grad, const std::vector<int>& peers);
+};
+
+MoeLayer::MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
+                   Communicator& world, std::vector<Parameter>& params,
+                   const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, DType dtype,
+                   Fault fault)
+    : s_(std::make_unique<State>(be, world)) {
+  State& s = *s_;
+  s.c = c;
+  s.prefix = "h." + std::to_string(layer) + ".";
+  s.pt = "act/" + s.prefix;
+  s.x = x;
+  s.dtype = dtype;
+  s.fault = fault;
+  s.N = tokens;
+  s.E = c.num_experts;
+  s.K = c.moe_topk;
+  s.El = s.E / x.ep;
+  s.H = c.hidden;
+  if (tokens % x.world != 0 || x.world % (x.ep * x.etp) != 0 || s.E % x.ep != 0)
+    throw UsageError("MoE layer: " + std::to_string(tokens) + " tokens over " +
+                     std::to_string(x.world) + " ranks with ep " + std::to_string(x.ep) +
+                     " x etp " + std::to_string(x.etp) + " does not fold");
+  s.n = tokens / x.world;
+  s.tok0 = s.n * x.rank;
+  auto find = [&](const std::string& name) -> Parameter* {
+    for (Parameter& p : params)
+      if (p.spec.name == name) return &p;
+    throw Error("MoE layer: no parameter " + name);
+  };
+  router_ = find(s.prefix + "mlp.router.weight");
+  if (static_cast<std::int64_t>(fused_gate_up.size()) != s.El)
+    throw Error("MoE layer: " + std::to_string(fused_gate_up.size()) + " fused experts for " +
+                std::to_string(s.El) + " local ones");
+  for (std::int64_t le = 0; le < s.El; ++le) {
+    const std::int64_t e = x.ep_rank() * s.El + le;
+    s.local.push_back({fused_gate_up[static_cast<std::size_t>(le)],
+                       find(s.prefix + "mlp.experts." + std::to_string(e) + ".down_proj.weight")});
+  }
+  s.bias.assign(static_cast<std::size_t>(s.E), 0.0);
+}
+
+MoeLayer::~MoeLayer() = default;
+
+double MoeLayer::forward(Tensor& out, const Tensor& xin) {
+  State& s = *s_;
+  const GptConfig& c = s.c;
+  const std::int64_t n = s.n, E = s.E, K = s.K, H = s.H, El = s.El;
+  const int world = s.x.world;
+  s.xin = xin;
+
+  // ---- router: logits on the backend, the decisions on the host ----
+  s.comm.set_label(s.prefix + "moe.router");
+  Tensor zt = s.rows(n, E, "moe.router.logits");
+  s.be.gemm(zt, xin, false, router_->value, true);
+  s.be.to_host_into(zt, s.z);
+  s.s.assign(static_cast<std::size_t>(n * E), 0.0);
+  s.lse.assign(static_cast<std::size_t>(n), 0.0);
+  s.expert.assign(static_cast<std::size_t>(n * K), 0);
+  s.gate.assign(static_cast<std::size_t>(n * K), 0.0);
+  s.kept.assign(static_cast<std::size_t>(n * K), 1);
+  s.load_local.assign(static_cast<std::size_t>(E), 0.0);
+  std::vector<double> stats(static_cast<std::size_t>(2 * E + 1), 0.0);  // load, Σp, Σ lse²
+  std::vector<std::int64_t> order(static_cast<std::size_t>(E));
+  for (std::int64_t t = 0; t < n; ++t) {
+    const double* zr = &s.z[static_cast<std::size_t>(t * E)];
+    double* sr = &s.s[static_cast<std::size_t>(t * E)];
+    const double mx = *std::max_element(zr, zr + E);
+    double sum = 0;
+    for (std::int64_t e = 0; e < E; ++e) sum += std::exp(zr[e] - mx);
+    s.lse[t] = mx + std::log(sum);
+    double ssum = 0;
+    for (std::int64_t e = 0; e < E; ++e) {
+      sr[e] = c.moe_score == MoeScore::Softmax ? std::exp(zr[e] - s.lse[t]) : sigmoid(zr[e]);
+      ssum += sr[e];
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+      return sr[a] + s.bias[a] > sr[b] + s.bias[b];
+    });
+    double gsum = 0;
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::int64_t e = order[static_cast<std::size_t>(k)];
+      s.expert[t * K + k] = e;
+      s.gate[t * K + k] = sr[e];
+      gsum += sr[e];
+      s.load_local[e] += 1;
+    }
+    if (c.moe_topk_renorm)
+      for (std::int64_t k = 0; k < K; ++k) s.gate[t * K + k] /= gsum;
+    for (std::int64_t e = 0; e < E; ++e)
+      stats[E + e] += c.moe_score == MoeScore::Softmax ? sr[e] : sr[e] / ssum;
+    stats[2 * E] += s.lse[t] * s.lse[t];
+  }
+  std::copy(s.load_local.begin(), s.load_local.end(), stats.begin());
+  Tensor st = s.be.empty({2 * E + 1}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.stats");
+  s.be.from_host(st, stats.data());
+  s.comm.all_reduce(st, ReduceOp::Sum);  // over every rank's tokens: the global batch's
+  stats = s.be.to_host(st);
+  s.load.assign(stats.begin(), stats.begin() + E);
+  const double Nd = static_cast<double>(s.N);
+  s.aux = 0;
+  if (c.moe_aux_coeff > 0) {
+    double total = 0;
+    for (std::int64_t e = 0; e < E; ++e) total += s.load[e] * stats[E + e];
+    s.aux = c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * Nd * Nd) * total;
+  }
+  s.zloss = c.moe_z_coeff > 0 ? c.moe_z_coeff * stats[2 * E] / Nd : 0.0;
+
+  // ---- capacity over the global batch: every rank ranks every pair the same way ----
+  const std::int64_t cap = c.moe_capacity(s.N);
+  if (c.moe_capacity_factor > 0) {
+    std::vector<double> mine(static_cast<std::size_t>(2 * n * K));
+    for (std::int64_t i = 0; i < n * K; ++i) {
+      mine[2 * i] = static_cast<double>(s.expert[i]);
+      mine[2 * i + 1] = s.gate[i];
+    }
+    Tensor in = s.be.empty({2 * n * K}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.pairs");
+    Tensor all = s.be.empty({world * 2 * n * K}, DType::F64, MemCategory::CommBuffer,
+                            s.prefix + "moe.pairs.all");
+    s.be.from_host(in, mine.data());
+    s.comm.set_label(s.prefix + "moe.capacity");
+    s.comm.all_gather(in, all);
+    const std::vector<double> every = s.be.to_host(all);  // [world·n·K, 2], global pair order
+    std::vector<std::vector<std::int64_t>> by_expert(static_cast<std::size_t>(E));
+    for (std::int64_t i = 0; i < world * n * K; ++i)
+      by_expert[static_cast<std::size_t>(every[2 * i])].push_back(i);
+    const std::int64_t first = s.tok0 * K;
+    for (auto& pairs : by_expert) {
+      std::stable_sort(pairs.begin(), pairs.end(), [&](std::int64_t a, std::int64_t b) {
+        return every[2 * a + 1] > every[2 * b + 1];  // equal gates keep the token order
+      });
+      for (std::size_t j = static_cast<std::size_t>(cap); j < pairs.size(); ++j)
+        if (pairs[j] >= first && pairs[j] < first + n * K) s.kept[pairs[j] - first] = 0;
+    }
+  }
+
+  // ---- the dispatch plan: rows to each ETP rank of the expert's EP rank, in this block ----
+  s.send_counts.assign(static_cast<std::size_t>(world), 0);
+  s.recv_counts.assign(static_cast<std::size_t>(world), 0);
+  s.sent.clear();
+  const int b0 = s.block0(), P = s.block();
+  std::vector<double> meta(static_cast<std::size_t>(P * El), 0.0);  // rows per (destination, its local expert)
+  std::vector<std::vector<std::int64_t>> to_ep(static_cast<std::size_t>(s.x.ep));
+  {
+    std::vector<std::int64_t> pairs(static_cast<std::size_t>(n * K));
+    std::iota(pairs.begin(), pairs.end(), 0);
+    std::stable_sort(pairs.begin(), pairs.end(), [&](std::int64_t a, std::int64_t b) {
+      return s.expert[a] < s.expert[b];  // by expert, then token
+    });
+    for (std::int64_t i : pairs) {
+      if (!s.kept[i]) continue;
+      const std::int64_t e = s.expert[i];
+      const std::int64_t j = e / El;
+      // The fault: the global expert id used as the destination's local index. Only EP
+      // rank 0's are in range; the others' pairs fall off, silently.
+      const std::int64_t le = s.fault == Fault::MoeGlobalExpertIdAsLocal ? e : e - j * El;
+      if (le >= El) {
+        s.kept[i] = 0;
+        continue;
+      }
+      to_ep[static_cast<std::size_t>(j)].push_back(i);
+      for (int t = 0; t < s.x.etp; ++t)
+        meta[static_cast<std::size_t>((s.x.at(s.x.edp_rank(), static_cast<int>(j), t) - b0) * El + le)] += 1;
+    }
+  }
+  for (int q = b0; q < b0 + P; ++q) {
+    const auto& list = to_ep[static_cast<std::size_t>((q - b0) / s.x.etp)];
+    s.sent.insert(s.sent.end(), list.begin(), list.end());
+    s.send_counts[q] = static_cast<std::int64_t>(list.size());
+  }
+  // Each destination learns how many rows of each of its experts come from each source.
+  std::vector<std::int64_t> meta_counts(static_cast<std::size_t>(world), 0);
+  for (int q = b0; q < b0 + P; ++q) meta_counts[q] = El;
+  Tensor meta_in = s.be.empty({P * El, 1}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.counts");
+  Tensor meta_out = s.be.empty({P * El, 1}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.counts.in");
+  s.be.from_host(meta_in, meta.data());
+  s.comm.set_label(s.prefix + "moe.dispatch");
+  s.comm.all_to_all(meta_in, meta_out, meta_counts, meta_counts);
+  const std::vector<double> cnt = s.be.to_host(meta_out);  // [P sources, El]
+  std::int64_t R = 0;
+  for (int src = 0; src < P; ++src) {
+    std::int64_t r = 0;
+    for (std::int64_t le = 0; le < El; ++le) r += static_cast<std::int64_t>(cnt[src * El + le]);
+    s.recv_counts[b0 + src] = r;
+    R += r;
+  }
+  // Expert-major order: expert le's rows from source 0, then source 1, ...
+  std::vector<std::int64_t> perm, inv(static_cast<std::size_t>(R));
+  s.off.assign(static_cast<std::size_t>(El), 0);
+  s.m.assign(static_cast<std::size_t>(El), 0);
+  for (std::int64_t le = 0; le < El; ++le) {
+    s.off[le] = static_cast<std::int64_t>(perm.size());
+    std::int64_t src0 = 0;  // the first received row of each source
+    for (int src = 0; src < P; ++src) {
+      std::int64_t at = src0;
+      for (std::int64_t j = 0; j < le; ++j) at += static_cast<std::int64_t>(cnt[src * El + j]);
+      for (std::int64_t r = 0; r < static_cast<std::int64_t>(cnt[src * El + le]); ++r)
+        perm.push_back(at + r);
+      src0 += s.recv_counts[b0 + src];
+    }
+    s.m[le] = static_cast<std::int64_t>(perm.size()) - s.off[le];
+  }
+  for (std::int64_t i = 0; i < R; ++i) inv[perm[i]] = i;
+  s.perm = s.ids(perm, "moe.perm");
+  s.inv = s.ids(inv, "moe.perm.inverse");
+
+  // ---- dispatch ----
+  const std::int64_t S = static_cast<std::int64_t>(s.sent.size());
+  std::vector<std::int64_t> token_of(s.sent.size());
+  for (std::size_t i = 0; i < s.sent.size(); ++i) token_of[i] = s.sent[i] / K;
+  Tensor send = s.rows(S, H, "moe.dispatch.send");
+  s.gather_rows(send, xin, s.ids(token_of, "moe.dispatch.tokens"));
+  Tensor recv = s.rows(R, H, "moe.dispatch.recv");
+  s.exchange(send, recv, false);
+
+  // ---- the local experts, each on its rows ----
+  const std::int64_t Fel = El > 0 ? s.local[0].down->value.dim(1) : 0;
+  s.xe = s.be.empty({R, H}, s.dtype, MemCategory::Activation, s.prefix + "moe.experts.in");
+  s.gu = s.be.empty({R, 2 * Fel}, s.dtype, MemCategory::Activation, s.prefix + "moe.experts.gate_up");
+  s.a = s.be.empty({R, Fel}, s.dtype, MemCategory::Activation, s.prefix + "moe.experts.act");
+  Tensor o = s.rows(R, H, "moe.experts.out");
+  s.gather_rows(s.xe, recv, s.perm);
+  s.comm.set_label(s.prefix + "moe.experts");
+  for (std::int64_t le = 0; le < El; ++le) {
+    if (s.m[le] == 0) continue;
+    Tensor xe = s.xe.narrow0(s.off[le], s.m[le]), gu = s.gu.narrow0(s.off[le], s.m[le]);
+    Tensor a = s.a.narrow0(s.off[le], s.m[le]), oe = o.narrow0(s.off[le], s.m[le]);
+    s.be.gemm(gu, xe, false, s.local[le].gate_up->value, true);
+    s.be.swiglu_forward(a, gu);
+    s.be.gemm(oe, a, false, s.local[le].down->value, true);  // an ETP partial sum
+  }
+
+  // ---- combine: back to the sources, the ETP partials summed, weighted by the gates ----
+  Tensor back_send = s.rows(R, H, "moe.combine.send");
+  s.gather_rows(back_send, o, s.inv);
+  Tensor back = s.rows(S, H, "moe.combine.recv");
+  s.comm.set_label(s.prefix + "moe.combine");
+  s.exchange(back_send, back, true);
+  const std::vector<double> bh = s.be.to_host(back);  // [S,H]
+  s.pair_out.assign(static_cast<std::size_t>(n * K * H), 0.0);
+  for (std::int64_t r = 0; r < S; ++r) {  // destinations in rank order: ETP ranks in order
+    double* po = &s.pair_out[static_cast<std::size_t>(s.sent[r] * H)];
+    for (std::int64_t h = 0; h < H; ++h) po[h] += bh[static_cast<std::size_t>(r * H + h)];
+  }
+  s.out_host.assign(static_cast<std::size_t>(n * H), 0.0);
+  for (std::int64_t i = 0; i < n * K; ++i) {
+    if (!s.kept[i]) continue;
+    double* y = &s.out_host[static_cast<std::size_t>(i / K * H)];
+    const double* po = &s.pair_out[static_cast<std::size_t>(i * H)];
+    for (std::int64_t h = 0; h < H; ++h) y[h] += s.gate[i] * po[h];
+  }
+  s.be.from_host(out, s.out_host.data());
+  return s.aux + s.zloss;
+}
+
+void MoeLayer::State::sum_over(Tensor& grad, const std::vector<int>& peers) {
+  if (peers.size() < 2) return;
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(x.world), 0);
+  const std::int64_t rows_n = grad.dim(0);
+  for (int q : peers) counts[q] = rows_n;
+  // all_to_all over the world, with rows for the peers only: a copy of the gradient to each.
+  Shape all_shape = grad.shape();
+  all_shape[0] *= static_cast<std::int64_t>(peers.size());
+  Tensor copies = be.empty(all_shape, grad.dtype(), MemCategory::CommBuffer, prefix + "moe.grad.copies");
+  for (std::size_t j = 0; j < peers.size(); ++j) {
+    Tensor copy = copies.narrow0(static_cast<std::int64_t>(j) * rows_n, rows_n);
+    be.copy(copy, grad);
+  }
+  Tensor all = be.empty(all_shape, grad.dtype(), MemCategory::CommBuffer, prefix + "moe.grad.peers");
+  comm.all_to_all(copies, all, counts, counts);
+  // In rank order, the same on every peer (peers are listed in rank order).
+  be.copy(grad, all.narrow0(0, rows_n));
+  for (std::size_t j = 1; j < peers.size(); ++j)
+    be.add_inplace(grad, all.narrow0(static_cast<std::int64_t>(j) * rows_n, rows_n));
+}
+
+void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
+  State& s = *s_;
+  const GptConfig& c = s.c;
+  const std::int64_t n = s.n, E = s.E, K = s.K, H = s.H, El = s.El;
+  const std::int64_t S = static_cast<std::int64_t>(s.sent.size()), R = s.xe.dim(0);
+  s.be.to_host_into(dout, s.dout_host);
+  const std::vector<double>& dy = s.dout_host;
+
+  // ---- the gates' gradients, and each sent row's: gate · dy ----
+  std::vector<double> dgate(static_cast<std::size_t>(n * K), 0.0);
+  for (std::int64_t i = 0; i < n * K; ++i) {
+    if (!s.kept[i]) continue;
+    double d = 0;
+    for (std::int64_t h = 0; h < H; ++h)
+      d += dy[static_cast<std::size_t>(i / K * H + h)] * s.pair_out[static_cast<std::size_t>(i * H + h)];
+    dgate[i] = d;
+  }
+  std::vector<double> rows(static_cast<std::size_t>(S * H));
+  for (std::int64_t r = 0; r < S; ++r) {
+    const std::int64_t i = s.sent[r];
+    for (std::int64_t h = 0; h < H; ++h)
+      rows[static_cast<std::size_t>(r * H + h)] = s.gate[i] * dy[static_cast<std::size_t>(i / K * H + h)];
+  }
+  Tensor send = s.rows(S, H, "moe.dispatch.send.grad");
+  if (S > 0) s.be.from_host(send, rows.data());
+  Tensor recv = s.rows(R, H, "moe.dispatch.recv.grad");
+  s.comm.set_label(s.prefix + "moe.combine backward");
+  s.exchange(send, recv, false);
+
+  // ---- the local experts' backward ----
+  Tensor de = s.rows(R, H, "moe.experts.out.grad");
+  s.gather_rows(de, recv, s.perm);
+  const std::int64_t Fel = El > 0 ? s.local[0].down->value.dim(1) : 0;
+  Tensor da = s.rows(R, Fel, "moe.experts.act.grad");
+  Tensor dgu = s.rows(R, 2 * Fel, "moe.experts.gate_up.grad");
+  Tensor dh = s.rows(R, H, "moe.experts.in.grad");
+  for (std::int64_t le = 0; le < El; ++le) {
+    Parameter& gu_p = *s.local[le].gate_up;
+    Parameter& down_p = *s.local[le].down;
+    if (s.m[le] == 0) {  // no token this step: no gradient
+      s.be.fill(gu_p.grad, 0.0);
+      s.be.fill(down_p.grad, 0.0);
+      continue;
+    }
+    auto rows_of = [&](const Tensor& t) { return t.narrow0(s.off[le], s.m[le]); };
+    Tensor de_e = rows_of(de), a = rows_of(s.a), gu = rows_of(s.gu), xe = rows_of(s.xe);
+    Tensor da_e = rows_of(da), dgu_e = rows_of(dgu), dh_e = rows_of(dh);
+    s.be.gemm(down_p.grad, de_e, true, a, false);
+    s.be.gemm(da_e, de_e, false, down_p.value, false);
+    s.be.swiglu_backward(dgu_e, da_e, gu);
+    s.be.gemm(gu_p.grad, dgu_e, true, xe, false);
+    s.be.gemm(dh_e, dgu_e, false, gu_p.value, false);  // an ETP share of the input gradient
+  }
+  Tensor back_send = s.rows(R, H, "moe.dispatch.grad.send");
+  s.gather_rows(back_send, dh, s.inv);
+  Tensor back = s.rows(S, H, "moe.dispatch.grad.recv");
+  s.comm.set_label(s.prefix + "moe.dispatch backward");
+  s.exchange(back_send, back, true);
+  const std::vector<double> bh = s.be.to_host(back);
+  std::vector<double> dxh(static_cast<std::size_t>(n * H), 0.0);
+  for (std::int64_t r = 0; r < S; ++r) {
+    double* d = &dxh[static_cast<std::size_t>(s.sent[r] / K * H)];
+    for (std::int64_t h = 0; h < H; ++h) d[h] += bh[static_cast<std::size_t>(r * H + h)];
+  }
+
+  // ---- the router: through the gates, the aux loss and the z-loss to the logits ----
+  std::vector<double> ds(static_cast<std::size_t>(n * E), 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (c.moe_topk_renorm) {  // g_k = s_k / Σ s: ds_j = (dg_j − Σ_k dg_k g_k) / Σ s
+      double sum = 0, dot = 0;
+      for (std::int64_t k = 0; k < K; ++k) {
+        sum += s.s[static_cast<std::size_t>(t * E + s.expert[t * K + k])];
+        dot += dgate[t * K + k] * s.gate[t * K + k];
+      }
+      for (std::int64_t k = 0; k < K; ++k)
+        ds[static_cast<std::size_t>(t * E + s.expert[t * K + k])] += (dgate[t * K + k] - dot) / sum;
+    } else {
+      for (std::int64_t k = 0; k < K; ++k)
+        ds[static_cast<std::size_t>(t * E + s.expert[t * K + k])] += dgate[t * K + k];
+    }
+  }
+  const double Nd = static_cast<double>(s.N);
+  if (c.moe_aux_coeff > 0) {
+    const double scale = c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * Nd * Nd);
+    for (std::int64_t t = 0; t < n; ++t) {
+      const double* sr = &s.s[static_cast<std::size_t>(t * E)];
+      double* dr = &ds[static_cast<std::size_t>(t * E)];
+      if (c.moe_score == MoeScore::Softmax) {
+        for (std::int64_t e = 0; e < E; ++e) dr[e] += scale * s.load[e];
+      } else {  // p = s / Σ s
+        double sum = 0, dot = 0;
+        for (std::int64_t e = 0; e < E; ++e) sum += sr[e];
+        for (std::int64_t e = 0; e < E; ++e) dot += sr[e] / sum * scale * s.load[e];
+        for (std::int64_t e = 0; e < E; ++e) dr[e] += (scale * s.load[e] - dot) / sum;
+      }
+    }
+  }
+  s.dz.assign(static_cast<std::size_t>(n * E), 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    const double* sr = &s.s[static_cast<std::size_t>(t * E)];
+    const double* dr = &ds[static_cast<std::size_t>(t * E)];
+    double* dzr = &s.dz[static_cast<std::size_t>(t * E)];
+    if (c.moe_score == MoeScore::Softmax) {
+      double dot = 0;
+      for (std::int64_t e = 0; e < E; ++e) dot += sr[e] * dr[e];
+      for (std::int64_t e = 0; e < E; ++e) dzr[e] = sr[e] * (dr[e] - dot);
+    } else {
+      for (std::int64_t e = 0; e < E; ++e) dzr[e] = dr[e] * sr[e] * (1.0 - sr[e]);
+    }
+    if (c.moe_z_coeff > 0) {
+      const double k = 2 * c.moe_z_coeff / Nd * s.lse[t];
+      for (std::int64_t e = 0; e < E; ++e)
+        dzr[e] += k * std::exp(s.z[static_cast<std::size_t>(t * E + e)] - s.lse[t]);
+    }
+  }
+  Tensor dzt = s.rows(n, E, "moe.router.logits.grad");
+  s.be.from_host(dzt, s.dz.data());
+  s.be.gemm(router_->grad, dzt, true, s.xin, false);
+  s.be.from_host(dx, dxh.data());
+  s.be.gemm(dx, dzt, false, router_->value, false, 1.0, 1.0);
+
+  // ---- the experts' gradients saw this expert-DP block's tokens: summed over the blocks ----
+  std::vector<int> peers;
+  if (s.fault == Fault::MoeExpertGradOverEp) {  // the bug: over the EP group, other experts
+    for (int j = 0; j < s.x.ep; ++j) peers.push_back(s.x.at(s.x.edp_rank(), j, s.x.etp_rank()));
+  } else {
+    for (int d = 0; d < s.x.edp(); ++d) peers.push_back(s.x.at(d, s.x.ep_rank(), s.x.etp_rank()));
+  }
+  s.comm.set_label(s.prefix + "moe.expert_grad_sync");
+  for (auto& l : s.local) {
+    s.sum_over(l.gate_up->grad, peers);
+    s.sum_over(l.down->grad, peers);
+  }
+}
+
+void MoeLayer::update_expert_bias() {
+  State& s = *s_;
+  if (!s.c.moe_expert_bias) return;
+  // The fault: this rank's own loads, not the global batch's.
+  const std::vector<double>& load = s.fault == Fault::MoeExpertBiasLocalLoads ? s.load_local : s.load;
+  double total = 0;
+  for (double l : load) total += l;
+  for (std::int64_t e = 0; e < s.E; ++e) {
+    const double d = total - static_cast<double>(s.E) * load[e];  // E·(mean − load_e), exact
+    s.bias[e] += s.c.moe_bias_rate * static_cast<double>((d > 0) - (d < 0));
+  }
+}
+
+std::vector<Observation> MoeLayer::observe_forward() const {
+  const State& s = *s_;
+  const std::int64_t n = s.n, K = s.K, E = s.E;
+  const int r = s.x.rank, w = s.x.world;
+  auto tokens = [&](const std::string& name, std::int64_t width, std::vector<double> v) {
+    return Observation{name, split(ParamSpec{name, {s.N, width}, {}}, 0, r, w), std::move(v)};
+  };
+  auto whole = [&](const std::string& name, std::vector<double> v) {
+    return Observation{name, replicate(ParamSpec{name, {1, E}, {}}, r, w), std::move(v)};
+  };
+  std::vector<double> topk(static_cast<std::size_t>(n * K)), kept(topk.size());
+  for (std::int64_t i = 0; i < n * K; ++i) {
+    topk[i] = static_cast<double>(s.expert[i]);
+    kept[i] = s.kept[i];
+  }
+  return {whole(s.pt + "mlp.router.expert_bias", s.bias),
+          tokens(s.pt + "mlp.router.logits", E, s.z),
+          tokens(s.pt + "mlp.router.scores", E, s.s),
+          tokens(s.pt + "mlp.router.topk", K, std::move(topk)),
+          tokens(s.pt + "mlp.router.kept", K, std::move(kept)),
+          whole(s.pt + "mlp.router.load", s.load),
+          tokens(s.pt + "mlp.experts.out", s.H, s.out_host)};
+}
+
+std::vector<Observation> MoeLayer::observe_backward() const {
+  const State& s = *s_;
+  const int r = s.x.rank, w = s.x.world;
+  auto tokens = [&](const std::string& name, std::int64_t width, const std::vector<double>& v) {
+    return Observation{name, split(ParamSpec{name, {s.N, width}, {}}, 0, r, w), v};
+  };
+  return {tokens(s.pt + "mlp.experts.out.grad", s.H, s.dout_host),
+          tokens(s.pt + "mlp.router.logits.grad", s.E, s.dz)};
+}
+
+}  // namespace tpsim
