@@ -572,6 +572,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       g.setZero();
   blocks_.resize(static_cast<std::size_t>(L));
   moe_.resize(static_cast<std::size_t>(L));
+  ties_.clear();
   S router_loss = 0;  // the MoE layers' aux and z losses
   // The routing's discrete decisions as points: the experts [N,K] and whether each pair
   // was kept [N,K] (ids and flags as numbers), the load [1,E], the gap [N,1].
@@ -664,7 +665,15 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       const Vector<S>& bias = expert_bias_[static_cast<std::size_t>(l)];
       note(pt + "mlp.router.expert_bias", Matrix<S>(bias.transpose()));
       Matrix<S> routed;  // [N,H]
-      router_loss += moe.forward(routed, a.ln2_out, params_, p, c, bias);
+      FollowRouting follow;
+      if (follow_) {
+        const auto topk = follow_->find(pt + "mlp.router.topk"), kept = follow_->find(pt + "mlp.router.kept");
+        if (topk != follow_->end()) follow.topk = &topk->second;
+        if (kept != follow_->end()) follow.kept = &kept->second;
+        follow.tau = follow_tau_;
+      }
+      router_loss += moe.forward(routed, a.ln2_out, params_, p, c, bias, follow_ ? &follow : nullptr);
+      for (const auto& t : moe.ties()) ties_.emplace_back(l, t);
       note(pt + "mlp.router.logits", moe.logits());
       note(pt + "mlp.router.scores", moe.scores());
       note_routing(pt, moe.routing(), N);

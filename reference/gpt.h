@@ -72,6 +72,15 @@ class Gpt {
   const std::map<std::string, Matrix<S>>& error_factors() const { return factors_; }
   // Off: neither term scales nor error factors are kept (a trajectory nothing compares).
   void measure_errors(bool on) { measure_ = on; }
+  // MoE: the next forward's routing follows the sharded run's where the two differ within
+  // the scores' error (reference/moe.h): `sharded` holds its full "act/h.<l>.mlp.router.
+  // topk" and ".kept" tensors, tau the scores' relative error bound. Null: its own.
+  void follow_routing(const std::map<std::string, std::vector<double>>* sharded, double tau) {
+    follow_ = sharded;
+    follow_tau_ = tau;
+  }
+  // The decisions the last forward took from the sharded run, with their layers.
+  const std::vector<std::pair<std::int64_t, RoutingTie>>& ties() const { return ties_; }
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
   const GptConfig& config() const { return config_; }
@@ -119,6 +128,9 @@ class Gpt {
   bool measure_ = true;
   std::vector<Moe<S>> moe_;            // [L] the MoE layers' routing state (unused in dense ones)
   std::vector<Vector<S>> expert_bias_; // [L] of [E]
+  const std::map<std::string, std::vector<double>>* follow_ = nullptr;
+  double follow_tau_ = 0;
+  std::vector<std::pair<std::int64_t, RoutingTie>> ties_;
   ParamSet<S> points_;             // name -> [N, width], when recording
 };
 

@@ -24,7 +24,8 @@ std::string expert_name(const std::string& prefix, std::int64_t e, const char* p
 
 template <class S>
 S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
-                  const std::string& prefix, const GptConfig& c, const Vector<S>& bias) {
+                  const std::string& prefix, const GptConfig& c, const Vector<S>& bias,
+                  const FollowRouting* follow) {
   const Index N = x.rows(), H = x.cols(), E = c.num_experts, K = c.moe_topk;
   x_ = x;
   z_ = x * params.at(prefix + "mlp.router.weight").transpose();  // [N,E]
@@ -38,23 +39,52 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
       s_(n, e) = c.moe_score == MoeScore::Softmax ? std::exp(z_(n, e) - lse_(n)) : sigmoid(z_(n, e));
   }
 
-  // ---- top-k by score + bias, ties to the lower expert id ----
+  // ---- top-k by score + bias, ties to the lower expert id; each set kept in id order ----
   Routing& r = route_;
+  ties_.clear();
   r.expert.assign(static_cast<std::size_t>(N * K), 0);
   r.gate.assign(static_cast<std::size_t>(N * K), S(0));
   r.kept.assign(static_cast<std::size_t>(N * K), 1);
   r.gap.assign(static_cast<std::size_t>(N), std::numeric_limits<S>::infinity());
   r.load.assign(static_cast<std::size_t>(E), 0);
-  std::vector<std::int64_t> order(static_cast<std::size_t>(E));
+  std::vector<std::int64_t> order(static_cast<std::size_t>(E)), mine, theirs;
+  // The sharded run's row n, if it is a set of K distinct expert ids (else nothing to follow).
+  const auto sharded_row = [&](Index n, std::vector<std::int64_t>& into) {
+    if (!follow || !follow->topk || follow->topk->size() != static_cast<std::size_t>(N * K)) return false;
+    into.clear();
+    for (Index k = 0; k < K; ++k) {
+      const double v = (*follow->topk)[static_cast<std::size_t>(n * K + k)];
+      if (!(v >= 0 && v < static_cast<double>(E)) || v != std::floor(v)) return false;
+      into.push_back(static_cast<std::int64_t>(v));
+    }
+    std::sort(into.begin(), into.end());
+    return std::adjacent_find(into.begin(), into.end()) == into.end();
+  };
   for (Index n = 0; n < N; ++n) {
     std::iota(order.begin(), order.end(), 0);
     const auto sel = [&](std::int64_t e) { return s_(n, e) + bias(e); };
     std::stable_sort(order.begin(), order.end(),
                      [&](std::int64_t a, std::int64_t b) { return sel(a) > sel(b); });
     if (K < E) r.gap[n] = sel(order[K - 1]) - sel(order[K]);
+    mine.assign(order.begin(), order.begin() + K);
+    std::sort(mine.begin(), mine.end());
+    if (sharded_row(n, theirs) && theirs != mine) {
+      // Each expert the sharded run chose instead of one of ours: as far below it as that?
+      S worst = -std::numeric_limits<S>::infinity(), norm = 0;
+      for (Index e = 0; e < E; ++e) norm += sel(e) * sel(e);
+      for (auto a : mine)
+        if (!std::binary_search(theirs.begin(), theirs.end(), a))
+          for (auto b : theirs)
+            if (!std::binary_search(mine.begin(), mine.end(), b)) worst = std::max(worst, sel(a) - sel(b));
+      const double bound = 2 * follow->tau * std::sqrt(static_cast<double>(norm));
+      if (static_cast<double>(worst) <= bound) {
+        ties_.push_back({false, n, -1, mine, theirs, static_cast<double>(worst), bound});
+        mine = theirs;
+      }
+    }
     S sum = 0;
     for (Index k = 0; k < K; ++k) {
-      const std::int64_t e = order[static_cast<std::size_t>(k)];
+      const std::int64_t e = mine[static_cast<std::size_t>(k)];
       r.expert[n * K + k] = e;
       r.gate[n * K + k] = s_(n, e);
       sum += s_(n, e);
@@ -68,16 +98,19 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   experts_.assign(static_cast<std::size_t>(E), Expert{});
   for (Index i = 0; i < N * K; ++i) experts_[r.expert[i]].pair.push_back(i);
   const std::int64_t cap = c.moe_capacity(N);
-  for (auto& ex : experts_) {
-    std::stable_sort(ex.pair.begin(), ex.pair.end(), [&](std::int64_t a, std::int64_t b) {
+  for (Index e = 0; e < E; ++e) {
+    auto& pairs = experts_[static_cast<std::size_t>(e)].pair;
+    std::stable_sort(pairs.begin(), pairs.end(), [&](std::int64_t a, std::int64_t b) {
       return r.gate[a] > r.gate[b];  // stable: equal gates keep token order
     });
-    if (static_cast<std::int64_t>(ex.pair.size()) > cap) {
-      for (std::size_t j = static_cast<std::size_t>(cap); j < ex.pair.size(); ++j) r.kept[ex.pair[j]] = 0;
-      ex.pair.resize(static_cast<std::size_t>(cap));
-    }
-    std::sort(ex.pair.begin(), ex.pair.end());  // token order for the GEMMs
+    if (static_cast<std::int64_t>(pairs.size()) <= cap) continue;
+    std::vector<std::int64_t> keep(pairs.begin(), pairs.begin() + cap);
+    follow_capacity(keep, pairs, e, follow, N, K);
+    for (auto i : pairs) r.kept[i] = 0;
+    for (auto i : keep) r.kept[i] = 1;
+    pairs = keep;
   }
+  for (auto& ex : experts_) std::sort(ex.pair.begin(), ex.pair.end());  // token order for the GEMMs
 
   // ---- the experts, each on its kept tokens; y = Σ gate · output ----
   y = Matrix<S>::Zero(N, H);
@@ -110,6 +143,46 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   if (c.moe_z_coeff > 0)
     loss += static_cast<S>(c.moe_z_coeff) * lse_.squaredNorm() / static_cast<S>(N);
   return loss;
+}
+
+template <class S>
+void Moe<S>::follow_capacity(std::vector<std::int64_t>& keep, const std::vector<std::int64_t>& pairs,
+                             std::int64_t e, const FollowRouting* follow, Index N, Index K) {
+  if (!follow || !follow->kept || !follow->topk ||
+      follow->kept->size() != static_cast<std::size_t>(N * K))
+    return;
+  // The sharded run's kept pairs of this expert, where its routing of each token is ours.
+  std::vector<std::int64_t> theirs;
+  for (auto i : pairs) {
+    if ((*follow->topk)[static_cast<std::size_t>(i)] != static_cast<double>(e)) return;
+    if ((*follow->kept)[static_cast<std::size_t>(i)] == 1.0) theirs.push_back(i);
+  }
+  if (theirs.size() != keep.size()) return;
+  std::vector<std::int64_t> mine = keep;
+  std::sort(mine.begin(), mine.end());
+  std::sort(theirs.begin(), theirs.end());
+  if (theirs == mine) return;
+  const Routing& r = route_;
+  double worst = -std::numeric_limits<double>::infinity(), bound = std::numeric_limits<double>::infinity();
+  for (auto a : mine)
+    if (!std::binary_search(theirs.begin(), theirs.end(), a))
+      for (auto b : theirs)
+        if (!std::binary_search(mine.begin(), mine.end(), b)) {
+          const double ga = static_cast<double>(r.gate[a]), gb = static_cast<double>(r.gate[b]);
+          worst = std::max(worst, ga - gb);
+          bound = std::min(bound, 2 * follow->tau * (ga + gb));
+        }
+  if (worst > bound) return;
+  std::int64_t first = N * K;  // the first pair kept by one side only
+  for (auto i : mine)
+    if (!std::binary_search(theirs.begin(), theirs.end(), i)) first = std::min(first, i);
+  for (auto i : theirs)
+    if (!std::binary_search(mine.begin(), mine.end(), i)) first = std::min(first, i);
+  RoutingTie t{true, first / K, e, {}, {}, worst, bound};
+  for (auto i : mine) t.reference.push_back(i / K);
+  for (auto i : theirs) t.sharded.push_back(i / K);
+  ties_.push_back(std::move(t));
+  keep = theirs;
 }
 
 template <class S>

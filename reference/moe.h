@@ -21,12 +21,30 @@
 
 namespace tpsim::ref {
 
+// The sharded run's routing decisions of one layer, for the reference to follow where its
+// own are within the scores' error of them (docs/moe.md, "Ties"): each token's experts in
+// ascending order, and whether each of those pairs was kept.
+struct FollowRouting {
+  const std::vector<double>* topk = nullptr;  // [N,K]
+  const std::vector<double>* kept = nullptr;  // [N,K]
+  double tau = 0;  // the scores' relative error bound
+};
+// A decision the reference took from the sharded run: a token's expert set (capacity
+// false), or which of an expert's tokens it kept (capacity true).
+struct RoutingTie {
+  bool capacity = false;
+  std::int64_t token = 0;   // the first token whose decision differed
+  std::int64_t expert = -1; // capacity: the expert
+  std::vector<std::int64_t> reference, sharded;  // experts (routing) or tokens (capacity)
+  double gap = 0, bound = 0;
+};
+
 template <class S>
 class Moe {
  public:
   // The routing of the last forward, [N·K] in each token's order of choice.
   struct Routing {
-    std::vector<std::int64_t> expert;  // [N·K]
+    std::vector<std::int64_t> expert;  // [N·K] each token's in ascending order
     std::vector<S> gate;               // [N·K]
     std::vector<char> kept;            // [N·K] 0: dropped by the capacity
     std::vector<S> gap;                // [N]   (k-th − (k+1)-th) selection score; inf when K = E
@@ -35,8 +53,13 @@ class Moe {
 
   // y [N,H] from x [N,H] with the parameters of layer `prefix` ("h.0."); `bias` [E] (zeros
   // without expert bias). Returns the layer's aux + z losses.
+  // With `follow`, a token whose expert set differs from the sharded run's takes the
+  // sharded set when every swap is within 2·tau of the selection scores' row norm (a tie,
+  // recorded in ties()); an expert whose kept tokens differ takes the sharded ones when
+  // every swap's gates are within 2·tau of their sum. Otherwise it keeps its own, and
+  // verify's exact comparison of the decisions fails.
   S forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params, const std::string& prefix,
-            const GptConfig& c, const Vector<S>& bias);
+            const GptConfig& c, const Vector<S>& bias, const FollowRouting* follow = nullptr);
   // dx [N,H] (written) and the router's and experts' gradients (written) from dy [N,H].
   void backward(Matrix<S>& dx, ParamSet<S>& grads, const Matrix<S>& dy, const ParamSet<S>& params,
                 const std::string& prefix, const GptConfig& c);
@@ -44,6 +67,7 @@ class Moe {
   void update_bias(Vector<S>& bias, const GptConfig& c) const;
 
   const Routing& routing() const { return route_; }
+  const std::vector<RoutingTie>& ties() const { return ties_; }  // of the last forward
   const Matrix<S>& logits() const { return z_; }       // [N,E]
   const Matrix<S>& scores() const { return s_; }       // [N,E]
   const Matrix<S>& logits_grad() const { return dz_; } // [N,E]
@@ -54,10 +78,15 @@ class Moe {
     Matrix<S> x, gate, up, act, out; // [m,H], [m,Fe], [m,Fe], [m,Fe], [m,H]
   };
   Routing route_;
+  std::vector<RoutingTie> ties_;
   Matrix<S> x_;   // [N,H]
   Matrix<S> z_, s_, dz_;  // [N,E]
   Vector<S> lse_;  // [N]
   std::vector<Expert> experts_;
+  // Capacity ties: `keep` (expert e's kept pairs, of `pairs` routed to it) becomes the
+  // sharded run's where every swap is within the gates' error.
+  void follow_capacity(std::vector<std::int64_t>& keep, const std::vector<std::int64_t>& pairs,
+                       std::int64_t e, const FollowRouting* follow, Eigen::Index N, Eigen::Index K);
 };
 
 extern template class Moe<float>;

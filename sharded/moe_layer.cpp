@@ -538,10 +538,16 @@ std::vector<Observation> MoeLayer::observe_forward() const {
   auto whole = [&](const std::string& name, std::vector<double> v) {
     return Observation{name, replicate(ParamSpec{name, {1, E}, {}}, r, w), std::move(v)};
   };
+  // Each token's experts as a set, in ascending order, and whether each pair was kept.
   std::vector<double> topk(static_cast<std::size_t>(n * K)), kept(topk.size());
-  for (std::int64_t i = 0; i < n * K; ++i) {
-    topk[i] = static_cast<double>(s.expert[i]);
-    kept[i] = s.kept[i];
+  std::vector<std::int64_t> at(static_cast<std::size_t>(K));
+  for (std::int64_t t = 0; t < n; ++t) {
+    std::iota(at.begin(), at.end(), t * K);
+    std::sort(at.begin(), at.end(), [&](std::int64_t a, std::int64_t b) { return s.expert[a] < s.expert[b]; });
+    for (std::int64_t k = 0; k < K; ++k) {
+      topk[t * K + k] = static_cast<double>(s.expert[at[k]]);
+      kept[t * K + k] = s.kept[at[k]];
+    }
   }
   return {whole(s.pt + "mlp.router.expert_bias", s.bias),
           tokens(s.pt + "mlp.router.logits", E, s.z),

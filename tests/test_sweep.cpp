@@ -14,13 +14,13 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
   const auto r = run_tpsim("verify --json " + json);
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
-  CHECK(r.out.find("verify: PASS: 34 cases") != std::string::npos);
+  CHECK(r.out.find("verify: PASS: 38 cases") != std::string::npos);
   const auto j = read_json(json);
   CHECK(j["sweep"] == true);
   CHECK(j["dtype"] == "f64");
   // the MLP, the seed's GPT in 4 modes x 2 batches, GPT-2 and three Llamas in 4 modes,
-  // GPT-2 with three kinds of recomputation, data parallelism (6)
-  REQUIRE(j["cases"].size() == 34);
+  // GPT-2 with three kinds of recomputation, data parallelism (6), MoE (4)
+  REQUIRE(j["cases"].size() == 38);
   CHECK(j["cases"][0]["model"] == "mlp");
   std::vector<int> mlp_tp, gpt_tp;
   for (const auto& t : j["cases"][0]["tp"]) mlp_tp.push_back(t["tp"]);
@@ -61,7 +61,11 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
                                                {"gpt2 full recompute, chunk 2", 1},
                                                {"gpt dp 2", 1},
                                                {"gpt dp 2 clip 0.5", 4},
-                                               {"llama kv<tp dp 2 clip 0.5", 1}});
+                                               {"llama kv<tp dp 2 clip 0.5", 1},
+                                               {"deepseek-moe tp 2 ep 2 etp 1", 1},
+                                               {"deepseek-moe tp 2 ep 1 etp 2", 1},
+                                               {"mixtral tp 4 ep 2 etp 2", 1},
+                                               {"deepseek-moe tp 2 ep 2 etp 1 clip 0.5", 1}});
   CHECK(j["cases"][9]["architecture"] ==
         "LayerNorm+bias, Linear biases, tanh GELU F 288, learned positions, 12 heads, tied, "
         "dropout 0.1");

@@ -146,12 +146,10 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
     if (clip > 0) name += " clip 0.5";
     all.push_back({name + " " + mode, m});
   };
-  if (base.dtype == DType::F64) {  // (f32 and bf16 MoE: not yet, see check_moe_layout)
-    moe("deepseek-moe", 2, 2, 1, "plain", 0);
-    moe("deepseek-moe", 2, 1, 2, "--sequence-parallel", 0);
-    moe("mixtral", 4, 2, 2, "--loss-parallel", 0);
-    moe("deepseek-moe", 2, 2, 1, "plain", 0.5);
-  }
+  moe("deepseek-moe", 2, 2, 1, "plain", 0);
+  moe("deepseek-moe", 2, 1, 2, "--sequence-parallel", 0);
+  moe("mixtral", 4, 2, 2, "--loss-parallel", 0);
+  moe("deepseek-moe", 2, 2, 1, "plain", 0.5);
 
   std::vector<SweepCase> cases;
   std::string why;  // from a case of the fault's own model, which the sweep always has

@@ -41,7 +41,8 @@ class ReferenceFeed {
       : storage_(resync ? RefStorage::Copies : RefStorage::InPlace),
         lag_(resync ? 2 : 1),
         slots_(resync ? 3 : 1),
-        readers_(consumers) {}
+        readers_(consumers),
+        consumers_(consumers) {}
 
   RefStorage storage() const { return storage_; }
 
@@ -93,6 +94,7 @@ class ReferenceFeed {
   void retire(int last_done) {
     std::lock_guard lock(mu_);
     readers_.retire(last_done);
+    ++gone_;
     cv_.notify_all();
   }
 
@@ -122,6 +124,41 @@ class ReferenceFeed {
     return grad_norms_;
   }
 
+  // MoE: the sharded run's routing, which the reference follows at ties (docs/moe.md). A
+  // rank posts its step's decisions (its tokens' rows) once it has run the step; the
+  // reference asks for them before it computes the step, and waits until every rank has
+  // posted. One step lives at a time: a rank posts step s+1 only after the reference has
+  // published step s, which it computed from step s's board.
+  void post_routing(int step, const std::vector<Observation>& fwd) {
+    std::lock_guard lock(mu_);
+    if (routing_step_ != step) {
+      routing_step_ = step;
+      posted_ = 0;
+    }
+    for (const auto& ob : fwd) {
+      if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept")) continue;
+      std::vector<double>& full = routing_[ob.name];
+      full.resize(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)));
+      for (std::size_t k = 0; k < ob.values.size(); ++k) {
+        const std::int64_t f = full_index(ob.spec, static_cast<std::int64_t>(k));
+        if (f >= 0) full[static_cast<std::size_t>(f)] = ob.values[k];
+      }
+    }
+    ++posted_;
+    cv_.notify_all();
+  }
+  // Producer: step `step`'s routing, once every rank has posted it or stopped (a rank
+  // that failed never posts: the reference goes on, so that no rank waits for it, and the
+  // run fails with that rank's own error).
+  const TensorMap& routing(int step) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] {
+      return (routing_step_ == step && posted_ + gone_ >= consumers_) || readers_.deserted();
+    });
+    if (readers_.deserted()) throw Deserted{};
+    return routing_;
+  }
+
  private:
   RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
   const RefStorage storage_;
@@ -133,6 +170,10 @@ class ReferenceFeed {
   int published_ = 0;
   std::vector<double> losses_;         // per published step
   std::vector<double> grad_norms_;     // per published step, with --clip-grad
+  const int consumers_;
+  int gone_ = 0;                       // ranks retired
+  TensorMap routing_;                  // MoE: the step's routing, posted by the ranks
+  int routing_step_ = 0, posted_ = 0;
   double waited_s_ = 0;                // in slot(), producer thread only
   std::exception_ptr error_;
 };
@@ -143,6 +184,7 @@ struct RankFindings {
   std::vector<Comparison> step;
   std::vector<double> losses;
   std::vector<double> grad_norms;  // --clip-grad
+  std::vector<std::string> ties;   // MoE, rank 0: the reference's followed decisions
   CollectiveTotals comm_step1, dp_comm_step1;
 };
 
@@ -464,6 +506,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
     else
       source = std::make_unique<RemoteSource>(o, *remote);
     RankFindings& mine = found[me];
+    const bool moe = o.model == ModelKind::Gpt && o.gpt.moe();
     const ToleranceModel bounds(o);  // per-tensor bounds of a bf16 run
     StepTensors st;
     UpdateTensors up;
@@ -474,6 +517,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       source->gradients(o.resync && step > 1 ? &ref.wait(step - 1).copies : nullptr,
                         std::move(slot), st);
       slot.clear();
+      if (moe) ref.post_routing(step, st.fwd);
       const double loss = st.loss;
       if (step == 1) {
         mine.comm_step1 = st.comm;
@@ -481,6 +525,8 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       }
       mine.losses.push_back(loss);
 
+      if (at.rank == 0)
+        for (const auto& t : ref.wait(step).ties) mine.ties.push_back("step " + std::to_string(step) + ", " + t);
       StepChecker check(ref.wait(step), tol, step, tp, mine.step);
       check.use_bounds(bounds);
       if (dp > 1) check.use_replica(at.dp_rank, dp, at.rank);
@@ -578,10 +624,23 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
 
   r.losses = found[0].losses;
   r.grad_norms = found[0].grad_norms;
+  r.ties = found[0].ties;
   r.comm_step1 = found[0].comm_step1;
   r.dp_comm_step1 = found[0].dp_comm_step1;
   r.seconds = seconds_since(t0);
   return r;
+}
+
+// MoE: the relative error bound of the router's scores at `step` in TP degree `tp`, which a
+// routing decision's gap must exceed to be no tie: the largest of the layers' bounds.
+double routing_tolerance(const RunOptions& o, int tp, int step) {
+  const ToleranceModel bounds(o);
+  if (!bounds.per_tensor()) return norm_tolerance(o);
+  double tau = 0;
+  for (std::int64_t l = 0; l < o.gpt.layers; ++l)
+    if (o.gpt.moe_layer(l))
+      tau = std::max(tau, bounds.bound("act/h." + std::to_string(l) + ".mlp.router.scores", step, tp));
+  return tau;
 }
 
 // The TP groups that run at once: every rank holds its own model (a replicated wte is
@@ -610,9 +669,6 @@ VerifyReport run_verify(const RunOptions& o) {
     check_tp_degree(o, tp);
     check_launch(o.device, tp * o.dp, o.dp);
   }
-  if (o.model == ModelKind::Gpt && o.gpt.moe() && o.dtype != DType::F64)
-    throw UsageError("verify --num-experts: f64 only so far (a routing decision within "
-                     "float32's or bfloat16's error of a tie is not followed yet); run --dtype f64");
   check_memory(o, "verify");
   VerifyReport rep;
   rep.tolerance = norm_tolerance(o);
@@ -632,7 +688,9 @@ VerifyReport run_verify(const RunOptions& o) {
   // their own: the reference streams its steps to the wave's ranks, which wait for a step
   // only when they are about to check it. The reference is deterministic, so every wave
   // sees the same numbers; the report's reference losses and time are the first wave's.
-  const bool concurrent = groups_may_run_concurrently(o.device);
+  // MoE: the reference follows one TP group's routing at ties, so each group has its own.
+  const bool moe = o.model == ModelKind::Gpt && o.gpt.moe();
+  const bool concurrent = groups_may_run_concurrently(o.device) && !moe;
   std::vector<std::vector<std::size_t>> waves;
   std::size_t one = o.tp.size();  // --tp-invariant: tp 1's index, first in every wave
   if (o.tp_invariant) {
@@ -671,8 +729,12 @@ VerifyReport run_verify(const RunOptions& o) {
       reference = std::thread([&] {
         auto t0 = std::chrono::steady_clock::now();
         try {
+          FollowFn follow;
+          if (moe) follow = [&](int step) {
+            return RoutingToFollow{&ref.routing(step), routing_tolerance(o, o.tp[waves[w][0]], step)};
+          };
           run_reference(o, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
-                        [&](int step) { ref.publish(step); });
+                        [&](int step) { ref.publish(step); }, {}, follow);
         } catch (const ReferenceFeed::Deserted&) {
           // every rank stopped reading: their own errors, if any, are the report
         } catch (...) {

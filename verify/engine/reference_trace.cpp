@@ -1,6 +1,7 @@
 #include "verify/engine/reference_trace.h"
 
 #include <cmath>
+#include <cstdio>
 #include <memory>
 
 #include "reference/gpt.h"
@@ -197,11 +198,26 @@ class OwnBounds {
   std::map<std::string, double> carried_abs_;  // A_p
 };
 
+std::string describe_tie(std::int64_t layer, const ref::RoutingTie& t) {
+  auto set = [](const std::vector<std::int64_t>& v) {
+    std::string s = "{";
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+    return s + "}";
+  };
+  char gap[64];
+  std::snprintf(gap, sizeof gap, ", gap %.2e <= %.2e", t.gap, t.bound);
+  const std::string where = "layer " + std::to_string(layer) + ", token " + std::to_string(t.token);
+  if (t.capacity)
+    return where + ": expert " + std::to_string(t.expert) + " kept tokens " + set(t.sharded) +
+           " (sharded) for " + set(t.reference) + gap;
+  return where + ": experts " + set(t.sharded) + " (sharded) for " + set(t.reference) + gap;
+}
+
 template <class Model, class Batch, class Update>
 void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
            const char* output_name, Update&& update, OwnBounds& bounds, RefStorage storage,
            const std::function<RefStep&(int)>& slot, const std::function<void(int)>& published,
-           const RebaseFn& rebase) {
+           const RebaseFn& rebase, const FollowFn& follow) {
   ref::Matrix<double> grad_norm(1, 1);  // [1,1] --clip-grad's norm, viewed in place
   for (int s = 1; s <= steps; ++s) {
     // In place, step s-1's readers must be done before the model overwrites what they view.
@@ -220,6 +236,11 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
         model.set_params(std::move(ps));
         bounds.restart();  // the step starts from the producer's weights: nothing carried
       }
+    if constexpr (requires { model.follow_routing(nullptr, 0.0); })
+      if (follow) {
+        const RoutingToFollow f = follow(s);
+        model.follow_routing(f.choices, f.tau);
+      }
     const double loss = model.forward_backward(batch);
     bool clipped = false;
     if constexpr (requires { model.clip_gradients(1.0); })
@@ -230,6 +251,9 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
     if (!st) st = &slot(s);
     st->clipped = clipped;
     st->step = s;
+    st->ties.clear();
+    if constexpr (requires { model.ties(); })
+      for (const auto& [layer, t] : model.ties()) st->ties.push_back(describe_tie(layer, t));
     st->loss = loss;
     StepWriter w(*st, storage);
     if (o.clip_grad > 0) w.put("grad_norm", grad_norm);
@@ -269,19 +293,20 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
 
 void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
-                   const std::function<void(int step)>& published, const RebaseFn& rebase) {
+                   const std::function<void(int step)>& published, const RebaseFn& rebase,
+                   const FollowFn& follow) {
   const auto specs = param_specs(o);
   auto params = start_params(specs, in, o.seed);
   OwnBounds bounds(o);
   if (o.model == ModelKind::Mlp) {
     ref::Mlp<double> m(o.mlp, std::move(params));
     trace(o, m, in.mlp_batch, o.steps, "output", [&](auto& mm) { mm.sgd_step(o.lr); }, bounds,
-          storage, slot, published, rebase);
+          storage, slot, published, rebase, follow);
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params), o.seed);
     g.record_points(true);
     trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); },
-          bounds, storage, slot, published, rebase);
+          bounds, storage, slot, published, rebase, follow);
   }
 }
 

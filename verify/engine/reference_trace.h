@@ -54,6 +54,10 @@ struct RefStep {
   // clipped ones, and "grad_norm" is the norm before clipping). A clipped gradient's bound
   // adds the norm's relative error (StepChecker::tolerance_of).
   bool clipped = false;
+  // MoE: the routing decisions the reference took from the sharded run, each within the
+  // scores' error of a tie (docs/moe.md, "Ties"), one line each ("layer 0, token 17:
+  // experts {1,4} (sharded) for {1,6}, gap 3.1e-04 <= 4.2e-04").
+  std::vector<std::string> ties;
 };
 
 // How a step reaches its readers.
@@ -78,9 +82,19 @@ enum class RefStorage {
 // the producer's weights of the step before, so that one step's error does not compound.
 // The optimizer's state stays the reference's own.
 using RebaseFn = std::function<const TensorMap*(int step)>;
+// `follow`, if given (MoE), is asked before each step s for the sharded run's routing of
+// that step, which the reference then follows where the two differ within tau, the
+// scores' relative error bound (reference/moe.h); it may block until the step's routing
+// is known.
+struct RoutingToFollow {
+  const TensorMap* choices = nullptr;  // full "act/h.<l>.mlp.router.topk" and ".kept"
+  double tau = 0;
+};
+using FollowFn = std::function<RoutingToFollow(int step)>;
 void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
-                   const std::function<void(int step)>& published, const RebaseFn& rebase = {});
+                   const std::function<void(int step)>& published, const RebaseFn& rebase = {},
+                   const FollowFn& follow = {});
 
 namespace ref {
 template <class S>

@@ -45,6 +45,9 @@ struct TpResult {
   std::vector<Comparison> first_failure_shards;
   std::vector<double> losses;       // per step, rank 0's
   std::vector<double> grad_norms;   // --clip-grad: per step, rank 0's norm before clipping
+  // MoE: the routing decisions the reference followed at ties ("step 2, layer 0, token
+  // 17: experts {1,4} (sharded) for {1,6}, gap 3.1e-04 <= 4.2e-04"), not failures.
+  std::vector<std::string> ties;
   CollectiveTotals comm_step1;      // rank 0's collectives during step 1, on its TP group
   CollectiveTotals dp_comm_step1;   // and on its DP group
   double seconds = 0.0;

@@ -245,6 +245,12 @@ void print_tp_results(std::ostream& os, const VerifyReport& r, bool collectives)
     for (const auto& c : t.worst) print_row(os, c);
     if (collectives) print_collectives(os, t);
     print_grad_norms(os, t, r.reference_grad_norms);
+    if (!t.ties.empty()) {
+      os << "  routing ties (" << t.ties.size() << "), each within the scores' error bound, "
+         << "followed by the reference (docs/moe.md):\n";
+      for (std::size_t i = 0; i < t.ties.size() && i < 6; ++i) os << "    " << t.ties[i] << "\n";
+      if (t.ties.size() > 6) os << "    ... and " << t.ties.size() - 6 << " more (see --json)\n";
+    }
     if (!t.pass) {
       os << "  failures (" << t.failures.size() << "):\n";
       std::size_t shown = 0;
@@ -351,6 +357,7 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
       jt["dp_bus_bytes_step1"] = bus_bytes(t.dp_comm_step1, t.dp);
     }
     if (!t.grad_norms.empty()) jt["grad_norms"] = t.grad_norms;
+    jt["ties"] = t.ties;
     jt["tensors"] = nlohmann::json::array();
     for (const auto& c : t.worst) jt["tensors"].push_back(to_json(c));
     jt["failures"] = nlohmann::json::array();
@@ -398,7 +405,7 @@ void print_sweep_report(std::ostream& os, const RunOptions& base, const SweepRep
      << (base.fault == Fault::None ? "" : std::string(", fault ") + fault_name(base.fault))
      << "\n";
   os << "every model and mode in one run; one configuration is a flag away "
-        "(--model mlp|gpt|gpt2|llama, --preset seed|small, --kv-heads N)\n\n";
+        "(--model mlp|gpt|gpt2|llama|mixtral|deepseek-moe, --preset seed|small, --kv-heads N)\n\n";
   char line[512];
   std::snprintf(line, sizeof line, "  %-50s %-30s %-8s %7s  %-9s %6s  %s\n", "case", "shape",
                 "tp", "checks", "rel err", "time", "result");
