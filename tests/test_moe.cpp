@@ -1,0 +1,311 @@
+// Mixture-of-Experts (docs/moe.md): the configuration, the reference's routing decisions
+// and how it follows the sharded run's at ties, and verify over the parallel foldings.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <set>
+
+#include "cli_runner.h"
+#include "core/dtype.h"
+#include "io/safetensors.h"
+#include "model/config.h"
+#include "reference/moe.h"
+#include "reference/params.h"
+
+using namespace tpsim;
+using namespace tpsim::testing;
+
+namespace {
+
+// A layer of E experts over H = 8, with a router whose rows `tied` equal row 0 (every
+// token's scores for those experts tie exactly).
+GptConfig small_moe(std::int64_t E, std::int64_t K) {
+  GptConfig c;
+  apply_gpt_family(c, "llama");
+  c.hidden = 8;
+  c.heads = 2;
+  c.num_experts = E;
+  c.moe_topk = K;
+  c.moe_ffn_hidden = 4;
+  return c;
+}
+
+ref::ParamSet<double> moe_params(const GptConfig& c, std::uint64_t seed) {
+  ref::ParamSet<double> p;
+  for (const ParamSpec& s : gpt_param_specs(c))
+    if (s.name.starts_with("h.0.mlp.router") || s.name.starts_with("h.0.mlp.experts")) {
+      const auto [r, k] = ref::stored_shape(s);
+      ref::Matrix<double> m(r, k);
+      init_block<double>(m.data(), seed, s.name, s.init, s.shape, -1, 0, 0);
+      p[s.name] = m;
+    }
+  return p;
+}
+
+ref::Matrix<double> tokens(std::int64_t n, std::int64_t h, std::uint64_t seed) {
+  ref::Matrix<double> x(n, h);
+  init_block<double>(x.data(), seed, "x", InitSpec::normal(1.0), {n, h}, -1, 0, 0);
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("MoE families and flags are GptConfig choices", "[moe][config]") {
+  GptConfig m;
+  apply_gpt_family(m, "mixtral");
+  CHECK(m.swiglu());
+  CHECK(m.num_experts == 8);
+  CHECK(m.moe_topk == 2);
+  CHECK(m.moe_shared_ffn == 0);
+  CHECK(m.moe_score == MoeScore::Softmax);
+  GptConfig d;
+  apply_gpt_family(d, "deepseek-moe");
+  CHECK(d.num_experts == 16);
+  CHECK(d.moe_topk == 4);
+  CHECK(d.moe_ffn() == d.ffn() / 4);
+  CHECK(d.moe_shared_ffn == d.ffn() / 2);
+  CHECK(d.moe_score == MoeScore::Sigmoid);
+  CHECK(d.moe_expert_bias);
+  // The capacity: ceil(factor · N · K / E).
+  d.moe_capacity_factor = 1.0;
+  CHECK(d.moe_capacity(48) == 12);
+  d.moe_capacity_factor = 1.1;
+  CHECK(d.moe_capacity(48) == 14);
+  // Every MoE layer: a router and E experts of three Linears, after the shared expert.
+  m.layers = 2;
+  m.moe_layer_freq = 2;  // layer 0 MoE, layer 1 dense
+  int routers = 0, experts = 0, dense = 0;
+  for (const auto& s : gpt_param_specs(m)) {
+    routers += s.name.ends_with("router.weight");
+    experts += s.name.find(".experts.") != std::string::npos;
+    dense += s.name.starts_with("h.1.mlp.") ;
+  }
+  CHECK(routers == 1);
+  CHECK(experts == 8 * 3);
+  CHECK(dense == 3);
+  CHECK(config_difference(m, d).has_value());
+  GptConfig bad = m;
+  bad.moe_topk = 9;
+  CHECK_THROWS_AS(check_gpt_architecture(bad), UsageError);
+  bad = m;
+  bad.mlp = MlpKind::Gelu;
+  CHECK_THROWS_AS(check_gpt_architecture(bad), UsageError);
+}
+
+TEST_CASE("the reference follows a sharded routing choice only within the scores' error", "[moe][reference]") {
+  const GptConfig c = small_moe(4, 1);
+  auto p = moe_params(c, 7);
+  p["h.0.mlp.router.weight"].row(1) = p["h.0.mlp.router.weight"].row(0);  // experts 0, 1 tie
+  const ref::Matrix<double> x = tokens(16, 8, 3);
+  const ref::Vector<double> bias = ref::Vector<double>::Zero(4);
+  ref::Moe<double> own, follow;
+  ref::Matrix<double> y_own, y_follow;
+  own.forward(y_own, x, p, "h.0.", c, bias);
+  // Its own choice at an exact tie is the lower id: never expert 1.
+  std::vector<double> theirs;
+  int tied = 0;
+  for (std::int64_t n = 0; n < 16; ++n) {
+    const std::int64_t e = own.routing().expert[static_cast<std::size_t>(n)];
+    CHECK(e != 1);
+    theirs.push_back(e == 0 ? 1.0 : static_cast<double>(e));  // the sharded run broke it upward
+    tied += e == 0;
+  }
+  REQUIRE(tied > 0);
+  std::vector<double> kept(16, 1.0);
+  ref::FollowRouting f{&theirs, &kept, 1e-10};
+  follow.forward(y_follow, x, p, "h.0.", c, bias, &f);
+  REQUIRE(static_cast<int>(follow.ties().size()) == tied);
+  for (const auto& t : follow.ties()) {
+    CHECK(t.gap == 0.0);
+    CHECK(t.reference == std::vector<std::int64_t>{0});
+    CHECK(t.sharded == std::vector<std::int64_t>{1});
+  }
+  for (std::int64_t n = 0; n < 16; ++n)
+    CHECK(follow.routing().expert[static_cast<std::size_t>(n)] == static_cast<std::int64_t>(theirs[n]));
+  // Experts 0 and 1 compute different functions: the followed output is expert 1's.
+  CHECK((y_own - y_follow).norm() > 1e-3);
+
+  // A choice far below the reference's (its last-ranked expert) is not a tie: kept as is.
+  std::vector<double> worst;
+  for (std::int64_t n = 0; n < 16; ++n) {
+    std::int64_t lo = 0;
+    for (std::int64_t e = 1; e < 4; ++e)
+      if (own.scores()(n, e) < own.scores()(n, lo)) lo = e;
+    worst.push_back(static_cast<double>(lo));
+  }
+  ref::Moe<double> refuse;
+  ref::FollowRouting g{&worst, &kept, 1e-10};
+  refuse.forward(y_follow, x, p, "h.0.", c, bias, &g);
+  CHECK(refuse.ties().empty());
+  CHECK(refuse.routing().expert == own.routing().expert);
+}
+
+TEST_CASE("capacity keeps the largest gates, then the lowest token index", "[moe][reference]") {
+  GptConfig c = small_moe(2, 1);
+  c.moe_capacity_factor = 0.5;  // ceil(0.5 · 8 · 1 / 2) = 2 tokens per expert
+  const auto p = moe_params(c, 11);
+  ref::Matrix<double> x = tokens(8, 8, 5);
+  x.row(5) = x.row(1);  // tokens 1 and 5 route alike, with equal gates
+  ref::Moe<double> m;
+  ref::Matrix<double> y;
+  m.forward(y, x, p, "h.0.", c, ref::Vector<double>::Zero(2));
+  const auto& r = m.routing();
+  for (std::int64_t e = 0; e < 2; ++e) {
+    std::vector<std::pair<double, std::int64_t>> mine;  // (gate, token) routed to e
+    int kept = 0;
+    for (std::int64_t n = 0; n < 8; ++n)
+      if (r.expert[n] == e) {
+        mine.push_back({r.gate[n], n});
+        kept += r.kept[n];
+      }
+    CHECK(kept == std::min<int>(2, static_cast<int>(mine.size())));
+    std::sort(mine.begin(), mine.end(), [](auto a, auto b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    });
+    for (std::size_t j = 0; j < mine.size(); ++j) CHECK(r.kept[mine[j].second] == (j < 2));
+    // A dropped token's output is nothing from this expert.
+    for (const auto& [g, n] : mine)
+      if (!r.kept[n]) CHECK(y.row(n).norm() == 0.0);
+  }
+  // The equal pair: if one is dropped and the other kept, the later token is the dropped one.
+  if (r.kept[1] != r.kept[5]) CHECK(r.kept[1] == 1);
+}
+
+TEST_CASE("the expert bias moves towards the mean load", "[moe][reference]") {
+  GptConfig c = small_moe(4, 2);
+  c.moe_expert_bias = true;
+  c.moe_bias_rate = 0.25;
+  const auto p = moe_params(c, 2);
+  ref::Moe<double> m;
+  ref::Matrix<double> y;
+  ref::Vector<double> b = ref::Vector<double>::Zero(4);
+  m.forward(y, tokens(10, 8, 9), p, "h.0.", c, b);
+  m.update_bias(b, c);
+  const double mean = 10.0 * 2 / 4;
+  for (std::int64_t e = 0; e < 4; ++e) {
+    const double load = static_cast<double>(m.routing().load[static_cast<std::size_t>(e)]);
+    CHECK(b(e) == (load < mean ? 0.25 : load > mean ? -0.25 : 0.0));
+  }
+}
+
+TEST_CASE("verify passes Mixtral and DeepSeek-MoE at every folding and mode in f64", "[cli][moe]") {
+  const std::string losses =
+      " --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 --moe-expert-capacity-factor 1.0"
+      " --moe-router-enable-expert-bias --preset small --dtype f64 --steps 5 --batch-size 2";
+  struct Fold {
+    int tp, ep, etp;
+  };
+  for (const char* model : {"mixtral", "deepseek-moe"})
+    for (Fold f : {Fold{1, 1, 1}, Fold{2, 1, 1}, Fold{2, 2, 1}, Fold{2, 1, 2}, Fold{4, 2, 1},
+                   Fold{4, 4, 1}, Fold{4, 2, 2}})
+      for (const char* mode : {"", " --loss-parallel", " --sequence-parallel",
+                               " --loss-parallel --sequence-parallel"}) {
+        const std::string json = temp_path("moe.json");
+        const auto r = run_tpsim(std::string("verify --model ") + model + losses + " --tp " +
+                                 std::to_string(f.tp) + " --ep " + std::to_string(f.ep) +
+                                 " --etp " + std::to_string(f.etp) + mode + " --json " + json);
+        INFO(model << " tp " << f.tp << " ep " << f.ep << " etp " << f.etp << mode << "\n" << r.out);
+        REQUIRE(r.exit_code == 0);
+        const auto j = read_json(json);
+        CHECK(j["tp"][0]["max_rel_err"].get<double>() < 1e-10);
+        CHECK(j["tp"][0]["ties"].empty());  // f64: no decision within 1e-10 of a tie
+      }
+}
+
+TEST_CASE("a routing decision within bf16's error of a tie is followed and reported; the run goes on", "[cli][moe]") {
+  // Mixtral's initial weights with each layer's router row 1 a hair (1e-6, relative) above
+  // row 0, which is rounded to bf16 first: the bf16 model computes the same score for
+  // experts 0 and 1 and takes 0, while the f64 reference sees 1 ahead wherever its score is
+  // positive. Within bf16's error, either is right.
+  GptConfig c;
+  apply_gpt_family(c, "mixtral");
+  const GptConfig small = [] {
+    GptConfig s;
+    s.vocab_size = 101;
+    s.block_size = 32;
+    s.hidden = 72;
+    s.heads = 12;
+    s.layers = 2;
+    return s;
+  }();
+  c.vocab_size = small.vocab_size;
+  c.block_size = small.block_size;
+  c.hidden = small.hidden;
+  c.heads = small.heads;
+  c.layers = small.layers;
+  st::StFile w;
+  for (const ParamSpec& s : gpt_param_specs(c)) {
+    std::vector<double> v(static_cast<std::size_t>(shape_numel(s.shape)));
+    init_block<double>(v.data(), 1234, s.name, s.init, s.shape, -1, 0, 0);
+    if (s.name.ends_with("router.weight")) {
+      const std::int64_t H = s.shape[1];
+      for (std::int64_t h = 0; h < H; ++h) {
+        const double r0 = bf16_to_f32(bf16_from_f32(static_cast<float>(v[h])));
+        v[h] = r0;
+        v[H + h] = r0 * (1 + 1e-6);
+      }
+    }
+    w.tensors[s.name] = st::st_from_f64(s.shape, v, DType::F32);
+  }
+  const std::string weights = temp_path("tied-router.safetensors");
+  st::write_safetensors(weights, w);
+  const std::string base = "verify --model mixtral --preset small --tp 2 --ep 2 --steps 2 ";
+  const std::string json = temp_path("tie.json"), plain_json = temp_path("no-tie.json");
+  const auto r = run_tpsim(base + "--dtype bf16 --load " + weights + " --json " + json);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  const auto j = read_json(json);
+  const auto& ties = j["tp"][0]["ties"];
+  REQUIRE(!ties.empty());
+  bool zero_for_one = false;
+  for (const auto& t : ties) {
+    const std::string s = t;
+    zero_for_one = zero_for_one || (s.find("experts {0,") != std::string::npos &&
+                                    s.find("for {1,") != std::string::npos);
+  }
+  CHECK(zero_for_one);
+  CHECK(r.out.find("routing ties (") != std::string::npos);
+  // Every tensor of every step is still compared: as many checks as a run without ties.
+  const auto p = run_tpsim(base + "--dtype bf16 --json " + plain_json);
+  REQUIRE(p.exit_code == 0);
+  CHECK(j["tp"][0]["comparisons"] == read_json(plain_json)["tp"][0]["comparisons"]);
+}
+
+TEST_CASE("a routing change above the scores' error fails the exact comparison", "[cli][moe]") {
+  // The expert bias moved by one rank's loads: from step 2 the sharded run's choices differ
+  // from the reference's by a bias step (1e-3), far above f64's bound of a tie.
+  const std::string json = temp_path("moe-bias.json");
+  const auto r = run_tpsim("verify --model deepseek-moe --preset small --dtype f64 --tp 2 --ep 2"
+                           " --steps 2 --inject-fault moe-expert-bias-local-loads --json " + json);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 1);
+  const auto j = read_json(json);
+  CHECK(j["first_failure"]["tensor"] == "act/h.0.mlp.router.expert_bias");
+  bool topk = false;
+  for (const auto& f : j["tp"][0]["failures"])
+    if (f["tensor"] == "act/h.0.mlp.router.topk" || f["tensor"] == "act/h.1.mlp.router.topk") {
+      topk = true;
+      CHECK(f["tolerance"].get<double>() == 0.0);
+    }
+  CHECK(topk);
+  CHECK(j["tp"][0]["ties"].empty());
+}
+
+TEST_CASE("MoE layouts that cannot fold are refused in one line", "[cli][moe]") {
+  const std::string m = "verify --model mixtral --preset small ";
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--tp 2 --ep 3", "--ep 3 must divide --num-experts 8"},
+           {"--tp 2 --ep 2 --etp 2", "must divide the 2 ranks"},
+           {"--tp 2 --dp 2", "not yet with --dp"},
+           {"--tp 2 --tp-invariant", "not yet with experts"},
+           {"--tp 2 --recompute full", "not yet with experts"},
+           {"--tp 2 --etp 5", "--etp 5 must divide the experts' width"}}) {
+    const auto r = run_tpsim(m + flags);
+    INFO(flags << "\n" << r.out);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find(says) != std::string::npos);
+  }
+  const auto r = run_tpsim("verify --model llama --preset small --tp 2 --ep 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("add --num-experts") != std::string::npos);
+}
