@@ -2,7 +2,9 @@
 """The false-alarm sweep: many clean (fault-free) `tpsim verify` runs over randomized small
 configurations, every model (the MLP; the GPT as the seed's, GPT-2 and Llama with
 grouped-query attention; dropout 0.1 or 0.3 in two of five GPT runs, recomputation in
-about one of seven, data parallelism in one of five and clipping in one of four), mode
+about one of seven, data parallelism in one of five and clipping in one of four; in one of
+four GPT runs without --tp-invariant, Mixture-of-Experts at one TP degree, its experts
+folded into ep x etp over the dp x tp ranks, with every MoE choice drawn), mode
 and dtype, --tp-invariant on and off (every family), TP 1, 2, 3, 4, 8 where the
 heads allow, lr up to 0.03, up to 5 steps, both batch kinds. A verifier must never fail
 correct code, so every run must PASS with every check real (no bound of 1 or more); the
@@ -105,11 +107,57 @@ def mlp_config(rng, invariant):
         ["f64", "f32", "bf16"]
 
 
+def flag_value(args, flag):
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def drop_flag(args, flag, has_value=True):
+    if flag in args:
+        i = args.index(flag)
+        del args[i:i + (2 if has_value else 1)]
+
+
+def moe_variant(rng, args, dtypes):
+    """The same GPT's MLPs as routed experts (docs/moe.md): Mixtral's or DeepSeek-MoE's
+    choices, then each MoE flag drawn again, at one TP degree folded into ep x etp. Its
+    own RNG, so that the dense runs of a seed stay what they were."""
+    heads = int(flag_value(args, "--heads"))
+    args[args.index("--model") + 1] = rng.choice(["mixtral", "deepseek-moe"])
+    for flag in ("--recompute", "--recompute-layers", "--kv-heads", "--rope-style"):
+        drop_flag(args, flag)
+    dp = int(flag_value(args, "--dp") or 1)
+    t = rng.choice([d for d in (1, 2, 4) if heads % d == 0])
+    experts = rng.choice([4, 8, 16])
+    world = dp * t  # the experts fold onto every rank of the mesh
+    ep = rng.choice([e for e in (1, 2, 4, 8) if world % e == 0 and experts % e == 0])
+    etp = rng.choice([e for e in (1, 2, 4) if (world // ep) % e == 0])
+    batch, seq = int(flag_value(args, "--batch-size")), int(flag_value(args, "--seq-len"))
+    while (batch // dp * seq) % t:  # each rank routes its share of its replica's tokens
+        seq += 1
+    args[args.index("--seq-len") + 1] = str(seq)
+    shared = rng.choice([0, 0, 16 * t, 32 * t])
+    args += ["--num-experts", str(experts), "--moe-router-topk", str(rng.randint(1, min(4, experts))),
+             "--moe-ffn-hidden-size", str(16 * etp * rng.randint(1, 4)),
+             "--moe-shared-expert-intermediate-size", str(shared),
+             "--moe-router-score-function", rng.choice(["softmax", "sigmoid"]),
+             rng.choice(["--moe-router-topk-renorm", "--no-moe-router-topk-renorm"]),
+             rng.choice(["--moe-router-enable-expert-bias", "--no-moe-router-enable-expert-bias"]),
+             "--moe-aux-loss-coeff", rng.choice(["0", "0.01", "0.1"]),
+             "--moe-z-loss-coeff", rng.choice(["0", "0.001"]),
+             "--moe-expert-capacity-factor", rng.choice(["0", "0", "0.8", "1.0", "1.5"]),
+             "--moe-layer-freq", rng.choice(["1", "1", "2"]),
+             "--ep", str(ep), "--etp", str(etp)]
+    return args, [t], ["f64", "f32", "bf16"]
+
+
 def config(seed, index):
     rng = random.Random(seed * 1_000_003 + index)
     gpt = rng.random() < 0.85
     invariant = gpt and rng.random() < 0.4  # the MLP has no TP-invariant mode
     args, degrees, dtypes = (gpt_config if gpt else mlp_config)(rng, invariant)
+    moe_rng = random.Random(seed * 7_919 + index)  # one run in five of the GPT's: MoE
+    if gpt and not invariant and moe_rng.random() < 0.25:
+        args, degrees, dtypes = moe_variant(moe_rng, args, dtypes)
     args += ["--tp", ",".join(map(str, degrees)),
              "--dtype", rng.choice(dtypes),
              "--steps", str(rng.randint(2, 5)),

@@ -78,17 +78,29 @@ class DataParallelModel::Misrouted final : public Communicator {
 };
 
 double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& params,
-                      double max_norm, Fault fault) {
+                      double max_norm, Fault fault, Communicator* dp) {
   const int r = tp.rank();
-  double split = 0.0, replicated = 0.0;  // Σ g² of this rank's TP shards; of replicated ones
+  // Σ g² of this rank's TP shards; of replicated ones; of its experts' blocks (which the
+  // DP replicas do not share: each block is counted by its one primary holder in the mesh)
+  double split = 0.0, replicated = 0.0, experts = 0.0;
   for (const Parameter& p : params) {
     if (p.spec.expert && fault == Fault::MoeClipNormMissingExperts) continue;
     const double s = be.sum_squares(p.grad);
     if (p.spec.replicated())
       replicated += s;
-    else if (r % p.spec.replicas == 0 && p.spec.primary)  // a block several ranks hold
+    else if (p.spec.expert && p.spec.primary)
+      experts += s;
+    else if (!p.spec.expert && r % p.spec.replicas == 0)  // a block several ranks hold
       split += s;                                          // counts once
   }
+  if (dp && dp->world_size() > 1) {
+    Scalar e(be);
+    Tensor& et = e.set(experts);
+    dp->set_label("clip.grad_norm experts");
+    dp->all_reduce(et, ReduceOp::Sum);
+    experts = e.get();  // then over TP with the split shards
+  }
+  split += experts;
   if (fault == Fault::ClipNormReplicatedTimesT) split += replicated;  // summed t times below
   Scalar total(be);
   Tensor& t = total.set(split);
@@ -128,7 +140,7 @@ double DataParallelModel::forward_backward() {
     sync_gradients();
   }
   if (opt_.clip_grad > 0)
-    grad_norm_ = clip_grad_norm(be_, tp_, inner_->params(), opt_.clip_grad, fault_);
+    grad_norm_ = clip_grad_norm(be_, tp_, inner_->params(), opt_.clip_grad, fault_, &dp_);
   loss_ = loss;
   return loss;
 }
@@ -147,6 +159,7 @@ void DataParallelModel::sync_gradients() {
   if (fault_ == Fault::DpGradOverWorld) scale /= dp * tp_.world_size();
   for (Parameter& p : inner_->params()) {
     if (fault_ == Fault::DpNormGradSyncSkipped && is_norm_weight(p.spec)) continue;
+    if (p.spec.expert) continue;  // summed over the expert-DP group by its MoE layer
     dp_.set_label("dp.grad_sync " + p.spec.name);
     dp_.all_reduce(p.grad, ReduceOp::Sum);
     if (scale != 1.0) be_.scale_inplace(p.grad, scale);

@@ -8,11 +8,14 @@
 // gradients summed over the DP group are exactly the global batch's gradient, whatever
 // each replica's count of ignored labels, and every activation gradient is the reference's
 // own rows. After backward:
-//   1. the loss and every parameter gradient are all-reduced (summed) over the DP group;
+//   1. the loss and every parameter gradient but the experts' (which their MoE layer sums
+//      over the expert-DP group) are all-reduced (summed) over the DP group;
 //   2. with clipping, the global L2 norm over every parameter: a TP-split parameter's
 //      squares summed over the TP group, a TP-replicated one (a norm, a row-parallel bias)
 //      counted once, a GQA kv block held by several ranks counted once; the DP group needs
-//      no sum, its gradients being identical after step 1. Gradients are then scaled by
+//      no sum, its gradients being identical after step 1, except MoE's experts, which
+//      fold onto the whole mesh: each block counted by its primary holder, summed over DP
+//      and TP. Gradients are then scaled by
 //      C/(norm + 1e-6) when that is below 1 (torch.nn.utils.clip_grad_norm_).
 // The norm is observed as "grad_norm"; the observed parameter gradients are the clipped
 // ones, which the optimizer then uses.
@@ -38,7 +41,7 @@ struct DataParallelOptions {
 // clipping it implies: returns the norm; scales the gradients when max_norm/(norm + 1e-6)
 // is below 1. Collective over the TP group.
 double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& params,
-                      double max_norm, Fault fault = Fault::None);
+                      double max_norm, Fault fault = Fault::None, Communicator* dp = nullptr);
 
 class DataParallelModel final : public ShardedModel {
  public:

@@ -148,6 +148,10 @@ const std::vector<FaultInfo>& all_faults() {
       {Fault::MoeExpertBiasLocalLoads, "moe-expert-bias-local-loads",
        "MoE: the expert bias updated from this rank's token loads, not the global batch's",
        {.mlp = false, .gpt = true, .moe = true, .expert_bias = true}},
+      {Fault::MoeAuxLossGradOverDp, "moe-aux-loss-grad-over-dp",
+       "MoE: the global load-balancing loss's gradient dp times too small (global token "
+       "count, local probabilities)",
+       {.mlp = false, .gpt = true, .min_tp = 1, .min_dp = 2, .moe = true, .aux_loss = true}},
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},
@@ -224,6 +228,8 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
     return "breaks the shared expert; it needs --moe-shared-expert-intermediate-size above 0";
   if (s.expert_bias && !run.expert_bias)
     return "breaks the expert bias; it needs --moe-router-enable-expert-bias";
+  if (s.aux_loss && !run.aux_loss)
+    return "breaks the load-balancing loss; it needs --moe-aux-loss-coeff above 0";
   if (s.sp_chunk_mid_sequence && !run.sp_chunk_mid_sequence)
     return "miscounts positions from a rank's first token, which at every degree of this run "
            "starts a sequence (batch x sequence / tp is a multiple of --seq-len)";

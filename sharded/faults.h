@@ -69,6 +69,8 @@ enum class Fault {
   MoeGlobalExpertIdAsLocal,  // dispatch indexes the destination's experts by global id:
                              // only EP rank 0's are right, the others' tokens dropped
   MoeExpertBiasLocalLoads,   // the expert bias updated from this rank's loads only
+  MoeAuxLossGradOverDp,      // the global load-balancing loss's gradient dp times too small
+                             // (the token count global, the probabilities' sum local)
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
 };
@@ -101,6 +103,7 @@ struct FaultScope {
   int min_ep = 1;              // --ep at least this
   bool shared_expert = false;  // --moe-shared-expert-intermediate-size above 0
   bool expert_bias = false;    // --moe-router-enable-expert-bias
+  bool aux_loss = false;       // --moe-aux-loss-coeff above 0
   // Whether it breaks the model named `model` ("mlp", "gpt").
   bool covers(const std::string& model) const { return model == "mlp" ? mlp : gpt; }
 };
@@ -134,7 +137,7 @@ struct FaultTarget {
   bool recompute_chunks = false;  // a full-recompute chunk holds 2 or more blocks
   int dp = 1;
   bool clip = false;
-  bool moe = false, shared_expert = false, expert_bias = false;
+  bool moe = false, shared_expert = false, expert_bias = false, aux_loss = false;
   int ep = 1;
 };
 

@@ -7,6 +7,7 @@
 
 #include "backend/canonical_gemm.h"
 #include "core/text.h"
+#include "comm/mesh_world_comm.h"
 #include "sharded/column_parallel_linear.h"
 #include "sharded/mappings.h"
 #include "sharded/moe_layer.h"
@@ -54,7 +55,10 @@ ShardSpec kv_shard(const ParamSpec& p, int dim, const GptConfig& c, int r, int t
 ShardSpec gpt_param_shard(const ParamSpec& p, const GptConfig& c, const GptParallelism& par,
                           int r, int t) {
   const std::string& n = p.name;
-  if (is_expert_param(n)) return expert_param_shard(p, c, ExpertLayout{t, r, par.ep, par.etp});
+  if (is_expert_param(n)) {
+    const int w = par.dp * t;  // the experts fold onto the whole dp × tp mesh
+    return expert_param_shard(p, c, ExpertLayout{w, par.dp_rank * t + r, par.ep, par.etp});
+  }
   if (n == "wte.weight" || n == "lm_head.weight")
     return par.loss_parallel ? split(p, 0, r, t, padded_vocab(c, par, t)) : replicate(p, r, t);
   if (ends_with_any(n, {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"}))
@@ -276,11 +280,16 @@ Parameter& ShardedGpt::param(const std::string& name) {
 
 ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
                        const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
-                       std::uint64_t seed, Fault fault)
-    : ShardedModel(be, fault), cfg_(cfg), adam_(adam), par_(par), comm_(comm), dtype_(dtype),
-      seed_(seed), rank_(comm.rank()), world_(comm.world_size()) {
+                       std::uint64_t seed, Fault fault, Communicator* dp)
+    : ShardedModel(be, fault), cfg_(cfg), adam_(adam), par_(par), comm_(comm),
+      dp_(dp ? dp->world_size() : 1), dtype_(dtype), seed_(seed), rank_(comm.rank()),
+      world_(comm.world_size()) {
   const int r = rank_, t = world_;
   const std::int64_t H = cfg.hidden;
+  if (dp) {
+    par_.dp = dp->world_size();
+    par_.dp_rank = dp->rank();
+  }
   B_ = batch.B;
   T_ = batch.T;
   N_ = B_ * T_;
@@ -330,7 +339,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
   params_.reserve(specs.size());
   for (const auto& p : specs) {
     const std::string& n = p.name;
-    ShardSpec sh = gpt_param_shard(p, cfg, par, r, t);
+    ShardSpec sh = gpt_param_shard(p, cfg, par_, r, t);
     const std::string fn = fused_name(n);
     if (fn.empty()) {
       params_.push_back(make_parameter(be, sh, dtype, seed));
@@ -470,7 +479,10 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
       blk->mlp_out_b = bias_of(p + mlp.back());
     }
     if (cfg.moe_layer(l)) {
-      const ExpertLayout x{t, r, par.ep, par.etp};
+      // The experts fold onto the whole mesh: with --dp, a communicator over it.
+      if (dp_ > 1 && !mesh_) mesh_ = std::make_unique<MeshWorldComm>(comm, *dp, be);
+      Communicator& world = mesh_ ? *mesh_ : comm;
+      const ExpertLayout x{world.world_size(), world.rank(), par.ep, par.etp};
       const std::int64_t El = cfg.num_experts / par.ep;
       std::vector<Parameter*> local;
       blk->experts_fused.resize(static_cast<std::size_t>(El));
@@ -480,7 +492,8 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
         fused_param(blk->experts_fused[static_cast<std::size_t>(le)], name);
         local.push_back(&blk->experts_fused[static_cast<std::size_t>(le)]);
       }
-      blk->moe = std::make_unique<MoeLayer>(cfg, l, x, be, comm, params_, local, N_, dtype, fault);
+      blk->moe = std::make_unique<MoeLayer>(cfg, l, x, be, world, params_, local, N_ * dp_,
+                                            MoeLayer::Rows{N_, r, t}, dtype, fault);
     }
     // Full recompute: the first chunk_layers() blocks own the activations, which every
     // chunk's blocks share (block l the slot l mod chunk_layers()); the others alias them.
@@ -1114,7 +1127,7 @@ void ShardedGpt::forward() {
   comm_.set_label("cross_entropy");
   loss_ = ce_->ce.forward(be_, comm_, logits_, targets_, n_valid_,
                           /*rows_split=*/sp && !par_.loss_parallel) +
-          moe_loss_;
+          moe_loss_ / dp_;  // (global; each replica's share, summed over DP)
 }
 
 void ShardedGpt::backward() {

@@ -45,6 +45,9 @@ struct GptParallelism {
   // Mixture-of-Experts (sharded/moe_layer.h): the experts' EP and ETP degrees over the
   // ranks (ep·etp divides them; the rest is expert-DP).
   int ep = 1, etp = 1;
+  // The data-parallel replicas around this TP group and this one's index (set from the DP
+  // communicator the model is given): the experts' layout spans them.
+  int dp = 1, dp_rank = 0;
 };
 
 // The padded vocabulary: V rounded up to a multiple of t·M when loss parallel (of C·M,
@@ -76,9 +79,11 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
 
 class ShardedGpt final : public ShardedModel {
  public:
+  // `dp`: the data-parallel group around this TP group (sharded/data_parallel.h), which
+  // MoE's experts fold onto too; null without data parallelism.
   ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
              const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
-             std::uint64_t seed, Fault fault = Fault::None);
+             std::uint64_t seed, Fault fault = Fault::None, Communicator* dp = nullptr);
   ~ShardedGpt() override;
 
   double forward_backward() override;
@@ -181,6 +186,8 @@ class ShardedGpt final : public ShardedModel {
   AdamConfig adam_;
   GptParallelism par_;
   Communicator& comm_;
+  std::unique_ptr<Communicator> mesh_;  // MoE with --dp: the whole dp × tp mesh
+  int dp_ = 1;                          // data-parallel replicas
   DType dtype_;
   std::uint64_t seed_;  // the run's seed: weights, and the dropout masks' streams
   std::int64_t step_ = 0;

@@ -53,6 +53,7 @@ struct MoeLayer::State {
   DType dtype;
   Fault fault;
   std::int64_t N = 0, n = 0, tok0 = 0, E = 0, K = 0, El = 0, H = 0;
+  MoeLayer::Rows obs{0, 0, 1};  // the observation points' rows
   struct Local {
     Parameter* gate_up;  // [2Fel,H] fused [gate_r; up_r]
     Parameter* down;     // [H,Fel]
@@ -107,11 +108,12 @@ struct MoeLayer::State {
 
 MoeLayer::MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
                    Communicator& world, std::vector<Parameter>& params,
-                   const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, DType dtype,
-                   Fault fault)
+                   const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, Rows rows,
+                   DType dtype, Fault fault)
     : s_(std::make_unique<State>(be, world)) {
   State& s = *s_;
   s.c = c;
+  s.obs = rows;
   s.prefix = "h." + std::to_string(layer) + ".";
   s.pt = "act/" + s.prefix;
   s.x = x;
@@ -463,7 +465,8 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
   }
   const double Nd = static_cast<double>(s.N);
   if (c.moe_aux_coeff > 0) {
-    const double scale = c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * Nd * Nd);
+    double scale = c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * Nd * Nd);
+    if (s.fault == Fault::MoeAuxLossGradOverDp) scale /= s.x.world / s.obs.world;  // the bug: 1/dp
     for (std::int64_t t = 0; t < n; ++t) {
       const double* sr = &s.s[static_cast<std::size_t>(t * E)];
       double* dr = &ds[static_cast<std::size_t>(t * E)];
@@ -531,9 +534,9 @@ void MoeLayer::update_expert_bias() {
 std::vector<Observation> MoeLayer::observe_forward() const {
   const State& s = *s_;
   const std::int64_t n = s.n, K = s.K, E = s.E;
-  const int r = s.x.rank, w = s.x.world;
+  const int r = s.obs.rank, w = s.obs.world;
   auto tokens = [&](const std::string& name, std::int64_t width, std::vector<double> v) {
-    return Observation{name, split(ParamSpec{name, {s.N, width}, {}}, 0, r, w), std::move(v)};
+    return Observation{name, split(ParamSpec{name, {s.obs.tokens, width}, {}}, 0, r, w), std::move(v)};
   };
   auto whole = [&](const std::string& name, std::vector<double> v) {
     return Observation{name, replicate(ParamSpec{name, {1, E}, {}}, r, w), std::move(v)};
@@ -560,9 +563,9 @@ std::vector<Observation> MoeLayer::observe_forward() const {
 
 std::vector<Observation> MoeLayer::observe_backward() const {
   const State& s = *s_;
-  const int r = s.x.rank, w = s.x.world;
+  const int r = s.obs.rank, w = s.obs.world;
   auto tokens = [&](const std::string& name, std::int64_t width, const std::vector<double>& v) {
-    return Observation{name, split(ParamSpec{name, {s.N, width}, {}}, 0, r, w), v};
+    return Observation{name, split(ParamSpec{name, {s.obs.tokens, width}, {}}, 0, r, w), v};
   };
   return {tokens(s.pt + "mlp.experts.out.grad", s.H, s.dout_host),
           tokens(s.pt + "mlp.router.logits.grad", s.E, s.dz)};

@@ -1,7 +1,8 @@
 // A Mixture-of-Experts layer under Megatron-core's parallel folding (docs/moe.md): the
 // attention's ranks are re-read as an expert mesh, ETP fastest, then EP, then expert-DP,
 //   world rank w = edp·(ep·etp) + ep_rank·etp + etp_rank,
-// and every rank routes its own slice of the tokens (rank w the tokens [w·n, (w+1)·n)).
+// and every rank routes its own slice of the global batch's tokens (rank w the tokens
+// [w·n, (w+1)·n): its replica's, split over its TP group).
 //
 //   x [n,H] ─ router (replicated Wr) ─ scores, top-k, gates, capacity
 //     ─ dispatch (all_to_all): each kept (token, expert) pair's row to every ETP rank of
@@ -50,10 +51,16 @@ class MoeLayer {
   // The layer's parameters are found in `params` by name ("h.<layer>.mlp.router.weight",
   // each local expert's fused "…gate_up.weight" and "…down_proj.weight"). `tokens` is
   // the global batch's N; this rank routes n = tokens / world of them.
+  // How the observation points' rows are laid out: this rank's are rows [rank·n, (rank+1)·n)
+  // of `tokens` (its data-parallel replica's tokens, split over its TP group of `world`).
+  struct Rows {
+    std::int64_t tokens;
+    int rank, world;
+  };
   MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
            Communicator& world, std::vector<Parameter>& params,
-           const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, DType dtype,
-           Fault fault);
+           const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, Rows rows,
+           DType dtype, Fault fault);
   ~MoeLayer();
 
   // out [n,H] = Σ_k g_nk · expert_{e_nk}(x_n) for this rank's tokens x [n,H]; returns the

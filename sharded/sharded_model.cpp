@@ -44,7 +44,7 @@ void ShardedModel::load_params(const std::map<std::string, std::vector<double>>&
 }
 
 std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec& spec,
-                                const Tensor& t, Fault fault) {
+                                const Tensor& t, Fault fault, Communicator* dp) {
   if (spec.replicated()) return be.to_host(t);
   std::vector<double> full(static_cast<std::size_t>(shape_numel(spec.full_shape)), 0.0);
   if (spec.expert) {
@@ -55,6 +55,7 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
                           MemCategory::CommBuffer, spec.name + ".gather");
     be.from_host(sum, full.data());
     comm.all_reduce(sum, ReduceOp::Sum);
+    if (dp && dp->world_size() > 1) dp->all_reduce(sum, ReduceOp::Sum);
     return be.to_host(sum);
   }
   const int world = comm.world_size();
@@ -76,15 +77,17 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
   return full;
 }
 
-std::map<std::string, std::vector<double>> ShardedModel::gather_params(Communicator& comm) {
+std::map<std::string, std::vector<double>> ShardedModel::gather_params(Communicator& comm,
+                                                                       Communicator* dp) {
   std::map<std::string, std::vector<double>> full;
-  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.value, fault_);
+  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.value, fault_, dp);
   return full;
 }
 
-std::map<std::string, std::vector<double>> ShardedModel::gather_grads(Communicator& comm) {
+std::map<std::string, std::vector<double>> ShardedModel::gather_grads(Communicator& comm,
+                                                                      Communicator* dp) {
   std::map<std::string, std::vector<double>> full;
-  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.grad, fault_);
+  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.grad, fault_, dp);
   return full;
 }
 

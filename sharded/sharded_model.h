@@ -58,8 +58,11 @@ struct Observation {
 // The full tensor (unpadded, row-major) from every rank's block `t` of `spec`
 // (collective: every rank calls it; replicated tensors come from this rank's copy).
 // Fault::ReassemblyShardOrder places each shard at the next rank's offset.
+// `dp`: with data parallelism, the DP group, over which MoE's experts (spec.expert) spread
+// too; their blocks are summed over both.
 std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec& spec,
-                                const Tensor& t, Fault fault = Fault::None);
+                                const Tensor& t, Fault fault = Fault::None,
+                                Communicator* dp = nullptr);
 
 class ShardedModel {
  public:
@@ -87,8 +90,10 @@ class ShardedModel {
   // tensors copies into their storage instead of allocating (and page-faulting) anew.
   void recycle(std::vector<Observation>&& used);
   // Full parameter tensors reassembled from every rank's shard (collective: all ranks call).
-  std::map<std::string, std::vector<double>> gather_params(Communicator& comm);
-  std::map<std::string, std::vector<double>> gather_grads(Communicator& comm);
+  std::map<std::string, std::vector<double>> gather_params(Communicator& comm,
+                                                           Communicator* dp = nullptr);
+  std::map<std::string, std::vector<double>> gather_grads(Communicator& comm,
+                                                          Communicator* dp = nullptr);
 
  protected:
   ShardedModel(Backend& be, Fault fault) : be_(be), fault_(fault) {}

@@ -189,22 +189,26 @@ TEST_CASE("the expert bias moves towards the mean load", "[moe][reference]") {
 }
 
 TEST_CASE("verify passes Mixtral and DeepSeek-MoE at every folding and mode in f64", "[cli][moe]") {
+  // (tp, ep, etp) as the issue lists them, and dp 2 x tp 2 with ep 4: the experts over
+  // both replicas. Batch 4: two rows per replica.
   const std::string losses =
       " --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 --moe-expert-capacity-factor 1.0"
-      " --moe-router-enable-expert-bias --preset small --dtype f64 --steps 5 --batch-size 2";
+      " --moe-router-enable-expert-bias --preset small --dtype f64 --steps 5 --batch-size 4";
   struct Fold {
-    int tp, ep, etp;
+    int tp, ep, etp, dp = 1;  // dp 2 x tp 2 = 4 ranks for ep 4
   };
   for (const char* model : {"mixtral", "deepseek-moe"})
     for (Fold f : {Fold{1, 1, 1}, Fold{2, 1, 1}, Fold{2, 2, 1}, Fold{2, 1, 2}, Fold{4, 2, 1},
-                   Fold{4, 4, 1}, Fold{4, 2, 2}})
+                   Fold{4, 4, 1}, Fold{4, 2, 2}, Fold{2, 4, 1, 2}})
       for (const char* mode : {"", " --loss-parallel", " --sequence-parallel",
                                " --loss-parallel --sequence-parallel"}) {
         const std::string json = temp_path("moe.json");
         const auto r = run_tpsim(std::string("verify --model ") + model + losses + " --tp " +
                                  std::to_string(f.tp) + " --ep " + std::to_string(f.ep) +
-                                 " --etp " + std::to_string(f.etp) + mode + " --json " + json);
-        INFO(model << " tp " << f.tp << " ep " << f.ep << " etp " << f.etp << mode << "\n" << r.out);
+                                 " --etp " + std::to_string(f.etp) + " --dp " +
+                                 std::to_string(f.dp) + mode + " --json " + json);
+        INFO(model << " dp " << f.dp << " tp " << f.tp << " ep " << f.ep << " etp " << f.etp
+                   << mode << "\n" << r.out);
         REQUIRE(r.exit_code == 0);
         const auto j = read_json(json);
         CHECK(j["tp"][0]["max_rel_err"].get<double>() < 1e-10);
@@ -296,7 +300,7 @@ TEST_CASE("MoE layouts that cannot fold are refused in one line", "[cli][moe]") 
   for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
            {"--tp 2 --ep 3", "--ep 3 must divide --num-experts 8"},
            {"--tp 2 --ep 2 --etp 2", "must divide the 2 ranks"},
-           {"--tp 2 --dp 2", "not yet with --dp"},
+           {"--tp 2 --dp 2 --ep 4 --etp 2", "must divide the 4 ranks"},
            {"--tp 2 --tp-invariant", "not yet with experts"},
            {"--tp 2 --recompute full", "not yet with experts"},
            {"--tp 2 --etp 5", "--etp 5 must divide the experts' width"}}) {

@@ -14,13 +14,13 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
   const auto r = run_tpsim("verify --json " + json);
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
-  CHECK(r.out.find("verify: PASS: 38 cases") != std::string::npos);
+  CHECK(r.out.find("verify: PASS: 39 cases") != std::string::npos);
   const auto j = read_json(json);
   CHECK(j["sweep"] == true);
   CHECK(j["dtype"] == "f64");
   // the MLP, the seed's GPT in 4 modes x 2 batches, GPT-2 and three Llamas in 4 modes,
-  // GPT-2 with three kinds of recomputation, data parallelism (6), MoE (4)
-  REQUIRE(j["cases"].size() == 38);
+  // GPT-2 with three kinds of recomputation, data parallelism (6), MoE (5)
+  REQUIRE(j["cases"].size() == 39);
   CHECK(j["cases"][0]["model"] == "mlp");
   std::vector<int> mlp_tp, gpt_tp;
   for (const auto& t : j["cases"][0]["tp"]) mlp_tp.push_back(t["tp"]);
@@ -65,7 +65,8 @@ TEST_CASE("verify without flags runs the sweep over every model and mode", "[cli
                                                {"deepseek-moe tp 2 ep 2 etp 1", 1},
                                                {"deepseek-moe tp 2 ep 1 etp 2", 1},
                                                {"mixtral tp 4 ep 2 etp 2", 1},
-                                               {"deepseek-moe tp 2 ep 2 etp 1 clip 0.5", 1}});
+                                               {"deepseek-moe tp 2 ep 2 etp 1 clip 0.5", 1},
+                                               {"deepseek-moe dp 2 tp 2 ep 4 etp 1 clip 0.5", 1}});
   CHECK(j["cases"][9]["architecture"] ==
         "LayerNorm+bias, Linear biases, tanh GELU F 288, learned positions, 12 heads, tied, "
         "dropout 0.1");
@@ -188,6 +189,9 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
       // The first step's loads are this rank's; the bias they move is read at step 2.
       {"moe-expert-bias-local-loads",
        {"reference", "act/h.0.mlp.router.expert_bias", "rank 0/2", 2, 2}},
+      // The aux loss's share of the router's gradient, dp times too small: the last
+      // layer's router logits' gradient, on the first MoE case with data parallelism.
+      {"moe-aux-loss-grad-over-dp", {"reference", "act/h.1.mlp.router.logits.grad", "dp 0/2", 2}},
       // The clip norm without the experts: the first tensor a wrong norm reaches.
       {"moe-clip-norm-missing-experts", {"reference", "grad_norm", "rank 0/2", 2}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.

@@ -129,10 +129,13 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   // a shared expert, sigmoid scores, expert bias) with the aux and z losses on and a
   // capacity factor of 1 (some experts drop tokens every step), at ep 2 and at etp 2;
   // Mixtral-style (8 experts, top 2, softmax, no shared expert) at tp 4 as ep 2 x etp 2
-  // with loss parallel; and clipped, whose norm must count each expert shard once.
+  // with loss parallel; and clipped, whose norm must count each expert shard once, at tp 2
+  // and as 2 replicas of tp 2, whose 4 ranks hold 4 experts each (ep 4).
   auto moe = [&](const std::string& fam, int tp, int ep, int etp, const std::string& mode,
-                 double clip) {
+                 double clip, int replicas = 1) {
     RunOptions m = small_gpt(base, fam, {tp});
+    m.dp = replicas;
+    m.batch_size *= replicas;
     m.ep = ep;
     m.etp = etp;
     m.clip_grad = clip;
@@ -141,8 +144,9 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
     m.gpt.moe_capacity_factor = 1.0;
     m.batch = BatchKind::Boundary;
     set_mode(m, mode);
-    std::string name = fam + " tp " + std::to_string(tp) + " ep " + std::to_string(ep) +
-                       " etp " + std::to_string(etp);
+    std::string name = fam + (replicas > 1 ? " dp " + std::to_string(replicas) : std::string()) + " tp " +
+                       std::to_string(tp) + " ep " + std::to_string(ep) + " etp " +
+                       std::to_string(etp);
     if (clip > 0) name += " clip 0.5";
     all.push_back({name + " " + mode, m});
   };
@@ -150,6 +154,7 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   moe("deepseek-moe", 2, 1, 2, "--sequence-parallel", 0);
   moe("mixtral", 4, 2, 2, "--loss-parallel", 0);
   moe("deepseek-moe", 2, 2, 1, "plain", 0.5);
+  moe("deepseek-moe", 2, 4, 1, "--sequence-parallel", 0.5, 2);  // the experts span 2 x 2 ranks
 
   std::vector<SweepCase> cases;
   std::string why;  // from a case of the fault's own model, which the sweep always has

@@ -126,7 +126,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
       comm.barrier();  // every rank file is written (in whichever process) before the manifest
     }
     if (!o.save_final.empty()) {
-      auto full = model->gather_params(comm);
+      auto full = model->gather_params(comm, &dp_comm);
       // bf16 values are exact in f32, which safetensors readers all take
       const DType as = o.dtype == DType::BF16 ? DType::F32 : o.dtype;
       if (rank == 0) save_weights(o.save_final, param_specs(o), full, as);

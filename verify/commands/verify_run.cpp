@@ -404,7 +404,7 @@ class RankRun final : public StepSource {
       if (p.spec.replicated())
         if (const double* h = here_.be.host_view_f64(t))
           return ObservedValues::view(h, static_cast<std::size_t>(t.numel()));
-      return gather_full(here_.be, here_.tp, p.spec, t, o_.fault);
+      return gather_full(here_.be, here_.tp, p.spec, t, o_.fault, &here_.dp);
     };
     for (const Parameter& p : model_->params()) {
       auto grad = full_of(p, p.grad);

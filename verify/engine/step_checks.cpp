@@ -9,6 +9,18 @@
 
 namespace tpsim {
 
+namespace {
+
+// --dp: whether the reference's tensor holds every replica's rows, of which a replica's
+// observation is its own: the activation points, but MoE's per-expert counts and bias,
+// which are the global batch's.
+bool replica_rows(const std::string& name) {
+  return name.starts_with("act/") && !name.ends_with("mlp.router.load") &&
+         !name.ends_with("mlp.router.expert_bias");
+}
+
+}  // namespace
+
 Comparison StepChecker::reference_check(const Observation& o) const {
   auto it = ref_.tensors.find(o.name);
   const TensorView* full = it == ref_.tensors.end() ? nullptr : &it->second;
@@ -16,7 +28,7 @@ Comparison StepChecker::reference_check(const Observation& o) const {
   if (o.name == "loss") full = &loss_value;
   if (!full) throw Error("verify: the reference has no tensor '" + o.name + "'");
   TensorView rows;  // --dp: the replica's rows of an activation point
-  if (replicas_ > 1 && o.name.starts_with("act/")) {
+  if (replicas_ > 1 && replica_rows(o.name)) {
     if (full->size() % static_cast<std::size_t>(replicas_) != 0)
       throw Error("verify --dp: the reference's " + o.name + " has " + std::to_string(full->size()) +
                   " values, which do not split over " + std::to_string(replicas_) + " replicas");
@@ -49,6 +61,7 @@ void StepChecker::check_dp_replicas(const std::vector<Observation>& mine,
   for (std::size_t i = 0; i < mine.size(); ++i) {
     const std::string& n = mine[i].name;
     if (n.starts_with("act/")) continue;  // each replica's own rows
+    if (mine[i].spec.expert) continue;    // MoE: each replica its own experts
     if (replica0[i].name != n)
       throw Error("verify --dp: tensor " + n + " against replica 0's " + replica0[i].name);
     Comparison c = compare_dp_replica(mine[i], replica0[i], replica_, replicas_, world_rank_);

@@ -105,7 +105,7 @@ std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunI
                               in.gpt_batch.num_ignored();
   auto make = [&](Communicator& tp) -> std::unique_ptr<ShardedModel> {
     return std::make_unique<ShardedGpt>(o.gpt, batch, o.adam, par, be, tp, o.dtype, o.seed,
-                                        o.fault);
+                                        o.fault, dp);
   };
   return std::make_unique<DataParallelModel>(make, be, comm, *dp, opt, o.fault);
 }

@@ -109,6 +109,7 @@ FaultTarget fault_target(const RunOptions& o) {
   run.ep = o.ep;
   run.shared_expert = g.moe() && g.moe_shared_ffn > 0;
   run.expert_bias = g.moe() && g.moe_expert_bias;
+  run.aux_loss = g.moe() && g.moe_aux_coeff > 0;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || padded_vocab(g, par, t) > g.vocab_size;
@@ -169,9 +170,6 @@ void check_moe_layout(const RunOptions& o) {
     throw UsageError("--recompute full: not yet with experts (selective is supported)");
   if (!o.dump_dir.empty())
     throw UsageError("--dump: not yet with experts (docs/dump-format.md has no expert layout)");
-  if (o.dp > 1)
-    throw UsageError("--num-experts: not yet with --dp (the experts' groups span the TP group "
-                     "only so far); run --dp 1");
   if (g.num_experts % o.ep != 0)
     throw UsageError("--ep " + std::to_string(o.ep) + " must divide --num-experts " +
                      std::to_string(g.num_experts));
