@@ -3,6 +3,9 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
 #include <set>
 
 #include "cli_runner.h"
@@ -312,4 +315,96 @@ TEST_CASE("MoE layouts that cannot fold are refused in one line", "[cli][moe]") 
   const auto r = run_tpsim("verify --model llama --preset small --tp 2 --ep 2");
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("add --num-experts") != std::string::npos);
+}
+
+namespace {
+
+// Hugging Face Mixtral's name for a tpsim parameter, written out by hand (not from the
+// map under test): Llama's names, the router "block_sparse_moe.gate", experts w1 (gate),
+// w3 (up), w2 (down). `swap` exchanges w1 and w3: a producer that mixed them up.
+std::string mixtral_name(const std::string& n, bool swap = false) {
+  if (n == "wte.weight") return "model.embed_tokens.weight";
+  if (n == "ln_f.weight") return "model.norm.weight";
+  if (n == "lm_head.weight") return n;
+  const auto dot = n.find('.', 2);
+  const std::string layer = "model.layers." + n.substr(2, dot - 2) + ".";
+  const std::string rest = n.substr(dot + 1);
+  const std::map<std::string, std::string> block = {
+      {"ln1.weight", "input_layernorm.weight"},
+      {"ln2.weight", "post_attention_layernorm.weight"},
+      {"attn.q_proj.weight", "self_attn.q_proj.weight"},
+      {"attn.k_proj.weight", "self_attn.k_proj.weight"},
+      {"attn.v_proj.weight", "self_attn.v_proj.weight"},
+      {"attn.o_proj.weight", "self_attn.o_proj.weight"},
+      {"mlp.router.weight", "block_sparse_moe.gate.weight"}};
+  if (auto it = block.find(rest); it != block.end()) return layer + it->second;
+  // mlp.experts.<e>.<proj>.weight
+  const auto e_end = rest.find('.', 12);
+  const std::string e = rest.substr(12, e_end - 12), proj = rest.substr(e_end + 1);
+  const std::string w = proj == "gate_proj.weight" ? (swap ? "w3" : "w1")
+                        : proj == "up_proj.weight" ? (swap ? "w1" : "w3")
+                                                   : "w2";
+  return layer + "block_sparse_moe.experts." + e + "." + w + ".weight";
+}
+
+// The dump in `dir` rewritten in Mixtral's names.
+void to_mixtral_names(const std::string& dir, int tp, bool swap) {
+  auto rename = [&](const st::StFile& in, bool stepped) {
+    st::StFile out;
+    out.metadata = in.metadata;
+    for (const auto& [full, t] : in.tensors) {
+      const auto slash = stepped ? full.find('/') : std::string::npos;
+      const std::string prefix = slash == std::string::npos ? "" : full.substr(0, slash + 1);
+      const std::string name = full.substr(prefix.size());
+      if (name == "loss" || name.starts_with("act/")) {
+        out.tensors[full] = t;
+        continue;
+      }
+      const bool grad = name.ends_with(".grad");
+      const std::string base = grad ? name.substr(0, name.size() - 5) : name;
+      out.tensors[prefix + mixtral_name(base, swap) + (grad ? ".grad" : "")] = t;
+    }
+    return out;
+  };
+  for (int r = 0; r < tp; ++r) {
+    const std::string p = dir + "/rank" + std::to_string(r) + ".safetensors";
+    st::write_safetensors(p, rename(st::read_safetensors(p), true));
+  }
+  const std::string w = dir + "/weights.safetensors";
+  st::write_safetensors(w, rename(st::read_safetensors(w), false));
+  auto m = read_json(dir + "/manifest.json");
+  m["names"] = "hf-mixtral";
+  std::ofstream(dir + "/manifest.json") << m.dump(2);
+}
+
+}  // namespace
+
+TEST_CASE("check reads MoE dumps in tpsim's names and in Hugging Face Mixtral's", "[check][moe][cli]") {
+  for (const char* dtype : {"f64", "f32"}) {
+    const std::string dir = temp_path(std::string("moe-dump-") + dtype);
+    std::filesystem::remove_all(dir);
+    const auto t = run_tpsim(std::string("train --model mixtral --preset small --tp 4 --ep 2 --etp 2 "
+                                         "--steps 2 --moe-expert-capacity-factor 1 --dtype ") +
+                             dtype + " --dump " + dir);
+    INFO(t.out);
+    REQUIRE(t.exit_code == 0);
+    const std::string files = " --load " + dir + "/weights.safetensors --data " + dir + "/batch.safetensors";
+    const auto own = run_tpsim("check --dumps " + dir + files);
+    INFO(own.out);
+    CHECK(own.exit_code == 0);
+    to_mixtral_names(dir, 4, false);
+    const auto hf = run_tpsim("check --dumps " + dir + files);
+    INFO(hf.out);
+    CHECK(hf.exit_code == 0);
+  }
+  // gate (w1) and up (w3) exchanged by the producer: the experts' first product differs.
+  const std::string dir = temp_path("moe-dump-swapped");
+  std::filesystem::remove_all(dir);
+  REQUIRE(run_tpsim("train --model mixtral --preset small --tp 2 --ep 2 --steps 2 --dtype f64 --dump " +
+                    dir).exit_code == 0);
+  to_mixtral_names(dir, 2, true);
+  const auto r = run_tpsim("check --dumps " + dir + " --load " + dir + "/weights.safetensors --data " +
+                           dir + "/batch.safetensors");
+  INFO(r.out);
+  CHECK(r.exit_code == 1);
 }

@@ -15,21 +15,30 @@ const char* convention_name(NameConvention c) {
     case NameConvention::Megatron: return "megatron";
     case NameConvention::HfLlama: return "hf-llama";
     case NameConvention::Torchtitan: return "torchtitan";
+    case NameConvention::HfMixtral: return "hf-mixtral";
+    case NameConvention::HfQwenMoe: return "hf-qwen-moe";
   }
   return "?";
 }
 
 std::optional<NameConvention> convention_named(const std::string& s) {
   for (auto c : {NameConvention::Tpsim, NameConvention::Nanogpt, NameConvention::HfGpt2,
-                 NameConvention::Megatron, NameConvention::HfLlama, NameConvention::Torchtitan})
+                 NameConvention::Megatron, NameConvention::HfLlama, NameConvention::Torchtitan,
+                 NameConvention::HfMixtral, NameConvention::HfQwenMoe})
     if (s == convention_name(c)) return c;
   return std::nullopt;
 }
 
 std::optional<std::string> convention_misfit(NameConvention c, const GptConfig& a) {
-  // Megatron-core builds every architecture tpsim does (its GPT and Llama specs: LayerNorm
-  // or RMSNorm, GELU or SwiGLU, learned positions or RoPE, GQA, biases, tied or not).
-  if (c == NameConvention::Tpsim || c == NameConvention::Megatron) return std::nullopt;
+  if (c == NameConvention::Tpsim) return std::nullopt;
+  const bool moe_names = c == NameConvention::HfMixtral || c == NameConvention::HfQwenMoe;
+  if (a.moe() != moe_names || (a.moe() && a.moe_shared_ffn > 0))
+    return std::string(convention_name(c)) + "'s names do not cover " + describe_architecture(a) +
+           ": hf-mixtral and hf-qwen-moe name routed experts without a shared expert; the "
+           "other conventions name dense models";
+  // Megatron-core builds every dense architecture tpsim does (its GPT and Llama specs:
+  // LayerNorm or RMSNorm, GELU or SwiGLU, learned positions or RoPE, GQA, biases, tied or not).
+  if (c == NameConvention::Megatron) return std::nullopt;
   // A GPT with learned positions, every head its own k and v, and a tied head.
   const bool gpt_like = a.norm == NormKind::LayerNorm && !a.swiglu() && !a.rope() &&
                         a.kv() == a.heads && a.tied_embeddings;
@@ -165,7 +174,12 @@ const ConventionSpec& spec_of(NameConvention c) {
        {"feed_forward.w3.weight", "mlp.up_proj.weight"},
        {"feed_forward.w2.weight", "mlp.down_proj.weight"}},
       nullptr, "output.weight"};
+  // transformers' MixtralForCausalLM and Qwen3MoeForCausalLM: Llama's names, and in each
+  // MoE layer a router and E experts (convention_names adds theirs, which E numbers).
+  static const ConventionSpec hf_moe = hf_llama;
   switch (c) {
+    case NameConvention::HfMixtral:
+    case NameConvention::HfQwenMoe: return hf_moe;
     case NameConvention::Nanogpt: return nanogpt;
     case NameConvention::HfGpt2: return hf_gpt2;
     case NameConvention::Megatron: return megatron;
@@ -200,6 +214,19 @@ ConventionNames convention_names(NameConvention c, const GptConfig& config) {
         t.fused[f + spec.fused_gate_up + "." + suffix] = {i, suffix, FusedKind::GateUp};
     }
     for (const char* n : spec.transposed) t.transposed.insert(f + n);
+    if (!config.moe_layer(i)) continue;
+    // Mixtral: block_sparse_moe.gate, experts.e.w1 (gate), w3 (up), w2 (down); Qwen3-MoE:
+    // mlp.gate, mlp.experts.e.gate_proj, up_proj, down_proj.
+    const bool mixtral = c == NameConvention::HfMixtral;
+    const std::string moe = f + (mixtral ? "block_sparse_moe." : "mlp.");
+    add(moe + "gate.weight", h + "mlp.router.weight");
+    for (std::int64_t e = 0; e < config.num_experts; ++e) {
+      const std::string x = moe + "experts." + std::to_string(e) + ".";
+      const std::string y = h + "mlp.experts." + std::to_string(e) + ".";
+      add(x + (mixtral ? "w1" : "gate_proj") + ".weight", y + "gate_proj.weight");
+      add(x + (mixtral ? "w3" : "up_proj") + ".weight", y + "up_proj.weight");
+      add(x + (mixtral ? "w2" : "down_proj") + ".weight", y + "down_proj.weight");
+    }
   }
   if (config.tied_embeddings) t.tied_head = spec.tied_head;
   return t;

@@ -2,7 +2,8 @@
 // conventions"): nanoGPT's, Hugging Face GPT2LMHeadModel's and Megatron-core's for the
 // GPT (q, k and v fused into one tensor; GPT-2's Linears are Conv1D, stored [in, out]),
 // Megatron-core's also for Llama (q, k, v fused per query group, gate and up fused), Hugging
-// Face's LlamaForCausalLM's and torchtitan's for Llama. Data only: a dump reader splits
+// Face's LlamaForCausalLM's and torchtitan's for Llama, and Hugging Face's
+// MixtralForCausalLM's and Qwen3MoeForCausalLM's for Llama with routed experts. Data only: a dump reader splits
 // fused tensors (verify/dump/name_maps.h), a checkpoint reader renames (io/hf_checkpoint.h).
 #pragma once
 
@@ -17,7 +18,7 @@
 
 namespace tpsim {
 
-enum class NameConvention { Tpsim, Nanogpt, HfGpt2, Megatron, HfLlama, Torchtitan };
+enum class NameConvention { Tpsim, Nanogpt, HfGpt2, Megatron, HfLlama, Torchtitan, HfMixtral, HfQwenMoe };
 const char* convention_name(NameConvention c);  // "tpsim", "nanogpt", "hf-gpt2", ...
 // The convention named `s`, or none.
 std::optional<NameConvention> convention_named(const std::string& s);

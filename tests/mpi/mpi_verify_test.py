@@ -42,6 +42,11 @@ CONFIGS = [
     "--model llama --preset small --tp 2 --dp 2 --clip-grad 0.5",
     "--model gpt2 --preset small --tp 1,2 --dropout 0.1 --recompute selective",
     "--model mlp --tp 1,2,4,8",
+    # MoE: the routing posted from every process to the checker's, which the reference
+    # follows at ties (bf16), and the experts over the whole dp x tp mesh
+    "--model deepseek-moe --preset small --tp 2 --ep 2 --moe-aux-loss-coeff 0.01 "
+    "--moe-expert-capacity-factor 1 --dtype bf16 --steps 3",
+    "--model mixtral --preset small --batch-size 4 --tp 2 --dp 2 --ep 4 --steps 3",
 ]
 
 # The emulator runs every kernel on the CPU: the emulator tests' small models.

@@ -75,6 +75,8 @@ RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const Gp
   o.loss_parallel = m.parallel.loss_parallel;
   o.sequence_parallel = m.parallel.sequence_parallel;
   o.make_vocab_divisible_by = m.parallel.make_vocab_divisible_by;
+  o.ep = m.parallel.ep;
+  o.etp = m.parallel.etp;
   o.data_path = c.data;
   try {
     validate_run_options(o);
@@ -150,13 +152,41 @@ CheckResult run_check(const CheckOptions& c) {
   if (!c.free_running) free.emplace(o, in);
   double ref_seconds = 0;
   auto ref_t0 = std::chrono::steady_clock::now();
+  // A step of every rank, read once: before the reference computes it when it follows the
+  // producer's routing (MoE, docs/moe.md "Ties"), else after.
+  std::vector<RankStep> ranks;
+  int read_step = 0;
+  auto read_ranks = [&](int step) {
+    if (read_step == step) return;
+    ranks.clear();
+    for (int r = 0; r < world; ++r) ranks.push_back(dump.read(step, r));
+    read_step = step;
+  };
+  TensorMap routing;  // MoE: the producer's decisions of the step, as full tensors
+  FollowFn follow;
+  if (o.gpt.moe())
+    follow = [&](int step) {
+      read_ranks(step);
+      routing.clear();
+      for (const RankStep& rs : ranks)
+        for (const auto& ob : rs.forward) {
+          if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept")) continue;
+          auto& v = routing[ob.name];
+          v.resize(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)));
+          place_shard(v, std::span<const double>(ob.values.data(), ob.values.size()), ob.spec);
+        }
+      const double tau = bounds.per_tensor()
+                             ? bounds.bound("act/h.0.mlp.router.scores", step, world)
+                             : rep.tolerance;
+      return RoutingToFollow{routing.empty() ? nullptr : &routing, tau};
+    };
   run_reference(
       o, in, RefStorage::InPlace, [&](int) -> RefStep& { return ref; },
       [&](int step) {
         ref_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - ref_t0).count();
         rep.reference_losses.push_back(ref.loss);
-        std::vector<RankStep> ranks;
-        for (int r = 0; r < world; ++r) ranks.push_back(dump.read(step, r));
+        read_ranks(step);
+        for (const auto& t : ref.ties) tpr.ties.push_back("step " + std::to_string(step) + ", " + t);
         for (int r = 0; r < world; ++r) {
           RankStep& rs = ranks[static_cast<std::size_t>(r)];
           std::vector<Comparison> found;
@@ -180,7 +210,8 @@ CheckResult run_check(const CheckOptions& c) {
         }
         ref_t0 = std::chrono::steady_clock::now();
       },
-      [&](int step) -> const TensorMap* { return step > 1 && !c.free_running ? &producer : nullptr; });
+      [&](int step) -> const TensorMap* { return step > 1 && !c.free_running ? &producer : nullptr; },
+      follow);
   rep.reference_seconds = ref_seconds;
   tpr.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   rep.pass = tpr.pass;

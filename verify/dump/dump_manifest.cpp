@@ -187,6 +187,22 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   c.rope_style = cfg.choice_or("rope_style", kRopeStyleNames, c.rope_style);
   c.kv_heads = cfg.integer_or("kv_heads", 0, 0, kMaxSize);
   c.tied_embeddings = cfg.boolean_or("tied_embeddings", c.tied_embeddings);
+  // Mixture-of-Experts (docs/moe.md); absent: dense. Bounded here, before any parameter
+  // list is made from them: E experts of three Linears each per layer.
+  c.num_experts = cfg.integer_or("num_experts", 0, 0, 1024);
+  if (c.moe()) {
+    c.moe_topk = cfg.integer("moe_topk", 1, c.num_experts);
+    c.moe_ffn_hidden = cfg.integer_or("moe_ffn_hidden", 0, 0, kMaxSize);
+    c.moe_shared_ffn = cfg.integer_or("moe_shared_ffn", 0, 0, kMaxSize);
+    c.moe_layer_freq = cfg.integer_or("moe_layer_freq", 1, 1, 1024);
+    c.moe_score = cfg.choice_or("moe_score", kMoeScoreNames, c.moe_score);
+    c.moe_topk_renorm = cfg.boolean_or("moe_topk_renorm", c.moe_topk_renorm);
+    c.moe_aux_coeff = cfg.number_or("moe_aux_coeff", 0.0, 0.0, 1e6);
+    c.moe_z_coeff = cfg.number_or("moe_z_coeff", 0.0, 0.0, 1e6);
+    c.moe_expert_bias = cfg.boolean_or("moe_expert_bias", false);
+    c.moe_bias_rate = cfg.number_or("moe_bias_rate", c.moe_bias_rate, 0.0, 1e6);
+    c.moe_capacity_factor = cfg.number_or("moe_capacity_factor", 0.0, 0.0, 1e6);
+  }
   cfg.no_others();
   if (m.config.hidden % m.config.heads != 0)
     cfg.fail("config.heads", std::to_string(m.config.heads) + " does not divide hidden " +
@@ -214,13 +230,15 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
     m.parallel.loss_parallel = f.boolean_or("loss_parallel", false);
     m.parallel.sequence_parallel = f.boolean_or("sequence_parallel", false);
     m.parallel.make_vocab_divisible_by = f.integer_or("make_vocab_divisible_by", 1, 1, 1 << 20);
+    m.parallel.ep = static_cast<int>(f.integer_or("ep", 1, 1, 64));
+    m.parallel.etp = static_cast<int>(f.integer_or("etp", 1, 1, 64));
     f.no_others();
   }
   const std::string names = top.string_or("names", "tpsim");
   const auto conv = convention_named(names);
   if (!conv)
-    top.fail("names", "expected \"tpsim\", \"nanogpt\", \"hf-gpt2\", \"megatron\", \"hf-llama\" "
-                      "or \"torchtitan\", got " + quote_text(names));
+    top.fail("names", "expected \"tpsim\", \"nanogpt\", \"hf-gpt2\", \"megatron\", \"hf-llama\", "
+                      "\"torchtitan\", \"hf-mixtral\" or \"hf-qwen-moe\", got " + quote_text(names));
   m.names = *conv;
   if (const auto misfit = convention_misfit(m.names, m.config))
     top.fail("names", *misfit + "; use \"tpsim\" names");
@@ -268,6 +286,23 @@ nlohmann::json manifest_json(const DumpManifest& m) {
       {"names", convention_name(m.names)},
   };
   if (m.clip_grad > 0) j["optimizer"]["clip_grad"] = m.clip_grad;
+  if (c.moe()) {
+    json& k = j["config"];
+    k["num_experts"] = c.num_experts;
+    k["moe_topk"] = c.moe_topk;
+    k["moe_ffn_hidden"] = c.moe_ffn();
+    k["moe_shared_ffn"] = c.moe_shared_ffn;
+    k["moe_layer_freq"] = c.moe_layer_freq;
+    k["moe_score"] = choice_name(kMoeScoreNames, c.moe_score);
+    k["moe_topk_renorm"] = c.moe_topk_renorm;
+    k["moe_aux_coeff"] = c.moe_aux_coeff;
+    k["moe_z_coeff"] = c.moe_z_coeff;
+    k["moe_expert_bias"] = c.moe_expert_bias;
+    k["moe_bias_rate"] = c.moe_bias_rate;
+    k["moe_capacity_factor"] = c.moe_capacity_factor;
+    j["parallel"]["ep"] = m.parallel.ep;
+    j["parallel"]["etp"] = m.parallel.etp;
+  }
   if (!m.layouts.empty()) {
     json l = json::object();
     for (const auto& [name, layout] : m.layouts)

@@ -73,6 +73,9 @@ class RankReader {
       need("loss");
       if (m_.clip_grad > 0) need("grad_norm");
       for (const auto& [n, p] : params_) {
+        // (an expert's parameter on a rank of another expert-parallel rank: no block)
+        const ShardSpec d = gpt_param_shard(p, m_.config, m_.parallel, rank_, m_.world_size);
+        if (d.expert && d.length == 0) continue;
         need(n + ".grad");
         need(n);
       }

@@ -27,6 +27,8 @@ DumpManifest manifest_of(const RunOptions& o, int tp) {
   m.parallel.loss_parallel = o.loss_parallel;
   m.parallel.sequence_parallel = o.sequence_parallel;
   m.parallel.make_vocab_divisible_by = o.make_vocab_divisible_by;
+  m.parallel.ep = o.ep;
+  m.parallel.etp = o.etp;
   return m;
 }
 
