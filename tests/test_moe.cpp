@@ -408,3 +408,43 @@ TEST_CASE("check reads MoE dumps in tpsim's names and in Hugging Face Mixtral's"
   INFO(r.out);
   CHECK(r.exit_code == 1);
 }
+
+TEST_CASE("verify --load takes a Hugging Face Mixtral checkpoint directory", "[check][moe][cli]") {
+  const std::string dir = temp_path("hf-mixtral");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/hf");
+  const std::string sizes = "--model mixtral --vocab-size 101 --hidden 72 --heads 12 --kv-heads 4 "
+                            "--layers 2 --ffn-hidden 96 --num-experts 4 --block-size 32 --seq-len 24";
+  auto r = run_tpsim("train " + sizes + " --steps 1 --dtype f64 --save-final " + dir + "/tpsim.safetensors");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  const auto w = st::read_safetensors(dir + "/tpsim.safetensors");
+  st::StFile hf;
+  for (const auto& [name, t] : w.tensors) hf.tensors[mixtral_name(name)] = t;
+  st::write_safetensors(dir + "/hf/model.safetensors", hf);
+  nlohmann::json config = {
+      {"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"}, {"vocab_size", 101},
+      {"hidden_size", 72}, {"intermediate_size", 96}, {"num_hidden_layers", 2},
+      {"num_attention_heads", 12}, {"num_key_value_heads", 4}, {"max_position_embeddings", 32},
+      {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"tie_word_embeddings", false},
+      {"hidden_act", "silu"}, {"sliding_window", nullptr}, {"num_local_experts", 4},
+      {"num_experts_per_tok", 2}, {"router_aux_loss_coef", 0.02}, {"output_router_logits", false},
+      {"router_jitter_noise", 0.0}, {"torch_dtype", "float32"}};
+  std::ofstream(dir + "/hf/config.json") << config.dump();
+  // The same run from the tpsim-named file and from the directory: the same numbers.
+  const std::string run = " --tp 2 --ep 2 --steps 2 --dtype f64 --json ";
+  r = run_tpsim("verify " + sizes + " --load " + dir + "/tpsim.safetensors" + run + dir + "/want.json");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  r = run_tpsim("verify --model mixtral --seq-len 24 --load " + dir + "/hf" + run + dir + "/got.json");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  CHECK(read_json(dir + "/got.json")["reference"]["losses"] ==
+        read_json(dir + "/want.json")["reference"]["losses"]);
+  // A noisy router is not this model: refused in one line.
+  config["router_jitter_noise"] = 0.01;
+  std::ofstream(dir + "/hf/config.json") << config.dump();
+  r = run_tpsim("verify --model mixtral --seq-len 24 --load " + dir + "/hf --tp 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("router_jitter_noise") != std::string::npos);
+}

@@ -156,6 +156,33 @@ GptConfig llama_config(ConfigFields& f) {
   return c;
 }
 
+// MixtralConfig (configuration_mixtral.py): Llama's fields, intermediate_size an expert's
+// width, every layer routed (softmax over the experts, top-k renormalised: the mixtral
+// family's choices). router_aux_loss_coef is a training setting of transformers' own
+// loss (summed over every layer's logits at once), not this model's: ignored, as the
+// dropout is.
+GptConfig mixtral_config(ConfigFields& f) {
+  GptConfig c = llama_config(f);
+  const GptConfig sizes = c;
+  apply_gpt_family(c, "mixtral");
+  c.vocab_size = sizes.vocab_size;
+  c.hidden = sizes.hidden;
+  c.ffn_hidden = sizes.ffn_hidden;
+  c.layers = sizes.layers;
+  c.heads = sizes.heads;
+  c.kv_heads = sizes.kv_heads;
+  c.block_size = sizes.block_size;
+  c.ln_eps = sizes.ln_eps;
+  c.rope_theta = sizes.rope_theta;
+  c.tied_embeddings = sizes.tied_embeddings;
+  c.num_experts = f.size("num_local_experts");
+  c.moe_topk = f.size_or("num_experts_per_tok", 2);
+  c.moe_ffn_hidden = sizes.ffn_hidden;
+  f.must_be("router_jitter_noise", 0, "a noisy router is not built");
+  f.ignore({"router_aux_loss_coef", "output_router_logits"});
+  return c;
+}
+
 // GPT2Config (configuration_gpt2.py) onto the gpt2 family.
 GptConfig gpt2_config(ConfigFields& f) {
   GptConfig c;
@@ -195,9 +222,10 @@ GptConfig read_hf_config(const std::string& dir) {
   const json* type = f.get("model_type");
   GptConfig c;
   if (type && *type == "llama") c = llama_config(f);
+  else if (type && *type == "mixtral") c = mixtral_config(f);
   else if (type && *type == "gpt2") c = gpt2_config(f);
-  else f.fail("model_type", "tpsim reads LlamaForCausalLM (\"llama\") and GPT2LMHeadModel "
-                            "(\"gpt2\") checkpoints");
+  else f.fail("model_type", "tpsim reads LlamaForCausalLM (\"llama\"), MixtralForCausalLM "
+                            "(\"mixtral\") and GPT2LMHeadModel (\"gpt2\") checkpoints");
   f.ignore({"architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
             "dtype", "transformers_version", "initializer_range", "use_cache", "_name_or_path",
             "tokenizer_class"});
@@ -260,9 +288,13 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
   // The framework's names to tpsim's: GPT2LMHeadModel's (Conv1D weights stored [in, out],
   // q, k, v fused in c_attn) or LlamaForCausalLM's.
   const bool gpt2 = config.mlp != MlpKind::SwiGLU;
-  const NameConvention convention = gpt2 ? NameConvention::HfGpt2 : NameConvention::HfLlama;
+  const NameConvention convention = gpt2           ? NameConvention::HfGpt2
+                                    : config.moe() ? NameConvention::HfMixtral
+                                                   : NameConvention::HfLlama;
   const ConventionNames names = convention_names(convention, config);
-  const std::string model = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+  const std::string model = gpt2           ? "GPT2LMHeadModel"
+                            : config.moe() ? "MixtralForCausalLM"
+                                           : "LlamaForCausalLM";
   st::StFile renamed;
   std::map<std::string, std::string> origin;  // tpsim name -> the checkpoint's
   const auto put = [&](const std::string& to, const std::string& from, st::StTensor&& t) {

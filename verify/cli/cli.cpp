@@ -266,7 +266,7 @@ void apply_architecture(const CLI::App& cmd, RunOptions& o, const RawFlags& raw)
 void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
   if (o.load_path.empty() || !is_hf_model_dir(o.load_path)) return;
   const GptConfig c = read_hf_config(o.load_path);
-  const std::string family = c.swiglu() ? "llama" : "gpt2";
+  const std::string family = c.moe() ? "mixtral" : c.swiglu() ? "llama" : "gpt2";
   if (raw.model != family)
     throw UsageError("--load " + quote_text(o.load_path) + " is a Hugging Face " + family +
                      " checkpoint (config.json): add --model " + family);
@@ -274,13 +274,22 @@ void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw
                            "--layers", "--norm", "--norm-bias", "--no-norm-bias", "--linear-bias",
                            "--no-linear-bias", "--mlp", "--ffn-hidden", "--positions",
                            "--rope-theta", "--rope-style", "--kv-heads", "--tied-embeddings",
-                           "--untied-embeddings"})
+                           "--untied-embeddings", "--num-experts", "--moe-router-topk",
+                           "--moe-ffn-hidden-size"})
     if (cmd.count(flag) > 0)
       throw UsageError(std::string(flag) + ": the model comes from " +
                        quote_text(o.load_path + "/config.json") + " (--load)");
-  const double dropout = o.gpt.dropout;
+  // The training settings stay the run's: dropout, and MoE's losses, capacity and bias.
+  const GptConfig run = o.gpt;
   o.gpt = c;
-  o.gpt.dropout = dropout;
+  o.gpt.dropout = run.dropout;
+  if (c.moe()) {
+    o.gpt.moe_aux_coeff = run.moe_aux_coeff;
+    o.gpt.moe_z_coeff = run.moe_z_coeff;
+    o.gpt.moe_capacity_factor = run.moe_capacity_factor;
+    o.gpt.moe_expert_bias = run.moe_expert_bias;
+    o.gpt.moe_bias_rate = run.moe_bias_rate;
+  }
 }
 
 // Under MPI, when one process of the job fails or dies, the launcher ends the others with
