@@ -278,6 +278,16 @@ TEST_CASE("a routing decision within bf16's error of a tie is followed and repor
   CHECK(j["tp"][0]["comparisons"] == read_json(plain_json)["tp"][0]["comparisons"]);
 }
 
+TEST_CASE("bf16 MoE inside data parallelism: every replica's routing followed at its own rows", "[cli][moe]") {
+  // Found by the false-alarm sweep: the routing the reference follows was posted at the
+  // replica's rows, not the global batch's, so the replicas overwrote each other's.
+  const auto r = run_tpsim(
+      "verify --model deepseek-moe --preset small --batch-size 8 --dp 4 --tp 2 --ep 8 --steps 3 "
+      "--dtype bf16 --moe-aux-loss-coeff 0.1 --moe-expert-capacity-factor 1 --sequence-parallel");
+  INFO(r.out);
+  CHECK(r.exit_code == 0);
+}
+
 TEST_CASE("a routing change above the scores' error fails the exact comparison", "[cli][moe]") {
   // The expert bias moved by one rank's loads: from step 2 the sharded run's choices differ
   // from the reference's by a bias step (1e-3), far above f64's bound of a tie.

@@ -129,7 +129,9 @@ class ReferenceFeed {
   // reference asks for them before it computes the step, and waits until every rank has
   // posted. One step lives at a time: a rank posts step s+1 only after the reference has
   // published step s, which it computed from step s's board.
-  void post_routing(int step, const std::vector<Observation>& fwd) {
+  // With --dp, a rank's rows are of its replica's tokens, which are rows [replica·n,
+  // (replica+1)·n) of the reference's (the global batch's).
+  void post_routing(int step, const std::vector<Observation>& fwd, int replica, int replicas) {
     std::lock_guard lock(mu_);
     if (routing_step_ != step) {
       routing_step_ = step;
@@ -137,11 +139,12 @@ class ReferenceFeed {
     }
     for (const auto& ob : fwd) {
       if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept")) continue;
+      const auto n = static_cast<std::size_t>(shape_numel(ob.spec.full_shape));
       std::vector<double>& full = routing_[ob.name];
-      full.resize(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)));
+      full.resize(n * static_cast<std::size_t>(replicas));
       for (std::size_t k = 0; k < ob.values.size(); ++k) {
         const std::int64_t f = full_index(ob.spec, static_cast<std::int64_t>(k));
-        if (f >= 0) full[static_cast<std::size_t>(f)] = ob.values[k];
+        if (f >= 0) full[n * static_cast<std::size_t>(replica) + static_cast<std::size_t>(f)] = ob.values[k];
       }
     }
     ++posted_;
@@ -517,7 +520,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       source->gradients(o.resync && step > 1 ? &ref.wait(step - 1).copies : nullptr,
                         std::move(slot), st);
       slot.clear();
-      if (moe) ref.post_routing(step, st.fwd);
+      if (moe) ref.post_routing(step, st.fwd, at.dp_rank, dp);
       const double loss = st.loss;
       if (step == 1) {
         mine.comm_step1 = st.comm;
