@@ -670,6 +670,8 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
         const auto topk = follow_->find(pt + "mlp.router.topk"), kept = follow_->find(pt + "mlp.router.kept");
         if (topk != follow_->end()) follow.topk = &topk->second;
         if (kept != follow_->end()) follow.kept = &kept->second;
+        if (const auto sc = follow_->find(pt + "mlp.router.scores"); sc != follow_->end())
+          follow.scores = &sc->second;
         follow.tau = follow_tau_;
       }
       router_loss += moe.forward(routed, a.ln2_out, params_, p, c, bias, follow_ ? &follow : nullptr);

@@ -60,6 +60,21 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
     std::sort(into.begin(), into.end());
     return std::adjacent_find(into.begin(), into.end()) == into.end();
   };
+  // Whether `set` is the top K of the sharded run's own scores of token n (with the
+  // bias), where those are given: the only choice a correct router could have made there.
+  const auto consistent = [&](Index n, const std::vector<std::int64_t>& set) {
+    if (!follow->scores || follow->scores->size() != static_cast<std::size_t>(N * E)) return true;
+    std::vector<std::int64_t> o(static_cast<std::size_t>(E));
+    std::iota(o.begin(), o.end(), 0);
+    const auto theirs_sel = [&](std::int64_t e) {
+      return (*follow->scores)[static_cast<std::size_t>(n * E + e)] + static_cast<double>(bias(e));
+    };
+    std::stable_sort(o.begin(), o.end(),
+                     [&](std::int64_t a, std::int64_t b) { return theirs_sel(a) > theirs_sel(b); });
+    std::vector<std::int64_t> top(o.begin(), o.begin() + K);
+    std::sort(top.begin(), top.end());
+    return top == set;
+  };
   for (Index n = 0; n < N; ++n) {
     std::iota(order.begin(), order.end(), 0);
     const auto sel = [&](std::int64_t e) { return s_(n, e) + bias(e); };
@@ -68,7 +83,7 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
     if (K < E) r.gap[n] = sel(order[K - 1]) - sel(order[K]);
     mine.assign(order.begin(), order.begin() + K);
     std::sort(mine.begin(), mine.end());
-    if (sharded_row(n, theirs) && theirs != mine) {
+    if (sharded_row(n, theirs) && theirs != mine && consistent(n, theirs)) {
       // Each expert the sharded run chose instead of one of ours: as far below it as that?
       S worst = -std::numeric_limits<S>::infinity(), norm = 0;
       for (Index e = 0; e < E; ++e) norm += sel(e) * sel(e);

@@ -27,6 +27,9 @@ namespace tpsim::ref {
 struct FollowRouting {
   const std::vector<double>* topk = nullptr;  // [N,K]
   const std::vector<double>* kept = nullptr;  // [N,K]
+  // [N,E] the sharded run's own scores, if known: a choice that is not the top k of them
+  // (with the bias) is a routing bug, never a tie.
+  const std::vector<double>* scores = nullptr;
   double tau = 0;  // the scores' relative error bound
 };
 // A decision the reference took from the sharded run: a token's expert set (capacity
@@ -54,7 +57,8 @@ class Moe {
   // y [N,H] from x [N,H] with the parameters of layer `prefix` ("h.0."); `bias` [E] (zeros
   // without expert bias). Returns the layer's aux + z losses.
   // With `follow`, a token whose expert set differs from the sharded run's takes the
-  // sharded set when every swap is within 2·tau of the selection scores' row norm (a tie,
+  // sharded set when every swap is within 2·tau of the selection scores' row norm, and the
+  // set is the top k of the sharded run's own scores where those are given (a tie,
   // recorded in ties()); an expert whose kept tokens differ takes the sharded ones when
   // every swap's gates are within 2·tau of their sum. Otherwise it keeps its own, and
   // verify's exact comparison of the decisions fails.

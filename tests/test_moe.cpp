@@ -115,7 +115,7 @@ TEST_CASE("the reference follows a sharded routing choice only within the scores
   }
   REQUIRE(tied > 0);
   std::vector<double> kept(16, 1.0);
-  ref::FollowRouting f{&theirs, &kept, 1e-10};
+  ref::FollowRouting f{&theirs, &kept, nullptr, 1e-10};
   follow.forward(y_follow, x, p, "h.0.", c, bias, &f);
   REQUIRE(static_cast<int>(follow.ties().size()) == tied);
   for (const auto& t : follow.ties()) {
@@ -128,6 +128,15 @@ TEST_CASE("the reference follows a sharded routing choice only within the scores
   // Experts 0 and 1 compute different functions: the followed output is expert 1's.
   CHECK((y_own - y_follow).norm() > 1e-3);
 
+  // The same choice from a run whose own scores are the reference's (an exact tie, which
+  // its rule breaks to the lower id): not what its scores pick, so a router bug, not a tie.
+  std::vector<double> own_scores(own.scores().data(), own.scores().data() + own.scores().size());
+  ref::FollowRouting h{&theirs, &kept, &own_scores, 1e-10};
+  ref::Moe<double> inconsistent;
+  inconsistent.forward(y_follow, x, p, "h.0.", c, bias, &h);
+  CHECK(inconsistent.ties().empty());
+  CHECK(inconsistent.routing().expert == own.routing().expert);
+
   // A choice far below the reference's (its last-ranked expert) is not a tie: kept as is.
   std::vector<double> worst;
   for (std::int64_t n = 0; n < 16; ++n) {
@@ -137,7 +146,7 @@ TEST_CASE("the reference follows a sharded routing choice only within the scores
     worst.push_back(static_cast<double>(lo));
   }
   ref::Moe<double> refuse;
-  ref::FollowRouting g{&worst, &kept, 1e-10};
+  ref::FollowRouting g{&worst, &kept, nullptr, 1e-10};
   refuse.forward(y_follow, x, p, "h.0.", c, bias, &g);
   CHECK(refuse.ties().empty());
   CHECK(refuse.routing().expert == own.routing().expert);

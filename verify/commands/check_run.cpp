@@ -170,7 +170,9 @@ CheckResult run_check(const CheckOptions& c) {
       routing.clear();
       for (const RankStep& rs : ranks)
         for (const auto& ob : rs.forward) {
-          if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept")) continue;
+          if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept") &&
+              !ob.name.ends_with("mlp.router.scores"))
+            continue;
           auto& v = routing[ob.name];
           v.resize(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)));
           place_shard(v, std::span<const double>(ob.values.data(), ob.values.size()), ob.spec);

@@ -138,7 +138,9 @@ class ReferenceFeed {
       posted_ = 0;
     }
     for (const auto& ob : fwd) {
-      if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept")) continue;
+      if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept") &&
+          !ob.name.ends_with("mlp.router.scores"))
+        continue;
       const auto n = static_cast<std::size_t>(shape_numel(ob.spec.full_shape));
       std::vector<double>& full = routing_[ob.name];
       full.resize(n * static_cast<std::size_t>(replicas));

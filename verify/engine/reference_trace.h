@@ -87,7 +87,7 @@ using RebaseFn = std::function<const TensorMap*(int step)>;
 // scores' relative error bound (reference/moe.h); it may block until the step's routing
 // is known.
 struct RoutingToFollow {
-  const TensorMap* choices = nullptr;  // full "act/h.<l>.mlp.router.topk" and ".kept"
+  const TensorMap* choices = nullptr;  // full "act/h.<l>.mlp.router.topk", ".kept", ".scores"
   double tau = 0;
 };
 using FollowFn = std::function<RoutingToFollow(int step)>;
