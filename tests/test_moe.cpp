@@ -2,6 +2,7 @@
 // and how it follows the sharded run's at ties, and verify over the parallel foldings.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -466,4 +467,21 @@ TEST_CASE("verify --load takes a Hugging Face Mixtral checkpoint directory", "[c
   r = run_tpsim("verify --model mixtral --seq-len 24 --load " + dir + "/hf --tp 2");
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("router_jitter_noise") != std::string::npos);
+}
+
+TEST_CASE("a dump manifest's experts are bounded before any parameter list is made", "[check][moe][cli]") {
+  const std::string dir = temp_path("moe-hostile");
+  std::filesystem::remove_all(dir);
+  REQUIRE(run_tpsim("train --model mixtral --preset small --tp 2 --ep 2 --steps 1 --dtype f64 --dump " +
+                    dir).exit_code == 0);
+  auto m = read_json(dir + "/manifest.json");
+  m["config"]["num_experts"] = 1024;
+  m["config"]["layers"] = 32;  // 32768 experts' worth of names: refused, not built
+  std::ofstream(dir + "/manifest.json") << m.dump(2);
+  const auto r = run_tpsim("check --dumps " + dir + " --load " + dir + "/weights.safetensors --data " +
+                           dir + "/batch.safetensors");
+  INFO(r.out);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("more than 16384 in all") != std::string::npos);
+  CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 1);
 }
