@@ -229,7 +229,7 @@ TEST_CASE("verify passes Mixtral and DeepSeek-MoE at every folding and mode in f
       }
 }
 
-TEST_CASE("a routing decision within bf16's error of a tie is followed and reported; the run goes on", "[cli][moe]") {
+TEST_CASE("a routing decision within bf16's error of a tie is followed and reported, and the run goes on", "[cli][moe]") {
   // Mixtral's initial weights with each layer's router row 1 a hair (1e-6, relative) above
   // row 0, which is rounded to bf16 first: the bf16 model computes the same score for
   // experts 0 and 1 and takes 0, while the f64 reference sees 1 ahead wherever its score is
