@@ -63,7 +63,7 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   // Whether `set` is the top K of the sharded run's own scores of token n (with the
   // bias), where those are given: the only choice a correct router could have made there.
   const auto consistent = [&](Index n, const std::vector<std::int64_t>& set) {
-    if (!follow->scores || follow->scores->size() != static_cast<std::size_t>(N * E)) return true;
+    if (!follow->scores || follow->scores->size() != static_cast<std::size_t>(N * E)) return false;
     std::vector<std::int64_t> o(static_cast<std::size_t>(E));
     std::iota(o.begin(), o.end(), 0);
     const auto theirs_sel = [&](std::int64_t e) {
@@ -84,16 +84,25 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
     mine.assign(order.begin(), order.begin() + K);
     std::sort(mine.begin(), mine.end());
     if (sharded_row(n, theirs) && theirs != mine && consistent(n, theirs)) {
-      // Each expert the sharded run chose instead of one of ours: as far below it as that?
-      S worst = -std::numeric_limits<S>::infinity(), norm = 0;
-      for (Index e = 0; e < E; ++e) norm += sel(e) * sel(e);
+      // Each expert b the sharded run chose instead of one a of ours: is a's lead over b
+      // within the two scores' errors, tau of each (the bias is exact)? The tightest
+      // margin of the swaps is reported.
+      bool within = true;
+      double gap = -std::numeric_limits<double>::infinity(), bound = 0;
       for (auto a : mine)
         if (!std::binary_search(theirs.begin(), theirs.end(), a))
           for (auto b : theirs)
-            if (!std::binary_search(mine.begin(), mine.end(), b)) worst = std::max(worst, sel(a) - sel(b));
-      const double bound = 2 * follow->tau * std::sqrt(static_cast<double>(norm));
-      if (static_cast<double>(worst) <= bound) {
-        ties_.push_back({false, n, -1, mine, theirs, static_cast<double>(worst), bound});
+            if (!std::binary_search(mine.begin(), mine.end(), b)) {
+              const double lead = static_cast<double>(sel(a) - sel(b));
+              const double err = follow->tau * static_cast<double>(std::abs(s_(n, a)) + std::abs(s_(n, b)));
+              within = within && lead <= err;
+              if (lead - err > gap - bound) {
+                gap = lead;
+                bound = err;
+              }
+            }
+      if (within) {
+        ties_.push_back({false, n, -1, mine, theirs, gap, bound});
         mine = theirs;
       }
     }
@@ -120,7 +129,7 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
     });
     if (static_cast<std::int64_t>(pairs.size()) <= cap) continue;
     std::vector<std::int64_t> keep(pairs.begin(), pairs.begin() + cap);
-    follow_capacity(keep, pairs, e, follow, N, K);
+    follow_capacity(keep, pairs, e, follow, N, K, E, c.moe_topk_renorm);
     for (auto i : pairs) r.kept[i] = 0;
     for (auto i : keep) r.kept[i] = 1;
     pairs = keep;
@@ -162,9 +171,11 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
 
 template <class S>
 void Moe<S>::follow_capacity(std::vector<std::int64_t>& keep, const std::vector<std::int64_t>& pairs,
-                             std::int64_t e, const FollowRouting* follow, Index N, Index K) {
-  if (!follow || !follow->kept || !follow->topk ||
-      follow->kept->size() != static_cast<std::size_t>(N * K))
+                             std::int64_t e, const FollowRouting* follow, Index N, Index K,
+                             Index E, bool renorm) {
+  if (!follow || !follow->kept || !follow->topk || !follow->scores ||
+      follow->kept->size() != static_cast<std::size_t>(N * K) ||
+      follow->scores->size() != static_cast<std::size_t>(N * E))
     return;
   // The sharded run's kept pairs of this expert, where its routing of each token is ours.
   std::vector<std::int64_t> theirs;
@@ -177,6 +188,29 @@ void Moe<S>::follow_capacity(std::vector<std::int64_t>& keep, const std::vector<
   std::sort(mine.begin(), mine.end());
   std::sort(theirs.begin(), theirs.end());
   if (theirs == mine) return;
+  // Only the choice the sharded run's own gates imply can be a tie: its top `keep.size()`
+  // pairs by its gates (from its scores, its routing and the renormalisation), then by
+  // token.
+  std::vector<double> g(pairs.size());
+  for (std::size_t j = 0; j < pairs.size(); ++j) {
+    const std::int64_t i = pairs[j], n = i / K;
+    const auto score = [&](std::int64_t x) {
+      return (*follow->scores)[static_cast<std::size_t>(n * E + x)];
+    };
+    double sum = 0;
+    for (Index k = 0; k < K; ++k)
+      sum += score(static_cast<std::int64_t>((*follow->topk)[static_cast<std::size_t>(n * K + k)]));
+    g[j] = renorm ? score(e) / sum : score(e);
+  }
+  std::vector<std::size_t> rank(pairs.size());
+  std::iota(rank.begin(), rank.end(), std::size_t{0});
+  std::stable_sort(rank.begin(), rank.end(), [&](std::size_t a, std::size_t b) {
+    return g[a] != g[b] ? g[a] > g[b] : pairs[a] < pairs[b];
+  });
+  std::vector<std::int64_t> implied;
+  for (std::size_t j = 0; j < keep.size(); ++j) implied.push_back(pairs[rank[j]]);
+  std::sort(implied.begin(), implied.end());
+  if (implied != theirs) return;
   const Routing& r = route_;
   double worst = -std::numeric_limits<double>::infinity(), bound = std::numeric_limits<double>::infinity();
   for (auto a : mine)

@@ -57,11 +57,12 @@ class Moe {
   // y [N,H] from x [N,H] with the parameters of layer `prefix` ("h.0."); `bias` [E] (zeros
   // without expert bias). Returns the layer's aux + z losses.
   // With `follow`, a token whose expert set differs from the sharded run's takes the
-  // sharded set when every swap is within 2·tau of the selection scores' row norm, and the
-  // set is the top k of the sharded run's own scores where those are given (a tie,
-  // recorded in ties()); an expert whose kept tokens differ takes the sharded ones when
-  // every swap's gates are within 2·tau of their sum. Otherwise it keeps its own, and
-  // verify's exact comparison of the decisions fails.
+  // sharded set when the set is the top k of the sharded run's own scores (with the bias)
+  // and every swap (a ours, b theirs) has sel_a − sel_b <= tau·(s_a + s_b), the scores'
+  // errors at tau each (a tie, recorded in ties()); an expert whose kept tokens differ
+  // takes the sharded ones when they are the top ones by the sharded run's own gates and
+  // every swap's gates are within 2·tau of their sum. Without the sharded scores nothing is
+  // followed. Otherwise it keeps its own, and verify's exact comparison fails.
   S forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params, const std::string& prefix,
             const GptConfig& c, const Vector<S>& bias, const FollowRouting* follow = nullptr);
   // dx [N,H] (written) and the router's and experts' gradients (written) from dy [N,H].
@@ -88,9 +89,11 @@ class Moe {
   Vector<S> lse_;  // [N]
   std::vector<Expert> experts_;
   // Capacity ties: `keep` (expert e's kept pairs, of `pairs` routed to it) becomes the
-  // sharded run's where every swap is within the gates' error.
+  // sharded run's where that is what its own gates imply and every swap is within the
+  // gates' error.
   void follow_capacity(std::vector<std::int64_t>& keep, const std::vector<std::int64_t>& pairs,
-                       std::int64_t e, const FollowRouting* follow, Eigen::Index N, Eigen::Index K);
+                       std::int64_t e, const FollowRouting* follow, Eigen::Index N, Eigen::Index K,
+                       Eigen::Index E, bool renorm);
 };
 
 extern template class Moe<float>;

@@ -155,7 +155,7 @@ def config(seed, index):
     gpt = rng.random() < 0.85
     invariant = gpt and rng.random() < 0.4  # the MLP has no TP-invariant mode
     args, degrees, dtypes = (gpt_config if gpt else mlp_config)(rng, invariant)
-    moe_rng = random.Random(seed * 7_919 + index)  # one run in five of the GPT's: MoE
+    moe_rng = random.Random(seed * 7_919 + index)  # a quarter of the GPT's: MoE
     if gpt and not invariant and moe_rng.random() < 0.25:
         args, degrees, dtypes = moe_variant(moe_rng, args, dtypes)
     args += ["--tp", ",".join(map(str, degrees)),

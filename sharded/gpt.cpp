@@ -107,7 +107,8 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
     const auto routed = [&](std::int64_t width) {
       return split(ParamSpec{name, {tokens, width}, {}}, 0, r, t);
     };
-    if (rest == "mlp.router.logits" || rest == "mlp.router.scores") return routed(c.num_experts);
+    if (rest == "mlp.router.logits" || (!grad && rest == "mlp.router.scores"))
+      return routed(c.num_experts);
     if (!grad && (rest == "mlp.router.topk" || rest == "mlp.router.kept")) return routed(c.moe_topk);
     if (rest == "mlp.experts.out") return routed(H);
     if (!grad && (rest == "mlp.router.load" || rest == "mlp.router.expert_bias"))

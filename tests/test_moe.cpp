@@ -116,7 +116,11 @@ TEST_CASE("the reference follows a sharded routing choice only within the scores
   }
   REQUIRE(tied > 0);
   std::vector<double> kept(16, 1.0);
-  ref::FollowRouting f{&theirs, &kept, nullptr, 1e-10};
+  // The sharded run's own scores: the reference's, but expert 1's a hair above expert 0's
+  // (its rounding broke the tie upward), so that its choice is its own scores' top 1.
+  std::vector<double> scores(own.scores().data(), own.scores().data() + own.scores().size());
+  for (std::int64_t n = 0; n < 16; ++n) scores[static_cast<std::size_t>(n * 4 + 1)] *= 1 + 1e-12;
+  ref::FollowRouting f{&theirs, &kept, &scores, 1e-10};
   follow.forward(y_follow, x, p, "h.0.", c, bias, &f);
   REQUIRE(static_cast<int>(follow.ties().size()) == tied);
   for (const auto& t : follow.ties()) {
@@ -138,6 +142,12 @@ TEST_CASE("the reference follows a sharded routing choice only within the scores
   CHECK(inconsistent.ties().empty());
   CHECK(inconsistent.routing().expert == own.routing().expert);
 
+  // Without the sharded run's scores nothing can show its choice was its router's: kept.
+  ref::FollowRouting blind{&theirs, &kept, nullptr, 1e-10};
+  ref::Moe<double> no_scores;
+  no_scores.forward(y_follow, x, p, "h.0.", c, bias, &blind);
+  CHECK(no_scores.ties().empty());
+
   // A choice far below the reference's (its last-ranked expert) is not a tie: kept as is.
   std::vector<double> worst;
   for (std::int64_t n = 0; n < 16; ++n) {
@@ -147,7 +157,9 @@ TEST_CASE("the reference follows a sharded routing choice only within the scores
     worst.push_back(static_cast<double>(lo));
   }
   ref::Moe<double> refuse;
-  ref::FollowRouting g{&worst, &kept, nullptr, 1e-10};
+  std::vector<double> worst_scores = scores;  // scores under which `worst` is the top 1
+  for (std::int64_t n = 0; n < 16; ++n) worst_scores[static_cast<std::size_t>(n * 4) + static_cast<std::size_t>(worst[n])] = 10;
+  ref::FollowRouting g{&worst, &kept, &worst_scores, 1e-10};
   refuse.forward(y_follow, x, p, "h.0.", c, bias, &g);
   CHECK(refuse.ties().empty());
   CHECK(refuse.routing().expert == own.routing().expert);
@@ -155,6 +167,7 @@ TEST_CASE("the reference follows a sharded routing choice only within the scores
 
 TEST_CASE("capacity keeps the largest gates, then the lowest token index", "[moe][reference]") {
   GptConfig c = small_moe(2, 1);
+  c.moe_topk_renorm = false;    // (renormalised, a top-1 gate is 1 for every token)
   c.moe_capacity_factor = 0.5;  // ceil(0.5 · 8 · 1 / 2) = 2 tokens per expert
   const auto p = moe_params(c, 11);
   ref::Matrix<double> x = tokens(8, 8, 5);
@@ -172,6 +185,9 @@ TEST_CASE("capacity keeps the largest gates, then the lowest token index", "[moe
         kept += r.kept[n];
       }
     CHECK(kept == std::min<int>(2, static_cast<int>(mine.size())));
+    std::set<double> distinct;
+    for (const auto& pair : mine) distinct.insert(pair.first);
+    if (mine.size() > 2) CHECK(distinct.size() > 2);  // the order is by gate, not all equal
     std::sort(mine.begin(), mine.end(), [](auto a, auto b) {
       return a.first != b.first ? a.first > b.first : a.second < b.second;
     });
@@ -182,6 +198,64 @@ TEST_CASE("capacity keeps the largest gates, then the lowest token index", "[moe
   }
   // The equal pair: if one is dropped and the other kept, the later token is the dropped one.
   if (r.kept[1] != r.kept[5]) CHECK(r.kept[1] == 1);
+}
+
+TEST_CASE("a capacity decision is followed only if the sharded run's own gates imply it", "[moe][reference]") {
+  GptConfig c = small_moe(2, 1);
+  c.moe_topk_renorm = false;
+  c.moe_capacity_factor = 0.25;  // ceil(0.25 · 8 · 1 / 2) = 1 token per expert
+  auto p = moe_params(c, 11);
+  ref::Matrix<double> x = tokens(8, 8, 5);
+  ref::Moe<double> own;
+  ref::Matrix<double> y;
+  const ref::Vector<double> bias = ref::Vector<double>::Zero(2);
+  own.forward(y, x, p, "h.0.", c, bias);
+  const auto& r = own.routing();
+  // An expert with two tokens or more keeps one: the largest gate's. The sharded run keeps
+  // another (its second largest), whose gate it saw as the largest.
+  std::int64_t e = -1, first = -1, second = -1;
+  for (std::int64_t cand = 0; cand < 2 && e < 0; ++cand) {
+    std::vector<std::pair<double, std::int64_t>> g;
+    for (std::int64_t n = 0; n < 8; ++n)
+      if (r.expert[n] == cand) g.push_back({r.gate[n], n});
+    if (g.size() < 2) continue;
+    std::sort(g.begin(), g.end(), [](auto a, auto b) { return a.first > b.first; });
+    e = cand;
+    first = g[0].second;
+    second = g[1].second;
+  }
+  REQUIRE(e >= 0);
+  std::vector<double> topk, kept, scores(own.scores().data(), own.scores().data() + own.scores().size());
+  for (std::int64_t n = 0; n < 8; ++n) {
+    topk.push_back(static_cast<double>(r.expert[n]));
+    kept.push_back(r.kept[n]);
+  }
+  kept[first] = 0;
+  kept[second] = 1;
+  // Its scores, as posted, still rank `first` above: its kept set is not its own gates'
+  // top one, a capacity bug, however close the gates.
+  ref::FollowRouting wrong{&topk, &kept, &scores, 1.0};
+  ref::Moe<double> a;
+  a.forward(y, x, p, "h.0.", c, bias, &wrong);
+  CHECK(a.ties().empty());
+  CHECK(a.routing().kept[first] == 1);
+  // Scores under which `second` leads: its own gates' choice. Within a bound that holds
+  // any gap (tau 1: the gates' error their whole size), followed and reported; within
+  // f64's, refused (the gap between two random gates is far above 1e-10).
+  scores[static_cast<std::size_t>(second * 2 + e)] = scores[static_cast<std::size_t>(first * 2 + e)] * (1 + 1e-12);
+  ref::FollowRouting tie{&topk, &kept, &scores, 1.0};
+  ref::Moe<double> b;
+  b.forward(y, x, p, "h.0.", c, bias, &tie);
+  REQUIRE(b.ties().size() == 1);
+  CHECK(b.ties()[0].capacity);
+  CHECK(b.ties()[0].expert == e);
+  CHECK(b.routing().kept[second] == 1);
+  CHECK(b.routing().kept[first] == 0);
+  ref::FollowRouting far{&topk, &kept, &scores, 1e-10};
+  ref::Moe<double> d;
+  d.forward(y, x, p, "h.0.", c, bias, &far);
+  CHECK(d.ties().empty());
+  CHECK(d.routing().kept[first] == 1);
 }
 
 TEST_CASE("the expert bias moves towards the mean load", "[moe][reference]") {
@@ -461,6 +535,22 @@ TEST_CASE("verify --load takes a Hugging Face Mixtral checkpoint directory", "[c
   REQUIRE(r.exit_code == 0);
   CHECK(read_json(dir + "/got.json")["reference"]["losses"] ==
         read_json(dir + "/want.json")["reference"]["losses"]);
+  // The checkpoint's architecture is its config.json's: a flag that says otherwise exits 2.
+  for (const char* flag : {"--moe-router-score-function sigmoid", "--moe-layer-freq 2",
+                           "--moe-shared-expert-intermediate-size 48", "--no-moe-router-topk-renorm"}) {
+    r = run_tpsim(std::string("verify --model mixtral --seq-len 24 --load ") + dir + "/hf --tp 2 " + flag);
+    INFO(flag << "\n" << r.out);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find("the model comes from") != std::string::npos);
+  }
+  // Training settings stay the run's, and check takes the directory for a dump trained
+  // with them.
+  r = run_tpsim("train " + sizes + " --tp 2 --ep 2 --steps 2 --dtype f64 --moe-aux-loss-coeff 0.01 "
+                "--moe-expert-capacity-factor 1 --load " + dir + "/tpsim.safetensors --dump " + dir + "/dump");
+  REQUIRE(r.exit_code == 0);
+  r = run_tpsim("check --dumps " + dir + "/dump --data " + dir + "/dump/batch.safetensors --load " + dir + "/hf");
+  INFO(r.out);
+  CHECK(r.exit_code == 0);
   // A noisy router is not this model: refused in one line.
   config["router_jitter_noise"] = 0.01;
   std::ofstream(dir + "/hf/config.json") << config.dump();
@@ -484,4 +574,48 @@ TEST_CASE("a dump manifest's experts are bounded before any parameter list is ma
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("more than 16384 in all") != std::string::npos);
   CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 1);
+}
+
+TEST_CASE("an expert's empty block on another EP rank is no check", "[cli][moe]") {
+  // At ep 4 each rank holds 2 of the 8 experts: the other 6 are no block there, and the
+  // verdict counts only what was compared.
+  auto checks = [](const std::string& ep) {
+    const std::string json = temp_path("moe-count-" + ep + ".json");
+    const auto r = run_tpsim("verify --model mixtral --preset small --tp 4 --steps 1 --dtype f64 --ep " +
+                             ep + " --json " + json);
+    INFO(r.out);
+    REQUIRE(r.exit_code == 0);
+    return read_json(json)["tp"][0]["comparisons"].get<std::int64_t>();
+  };
+  CHECK(checks("4") < checks("1"));
+}
+
+TEST_CASE("MoE flags out of range, or against a checkpoint's config, exit 2 in one line", "[cli][moe]") {
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--num-experts 200000000", "--num-experts 200000000: out of range"},
+           {"--moe-ffn-hidden-size 4611686018427387904", "--moe-ffn-hidden-size"},
+           {"--moe-expert-capacity-factor 1e19", "--moe-expert-capacity-factor"},
+           {"--moe-router-topk 9", "--moe-router-topk 9"}}) {
+    const auto r = run_tpsim("verify --model mixtral --preset small --tp 2 " + flags);
+    INFO(flags << "\n" << r.out);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find(says) != std::string::npos);
+    CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 1);
+  }
+}
+
+TEST_CASE("a dump's gradient of the router's scores is no point: refused, exit 2", "[check][moe][cli]") {
+  const std::string dir = temp_path("moe-scores-grad");
+  std::filesystem::remove_all(dir);
+  REQUIRE(run_tpsim("train --model mixtral --preset small --tp 2 --ep 2 --steps 1 --dtype f64 --dump " +
+                    dir).exit_code == 0);
+  const std::string rank0 = dir + "/rank0.safetensors";
+  auto f = st::read_safetensors(rank0);
+  f.tensors["step1/act/h.0.mlp.router.scores.grad"] = f.tensors.at("step1/act/h.0.mlp.router.scores");
+  st::write_safetensors(rank0, f);
+  const auto r = run_tpsim("check --dumps " + dir + " --load " + dir + "/weights.safetensors --data " +
+                           dir + "/batch.safetensors");
+  INFO(r.out);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("unknown activation point") != std::string::npos);
 }

@@ -27,8 +27,9 @@ std::int64_t GptConfig::ffn() const {
 
 std::int64_t GptConfig::moe_capacity(std::int64_t n) const {
   if (moe_capacity_factor <= 0) return n;
-  return static_cast<std::int64_t>(
-      std::ceil(moe_capacity_factor * static_cast<double>(n * moe_topk) / static_cast<double>(num_experts)));
+  const double cap =
+      std::ceil(moe_capacity_factor * static_cast<double>(n * moe_topk) / static_cast<double>(num_experts));
+  return cap >= static_cast<double>(n) ? n : static_cast<std::int64_t>(cap);  // (no more than all)
 }
 
 std::vector<std::string> GptConfig::mlp_linears() const {
@@ -115,11 +116,8 @@ std::optional<std::string> config_difference(const GptConfig& a, const GptConfig
                      choice_name(kMoeScoreNames, b.moe_score))
               : std::nullopt,
       a.moe() ? diff("moe_topk_renorm", yes(a.moe_topk_renorm), yes(b.moe_topk_renorm)) : std::nullopt,
-      a.moe() ? diff("moe_aux_coeff", num(a.moe_aux_coeff), num(b.moe_aux_coeff)) : std::nullopt,
-      a.moe() ? diff("moe_z_coeff", num(a.moe_z_coeff), num(b.moe_z_coeff)) : std::nullopt,
-      a.moe() ? diff("moe_expert_bias", yes(a.moe_expert_bias), yes(b.moe_expert_bias)) : std::nullopt,
-      a.moe() ? diff("moe_capacity_factor", num(a.moe_capacity_factor), num(b.moe_capacity_factor))
-              : std::nullopt,
+      // (the aux and z losses, the capacity and the expert bias are training settings, as
+      // dropout is: a checkpoint does not carry them)
   };
   for (const auto& f : fields)
     if (f) return f;

@@ -115,8 +115,8 @@ struct GptConfig {
   std::int64_t moe_ffn() const { return moe_ffn_hidden > 0 ? moe_ffn_hidden : ffn(); }
   // Layer l's dense MLP width: ffn(), or in an MoE layer the shared expert's (0: none).
   std::int64_t mlp_ffn(std::int64_t l) const { return moe_layer(l) ? moe_shared_ffn : ffn(); }
-  // Tokens an expert keeps of a global batch of n tokens: ceil(factor·n·K/E); n without
-  // a capacity factor.
+  // Tokens an expert keeps of a global batch of n tokens: ceil(factor·n·K/E), at most n;
+  // n without a capacity factor.
   std::int64_t moe_capacity(std::int64_t n) const;
   // The MLP's parameter names, up to ".weight"/".bias": {in, out} for GELU, {gate, up,
   // down} for SwiGLU.
@@ -135,7 +135,8 @@ void apply_gpt_family(GptConfig& c, const std::string& family);
 // 8 heads, tied" for the seed's model.
 std::string describe_architecture(const GptConfig& c);
 // The first field in which `b` describes another model than `a` (its weights' shapes or its
-// numerics: sizes, architecture, eps, RoPE; not dropout, a training setting), as
+// numerics: sizes, architecture, eps, RoPE, the experts and their routing; not dropout or
+// MoE's losses, capacity and expert bias, training settings), as
 // "heads 8, not 4", or none.
 std::optional<std::string> config_difference(const GptConfig& a, const GptConfig& b);
 // Throws UsageError naming the field when the architecture cannot be built: heads must

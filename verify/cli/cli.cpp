@@ -275,7 +275,9 @@ void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw
                            "--no-linear-bias", "--mlp", "--ffn-hidden", "--positions",
                            "--rope-theta", "--rope-style", "--kv-heads", "--tied-embeddings",
                            "--untied-embeddings", "--num-experts", "--moe-router-topk",
-                           "--moe-ffn-hidden-size"})
+                           "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+                           "--moe-router-score-function", "--moe-router-topk-renorm",
+                           "--no-moe-router-topk-renorm", "--moe-layer-freq"})
     if (cmd.count(flag) > 0)
       throw UsageError(std::string(flag) + ": the model comes from " +
                        quote_text(o.load_path + "/config.json") + " (--load)");

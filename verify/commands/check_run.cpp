@@ -177,9 +177,10 @@ CheckResult run_check(const CheckOptions& c) {
           v.resize(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)));
           place_shard(v, std::span<const double>(ob.values.data(), ob.values.size()), ob.spec);
         }
-      const double tau = bounds.per_tensor()
-                             ? bounds.bound("act/h.0.mlp.router.scores", step, world)
-                             : rep.tolerance;
+      double tau = bounds.per_tensor() ? 0.0 : rep.tolerance;
+      for (std::int64_t l = 0; bounds.per_tensor() && l < o.gpt.layers; ++l)
+        if (o.gpt.moe_layer(l))
+          tau = std::max(tau, bounds.bound("act/h." + std::to_string(l) + ".mlp.router.scores", step, world));
       return RoutingToFollow{routing.empty() ? nullptr : &routing, tau};
     };
   run_reference(

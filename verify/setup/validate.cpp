@@ -216,6 +216,15 @@ void validate_run_options(const RunOptions& o) {
   check_int("--make-vocab-divisible-by", o.make_vocab_divisible_by, 1, kMaxVocabMultiple);
   check_int("--kv-heads", g.kv_heads, 0, g.heads);
   check_int("--ffn-hidden", g.ffn_hidden, 0, kMaxHidden);
+  // MoE's sizes, before anything (the parameter list) is made from them
+  check_int("--num-experts", g.num_experts, 0, 1024);
+  check_int("--moe-ffn-hidden-size", g.moe_ffn_hidden, 0, kMaxHidden);
+  check_int("--moe-shared-expert-intermediate-size", g.moe_shared_ffn, 0, kMaxHidden);
+  check_int("--moe-layer-freq", g.moe_layer_freq, 1, 1 << 20);
+  check_float("--moe-expert-capacity-factor", g.moe_capacity_factor, 0, true, 1e6);
+  check_float("--moe-aux-loss-coeff", g.moe_aux_coeff, 0, true, 1e6);
+  check_float("--moe-z-loss-coeff", g.moe_z_coeff, 0, true, 1e6);
+  check_float("--moe-router-bias-update-rate", g.moe_bias_rate, 0, true, 1e6);
   check_float("--rope-theta", g.rope_theta, 1, false, std::numeric_limits<double>::infinity());
   check_float("--dropout", g.dropout, 0, true, 1);
   if (o.recompute == RecomputeKind::Full)
