@@ -148,6 +148,11 @@ const std::vector<FaultInfo>& all_faults() {
       {Fault::MoeExpertBiasLocalLoads, "moe-expert-bias-local-loads",
        "MoE: the expert bias updated from this rank's token loads, not the global batch's",
        {.mlp = false, .gpt = true, .moe = true, .expert_bias = true}},
+      {Fault::MoeCombineRowInSequence, "moe-combine-row-in-sequence",
+       "MoE: combine puts each token's output at its row within its sequence, not within "
+       "the rank's tokens (wrong once a rank holds two sequences or more)",
+       {.mlp = false, .gpt = true, .sequence_parallel = Needs::On, .min_tp = 1, .moe = true,
+        .rank_holds_sequences = true}},
       {Fault::MoeAuxLossGradOverDp, "moe-aux-loss-grad-over-dp",
        "MoE: the global load-balancing loss's gradient dp times too small (global token "
        "count, local probabilities)",
@@ -230,6 +235,9 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
     return "breaks the expert bias; it needs --moe-router-enable-expert-bias";
   if (s.aux_loss && !run.aux_loss)
     return "breaks the load-balancing loss; it needs --moe-aux-loss-coeff above 0";
+  if (s.rank_holds_sequences && !run.rank_holds_sequences)
+    return "misplaces rows only where a rank routes two sequences or more: it needs "
+           "--batch-size above dp x tp";
   if (s.sp_chunk_mid_sequence && !run.sp_chunk_mid_sequence)
     return "miscounts positions from a rank's first token, which at every degree of this run "
            "starts a sequence (batch x sequence / tp is a multiple of --seq-len)";

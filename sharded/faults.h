@@ -69,6 +69,9 @@ enum class Fault {
   MoeGlobalExpertIdAsLocal,  // dispatch indexes the destination's experts by global id:
                              // only EP rank 0's are right, the others' tokens dropped
   MoeExpertBiasLocalLoads,   // the expert bias updated from this rank's loads only
+  MoeCombineRowInSequence,   // combine writes a token's output at its row within its
+                             // sequence, not within the rank's tokens: wrong under SP when
+                             // a rank holds several sequences (torchtitan PR #3604)
   MoeAuxLossGradOverDp,      // the global load-balancing loss's gradient dp times too small
                              // (the token count global, the probabilities' sum local)
   // reassembly (gather_full: what train --save-final writes)
@@ -104,6 +107,7 @@ struct FaultScope {
   bool shared_expert = false;  // --moe-shared-expert-intermediate-size above 0
   bool expert_bias = false;    // --moe-router-enable-expert-bias
   bool aux_loss = false;       // --moe-aux-loss-coeff above 0
+  bool rank_holds_sequences = false;  // some rank routes the tokens of 2+ sequences
   // Whether it breaks the model named `model` ("mlp", "gpt").
   bool covers(const std::string& model) const { return model == "mlp" ? mlp : gpt; }
 };
@@ -138,6 +142,7 @@ struct FaultTarget {
   int dp = 1;
   bool clip = false;
   bool moe = false, shared_expert = false, expert_bias = false, aux_loss = false;
+  bool rank_holds_sequences = false;  // some degree's B·T/(dp·t) tokens per rank exceed T
   int ep = 1;
 };
 

@@ -494,7 +494,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
         local.push_back(&blk->experts_fused[static_cast<std::size_t>(le)]);
       }
       blk->moe = std::make_unique<MoeLayer>(cfg, l, x, be, world, params_, local, N_ * dp_,
-                                            MoeLayer::Rows{N_, r, t}, dtype, fault);
+                                            MoeLayer::Rows{N_, r, t, T_}, dtype, fault);
     }
     // Full recompute: the first chunk_layers() blocks own the activations, which every
     // chunk's blocks share (block l the slot l mod chunk_layers()); the others alias them.

@@ -353,7 +353,10 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
   s.out_host.assign(static_cast<std::size_t>(n * H), 0.0);
   for (std::int64_t i = 0; i < n * K; ++i) {
     if (!s.kept[i]) continue;
-    double* y = &s.out_host[static_cast<std::size_t>(i / K * H)];
+    std::int64_t row = i / K;
+    if (s.fault == Fault::MoeCombineRowInSequence && s.obs.seq > 0)  // the bug: the position
+      row = (s.tok0 + row) % s.obs.seq % n;                           // in its sequence
+    double* y = &s.out_host[static_cast<std::size_t>(row * H)];
     const double* po = &s.pair_out[static_cast<std::size_t>(i * H)];
     for (std::int64_t h = 0; h < H; ++h) y[h] += s.gate[i] * po[h];
   }

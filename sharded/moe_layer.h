@@ -56,6 +56,7 @@ class MoeLayer {
   struct Rows {
     std::int64_t tokens;
     int rank, world;
+    std::int64_t seq = 0;  // tokens per sequence (for a fault's misplaced rows)
   };
   MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
            Communicator& world, std::vector<Parameter>& params,

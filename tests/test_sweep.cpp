@@ -192,6 +192,9 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
       // The aux loss's share of the router's gradient, dp times too small: the last
       // layer's router logits' gradient, on the first MoE case with data parallelism.
       {"moe-aux-loss-grad-over-dp", {"reference", "act/h.1.mlp.router.logits.grad", "dp 0/2", 2}},
+      // Outputs written at their row within the sequence: the routed sum itself, on the
+      // case whose ranks route two sequences each (SP, batch 4 at tp 2).
+      {"moe-combine-row-in-sequence", {"reference", "act/h.0.mlp.experts.out", "rank 0/2 rows", 2}},
       // The clip norm without the experts: the first tensor a wrong norm reaches.
       {"moe-clip-norm-missing-experts", {"reference", "grad_norm", "rank 0/2", 2}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.

@@ -127,15 +127,16 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
 
   // Mixture-of-Experts, folded onto the TP ranks: DeepSeek-style (16 experts of F/4, top 4,
   // a shared expert, sigmoid scores, expert bias) with the aux and z losses on and a
-  // capacity factor of 1 (some experts drop tokens every step), at ep 2 and at etp 2;
-  // Mixtral-style (8 experts, top 2, softmax, no shared expert) at tp 4 as ep 2 x etp 2
-  // with loss parallel; and clipped, whose norm must count each expert shard once, at tp 2
+  // capacity factor of 1 (some experts drop tokens every step), at ep 2 and at etp 2
+  // (this one with 4 sequences, so that each rank routes two under SP); Mixtral-style (8
+  // experts, top 2, softmax, no shared expert) at tp 4 as ep 2 x etp 2 with loss
+  // parallel; and clipped, whose norm must count each expert shard once, at tp 2
   // and as 2 replicas of tp 2, whose 4 ranks hold 4 experts each (ep 4).
   auto moe = [&](const std::string& fam, int tp, int ep, int etp, const std::string& mode,
-                 double clip, int replicas = 1) {
+                 double clip, int replicas = 1, std::int64_t rows = kSmallGptBatch) {
     RunOptions m = small_gpt(base, fam, {tp});
     m.dp = replicas;
-    m.batch_size *= replicas;
+    m.batch_size = rows * replicas;
     m.ep = ep;
     m.etp = etp;
     m.clip_grad = clip;
@@ -151,7 +152,7 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
     all.push_back({name + " " + mode, m});
   };
   moe("deepseek-moe", 2, 2, 1, "plain", 0);
-  moe("deepseek-moe", 2, 1, 2, "--sequence-parallel", 0);
+  moe("deepseek-moe", 2, 1, 2, "--sequence-parallel", 0, 1, 4);  // 2 sequences per rank
   moe("mixtral", 4, 2, 2, "--loss-parallel", 0);
   moe("deepseek-moe", 2, 2, 1, "plain", 0.5);
   moe("deepseek-moe", 2, 4, 1, "--sequence-parallel", 0.5, 2);  // the experts span 2 x 2 ranks

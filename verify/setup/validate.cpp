@@ -118,6 +118,7 @@ FaultTarget fault_target(const RunOptions& o) {
     run.kv_groups = run.kv_groups || (g.kv() % t == 0 && g.kv() / t >= 2 && g.heads > g.kv());
     run.sp_chunk_mid_sequence =
         run.sp_chunk_mid_sequence || (o.batch_size * o.seq_len / t) % o.seq_len != 0;
+    run.rank_holds_sequences = run.rank_holds_sequences || o.batch_size > o.dp * t;
   }
   return run;
 }
