@@ -45,7 +45,6 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   r.expert.assign(static_cast<std::size_t>(N * K), 0);
   r.gate.assign(static_cast<std::size_t>(N * K), S(0));
   r.kept.assign(static_cast<std::size_t>(N * K), 1);
-  r.gap.assign(static_cast<std::size_t>(N), std::numeric_limits<S>::infinity());
   r.load.assign(static_cast<std::size_t>(E), 0);
   std::vector<std::int64_t> order(static_cast<std::size_t>(E)), mine, theirs;
   // The sharded run's row n, if it is a set of K distinct expert ids (else nothing to follow).
@@ -80,7 +79,6 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
     const auto sel = [&](std::int64_t e) { return s_(n, e) + bias(e); };
     std::stable_sort(order.begin(), order.end(),
                      [&](std::int64_t a, std::int64_t b) { return sel(a) > sel(b); });
-    if (K < E) r.gap[n] = sel(order[K - 1]) - sel(order[K]);
     mine.assign(order.begin(), order.begin() + K);
     std::sort(mine.begin(), mine.end());
     if (sharded_row(n, theirs) && theirs != mine && consistent(n, theirs)) {

@@ -50,7 +50,6 @@ class Moe {
     std::vector<std::int64_t> expert;  // [N·K] each token's in ascending order
     std::vector<S> gate;               // [N·K]
     std::vector<char> kept;            // [N·K] 0: dropped by the capacity
-    std::vector<S> gap;                // [N]   (k-th − (k+1)-th) selection score; inf when K = E
     std::vector<std::int64_t> load;    // [E]   tokens routed to each expert, before dropping
   };
 
