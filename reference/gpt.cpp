@@ -775,25 +775,25 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       dln += part;
     }
     if (c.mlp_ffn(l) > 0) {
-    const Index F = c.mlp_ffn(l);
-    note_grad(pt + mlp.back() + ".out.grad", dbranch, a_x);
-    dact = Matrix<S>::Zero(N, F);
-    linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dbranch, a.ffn_act,
-                    P(p + mlp.back() + ".weight"));
-    terms(p + mlp.back(), dbranch, a_x, a.ffn_act);
-    if (c.swiglu()) {
-      note_grad(pt + "mlp.swiglu.out.grad", dact, a_x);
-      swiglu_backward(dpre, dup, a.ffn_pre, a.ffn_up, dact);
-      note_grad(pt + mlp[0] + ".out.grad", dpre, a_x);
-      note_grad(pt + mlp[1] + ".out.grad", dup, a_x);
-      linear_part(p + mlp[1], dup, a_x, a.ln2_out);
-    } else {
-      note_grad(pt + "mlp.gelu.out.grad", dact, a_x);
-      if (c.mlp == MlpKind::GeluTanh) gelu_tanh_backward(dpre, a.ffn_pre, dact);
-      else gelu_backward(dpre, a.ffn_pre, dact);
-      note_grad(pt + mlp[0] + ".out.grad", dpre, a_x);
-    }
-    linear_part(p + mlp[0], dpre, a_x, a.ln2_out);
+      const Index F = c.mlp_ffn(l);
+      note_grad(pt + mlp.back() + ".out.grad", dbranch, a_x);
+      dact = Matrix<S>::Zero(N, F);
+      linear_backward(dact, G(p + mlp.back() + ".weight"), Gb(p + mlp.back()), dbranch, a.ffn_act,
+                      P(p + mlp.back() + ".weight"));
+      terms(p + mlp.back(), dbranch, a_x, a.ffn_act);
+      if (c.swiglu()) {
+        note_grad(pt + "mlp.swiglu.out.grad", dact, a_x);
+        swiglu_backward(dpre, dup, a.ffn_pre, a.ffn_up, dact);
+        note_grad(pt + mlp[0] + ".out.grad", dpre, a_x);
+        note_grad(pt + mlp[1] + ".out.grad", dup, a_x);
+        linear_part(p + mlp[1], dup, a_x, a.ln2_out);
+      } else {
+        note_grad(pt + "mlp.gelu.out.grad", dact, a_x);
+        if (c.mlp == MlpKind::GeluTanh) gelu_tanh_backward(dpre, a.ffn_pre, dact);
+        else gelu_backward(dpre, a.ffn_pre, dact);
+        note_grad(pt + mlp[0] + ".out.grad", dpre, a_x);
+      }
+      linear_part(p + mlp[0], dpre, a_x, a.ln2_out);
     }
     a_ln = factors_of(e2, dln);
     norm_part(p + "ln2", a.ln2_xhat, a.ln2_rstd);

@@ -235,6 +235,10 @@ struct ShardedGpt::Snapshots {
   }
 };
 
+Tensor ShardedGpt::routed_rows(const Tensor& t) const {
+  return t.narrow0(rank_ * (N_ / world_), N_ / world_);
+}
+
 void ShardedGpt::keep(Snapshots& into, Observation o) {
   if (!record_ || rerun_) return;
   if (into.used == into.obs.size()) into.obs.emplace_back();
@@ -1042,7 +1046,7 @@ void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
   }
   if (b.moe) {  // the routed experts on this rank's tokens, joined to the shared expert's sum
     Tensor& routed = ws_->moe_local;  // [N/t,H]
-    moe_loss_ += b.moe->forward(routed, sp ? b.h2 : b.h2.narrow0(rank_ * (N_ / world_), N_ / world_));
+    moe_loss_ += b.moe->forward(routed, sp ? b.h2 : routed_rows(b.h2));
     Tensor* joined = &routed;
     if (!sp) {  // gather_from_sequence_parallel_region: every rank's tokens
       gather_from_sp_region_forward(comm_, ws_->moe_full, routed);
@@ -1276,7 +1280,7 @@ void ShardedGpt::backward() {
     comm_.set_label("h." + std::to_string(li) + ".mlp");
     const Tensor& dmlp_out = branch_grad(*dx, site + "mlp.residual");
     if (b.moe) {  // the routed experts: this rank's tokens' share of the branch gradient
-      const Tensor mine = sp ? dmlp_out : dmlp_out.narrow0(rank_ * (N_ / world_), N_ / world_);
+      const Tensor mine = sp ? dmlp_out : routed_rows(dmlp_out);
       b.moe->backward(s.moe_dx, mine);
       if (record_)
         for (auto& o : b.moe->observe_backward()) keep(snaps, std::move(o));

@@ -179,6 +179,8 @@ class ShardedGpt final : public ShardedModel {
   // Host copy of a point whose buffer is reused before observe_* runs (a workspace
   // tensor), taken where it is produced; a no-op unless recording.
   void snapshot(Snapshots& into, const std::string& name, const ShardSpec& spec, const Tensor& t);
+  // MoE without SP: this rank's routed tokens, rows [r·N/t, (r+1)·N/t) of a replicated [N,H].
+  Tensor routed_rows(const Tensor& t) const;
   // An observation made elsewhere (an MoE layer's), kept in production order.
   void keep(Snapshots& into, Observation o);
 

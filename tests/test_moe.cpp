@@ -15,6 +15,7 @@
 #include "model/config.h"
 #include "reference/moe.h"
 #include "reference/params.h"
+#include "verify/commands/sweep.h"
 
 using namespace tpsim;
 using namespace tpsim::testing;
@@ -308,22 +309,8 @@ TEST_CASE("a routing decision within bf16's error of a tie is followed and repor
   // row 0, which is rounded to bf16 first: the bf16 model computes the same score for
   // experts 0 and 1 and takes 0, while the f64 reference sees 1 ahead wherever its score is
   // positive. Within bf16's error, either is right.
-  GptConfig c;
+  GptConfig c = small_gpt_config();  // --preset small's sizes
   apply_gpt_family(c, "mixtral");
-  const GptConfig small = [] {
-    GptConfig s;
-    s.vocab_size = 101;
-    s.block_size = 32;
-    s.hidden = 72;
-    s.heads = 12;
-    s.layers = 2;
-    return s;
-  }();
-  c.vocab_size = small.vocab_size;
-  c.block_size = small.block_size;
-  c.hidden = small.hidden;
-  c.heads = small.heads;
-  c.layers = small.layers;
   st::StFile w;
   for (const ParamSpec& s : gpt_param_specs(c)) {
     std::vector<double> v(static_cast<std::size_t>(shape_numel(s.shape)));

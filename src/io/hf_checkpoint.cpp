@@ -163,21 +163,11 @@ GptConfig llama_config(ConfigFields& f) {
 // dropout is.
 GptConfig mixtral_config(ConfigFields& f) {
   GptConfig c = llama_config(f);
-  const GptConfig sizes = c;
-  apply_gpt_family(c, "mixtral");
-  c.vocab_size = sizes.vocab_size;
-  c.hidden = sizes.hidden;
-  c.ffn_hidden = sizes.ffn_hidden;
-  c.layers = sizes.layers;
-  c.heads = sizes.heads;
-  c.kv_heads = sizes.kv_heads;
-  c.block_size = sizes.block_size;
-  c.ln_eps = sizes.ln_eps;
-  c.rope_theta = sizes.rope_theta;
-  c.tied_embeddings = sizes.tied_embeddings;
+  const bool tied = c.tied_embeddings;  // (the family's choices leave the sizes alone)
+  apply_gpt_family(c, "mixtral");       // (its experts' width: ffn_hidden)
+  c.tied_embeddings = tied;
   c.num_experts = f.size("num_local_experts");
   c.moe_topk = f.size_or("num_experts_per_tok", 2);
-  c.moe_ffn_hidden = sizes.ffn_hidden;
   f.must_be("router_jitter_noise", 0, "a noisy router is not built");
   f.ignore({"router_aux_loss_coef", "output_router_logits"});
   return c;

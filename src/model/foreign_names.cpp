@@ -174,15 +174,14 @@ const ConventionSpec& spec_of(NameConvention c) {
        {"feed_forward.w3.weight", "mlp.up_proj.weight"},
        {"feed_forward.w2.weight", "mlp.down_proj.weight"}},
       nullptr, "output.weight"};
-  // transformers' MixtralForCausalLM and Qwen3MoeForCausalLM: Llama's names, and in each
-  // MoE layer a router and E experts (convention_names adds theirs, which E numbers).
-  static const ConventionSpec hf_moe = hf_llama;
   switch (c) {
-    case NameConvention::HfMixtral:
-    case NameConvention::HfQwenMoe: return hf_moe;
     case NameConvention::Nanogpt: return nanogpt;
     case NameConvention::HfGpt2: return hf_gpt2;
     case NameConvention::Megatron: return megatron;
+    // transformers' MixtralForCausalLM and Qwen3MoeForCausalLM: Llama's names, and in each
+    // MoE layer a router and E experts (convention_names adds theirs, which E numbers).
+    case NameConvention::HfMixtral:
+    case NameConvention::HfQwenMoe:
     case NameConvention::HfLlama: return hf_llama;
     case NameConvention::Torchtitan: return torchtitan;
     case NameConvention::Tpsim: break;

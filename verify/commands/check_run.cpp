@@ -170,18 +170,13 @@ CheckResult run_check(const CheckOptions& c) {
       routing.clear();
       for (const RankStep& rs : ranks)
         for (const auto& ob : rs.forward) {
-          if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept") &&
-              !ob.name.ends_with("mlp.router.scores"))
-            continue;
+          if (!routing_point(ob.name)) continue;
           auto& v = routing[ob.name];
           v.resize(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)));
           place_shard(v, std::span<const double>(ob.values.data(), ob.values.size()), ob.spec);
         }
-      double tau = bounds.per_tensor() ? 0.0 : rep.tolerance;
-      for (std::int64_t l = 0; bounds.per_tensor() && l < o.gpt.layers; ++l)
-        if (o.gpt.moe_layer(l))
-          tau = std::max(tau, bounds.bound("act/h." + std::to_string(l) + ".mlp.router.scores", step, world));
-      return RoutingToFollow{routing.empty() ? nullptr : &routing, tau};
+      return RoutingToFollow{routing.empty() ? nullptr : &routing,
+                             routing_tolerance(o, bounds, world, step)};
     };
   run_reference(
       o, in, RefStorage::InPlace, [&](int) -> RefStep& { return ref; },

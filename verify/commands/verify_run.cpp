@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <tuple>
 
@@ -138,9 +139,7 @@ class ReferenceFeed {
       posted_ = 0;
     }
     for (const auto& ob : fwd) {
-      if (!ob.name.ends_with("mlp.router.topk") && !ob.name.ends_with("mlp.router.kept") &&
-          !ob.name.ends_with("mlp.router.scores"))
-        continue;
+      if (!routing_point(ob.name)) continue;
       const auto n = static_cast<std::size_t>(shape_numel(ob.spec.full_shape));
       std::vector<double>& full = routing_[ob.name];
       full.resize(n * static_cast<std::size_t>(replicas));
@@ -636,18 +635,6 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   return r;
 }
 
-// MoE: the relative error bound of the router's scores at `step` in TP degree `tp`, which a
-// routing decision's gap must exceed to be no tie: the largest of the layers' bounds.
-double routing_tolerance(const RunOptions& o, int tp, int step) {
-  const ToleranceModel bounds(o);
-  if (!bounds.per_tensor()) return norm_tolerance(o);
-  double tau = 0;
-  for (std::int64_t l = 0; l < o.gpt.layers; ++l)
-    if (o.gpt.moe_layer(l))
-      tau = std::max(tau, bounds.bound("act/h." + std::to_string(l) + ".mlp.router.scores", step, tp));
-  return tau;
-}
-
 // The TP groups that run at once: every rank holds its own model (a replicated wte is
 // 100 MB in f64), so at most kMaxRanksInFlight ranks run at once; a larger group runs
 // alone, and so does every group when they may not share the devices (NCCL).
@@ -735,9 +722,14 @@ VerifyReport run_verify(const RunOptions& o) {
         auto t0 = std::chrono::steady_clock::now();
         try {
           FollowFn follow;
-          if (moe) follow = [&](int step) {
-            return RoutingToFollow{&ref.routing(step), routing_tolerance(o, o.tp[waves[w][0]], step)};
-          };
+          std::optional<ToleranceModel> bounds;  // built once, read every step
+          if (moe) {
+            bounds.emplace(o);
+            follow = [&](int step) {
+              return RoutingToFollow{&ref.routing(step),
+                                     routing_tolerance(o, *bounds, o.tp[waves[w][0]], step)};
+            };
+          }
           run_reference(o, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
                         [&](int step) { ref.publish(step); }, {}, follow);
         } catch (const ReferenceFeed::Deserted&) {

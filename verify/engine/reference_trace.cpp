@@ -291,6 +291,11 @@ void trace(const RunOptions& o, Model& model, const Batch& batch, int steps,
 
 }  // namespace
 
+bool routing_point(const std::string& name) {
+  return name.ends_with("mlp.router.topk") || name.ends_with("mlp.router.kept") ||
+         name.ends_with("mlp.router.scores");
+}
+
 void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
                    const std::function<void(int step)>& published, const RebaseFn& rebase,

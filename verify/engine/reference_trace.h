@@ -91,6 +91,9 @@ struct RoutingToFollow {
   double tau = 0;
 };
 using FollowFn = std::function<RoutingToFollow(int step)>;
+// Whether a point is one of the routing decisions (or scores) the reference follows:
+// "act/h.<l>.mlp.router.topk", ".kept" or ".scores".
+bool routing_point(const std::string& name);
 void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
                    const std::function<RefStep&(int step)>& slot,
                    const std::function<void(int step)>& published, const RebaseFn& rebase = {},

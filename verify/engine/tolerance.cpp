@@ -436,4 +436,13 @@ double ToleranceModel::bound(const std::string& tensor, int step, int tp) const 
   return chain(depth(tensor), sums_before(tensor), reads(tensor), s, static_cast<int>(ti));
 }
 
+double routing_tolerance(const RunOptions& o, const ToleranceModel& bounds, int tp, int step) {
+  if (!bounds.per_tensor()) return norm_tolerance(o);
+  double tau = 0;
+  for (std::int64_t l = 0; l < o.gpt.layers; ++l)
+    if (o.gpt.moe_layer(l))
+      tau = std::max(tau, bounds.bound("act/h." + std::to_string(l) + ".mlp.router.scores", step, tp));
+  return tau;
+}
+
 }  // namespace tpsim

@@ -112,4 +112,9 @@ class ToleranceModel {
   double largest_ = 0.0;
 };
 
+// MoE: the relative error bound of the router's scores at `step` in TP degree `tp`, which
+// a routing decision's margin is held to (docs/moe.md, "Ties"): the largest of the MoE
+// layers' per-tensor bounds, or the run's one tolerance.
+double routing_tolerance(const RunOptions& o, const ToleranceModel& bounds, int tp, int step);
+
 }  // namespace tpsim
