@@ -497,8 +497,9 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
         fused_param(blk->experts_fused[static_cast<std::size_t>(le)], name);
         local.push_back(&blk->experts_fused[static_cast<std::size_t>(le)]);
       }
+      if (!moe_ws_) moe_ws_ = std::make_unique<MoeWorkspace>(cfg, x, N_ * dp_, be, dtype);
       blk->moe = std::make_unique<MoeLayer>(cfg, l, x, be, world, params_, local, N_ * dp_,
-                                            MoeLayer::Rows{N_, r, t, T_}, dtype, fault);
+                                            MoeLayer::Rows{N_, r, t, T_}, *moe_ws_, dtype, fault);
     }
     // Full recompute: the first chunk_layers() blocks own the activations, which every
     // chunk's blocks share (block l the slot l mod chunk_layers()); the others alias them.

@@ -26,6 +26,8 @@
 
 namespace tpsim {
 
+struct MoeWorkspace;  // sharded/moe_layer.h
+
 struct GptParallelism {
   bool loss_parallel = false;
   bool sequence_parallel = false;
@@ -189,6 +191,7 @@ class ShardedGpt final : public ShardedModel {
   GptParallelism par_;
   Communicator& comm_;
   std::unique_ptr<Communicator> mesh_;  // MoE with --dp: the whole dp × tp mesh
+  std::unique_ptr<MoeWorkspace> moe_ws_;  // the routed experts' scratch, shared by their layers
   int dp_ = 1;                          // data-parallel replicas
   DType dtype_;
   std::uint64_t seed_;  // the run's seed: weights, and the dropout masks' streams

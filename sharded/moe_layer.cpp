@@ -35,6 +35,38 @@ ShardSpec expert_param_shard(const ParamSpec& p, const GptConfig& c, const Exper
   return s;
 }
 
+MoeWorkspace::MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64_t tokens,
+                           Backend& be, DType dtype) {
+  const std::int64_t n = tokens / x.world, E = c.num_experts, K = c.moe_topk, H = c.hidden;
+  const std::int64_t El = E / x.ep, Fel = c.moe_ffn() / x.etp, P = x.ep * x.etp;
+  S = n * K * x.etp;
+  R = P * n * std::min(K, El);
+  if (c.moe_capacity_factor > 0) R = std::min(R, El * c.moe_capacity(tokens));
+  auto buf = [&](Shape sh, DType dt, MemCategory cat, const char* tag) {
+    return be.empty(sh, dt, cat, tag);
+  };
+  const auto Tm = MemCategory::Temporary, Cm = MemCategory::CommBuffer;
+  logits = buf({n, E}, dtype, Tm, "moe.router.logits");
+  token_ids = buf({S}, DType::I64, Tm, "moe.dispatch.tokens");
+  send = buf({S, H}, dtype, Cm, "moe.dispatch.send");
+  recv = buf({R, H}, dtype, Cm, "moe.dispatch.recv");
+  rows = buf({R, H}, dtype, Tm, "moe.experts.rows");
+  act_grad = buf({R, Fel}, dtype, Tm, "moe.experts.act.grad");
+  gate_up_grad = buf({R, 2 * Fel}, dtype, Tm, "moe.experts.gate_up.grad");
+  stats = buf({2 * E + 1}, DType::F64, Cm, "moe.stats");
+  counts = buf({P * El, 1}, DType::F64, Cm, "moe.counts");
+  counts_in = buf({P * El, 1}, DType::F64, Cm, "moe.counts.in");
+  if (c.moe_capacity_factor > 0) {
+    pairs = buf({2 * n * K}, DType::F64, Cm, "moe.pairs");
+    pairs_all = buf({x.world * 2 * n * K}, DType::F64, Cm, "moe.pairs.all");
+  }
+  if (x.edp() > 1) {
+    const std::int64_t g = x.edp() * 2 * Fel * H;
+    grad_copies = buf({g}, compute_dtype(dtype), Cm, "moe.grad.copies");
+    grad_peers = buf({g}, compute_dtype(dtype), Cm, "moe.grad.peers");
+  }
+}
+
 namespace {
 
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
@@ -50,6 +82,7 @@ struct MoeLayer::State {
   ExpertLayout x;
   Backend& be;
   Communicator& comm;
+  MoeWorkspace& ws;
   DType dtype;
   Fault fault;
   std::int64_t N = 0, n = 0, tok0 = 0, E = 0, K = 0, El = 0, H = 0;
@@ -75,21 +108,20 @@ struct MoeLayer::State {
   std::vector<std::int64_t> sent;   // [S] the pair index of each row sent, destinations in rank order
   std::vector<std::int64_t> send_counts, recv_counts;  // [world]
   std::vector<std::int64_t> off, m; // [El] each local expert's rows in the expert-major buffer
-  Tensor perm, inv;                 // [R] i64: expert-major row -> received row, and back
+  Tensor perm_buf, inv_buf;         // [Rmax] i64: expert-major row -> received row, and back
+  Tensor perm, inv;                 // [R] their rows of the last forward
   // ---- device tensors of the last forward ----
   Tensor xin;                       // [n,H] the caller's input (kept by the caller)
-  Tensor xe, gu, a;                 // [R,H], [R,2Fel], [R,Fel] expert-major
+  Tensor xe_buf, gu_buf, a_buf;     // [Rmax,H], [Rmax,2Fel], [Rmax,Fel] expert-major
+  Tensor xe, gu, a;                 // [R,*] their rows of the last forward
   double aux = 0, zloss = 0;
 
-  State(Backend& b, Communicator& cm) : be(b), comm(cm) {}
+  State(Backend& b, Communicator& cm, MoeWorkspace& w) : be(b), comm(cm), ws(w) {}
   int block0() const { return x.edp_rank() * x.ep * x.etp; }
   int block() const { return x.ep * x.etp; }
-  Tensor rows(std::int64_t r, std::int64_t w, const char* tag) {
-    return be.empty({r, w}, dtype, MemCategory::Temporary, prefix + tag);
-  }
-  Tensor ids(const std::vector<std::int64_t>& v, const char* tag) {
-    Tensor t = be.empty({static_cast<std::int64_t>(v.size())}, DType::I64, MemCategory::Temporary,
-                        prefix + tag);
+  // The first v.size() rows of `buf`, holding v.
+  Tensor ids(const Tensor& buf, const std::vector<std::int64_t>& v) {
+    Tensor t = buf.narrow0(0, static_cast<std::int64_t>(v.size()));
     if (!v.empty()) be.from_host_i64(t, v.data());
     return t;
   }
@@ -109,8 +141,8 @@ struct MoeLayer::State {
 MoeLayer::MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
                    Communicator& world, std::vector<Parameter>& params,
                    const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, Rows rows,
-                   DType dtype, Fault fault)
-    : s_(std::make_unique<State>(be, world)) {
+                   MoeWorkspace& ws, DType dtype, Fault fault)
+    : s_(std::make_unique<State>(be, world, ws)) {
   State& s = *s_;
   s.c = c;
   s.obs = rows;
@@ -145,6 +177,16 @@ MoeLayer::MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x
                        find(s.prefix + "mlp.experts." + std::to_string(e) + ".down_proj.weight")});
   }
   s.bias.assign(static_cast<std::size_t>(s.E), 0.0);
+  // What backward needs of the dispatch, for the worst routing (MoeWorkspace's R).
+  const std::int64_t R = ws.R, Fel = c.moe_ffn() / x.etp;
+  auto act = [&](Shape sh, DType dt, const char* tag) {
+    return be.empty(sh, dt, MemCategory::Activation, s.prefix + tag);
+  };
+  s.perm_buf = act({R}, DType::I64, "moe.perm");
+  s.inv_buf = act({R}, DType::I64, "moe.perm.inverse");
+  s.xe_buf = act({R, s.H}, dtype, "moe.experts.in");
+  s.gu_buf = act({R, 2 * Fel}, dtype, "moe.experts.gate_up");
+  s.a_buf = act({R, Fel}, dtype, "moe.experts.act");
 }
 
 MoeLayer::~MoeLayer() = default;
@@ -158,7 +200,7 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
 
   // ---- router: logits on the backend, the decisions on the host ----
   s.comm.set_label(s.prefix + "moe.router");
-  Tensor zt = s.rows(n, E, "moe.router.logits");
+  Tensor& zt = s.ws.logits;  // [n,E]
   s.be.gemm(zt, xin, false, router_->value, true);
   s.be.to_host_into(zt, s.z);
   s.s.assign(static_cast<std::size_t>(n * E), 0.0);
@@ -200,7 +242,7 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
     stats[2 * E] += s.lse[t] * s.lse[t];
   }
   std::copy(s.load_local.begin(), s.load_local.end(), stats.begin());
-  Tensor st = s.be.empty({2 * E + 1}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.stats");
+  Tensor& st = s.ws.stats;
   s.be.from_host(st, stats.data());
   s.comm.all_reduce(st, ReduceOp::Sum);  // over every rank's tokens: the global batch's
   stats = s.be.to_host(st);
@@ -222,9 +264,8 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
       mine[2 * i] = static_cast<double>(s.expert[i]);
       mine[2 * i + 1] = s.gate[i];
     }
-    Tensor in = s.be.empty({2 * n * K}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.pairs");
-    Tensor all = s.be.empty({world * 2 * n * K}, DType::F64, MemCategory::CommBuffer,
-                            s.prefix + "moe.pairs.all");
+    Tensor& in = s.ws.pairs;
+    Tensor& all = s.ws.pairs_all;
     s.be.from_host(in, mine.data());
     s.comm.set_label(s.prefix + "moe.capacity");
     s.comm.all_gather(in, all);
@@ -279,8 +320,8 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
   // Each destination learns how many rows of each of its experts come from each source.
   std::vector<std::int64_t> meta_counts(static_cast<std::size_t>(world), 0);
   for (int q = b0; q < b0 + P; ++q) meta_counts[q] = El;
-  Tensor meta_in = s.be.empty({P * El, 1}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.counts");
-  Tensor meta_out = s.be.empty({P * El, 1}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.counts.in");
+  Tensor& meta_in = s.ws.counts;
+  Tensor& meta_out = s.ws.counts_in;
   s.be.from_host(meta_in, meta.data());
   s.comm.set_label(s.prefix + "moe.dispatch");
   s.comm.all_to_all(meta_in, meta_out, meta_counts, meta_counts);
@@ -309,24 +350,27 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
     s.m[le] = static_cast<std::int64_t>(perm.size()) - s.off[le];
   }
   for (std::int64_t i = 0; i < R; ++i) inv[perm[i]] = i;
-  s.perm = s.ids(perm, "moe.perm");
-  s.inv = s.ids(inv, "moe.perm.inverse");
+  if (R > s.ws.R || static_cast<std::int64_t>(s.sent.size()) > s.ws.S)
+    throw Error("MoE layer " + s.prefix + ": " + std::to_string(R) + " rows received and " +
+                std::to_string(s.sent.size()) + " sent exceed the workspace's " +
+                std::to_string(s.ws.R) + " and " + std::to_string(s.ws.S));
+  s.perm = s.ids(s.perm_buf, perm);
+  s.inv = s.ids(s.inv_buf, inv);
 
   // ---- dispatch ----
   const std::int64_t S = static_cast<std::int64_t>(s.sent.size());
   std::vector<std::int64_t> token_of(s.sent.size());
   for (std::size_t i = 0; i < s.sent.size(); ++i) token_of[i] = s.sent[i] / K;
-  Tensor send = s.rows(S, H, "moe.dispatch.send");
-  s.gather_rows(send, xin, s.ids(token_of, "moe.dispatch.tokens"));
-  Tensor recv = s.rows(R, H, "moe.dispatch.recv");
+  Tensor send = s.ws.send.narrow0(0, S);  // [S,H]
+  s.gather_rows(send, xin, s.ids(s.ws.token_ids, token_of));
+  Tensor recv = s.ws.recv.narrow0(0, R);  // [R,H]
   s.exchange(send, recv, false);
 
   // ---- the local experts, each on its rows ----
-  const std::int64_t Fel = El > 0 ? s.local[0].down->value.dim(1) : 0;
-  s.xe = s.be.empty({R, H}, s.dtype, MemCategory::Activation, s.prefix + "moe.experts.in");
-  s.gu = s.be.empty({R, 2 * Fel}, s.dtype, MemCategory::Activation, s.prefix + "moe.experts.gate_up");
-  s.a = s.be.empty({R, Fel}, s.dtype, MemCategory::Activation, s.prefix + "moe.experts.act");
-  Tensor o = s.rows(R, H, "moe.experts.out");
+  s.xe = s.xe_buf.narrow0(0, R);  // [R,H]
+  s.gu = s.gu_buf.narrow0(0, R);  // [R,2Fel]
+  s.a = s.a_buf.narrow0(0, R);    // [R,Fel]
+  Tensor o = s.ws.rows.narrow0(0, R);  // [R,H]
   s.gather_rows(s.xe, recv, s.perm);
   s.comm.set_label(s.prefix + "moe.experts");
   for (std::int64_t le = 0; le < El; ++le) {
@@ -339,9 +383,9 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
   }
 
   // ---- combine: back to the sources, the ETP partials summed, weighted by the gates ----
-  Tensor back_send = s.rows(R, H, "moe.combine.send");
+  Tensor back_send = recv;  // [R,H] (the received rows are in xe now)
   s.gather_rows(back_send, o, s.inv);
-  Tensor back = s.rows(S, H, "moe.combine.recv");
+  Tensor back = send;  // [S,H]
   s.comm.set_label(s.prefix + "moe.combine");
   s.exchange(back_send, back, true);
   const std::vector<double> bh = s.be.to_host(back);  // [S,H]
@@ -372,12 +416,21 @@ void MoeLayer::State::sum_over(Tensor& grad, const std::vector<int>& peers) {
   // all_to_all over the world, with rows for the peers only: a copy of the gradient to each.
   Shape all_shape = grad.shape();
   all_shape[0] *= static_cast<std::int64_t>(peers.size());
-  Tensor copies = be.empty(all_shape, grad.dtype(), MemCategory::CommBuffer, prefix + "moe.grad.copies");
+  const std::int64_t numel = grad.numel() * static_cast<std::int64_t>(peers.size());
+  Tensor copies_buf = ws.grad_copies, peers_buf = ws.grad_peers;
+  if (fault == Fault::MoeExpertGradOverEp) {  // the wrong group: buffers of its own size
+    copies_buf = be.empty({numel}, grad.dtype(), MemCategory::CommBuffer, "fault.moe.grad.copies");
+    peers_buf = be.empty({numel}, grad.dtype(), MemCategory::CommBuffer, "fault.moe.grad.peers");
+  }
+  if (!copies_buf.defined() || numel > copies_buf.numel())
+    throw Error("MoE layer " + prefix + ": an expert gradient's sum over " +
+                std::to_string(peers.size()) + " ranks exceeds the workspace");
+  Tensor copies = copies_buf.narrow0(0, numel).reshape(all_shape);
   for (std::size_t j = 0; j < peers.size(); ++j) {
     Tensor copy = copies.narrow0(static_cast<std::int64_t>(j) * rows_n, rows_n);
     be.copy(copy, grad);
   }
-  Tensor all = be.empty(all_shape, grad.dtype(), MemCategory::CommBuffer, prefix + "moe.grad.peers");
+  Tensor all = peers_buf.narrow0(0, numel).reshape(all_shape);
   comm.all_to_all(copies, all, counts, counts);
   // In rank order, the same on every peer (peers are listed in rank order).
   be.copy(grad, all.narrow0(0, rows_n));
@@ -408,19 +461,18 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
     for (std::int64_t h = 0; h < H; ++h)
       rows[static_cast<std::size_t>(r * H + h)] = s.gate[i] * dy[static_cast<std::size_t>(i / K * H + h)];
   }
-  Tensor send = s.rows(S, H, "moe.dispatch.send.grad");
+  Tensor send = s.ws.send.narrow0(0, S);  // [S,H]
   if (S > 0) s.be.from_host(send, rows.data());
-  Tensor recv = s.rows(R, H, "moe.dispatch.recv.grad");
+  Tensor recv = s.ws.recv.narrow0(0, R);  // [R,H]
   s.comm.set_label(s.prefix + "moe.combine backward");
   s.exchange(send, recv, false);
 
   // ---- the local experts' backward ----
-  Tensor de = s.rows(R, H, "moe.experts.out.grad");
+  Tensor de = s.ws.rows.narrow0(0, R);  // [R,H]
   s.gather_rows(de, recv, s.perm);
-  const std::int64_t Fel = El > 0 ? s.local[0].down->value.dim(1) : 0;
-  Tensor da = s.rows(R, Fel, "moe.experts.act.grad");
-  Tensor dgu = s.rows(R, 2 * Fel, "moe.experts.gate_up.grad");
-  Tensor dh = s.rows(R, H, "moe.experts.in.grad");
+  Tensor da = s.ws.act_grad.narrow0(0, R);       // [R,Fel]
+  Tensor dgu = s.ws.gate_up_grad.narrow0(0, R);  // [R,2Fel]
+  Tensor dh = recv;                              // [R,H] (the received rows are in de now)
   for (std::int64_t le = 0; le < El; ++le) {
     Parameter& gu_p = *s.local[le].gate_up;
     Parameter& down_p = *s.local[le].down;
@@ -438,9 +490,9 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
     s.be.gemm(gu_p.grad, dgu_e, true, xe, false);
     s.be.gemm(dh_e, dgu_e, false, gu_p.value, false);  // an ETP share of the input gradient
   }
-  Tensor back_send = s.rows(R, H, "moe.dispatch.grad.send");
+  Tensor back_send = de;  // [R,H] (de is spent)
   s.gather_rows(back_send, dh, s.inv);
-  Tensor back = s.rows(S, H, "moe.dispatch.grad.recv");
+  Tensor back = send;  // [S,H]
   s.comm.set_label(s.prefix + "moe.dispatch backward");
   s.exchange(back_send, back, true);
   const std::vector<double> bh = s.be.to_host(back);
@@ -501,7 +553,7 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
         dzr[e] += k * std::exp(s.z[static_cast<std::size_t>(t * E + e)] - s.lse[t]);
     }
   }
-  Tensor dzt = s.rows(n, E, "moe.router.logits.grad");
+  Tensor& dzt = s.ws.logits;  // [n,E]
   s.be.from_host(dzt, s.dz.data());
   s.be.gemm(router_->grad, dzt, true, s.xin, false);
   s.be.from_host(dx, dxh.data());

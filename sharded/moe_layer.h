@@ -46,6 +46,35 @@ ShardSpec expert_param_shard(const ParamSpec& p, const GptConfig& c, const Exper
 // Whether `name` is an expert's parameter, and which expert.
 bool is_expert_param(const std::string& name, std::int64_t* expert = nullptr);
 
+// The routed experts' scratch, shared by every MoE layer of a rank (one layer's dispatch and
+// combine end before the next begins) and allocated once, for the worst routing: what a run
+// holds does not depend on where its tokens go, so the analytical model predicts it byte for
+// byte (profile/activation_model.h). With n this rank's tokens, El = E/ep its local experts,
+// Fel = F/etp their width and P = ep·etp the ranks of its expert-DP block:
+//   S = n·K·etp                       rows it can send: each of its n·K pairs to every ETP
+//                                     rank of the expert's EP rank
+//   R = P·n·min(K,El), or with capacity at most El·cap
+//                                     rows it can receive: from each of P sources at most
+//                                     min(K,El) pairs per token for its experts, and no more
+//                                     than cap per expert over the global batch
+struct MoeWorkspace {
+  MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64_t tokens, Backend& be,
+               DType dtype);
+  std::int64_t S = 0, R = 0;
+  Tensor logits;              // [n,E]     the router's logits; in backward, their gradient
+  Tensor token_ids;           // [S] i64   each sent row's token
+  Tensor send;                // [S,H]     the dispatch's send, the combine's receive
+  Tensor recv;                // [R,H]     the dispatch's receive, the combine's send
+  Tensor rows;                // [R,H]     the experts' outputs; in backward their gradients
+  Tensor act_grad;            // [R,Fel]
+  Tensor gate_up_grad;        // [R,2Fel]
+  Tensor stats;               // [2E+1] f64  loads, Σ probabilities, Σ lse², summed over the world
+  Tensor counts, counts_in;   // [P·El,1] f64  rows per (destination, its local expert), and back
+  Tensor pairs, pairs_all;    // [2nK], [world·2nK] f64  every pair's (expert, gate): capacity only
+  Tensor grad_copies, grad_peers;  // [edp·2Fel·H] compute dtype: an expert gradient's sum
+                                   // over the expert-DP group (edp > 1 only)
+};
+
 class MoeLayer {
  public:
   // The layer's parameters are found in `params` by name ("h.<layer>.mlp.router.weight",
@@ -61,7 +90,7 @@ class MoeLayer {
   MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
            Communicator& world, std::vector<Parameter>& params,
            const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, Rows rows,
-           DType dtype, Fault fault);
+           MoeWorkspace& ws, DType dtype, Fault fault);
   ~MoeLayer();
 
   // out [n,H] = Σ_k g_nk · expert_{e_nk}(x_n) for this rank's tokens x [n,H]; returns the

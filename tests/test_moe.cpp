@@ -304,6 +304,38 @@ TEST_CASE("verify passes Mixtral and DeepSeek-MoE at every folding and mode in f
       }
 }
 
+TEST_CASE("profile: an MoE rank's memory equals the model byte for byte, whatever the routing", "[cli][moe][profile]") {
+  // The routed experts' buffers are sized for the worst routing (sharded/moe_layer.h's
+  // MoeWorkspace). A router of zeros scores every expert alike, so every token of every
+  // rank goes to experts 0..K-1, all on EP rank 0: the worst case itself.
+  GptConfig c = small_gpt_config();
+  apply_gpt_family(c, "mixtral");
+  st::StFile w;
+  for (const ParamSpec& s : gpt_param_specs(c)) {
+    std::vector<double> v(static_cast<std::size_t>(shape_numel(s.shape)));
+    init_block<double>(v.data(), 1234, s.name, s.init, s.shape, -1, 0, 0);
+    if (s.name.ends_with("router.weight")) std::fill(v.begin(), v.end(), 0.0);
+    w.tensors[s.name] = st::st_from_f64(s.shape, v, DType::F32);
+  }
+  const std::string skewed = temp_path("zero-router.safetensors");
+  st::write_safetensors(skewed, w);
+  const std::string json = temp_path("moe-profile.json");
+  for (const std::string& flags : std::vector<std::string>{
+           "--model mixtral --tp 2 --ep 2", "--model mixtral --tp 2 --ep 2 --load " + skewed,
+        "--model mixtral --tp 4 --ep 2 --etp 2 --dtype bf16 --sequence-parallel",
+        "--model mixtral --tp 2 --ep 2 --moe-expert-capacity-factor 1.0 --load " + skewed,
+        "--model deepseek-moe --dp 2 --tp 2 --ep 2 --loss-parallel --clip-grad 1 --batch-size 4",
+        "--model deepseek-moe --dp 2 --tp 2 --ep 4 --sequence-parallel --batch-size 4"}) {
+    const auto r = run_tpsim("profile --preset small --steps 2 " + flags + " --json " + json);
+    INFO(flags << "\n" << r.out);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.out.find("every tensor of every rank equals the model, byte for byte") != std::string::npos);
+    const auto j = read_json(json);
+    CHECK(j["tp"][0]["unexplained_differences"] == 0);
+    CHECK(j["tp"][0]["predicted"]["activations"].get<std::int64_t>() > 0);
+  }
+}
+
 TEST_CASE("a routing decision within bf16's error of a tie is followed and reported, and the run goes on", "[cli][moe]") {
   // Mixtral's initial weights with each layer's router row 1 a hair (1e-6, relative) above
   // row 0, which is rounded to bf16 first: the bf16 model computes the same score for

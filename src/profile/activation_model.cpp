@@ -49,7 +49,7 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   const auto& c = q.cfg;
   const std::int64_t t = q.t, H = c.hidden, N = q.B * q.T;
   const std::int64_t Nl = q.sequence_parallel ? N / t : N;
-  const std::int64_t Hl = H / t, Fl = c.ffn() / t, Al = c.heads / t, d = c.head_dim();
+  const std::int64_t Hl = H / t, Al = c.heads / t, d = c.head_dim();
   // k and v: this rank's kv heads, or the one kv head it shares with t/kv ranks
   const std::int64_t KVl = (c.kv() % t == 0 ? c.kv() / t : 1) * d;
   const bool sp = q.sequence_parallel, lp = q.loss_parallel;
@@ -75,10 +75,19 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   // kv heads, row-parallel weights by columns, wte and an untied lm_head by (padded) rows
   // under loss parallel, the rest (norms, row-parallel biases, wpe) replicated. SwiGLU's
   // gate and up live in one fused [gate_r; up_r] tensor, value and gradient ----
+  // MoE: this rank's place in the experts' mesh, and the first of its El experts
+  const std::int64_t El = c.moe() ? c.num_experts / q.ep : 0;
+  const std::int64_t first_expert = El * (q.rank / q.etp % q.ep);
   for (const auto& p : gpt_param_specs(c)) {
     Shape s = p.shape;
     const std::string& n = p.name;
-    if ((n == "wte.weight" || n == "lm_head.weight") && lp) s[0] = Vl;
+    if (const auto at = n.find(".mlp.experts."); at != std::string::npos) {
+      // an expert's: gate and up split by rows over ETP, down by columns; another EP
+      // rank's expert, an empty block
+      const std::int64_t e = std::stoll(n.substr(at + 13));
+      s[n.ends_with("down_proj.weight") ? 1 : 0] /= q.etp;
+      if (e < first_expert || e >= first_expert + El) s[0] = 0;
+    } else if ((n == "wte.weight" || n == "lm_head.weight") && lp) s[0] = Vl;
     else if (ends_with_any(n, {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"}))
       s[0] = KVl;
     else if (ends_with_any(n, {"q_proj.weight", "q_proj.bias", "ffn1.weight", "ffn1.bias",
@@ -114,6 +123,20 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   else add(MemCategory::Input, "positions", {Nl}, -1, 8);
   add(MemCategory::Input, "targets", {Nce}, -1, 8);
 
+  // ---- MoE: the rows an expert rank may send (S) and receive (R), whatever the routing ----
+  struct {
+    std::int64_t n = 0, S = 0, R = 0, Fel = 0, P = 1, world = 1;
+  } moe;
+  if (c.moe()) {
+    moe.world = q.dp * t;
+    moe.n = N / t;
+    moe.Fel = c.moe_ffn() / q.etp;
+    moe.P = static_cast<std::int64_t>(q.ep) * q.etp;
+    moe.S = moe.n * c.moe_topk * q.etp;
+    moe.R = moe.P * moe.n * std::min(c.moe_topk, El);
+    if (c.moe_capacity_factor > 0) moe.R = std::min(moe.R, El * c.moe_capacity(N * q.dp));
+  }
+
   // ---- activations saved for backward ----
   add(A, "embedding.out", {Nl, H}, -1);
   const bool selective = q.recompute == RecomputeKind::Selective;
@@ -147,12 +170,20 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     add(A, p + "ln2.out", {Nl, H}, l);
     if (layer_norm) add(A, p + "ln2.mean", {Nl}, l, bc);
     add(A, p + "ln2.rstd", {Nl}, l, bc);
-    if (swiglu) {
+    const std::int64_t Fl = c.mlp_ffn(l) / t;  // 0: an MoE layer without a shared expert
+    if (swiglu && Fl > 0) {
       add(A, p + "mlp.gate_up.out", {N, 2 * Fl}, l);
       add(A, p + "mlp.swiglu.out", {N, Fl}, l);
-    } else {
+    } else if (Fl > 0) {
       add(A, p + "mlp.ffn1.out", {N, Fl}, l);
       add(A, p + "mlp.gelu.out", {N, Fl}, l);
+    }
+    if (c.moe_layer(l)) {  // the routed experts' rows, for the worst routing
+      add(A, p + "moe.perm", {moe.R}, l, 8);
+      add(A, p + "moe.perm.inverse", {moe.R}, l, 8);
+      add(A, p + "moe.experts.in", {moe.R, H}, l);
+      add(A, p + "moe.experts.gate_up", {moe.R, 2 * moe.Fel}, l);
+      add(A, p + "moe.experts.act", {moe.R, moe.Fel}, l);
     }
     add(A, p + "residual.out", {Nl, H}, l);
   }
@@ -193,12 +224,41 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     add(MemCategory::CommBuffer, "invariant.kv.heads.grad.gathered", {t * N * Hl}, -1);
   else if (t > c.kv())  // every rank's k/v gradient, gathered to sum over the kv replicas
     add(MemCategory::CommBuffer, "kv.grad.gathered", {t * KVl * H}, -1, bc);
+  std::int64_t Fmax = 0;  // the widest dense MLP's (an MoE layer's shared expert's)
+  for (std::int64_t l = 0; l < c.layers; ++l) Fmax = std::max(Fmax, c.mlp_ffn(l) / t);
   if (swiglu) {
-    add(Tm, "mlp.swiglu.out.grad", {N, Fl}, -1);
-    add(Tm, "mlp.gate_up.out.grad", {N, 2 * Fl}, -1);
+    add(Tm, "mlp.swiglu.out.grad", {N, Fmax}, -1);
+    add(Tm, "mlp.gate_up.out.grad", {N, 2 * Fmax}, -1);
   } else {
-    add(Tm, "mlp.gelu.out.grad", {N, Fl}, -1);
-    add(Tm, "mlp.ffn1.out.grad", {N, Fl}, -1);
+    add(Tm, "mlp.gelu.out.grad", {N, Fmax}, -1);
+    add(Tm, "mlp.ffn1.out.grad", {N, Fmax}, -1);
+  }
+  if (c.moe()) {
+    const auto Cm = MemCategory::CommBuffer;
+    const std::int64_t E = c.num_experts, K = c.moe_topk, edp = moe.world / moe.P;
+    // the model's: this rank's tokens of the routed output and its input gradient
+    add(Tm, "moe.out", {N / t, H}, -1);
+    add(Tm, "moe.in.grad", {N / t, H}, -1);
+    if (!sp) add(Tm, "moe.out.gathered", {N, H}, -1);
+    // the layers' shared workspace
+    add(Tm, "moe.router.logits", {moe.n, E}, -1);
+    add(Tm, "moe.dispatch.tokens", {moe.S}, -1, 8);
+    add(Cm, "moe.dispatch.send", {moe.S, H}, -1);
+    add(Cm, "moe.dispatch.recv", {moe.R, H}, -1);
+    add(Tm, "moe.experts.rows", {moe.R, H}, -1);
+    add(Tm, "moe.experts.act.grad", {moe.R, moe.Fel}, -1);
+    add(Tm, "moe.experts.gate_up.grad", {moe.R, 2 * moe.Fel}, -1);
+    add(Cm, "moe.stats", {2 * E + 1}, -1, 8);
+    add(Cm, "moe.counts", {moe.P * El, 1}, -1, 8);
+    add(Cm, "moe.counts.in", {moe.P * El, 1}, -1, 8);
+    if (c.moe_capacity_factor > 0) {
+      add(Cm, "moe.pairs", {2 * moe.n * K}, -1, 8);
+      add(Cm, "moe.pairs.all", {moe.world * 2 * moe.n * K}, -1, 8);
+    }
+    if (edp > 1) {  // an expert gradient's copies, summed over the expert-DP group
+      add(Cm, "moe.grad.copies", {edp * 2 * moe.Fel * H}, -1, bc);
+      add(Cm, "moe.grad.peers", {edp * 2 * moe.Fel * H}, -1, bc);
+    }
   }
   add(Tm, "residual.grad.0", {Nl, H}, -1);
   if (dropout) add(Tm, "residual.branch.grad", {Nl, H}, -1);  // a branch's, through its mask

@@ -34,6 +34,15 @@
 // layer (one shared temporary) and full keeps, past the first chunk, only each chunk's
 // input [Nl,h]; profile/paper_memory.h sets these beside the paper's Table 2 term by term.
 //
+// An MoE layer (cfg.moe_layer(l)) keeps its shared expert's MLP activations at the shared
+// width (none without one) and, for the routed experts, buffers sized for the worst
+// routing, so that no routing changes what a rank holds (sharded/moe_layer.h's MoeWorkspace):
+// with n = N/t tokens routed per rank, El = E/ep local experts, Fel = F_moe/etp, P = ep·etp,
+//   R = P·n·min(K,El), capped at El·cap with a capacity factor (cap over the global batch)
+// rows an expert rank may receive, the layer keeps the expert-major input [R,h], gate and
+// up [R,2Fel], the SwiGLU output [R,Fel] and two i64 permutations [R]; one workspace shared
+// by the layers adds the dispatch [S = n·K·etp, h] and [R,h] buffers, the router's logits
+// [n,E] and the backward's [R,Fel] and [R,2Fel] gradients.
 // Per layer, in elements (N = sb tokens, Nl = N or N/t under SP):
 //   no TP / TP:  4·N·h + 12·N·h/t + a·s²·b/t + 4·N
 //   TP + SP:     16·N·h/t + a·s²·b/t + 4·N/t
@@ -75,6 +84,11 @@ struct GptMemoryQuery {
   // activations of the first chunk's blocks only, which every chunk reuses.
   RecomputeKind recompute = RecomputeKind::None;
   std::int64_t recompute_layers = 1;
+  // Mixture-of-Experts (cfg.moe()): the experts fold onto the dp·t mesh as ETP × EP ×
+  // expert-DP (sharded/moe_layer.h); `rank` is this rank's place in that mesh (dp_rank·t + r),
+  // which decides the experts it holds. Sizes are the same on every rank; only the experts'
+  // names differ.
+  int dp = 1, ep = 1, etp = 1, rank = 0;
 };
 
 struct PredictedTensor {

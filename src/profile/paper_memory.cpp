@@ -51,6 +51,9 @@ const std::vector<TermRule>& rules() {
       {"GQA: each query head's kv head (tpsim only)", 0, 0, false,
        {"attn.k.heads", "attn.v.heads"}, ""},
       {"layer input (full recompute)", 0, 0, false, {"recompute.input"}, ""},
+      {"MoE routed experts, worst routing (tpsim only)", 0, 0, false,
+       {"moe.perm", "moe.perm.inverse", "moe.experts.in", "moe.experts.gate_up", "moe.experts.act"},
+       "none: no MoE layer"},
   };
   return r;
 }

@@ -88,9 +88,6 @@ ProfileResult run_profile(const RunOptions& o, const ProfileOptions& p, std::ost
   }
   if (p.predict_only && !describe_model(o)->has_memory_model())
     throw UsageError("profile --predict: the memory model is the gpt's");
-  if (o.model == ModelKind::Gpt && o.gpt.moe())
-    throw UsageError("profile --num-experts: not yet (the memory model has no experts); "
-                     "train and verify run MoE models");
   for (int tp : o.tp) {
     check_tp_degree(o, tp);
     check_launch(o.device, tp * o.dp, o.dp);

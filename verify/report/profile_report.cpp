@@ -162,29 +162,6 @@ std::string layer_pattern(const std::string& name) {
   return dot == std::string::npos ? name : "h.*" + name.substr(dot);
 }
 
-// The measured-vs-predicted comparison of one rank, tag by tag; every line is a
-// difference the model does not explain.
-std::vector<std::string> unexplained(const RankProfile& r, const GptMemoryPrediction& p) {
-  std::vector<std::string> out;
-  std::set<std::string> predicted;
-  for (const auto& [tag, why] : p.unmodelled) predicted.insert(tag);  // reported apart
-  for (const auto& t : p.tensors) {
-    predicted.insert(t.tag);
-    auto it = r.tags.find(t.tag);
-    const std::int64_t m = it == r.tags.end() ? 0 : it->second.current;
-    if (m != t.bytes || (it != r.tags.end() && it->second.category != t.category))
-      out.push_back("rank " + std::to_string(r.rank) + ": " + t.tag + " (" +
-                    mem_category_name(t.category) + ") measured " + std::to_string(m) +
-                    " B, predicted " + std::to_string(t.bytes) + " B");
-  }
-  for (const auto& [tag, tb] : r.tags)
-    if (tb.current != 0 && !predicted.count(tag))
-      out.push_back("rank " + std::to_string(r.rank) + ": " + tag + " (" +
-                    mem_category_name(tb.category) + ") " + std::to_string(tb.current) +
-                    " B not in the model");
-  return out;
-}
-
 nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
   using nlohmann::json;
   json j = {{"tp", run.tp}, {"model_flops_per_step", run.model_flops_per_step}};
@@ -234,13 +211,45 @@ nlohmann::json tp_json(const RunOptions& o, const TpProfile& run) {
                                                 ? layer_activation_bytes_formula(run.query)
                                                 : run.predicted->layer_activation_bytes(0);
     std::size_t bad = 0;
-    for (const auto& r : run.ranks) bad += unexplained(r, *run.predicted).size();
+    for (const auto& r : run.ranks) bad += memory_unexplained(r, run).size();
     j["unexplained_differences"] = bad;
   }
   return j;
 }
 
 }  // namespace
+
+// The measured-vs-predicted comparison of one rank, tag by tag; every line is a
+// difference the model does not explain. Ranks hold the same sizes; under MoE they differ
+// in which experts they hold, so the model is asked again for each rank's names.
+std::vector<std::string> memory_unexplained(const RankProfile& r, const TpProfile& run) {
+  std::optional<GptMemoryPrediction> own;
+  if (run.query.cfg.moe()) {
+    GptMemoryQuery q = run.query;
+    q.rank = r.rank;
+    own = predict_gpt_memory(q);
+  }
+  const GptMemoryPrediction& p = own ? *own : *run.predicted;
+  std::vector<std::string> out;
+  std::set<std::string> predicted;
+  for (const auto& [tag, why] : p.unmodelled) predicted.insert(tag);  // reported apart
+  for (const auto& t : p.tensors) {
+    predicted.insert(t.tag);
+    auto it = r.tags.find(t.tag);
+    const std::int64_t m = it == r.tags.end() ? 0 : it->second.current;
+    if (m != t.bytes || (it != r.tags.end() && it->second.category != t.category))
+      out.push_back("rank " + std::to_string(r.rank) + ": " + t.tag + " (" +
+                    mem_category_name(t.category) + ") measured " + std::to_string(m) +
+                    " B, predicted " + std::to_string(t.bytes) + " B");
+  }
+  for (const auto& [tag, tb] : r.tags)
+    if (tb.current != 0 && !predicted.count(tag))
+      out.push_back("rank " + std::to_string(r.rank) + ": " + tag + " (" +
+                    mem_category_name(tb.category) + ") " + std::to_string(tb.current) +
+                    " B not in the model");
+  return out;
+}
+
 
 double slowest_step_seconds(const TpProfile& run) {
   double s = 0;
@@ -298,6 +307,8 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
     std::int64_t bytes = 0;
     const auto& r0 = ranks.front();
     for (const auto& spec : param_specs(o)) {
+      if (o.ep * o.etp > 1 && spec.name.find(".mlp.experts.") != std::string::npos)
+        continue;  // split over EP and ETP, not replicated
       auto it = r0.tags.find(spec.name);
       const auto full = shape_numel(spec.shape) * static_cast<std::int64_t>(dtype_size(o.dtype));
       if (it != r0.tags.end() && it->second.current == full) {
@@ -374,7 +385,7 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
 
     std::vector<std::string> bad;
     for (const auto& r : ranks)
-      for (auto& line : unexplained(r, p)) bad.push_back(std::move(line));
+      for (auto& line : memory_unexplained(r, run)) bad.push_back(std::move(line));
     if (bad.empty()) {
       os << "  every tensor of every rank equals the model, byte for byte\n";
     } else {

@@ -51,6 +51,10 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
 // too large to run: profile --predict.
 void print_memory_prediction(const RunOptions& o, std::ostream& os);
 
+// The measured-vs-predicted comparison of rank `r` of `run`, tensor by tensor: one line per
+// difference the memory model does not explain (none when they agree byte for byte).
+std::vector<std::string> memory_unexplained(const RankProfile& r, const TpProfile& run);
+
 // profile --predict --paper-table: Korthikanti et al. 2022's four configurations (Table 3:
 // s 2048, TP 8, 16-bit activations) with the paper's Table 2 activation bytes per layer
 // beside tpsim's model of the same configuration in bf16, for TP alone, with sequence

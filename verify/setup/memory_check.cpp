@@ -108,6 +108,9 @@ GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
   q.canonical_chunks = o.tp_invariant ? kCanonicalChunks : 0;
   q.recompute = o.recompute;
   q.recompute_layers = o.recompute_layers;
+  q.dp = o.dp;
+  q.ep = o.ep;
+  q.etp = o.etp;
   return q;
 }
 

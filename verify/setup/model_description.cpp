@@ -147,22 +147,30 @@ class GptDescription final : public ModelDescription {
     // 3x the forward (the backward is twice it): L blocks and the head's 2NHV. For the
     // seed's GPT (KV·d = H, m = 2, F = 4H) it is Narayanan et al. 2021's
     // 72·B·T·L·H²·(1 + T/6H + V/12HL).
-    const LayerFlops f = layer_flops();
     const double N = static_cast<double>(o_.batch_size * o_.seq_len);
-    const double L = static_cast<double>(o_.gpt.layers);
-    return 3.0 * (L * (f.linears + f.attention) +
-                  2.0 * N * static_cast<double>(o_.gpt.hidden * o_.gpt.vocab_size));
+    double blocks = 0;
+    for (std::int64_t l = 0; l < o_.gpt.layers; ++l) {
+      const LayerFlops f = layer_flops(l);
+      blocks += f.linears + f.attention;
+    }
+    return 3.0 * (blocks + 2.0 * N * static_cast<double>(o_.gpt.hidden * o_.gpt.vocab_size));
   }
   std::string flops_formula() const override {
     if (seed_architecture(o_.gpt)) return "72·B·T·L·H²·(1 + T/6H + V/12HL), Narayanan et al. 2021";
     return std::string("6·B·T·(L·(2H² + 2H·kv·d + ") + (o_.gpt.swiglu() ? "3" : "2") +
-           "·H·F + 2TH) + HV), this architecture's GEMMs and attention";
+           "·H·F + 2TH) + HV), this architecture's GEMMs and attention" +
+           (o_.gpt.moe() ? "; an MoE layer's F is its shared expert's, plus the router's H·E "
+                           "and its K active experts' 3·K·H·F_moe (dropped tokens counted)"
+                         : "");
   }
   double recompute_flops_per_step() const override {
     if (o_.recompute == RecomputeKind::None) return 0.0;
-    const LayerFlops f = layer_flops();
-    const double L = static_cast<double>(o_.gpt.layers);
-    return L * (o_.recompute == RecomputeKind::Selective ? f.attention : f.linears + f.attention);
+    double sum = 0;
+    for (std::int64_t l = 0; l < o_.gpt.layers; ++l) {
+      const LayerFlops f = layer_flops(l);
+      sum += o_.recompute == RecomputeKind::Selective ? f.attention : f.linears + f.attention;
+    }
+    return sum;
   }
   double rank_bytes(int t, DType dtype, bool parallel_modes) const override {
     GptMemoryQuery q = memory_query(o_, t, true);
@@ -183,19 +191,25 @@ class GptDescription final : public ModelDescription {
   void check_tp_degree(int tp) const override;
 
  private:
-  // One block's forward FLOPs, split as its Linears' 2N·(2H² for q and o, 2H·KV·d for k
-  // and v, m·H·F for the MLP's m matrices) and its core attention's 4NTH (QKᵀ and P·V,
-  // whole squares, as the kernels compute them).
+  // Block l's forward FLOPs, split as its Linears' 2N·(2H² for q and o, 2H·KV·d for k
+  // and v, m·H·F for the MLP's m matrices; an MoE layer's F is its shared expert's, and its
+  // router's H·E and each token's K experts' 3·H·F_moe join them) and its core attention's
+  // 4NTH (QKᵀ and P·V, whole squares, as the kernels compute them). Capacity's dropped
+  // tokens are counted as computed: the model's FLOPs, not the routing's.
   struct LayerFlops {
     double linears = 0, attention = 0;
   };
-  LayerFlops layer_flops() const {
+  LayerFlops layer_flops(std::int64_t l) const {
     const GptConfig& c = o_.gpt;
     const double N = static_cast<double>(o_.batch_size * o_.seq_len);
     const double H = static_cast<double>(c.hidden), T = static_cast<double>(o_.seq_len);
-    const double F = static_cast<double>(c.ffn());
+    const double F = static_cast<double>(c.mlp_ffn(l));
     const double KVd = static_cast<double>(c.kv() * c.head_dim()), m = c.swiglu() ? 3.0 : 2.0;
-    return {2.0 * N * (2.0 * H * H + 2.0 * H * KVd + m * H * F), 4.0 * N * T * H};
+    double per_token = 2.0 * H * H + 2.0 * H * KVd + m * H * F;
+    if (c.moe_layer(l))
+      per_token += H * static_cast<double>(c.num_experts) +
+                   3.0 * H * static_cast<double>(c.moe_topk * c.moe_ffn());
+    return {2.0 * N * per_token, 4.0 * N * T * H};
   }
 };
 
