@@ -1565,3 +1565,204 @@ TEST_CASE("cpu backend: the f64 exp sum and probabilities are the scalar exp, la
   for (std::size_t i = 0; i < x.size(); ++i)
     REQUIRE(probs[i] == 0.5 * (tpsim::vec::exp_nonpos_f64(x[i] - m) / got));
 }
+
+// ---- mixture of experts ------------------------------------------------------------------
+
+namespace {
+
+// MoeLayer::forward's host routing, written out again: softmax through max and
+// log-sum-exp, or sigmoid; the top K by score + bias through a stable sort; the gates the
+// scores, renormalised on request.
+void route_by_sort(const Vec& z, const Vec& bias, i64 n, i64 E, i64 K, bool sigmoid, bool renorm,
+                   Vec& s, std::vector<i64>& expert, Vec& gate, Vec& lse) {
+  s.assign(static_cast<std::size_t>(n * E), 0.0);
+  expert.assign(static_cast<std::size_t>(n * K), 0);
+  gate.assign(static_cast<std::size_t>(n * K), 0.0);
+  lse.assign(static_cast<std::size_t>(n), 0.0);
+  std::vector<i64> order(static_cast<std::size_t>(E));
+  for (i64 t = 0; t < n; ++t) {
+    const double* zr = &z[static_cast<std::size_t>(t * E)];
+    double* sr = &s[static_cast<std::size_t>(t * E)];
+    const double mx = *std::max_element(zr, zr + E);
+    double sum = 0;
+    for (i64 e = 0; e < E; ++e) sum += std::exp(zr[e] - mx);
+    lse[t] = mx + std::log(sum);
+    for (i64 e = 0; e < E; ++e) sr[e] = sigmoid ? 1.0 / (1.0 + std::exp(-zr[e])) : std::exp(zr[e] - lse[t]);
+    for (i64 e = 0; e < E; ++e) order[static_cast<std::size_t>(e)] = e;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](i64 a, i64 b) { return sr[a] + bias[a] > sr[b] + bias[b]; });
+    double gsum = 0;
+    for (i64 k = 0; k < K; ++k) {
+      const i64 e = order[static_cast<std::size_t>(k)];
+      expert[t * K + k] = e;
+      gate[t * K + k] = sr[e];
+      gsum += sr[e];
+    }
+    if (renorm)
+      for (i64 k = 0; k < K; ++k) gate[t * K + k] /= gsum;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cpu backend: moe_topk routes as a stable sort of score plus bias", "[backend][moe]") {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  struct Case {
+    i64 n, E, K;
+    bool sigmoid, renorm, bias;
+  };
+  const std::vector<Case> cases = {{7, 5, 2, false, false, false}, {7, 7, 3, true, true, true},
+                                   {7, 6, 1, false, true, true},   {7, 3, 3, true, false, true},
+                                   {50, 33, 4, false, true, true}};
+  for (const Case& c : cases) {
+    std::mt19937_64 rng(static_cast<unsigned>(c.E));
+    std::normal_distribution<double> d(0.0, 1.0);
+    Vec z(static_cast<std::size_t>(c.n * c.E));
+    for (auto& v : z) v = d(rng);
+    for (i64 e = 0; e < c.E; ++e) {
+      z[static_cast<std::size_t>(e)] = -0.5;                             // row 0: all tie
+      z[static_cast<std::size_t>(c.E + e)] = static_cast<double>(e / 2);  // row 1: pairs tie
+    }
+    Vec bias(static_cast<std::size_t>(c.E), 0.0);
+    if (c.bias)  // the bias moves a pick: the last expert first, by more than any score gap
+      for (i64 e = 0; e < c.E; ++e) bias[static_cast<std::size_t>(e)] = e == c.E - 1 ? 2.0 : 0.0;
+    Vec s, gate, lse;
+    std::vector<i64> expert;
+    route_by_sort(z, bias, c.n, c.E, c.K, c.sigmoid, c.renorm, s, expert, gate, lse);
+    Tensor logits = be->empty({c.n, c.E}, DType::F64, MemCategory::Temporary, "logits");
+    Tensor b = be->empty({c.E}, DType::F64, MemCategory::Temporary, "bias");
+    be->from_host(logits, z.data());
+    be->from_host(b, bias.data());
+    Tensor st = be->empty({c.n, c.E}, DType::F64, MemCategory::Temporary, "scores");
+    Tensor et = be->empty({c.n, c.K}, DType::I64, MemCategory::Temporary, "expert");
+    Tensor gt = be->empty({c.n, c.K}, DType::F64, MemCategory::Temporary, "gate");
+    Tensor lt = be->empty({c.n}, DType::F64, MemCategory::Temporary, "lse");
+    be->moe_topk(st, et, gt, lt, logits, b, c.K, c.sigmoid, c.renorm);
+    INFO("n " << c.n << " E " << c.E << " K " << c.K << " sigmoid " << c.sigmoid);
+    CHECK(be->to_host(st) == s);  // the same f64 operations in the same order: the same bits
+    CHECK(be->to_host(gt) == gate);
+    CHECK(be->to_host(lt) == lse);
+    CHECK(std::vector<i64>(et.data<i64>(), et.data<i64>() + c.n * c.K) == expert);
+    // Row 0's exact ties: the lowest indices (after the bias's favourite).
+    const i64 lowest = c.bias ? 1 : 0;
+    if (c.bias) CHECK(expert[0] == c.E - 1);
+    for (i64 k = lowest; k < c.K; ++k) CHECK(expert[static_cast<std::size_t>(k)] == k - lowest);
+  }
+}
+
+TEST_CASE("cpu backend: moe_topk widens f32 and bf16 logits exactly", "[backend][moe]") {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  const Vec z = {0.1, -0.3, 0.7, 0.7, 1e-3, -2.0};  // [2,3]
+  const Vec bias = {0.0, 0.0, 0.0};
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Tensor logits = be->empty({2, 3}, dt, MemCategory::Temporary, "logits");
+    be->from_host(logits, z.data());
+    const Vec zr = be->to_host(logits);  // the logits as stored, widened exactly
+    Vec s, gate, lse;
+    std::vector<i64> expert;
+    route_by_sort(zr, bias, 2, 3, 2, false, true, s, expert, gate, lse);
+    Tensor b = be->empty({3}, DType::F64, MemCategory::Temporary, "bias");
+    be->from_host(b, bias.data());
+    Tensor st = be->empty({2, 3}, DType::F64, MemCategory::Temporary, "scores");
+    Tensor et = be->empty({2, 2}, DType::I64, MemCategory::Temporary, "expert");
+    Tensor gt = be->empty({2, 2}, DType::F64, MemCategory::Temporary, "gate");
+    Tensor lt = be->empty({2}, DType::F64, MemCategory::Temporary, "lse");
+    be->moe_topk(st, et, gt, lt, logits, b, 2, false, true);
+    CHECK(be->to_host(st) == s);
+    CHECK(be->to_host(gt) == gate);
+    CHECK(std::vector<i64>(et.data<i64>(), et.data<i64>() + 4) == expert);
+  }
+}
+
+TEST_CASE("cpu backend: moe_topk refuses K outside [1, E] and non-f64 decisions", "[backend][moe]") {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  Tensor logits = be->empty({2, 3}, DType::F32, MemCategory::Temporary, "logits");
+  Tensor b = be->empty({3}, DType::F64, MemCategory::Temporary, "bias");
+  Tensor st = be->empty({2, 3}, DType::F64, MemCategory::Temporary, "scores");
+  Tensor et = be->empty({2, 4}, DType::I64, MemCategory::Temporary, "expert");
+  Tensor gt = be->empty({2, 4}, DType::F64, MemCategory::Temporary, "gate");
+  Tensor lt = be->empty({2}, DType::F64, MemCategory::Temporary, "lse");
+  CHECK_THROWS_WITH(be->moe_topk(st, et, gt, lt, logits, b, 4, false, false),
+                    "moe_topk: K = 4 is outside [1, 3]");
+  Tensor g32 = be->empty({2, 4}, DType::F32, MemCategory::Temporary, "gate32");
+  CHECK_THROWS_WITH(be->moe_topk(st, et, g32, lt, logits, b, 3, false, false),
+                    Catch::Contains("gate32"));
+}
+
+TEST_CASE("cpu backend: grouped GEMMs are each group's product, empty groups skipped",
+          "[backend][moe]") {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  const std::vector<i64> off = {0, 2, 2, 5};  // groups of 2, 0, 3 rows
+  const i64 R = 5, K = 4, N = 3;
+  Vec av(static_cast<std::size_t>(R * K)), bv0(static_cast<std::size_t>(N * K)), bv2(bv0.size());
+  for (std::size_t i = 0; i < av.size(); ++i) av[i] = 0.25 * static_cast<double>(i % 7) - 0.5;
+  for (std::size_t i = 0; i < bv0.size(); ++i) {
+    bv0[i] = static_cast<double>(i % 5) - 2.0;
+    bv2[i] = 0.5 * static_cast<double>(i % 3);
+  }
+  Tensor a = be->empty({R, K}, DType::F64, MemCategory::Temporary, "a");
+  Tensor b0 = be->empty({N, K}, DType::F64, MemCategory::Temporary, "b0");
+  Tensor b2 = be->empty({N, K}, DType::F64, MemCategory::Temporary, "b2");
+  be->from_host(a, av.data());
+  be->from_host(b0, bv0.data());
+  be->from_host(b2, bv2.data());
+  Tensor out = be->empty({R, N}, DType::F64, MemCategory::Temporary, "out");
+  be->fill(out, 7.0);
+  be->grouped_gemm(out, a, {&b0, &b0, &b2}, true, off, 2.0, 0.0);
+  const Vec o = be->to_host(out);
+  for (i64 r = 0; r < R; ++r)
+    for (i64 j = 0; j < N; ++j) {
+      const Vec& bw = r < 2 ? bv0 : bv2;
+      double want = 0;
+      for (i64 k = 0; k < K; ++k) want += av[r * K + k] * bw[j * K + k];
+      CHECK(o[r * N + j] == Approx(2.0 * want).margin(1e-12));
+    }
+  // The weight gradients: dW_g = dyᵀ x over the group's rows; the empty group's is zero.
+  Tensor dy = be->empty({R, N}, DType::F64, MemCategory::Temporary, "dy");
+  be->from_host(dy, o.data());
+  Tensor w0 = be->empty({N, K}, DType::F64, MemCategory::Temporary, "w0");
+  Tensor w1 = be->empty({N, K}, DType::F64, MemCategory::Temporary, "w1");
+  Tensor w2 = be->empty({N, K}, DType::F64, MemCategory::Temporary, "w2");
+  be->fill(w1, 3.0);
+  be->grouped_gemm_wgrad({&w0, &w1, &w2}, dy, a, off);
+  const Vec g0 = be->to_host(w0), g1 = be->to_host(w1), g2 = be->to_host(w2);
+  for (i64 j = 0; j < N; ++j)
+    for (i64 k = 0; k < K; ++k) {
+      double s0 = 0, s2 = 0;
+      for (i64 r = 0; r < 2; ++r) s0 += o[r * N + j] * av[r * K + k];
+      for (i64 r = 2; r < 5; ++r) s2 += o[r * N + j] * av[r * K + k];
+      CHECK(g0[j * K + k] == Approx(s0).margin(1e-12));
+      CHECK(g1[j * K + k] == 0.0);
+      CHECK(g2[j * K + k] == Approx(s2).margin(1e-12));
+    }
+  CHECK_THROWS_WITH(be->grouped_gemm(out, a, {&b0, &b2}, true, {0, 2, 4}),
+                    "grouped_gemm: offsets run from 0 to 4, expected 0 to 5 (the operands' rows)");
+  CHECK_THROWS_WITH(be->grouped_gemm(out, a, {&b0, &b2}, true, {0, 3, 2, 5}),
+                    Catch::Contains("4 offsets for 2 groups"));
+  CHECK_THROWS_WITH(be->grouped_gemm(out, a, {&b0, &b2}, false, {0, 2, 5}),
+                    Catch::StartsWith("grouped_gemm: group 0: gemm: inner dimensions disagree"));
+}
+
+TEST_CASE("cpu backend: moe_combine sums each token's rows in row order, in f64",
+          "[backend][moe]") {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  const i64 n = 3, H = 2;
+  const std::vector<i64> token = {2, 0, 2, 2};  // token 1 has no rows
+  const Vec rows = {1.0, 2.0, 3.0, 4.0, 1e17, -1.0, -1e17, 0.5};
+  const Vec w = {1.0, 0.5, 1.0, 1.0};
+  Tensor rt = be->empty({4, H}, DType::F64, MemCategory::Temporary, "rows");
+  Tensor tt = be->empty({4}, DType::I64, MemCategory::Temporary, "token");
+  Tensor wt = be->empty({4}, DType::F64, MemCategory::Temporary, "weight");
+  Tensor out = be->empty({n, H}, DType::F64, MemCategory::Temporary, "out");
+  be->from_host(rt, rows.data());
+  be->from_host_i64(tt, token.data());
+  be->from_host(wt, w.data());
+  be->fill(out, 9.0);
+  be->moe_combine(out, rt, tt, wt);
+  // token 2, column 0: ((0 + 1) + 1e17) - 1e17 = 0 in row order (1 is lost to 1e17)
+  CHECK(be->to_host(out) == Vec{1.5, 2.0, 0.0, 0.0, 0.0, 1.5});
+  const std::vector<i64> bad = {0, 3, 1, 1};
+  be->from_host_i64(tt, bad.data());
+  CHECK_THROWS_WITH(be->moe_combine(out, rt, tt, wt),
+                    "moe_combine: token 'token' row 1 is 3, outside the 3 rows of out 'out'");
+}

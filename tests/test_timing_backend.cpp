@@ -104,6 +104,12 @@ class LoggingBackend final : public Backend {
                 (Tensor& p, const Tensor& g, Tensor& m, Tensor& v, double lr, double b1,
                  double b2, double e, double wd, i64 s),
                 (p, g, m, v, lr, b1, b2, e, wd, s))
+  TPSIM_FORWARD(void, moe_topk,
+                (Tensor& s, Tensor& e, Tensor& g, Tensor& l, const Tensor& z, const Tensor& b, i64 k,
+                 bool sg, bool rn),
+                (s, e, g, l, z, b, k, sg, rn))
+  TPSIM_FORWARD(void, moe_combine, (Tensor& o, const Tensor& r, const Tensor& t, const Tensor& w),
+                (o, r, t, w))
 #undef TPSIM_FORWARD
 
  private:

@@ -28,7 +28,7 @@ enum cublasMath_t {
 // cublasGemmEx's types: the storage types tpsim uses and the one compute type (f32).
 enum cudaDataType_t { CUDA_R_32F = 0, CUDA_R_64F = 1, CUDA_R_16BF = 14 };
 typedef cudaDataType_t cudaDataType;
-enum cublasComputeType_t { CUBLAS_COMPUTE_32F = 68 };
+enum cublasComputeType_t { CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_64F = 70 };
 enum cublasGemmAlgo_t { CUBLAS_GEMM_DEFAULT = -1 };
 
 struct cublasContext;
@@ -68,3 +68,20 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
                             int lda, const void* B, cudaDataType_t Btype, int ldb,
                             const void* beta, void* C, cudaDataType_t Ctype, int ldc,
                             cublasComputeType_t compute, cublasGemmAlgo_t algo);
+// Grouped GEMMs (cuBLAS 12.5+): group i is group_size[i] problems sharing transa[i] ..
+// ldc[i] and alpha[i], beta[i] (host arrays, read at the call; alpha and beta typed by the
+// compute type); Aarray, Barray, Carray are device arrays of every problem's operands, in
+// group order, read when the stream runs the call. Types: A, B and C all CUDA_R_32F or
+// all CUDA_R_16BF with CUBLAS_COMPUTE_32F, or all CUDA_R_64F with CUBLAS_COMPUTE_64F;
+// anything else is CUBLAS_STATUS_NOT_SUPPORTED. Each problem as cublasGemmEx sums it.
+cublasStatus_t cublasGemmGroupedBatchedEx(cublasHandle_t h, const cublasOperation_t transa_array[],
+                                          const cublasOperation_t transb_array[],
+                                          const int m_array[], const int n_array[],
+                                          const int k_array[], const void* alpha_array,
+                                          const void* const Aarray[], cudaDataType_t Atype,
+                                          const int lda_array[], const void* const Barray[],
+                                          cudaDataType_t Btype, const int ldb_array[],
+                                          const void* beta_array, void* const Carray[],
+                                          cudaDataType_t Ctype, const int ldc_array[],
+                                          int group_count, const int group_size[],
+                                          cublasComputeType_t compute);

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "internal.h"
 
@@ -96,6 +97,78 @@ int k_slices(int m, int n, int k) {
   return 1 + static_cast<int>(h % 4);
 }
 
+// What a call answers, said first: a handle destroyed or never created, an invalid
+// argument, a handle whose stream was destroyed.
+cublasStatus_t unknown_handle(const char* call, cublasHandle_t h) {
+  say(std::string(call) + " on cuBLAS handle " + handle_name(h) + ", which was destroyed or never created");
+  return CUBLAS_STATUS_NOT_INITIALIZED;
+}
+cublasStatus_t invalid_value(const char* call, const std::string& why) {
+  say(std::string(call) + ": " + why + " (CUBLAS_STATUS_INVALID_VALUE)");
+  return CUBLAS_STATUS_INVALID_VALUE;
+}
+cublasStatus_t lost_stream(const char* call, const Blas& blas) {
+  say(std::string(call) + ": the handle's stream " + handle_name(blas.stream) + " was destroyed");
+  return CUBLAS_STATUS_EXECUTION_FAILED;
+}
+
+// One problem's arguments as cuBLAS checks them: "" when valid, else why not.
+std::string bad_args(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, int lda,
+                     int ldb, int ldc) {
+  if (ta > CUBLAS_OP_C || tb > CUBLAS_OP_C) return "unknown transpose";
+  if (m < 0 || n < 0 || k < 0) return "a negative size";
+  const int a_rows = ta == CUBLAS_OP_N ? m : k, b_rows = tb == CUBLAS_OP_N ? k : n;
+  if (lda < std::max(1, a_rows))
+    return "lda " + std::to_string(lda) + " < max(1, " + std::to_string(a_rows) + ")";
+  if (ldb < std::max(1, b_rows))
+    return "ldb " + std::to_string(ldb) + " < max(1, " + std::to_string(b_rows) + ")";
+  if (ldc < std::max(1, m))
+    return "ldc " + std::to_string(ldc) + " < max(1, " + std::to_string(m) + ")";
+  return "";
+}
+
+// The operands of one problem against the device-memory registry ("" when in range);
+// kk is k, or 0 when alpha is 0 (cuBLAS then reads neither A nor B).
+template <class AB, class TC>
+std::string operand_ranges(const char* call, cublasOperation_t ta, cublasOperation_t tb, int m,
+                           int n, int kk, const AB* A, int lda, long long sA, const AB* B, int ldb,
+                           long long sB, const TC* C, int ldc, long long sC, int batch) {
+  const int a_rows = ta == CUBLAS_OP_N ? m : kk, a_cols = ta == CUBLAS_OP_N ? kk : m;
+  const int b_rows = tb == CUBLAS_OP_N ? kk : n, b_cols = tb == CUBLAS_OP_N ? n : kk;
+  std::string why = check_operand(call, "A", A, a_rows, kk ? a_cols : 0, lda, sA, batch);
+  if (why.empty()) why = check_operand(call, "B", B, b_rows, kk ? b_cols : 0, ldb, sB, batch);
+  if (why.empty()) why = check_operand(call, "C", C, m, n, ldc, sC, batch);
+  return why;
+}
+
+// One column-major product C = al · op(A) · op(B) + be · C, summed in T in k order (or in
+// k_slices' slices), C rounded once.
+template <class T, class AB, class TC>
+void compute(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int kk, T al, const AB* a,
+             int lda, const AB* bb, int ldb, T be, TC* c, int ldc) {
+  const int slices = k_slices(m, n, kk);
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i < m; ++i) {
+      T acc = T(0);
+      for (int sl = 0; sl < slices; ++sl) {
+        // slice sl: k in [kk·sl/slices, kk·(sl+1)/slices); one slice is plain k order
+        T part = T(0);
+        const int l1 = static_cast<int>(static_cast<long long>(kk) * (sl + 1) / slices);
+        for (int l = static_cast<int>(static_cast<long long>(kk) * sl / slices); l < l1; ++l) {
+          const T x = widen(ta == CUBLAS_OP_N ? a[i + static_cast<long long>(l) * lda]
+                                              : a[l + static_cast<long long>(i) * lda]);
+          const T y = widen(tb == CUBLAS_OP_N ? bb[l + static_cast<long long>(j) * ldb]
+                                              : bb[j + static_cast<long long>(l) * ldb]);
+          part += x * y;
+        }
+        acc = sl == 0 ? part : acc + part;
+      }
+      TC& out = c[i + static_cast<long long>(j) * ldc];
+      // beta 0: C is not read (it may hold NaN), as cuBLAS documents
+      store(out, be == T(0) ? al * acc : al * acc + be * T(widen(out)));
+    }
+}
+
 // AB: the operands' storage type, TC: C's, T: the compute type (alpha, beta, the sums).
 template <class T, class AB = T, class TC = T>
 cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
@@ -103,39 +176,21 @@ cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cu
                     const AB* B, int ldb, long long sB, const T* beta, TC* C, int ldc, long long sC,
                     int batch) {
   Blas blas;
-  if (!lookup(h, &blas)) {
-    say(std::string(call) + " on cuBLAS handle " + handle_name(h) + ", which was destroyed or never created");
-    return CUBLAS_STATUS_NOT_INITIALIZED;
-  }
-  const auto invalid = [&](const std::string& why) {
-    say(std::string(call) + ": " + why + " (CUBLAS_STATUS_INVALID_VALUE)");
-    return CUBLAS_STATUS_INVALID_VALUE;
-  };
-  if (ta > CUBLAS_OP_C || tb > CUBLAS_OP_C) return invalid("unknown transpose");
-  if (m < 0 || n < 0 || k < 0 || batch < 0) return invalid("a negative size");
-  const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
-  const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
-  if (lda < std::max(1, a_rows))
-    return invalid("lda " + std::to_string(lda) + " < max(1, " + std::to_string(a_rows) + ")");
-  if (ldb < std::max(1, b_rows))
-    return invalid("ldb " + std::to_string(ldb) + " < max(1, " + std::to_string(b_rows) + ")");
-  if (ldc < std::max(1, m))
-    return invalid("ldc " + std::to_string(ldc) + " < max(1, " + std::to_string(m) + ")");
+  if (!lookup(h, &blas)) return unknown_handle(call, h);
+  const auto invalid = [&](const std::string& why) { return invalid_value(call, why); };
+  if (batch < 0) return invalid("a negative size");
+  const std::string bad = bad_args(ta, tb, m, n, k, lda, ldb, ldc);
+  if (!bad.empty()) return invalid(bad);
   if (!alpha || !beta) return invalid("null alpha or beta");
   if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
   StreamPtr s = stream_of(blas.stream);
-  if (!s) {
-    say(std::string(call) + ": the handle's stream " + handle_name(blas.stream) + " was destroyed");
-    return CUBLAS_STATUS_EXECUTION_FAILED;
-  }
+  if (!s) return lost_stream(call, blas);
   const T al = *alpha, be = *beta;  // host pointer mode: read at the call
   const int dev = s->device;
   const int kk = al == T(0) ? 0 : k;  // cuBLAS reads neither A nor B when alpha is 0
   const auto ranges = [=]() {
-    std::string why = check_operand(call, "A", A, a_rows, kk ? a_cols : 0, lda, sA, batch);
-    if (why.empty()) why = check_operand(call, "B", B, b_rows, kk ? b_cols : 0, ldb, sB, batch);
-    if (why.empty()) why = check_operand(call, "C", static_cast<const TC*>(C), m, n, ldc, sC, batch);
-    return why;
+    return operand_ranges(call, ta, tb, m, n, kk, A, lda, sA, B, ldb, sB,
+                          static_cast<const TC*>(C), ldc, sC, batch);
   };
   const std::string now = ranges();
   if (!now.empty()) {
@@ -149,31 +204,88 @@ cublasStatus_t gemm(const char* call, cublasHandle_t h, cublasOperation_t ta, cu
       device_fault(dev, cudaErrorIllegalAddress, late + " (when the stream ran it)");
       return true;
     }
-    const int slices = k_slices(m, n, kk);
-    for (int b = 0; b < batch; ++b) {
-      const AB* a = A + sA * b;
-      const AB* bb = B + sB * b;
-      TC* c = C + sC * b;
-      for (int j = 0; j < n; ++j)
-        for (int i = 0; i < m; ++i) {
-          T acc = T(0);
-          for (int sl = 0; sl < slices; ++sl) {
-            // slice sl: k in [kk·sl/slices, kk·(sl+1)/slices); one slice is plain k order
-            T part = T(0);
-            const int l1 = static_cast<int>(static_cast<long long>(kk) * (sl + 1) / slices);
-            for (int l = static_cast<int>(static_cast<long long>(kk) * sl / slices); l < l1; ++l) {
-              const T x = widen(ta == CUBLAS_OP_N ? a[i + static_cast<long long>(l) * lda]
-                                                  : a[l + static_cast<long long>(i) * lda]);
-              const T y = widen(tb == CUBLAS_OP_N ? bb[l + static_cast<long long>(j) * ldb]
-                                                  : bb[j + static_cast<long long>(l) * ldb]);
-              part += x * y;
-            }
-            acc = sl == 0 ? part : acc + part;
-          }
-          TC& out = c[i + static_cast<long long>(j) * ldc];
-          // beta 0: C is not read (it may hold NaN), as cuBLAS documents
-          store(out, be == T(0) ? al * acc : al * acc + be * T(widen(out)));
+    for (int b = 0; b < batch; ++b)
+      compute<T>(ta, tb, m, n, kk, al, A + sA * b, lda, B + sB * b, ldb, be, C + sC * b, ldc);
+    return true;
+  });
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// cublasGemmGroupedBatchedEx: group i is group_size[i] problems of one shape, scalars and
+// leading dimensions (host arrays, read at the call); the operands' pointers are device
+// arrays (Aarray, Barray, Carray: every group's problems in order), read when the stream
+// runs the call, as a kernel reads them.
+template <class T, class AB, class TC>
+cublasStatus_t grouped(const char* call, cublasHandle_t h, const cublasOperation_t* ta,
+                       const cublasOperation_t* tb, const int* m, const int* n, const int* k,
+                       const T* alpha, const void* const* Aarray, const int* lda,
+                       const void* const* Barray, const int* ldb, const T* beta,
+                       void* const* Carray, const int* ldc, int groups, const int* group_size) {
+  Blas blas;
+  if (!lookup(h, &blas)) return unknown_handle(call, h);
+  const auto invalid = [&](const std::string& why) { return invalid_value(call, why); };
+  if (groups < 0) return invalid("a negative group_count");
+  if (groups == 0) return CUBLAS_STATUS_SUCCESS;
+  if (!ta || !tb || !m || !n || !k || !alpha || !lda || !ldb || !beta || !ldc || !group_size)
+    return invalid("a null host array");
+  struct Group {
+    cublasOperation_t ta, tb;
+    int m, n, k, lda, ldb, ldc, size;
+    T al, be;
+  };
+  std::vector<Group> gs(static_cast<std::size_t>(groups));
+  long long total = 0;  // problems, over every group
+  for (int i = 0; i < groups; ++i) {
+    const std::string bad = bad_args(ta[i], tb[i], m[i], n[i], k[i], lda[i], ldb[i], ldc[i]);
+    if (!bad.empty()) return invalid("group " + std::to_string(i) + ": " + bad);
+    if (group_size[i] < 0) return invalid("group " + std::to_string(i) + ": a negative group_size");
+    gs[static_cast<std::size_t>(i)] = {ta[i], tb[i], m[i], n[i], k[i], lda[i], ldb[i], ldc[i],
+                                       group_size[i], alpha[i], beta[i]};
+    total += group_size[i];
+  }
+  if (total == 0) return CUBLAS_STATUS_SUCCESS;
+  StreamPtr s = stream_of(blas.stream);
+  if (!s) return lost_stream(call, blas);
+  const int dev = s->device;
+  const std::size_t bytes = static_cast<std::size_t>(total) * sizeof(void*);
+  // The pointer arrays are device memory: a host array would be an illegal address.
+  const auto arrays = [=]() {
+    std::string why = check_device_range(Aarray, bytes, "Aarray");
+    if (why.empty()) why = check_device_range(Barray, bytes, "Barray");
+    if (why.empty()) why = check_device_range(Carray, bytes, "Carray");
+    return why.empty() ? why : std::string(call) + ": " + why;
+  };
+  const std::string now = arrays();
+  if (!now.empty()) {
+    device_fault(dev, cudaErrorIllegalAddress, now);
+    return CUBLAS_STATUS_SUCCESS;  // a device reports the fault at the next sync
+  }
+  enqueue(s, call, [=](bool) {
+    if (sticky_error(dev) != cudaSuccess) return true;
+    const std::string late = arrays();
+    if (!late.empty()) {
+      device_fault(dev, cudaErrorIllegalAddress, late + " (when the stream ran it)");
+      return true;
+    }
+    long long p = 0;  // the problem's index in the pointer arrays
+    for (std::size_t i = 0; i < gs.size(); ++i) {
+      const Group& g = gs[i];
+      const int kk = g.al == T(0) ? 0 : g.k;
+      for (int j = 0; j < g.size; ++j, ++p) {
+        const auto* A = static_cast<const AB*>(Aarray[p]);
+        const auto* B = static_cast<const AB*>(Barray[p]);
+        auto* C = static_cast<TC*>(Carray[p]);
+        if (g.m == 0 || g.n == 0) continue;
+        const std::string why = operand_ranges(call, g.ta, g.tb, g.m, g.n, kk, A, g.lda, 0, B, g.ldb,
+                                               0, static_cast<const TC*>(C), g.ldc, 0, 1);
+        if (!why.empty()) {
+          device_fault(dev, cudaErrorIllegalAddress,
+                       "group " + std::to_string(i) + " problem " + std::to_string(j) + ": " + why +
+                           " (when the stream ran it)");
+          return true;
         }
+        compute<T>(g.ta, g.tb, g.m, g.n, kk, g.al, A, g.lda, B, g.ldb, g.be, C, g.ldc);
+      }
     }
     return true;
   });
@@ -295,4 +407,35 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
                 ldc, 0, 1);
   return gemm(call, h, ta, tb, m, n, k, al, a, lda, 0, b, ldb, 0, be, static_cast<float*>(C), ldc,
               0, 1);
+}
+
+cublasStatus_t cublasGemmGroupedBatchedEx(cublasHandle_t h, const cublasOperation_t ta[],
+                                          const cublasOperation_t tb[], const int m[],
+                                          const int n[], const int k[], const void* alpha,
+                                          const void* const Aarray[], cudaDataType_t Atype,
+                                          const int lda[], const void* const Barray[],
+                                          cudaDataType_t Btype, const int ldb[], const void* beta,
+                                          void* const Carray[], cudaDataType_t Ctype,
+                                          const int ldc[], int group_count, const int group_size[],
+                                          cublasComputeType_t compute) {
+  const char* call = "cublasGemmGroupedBatchedEx";
+  // cuBLAS's table for this call, as tpsim's types meet it: A, B and C of one type, f32
+  // compute for f32 and bf16, f64 for f64 (no bf16 A·B into an f32 C, unlike cublasGemmEx).
+  const bool f64 = Atype == CUDA_R_64F && compute == CUBLAS_COMPUTE_64F;
+  const bool f32 = (Atype == CUDA_R_32F || Atype == CUDA_R_16BF) && compute == CUBLAS_COMPUTE_32F;
+  if (Atype != Btype || Atype != Ctype || !(f64 || f32)) {
+    say(std::string(call) + ": a type combination cuBLAS does not take here (CUBLAS_STATUS_NOT_SUPPORTED)");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  if (f64)
+    return grouped<double, double, double>(call, h, ta, tb, m, n, k, static_cast<const double*>(alpha),
+                                           Aarray, lda, Barray, ldb, static_cast<const double*>(beta),
+                                           Carray, ldc, group_count, group_size);
+  const auto* al = static_cast<const float*>(alpha);
+  const auto* be = static_cast<const float*>(beta);
+  if (Atype == CUDA_R_32F)
+    return grouped<float, float, float>(call, h, ta, tb, m, n, k, al, Aarray, lda, Barray, ldb, be,
+                                        Carray, ldc, group_count, group_size);
+  return grouped<float, Bf16, Bf16>(call, h, ta, tb, m, n, k, al, Aarray, lda, Barray, ldb, be,
+                                    Carray, ldc, group_count, group_size);
 }

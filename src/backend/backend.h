@@ -198,6 +198,44 @@ class Backend {
   virtual double mse_forward(const Tensor& y, const Tensor& target) = 0;
   virtual void mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) = 0;
 
+  // ---- mixture of experts: the router's decisions, grouped expert GEMMs, the combine ----
+  // The router's decisions for n tokens over E experts, 1 <= K <= E, in f64 from the logits
+  // widened exactly (backend/moe_route.h, shared by every backend, so that no two backends
+  // can route a token differently). Per token t, every sum in expert order:
+  //   lse[t] = m + log Σ_e exp(z[t,e] - m), m = max_e z[t,e] (kept for the z-loss);
+  //   scores[t,e] = exp(z[t,e] - lse[t]) (softmax) or 1/(1 + exp(-z[t,e])) (sigmoid);
+  //   expert[t,k] = the k-th expert by scores + bias, descending, ties to the lower
+  //   index (a stable sort's order; a NaN key ranks below every number);
+  //   gate[t,k] = scores[t, expert[t,k]] (not score + bias), divided by Σ_k of them (in k
+  //   order) when renorm.
+  // scores [n,E], gate [n,K], lse [n], bias [E] f64; expert [n,K] i64; logits [n,E] float.
+  virtual void moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
+                        const Tensor& logits, const Tensor& bias, std::int64_t K, bool sigmoid,
+                        bool renorm) = 0;
+  // The experts' products on an expert-major buffer: G groups of rows, group g being rows
+  // [offsets[g], offsets[g+1]) of out [R,N] and a [R,K] (offsets [G+1] from 0 to R,
+  // non-decreasing): out_g = alpha · a_g · op(b_g) + beta · out_g, op(b) = bᵀ when trans_b
+  // (b_g [N,K]: the forward's x·Wᵀ) else b (b_g [K,N]: the input gradient dy·W). An empty
+  // group is skipped. The dtypes are gemm's. This default is a loop of gemm on the groups'
+  // rows; the CUDA backend issues one grouped cuBLAS call.
+  virtual void grouped_gemm(Tensor& out, const Tensor& a, const std::vector<const Tensor*>& b,
+                            bool trans_b, const std::vector<std::int64_t>& offsets,
+                            double alpha = 1.0, double beta = 0.0);
+  // The experts' weight gradients: out_g [M,N] = alpha · a_gᵀ · b_g + beta · out_g, a_g and
+  // b_g rows [offsets[g], offsets[g+1]) of a [R,M] and b [R,N] (dW = dyᵀ·x over the
+  // group's rows: the groups differ in the summed dimension). An empty group's out_g is
+  // beta · out_g (0 for beta 0: no token, no gradient). Default: a loop of gemm.
+  virtual void grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a, const Tensor& b,
+                                  const std::vector<std::int64_t>& offsets, double alpha = 1.0,
+                                  double beta = 0.0);
+  // The combine: out[t,:] = Σ over the rows r with token[r] = t, in row order, of
+  // weight[r] · rows[r,:], accumulated in f64 from 0 and stored once in out's dtype (bf16
+  // through f32, as from_host rounds); a token without rows gets 0. Deterministic: a fixed
+  // order per token, no atomics. out [n,H] and rows [S,H] one float dtype; token [S] i64
+  // in [0,n); weight [S] f64.
+  virtual void moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                           const Tensor& weight) = 0;
+
   // ---- optimizers (torch.optim semantics) --------------------------------------------
   virtual void sgd_update(Tensor& param, const Tensor& grad, double lr) = 0;
   // g' = grad + wd·param; m = b1·m + (1-b1)·g'; v = b2·v + (1-b2)·g'²;

@@ -20,6 +20,7 @@
 
 #include "backend/bf16_widen.h"
 #include "backend/cpu_vector_math.h"
+#include "backend/moe_route.h"
 #include "backend/op_checks.h"
 #include "core/finite.h"
 #include "model/config.h"  // kIgnoreIndex
@@ -1207,6 +1208,74 @@ void CpuBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tenso
     adam_kernel<T>(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(), lr,
                    beta1, beta2, eps, weight_decay, step);
   });
+}
+
+// ---- mixture of experts -------------------------------------------------------------------
+
+void CpuBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
+                          const Tensor& logits, const Tensor& bias, std::int64_t K, bool sigmoid,
+                          bool renorm) {
+  const MoeTopkDims d = check_moe_topk(device(), scores, expert, gate, lse, logits, bias, K);
+  // Each logit widened exactly to f64 (bf16 through its exact f32 value).
+  auto rows = [&](auto load) {
+    for (i64 t = 0; t < d.n; ++t) {
+      const auto z = [&](i64 e) { return load(t * d.E + e); };
+      lse.data<double>()[t] = moe_route::route_row(
+          z, bias.data<double>(), d.E, K, sigmoid, renorm, scores.data<double>() + t * d.E,
+          expert.data<i64>() + t * K, gate.data<double>() + t * K);
+    }
+  };
+  switch (logits.dtype()) {
+    case DType::BF16: {
+      const bf16* p = logits.data<bf16>();
+      return rows([p](i64 i) { return static_cast<double>(bf16_to_f32(p[i])); });
+    }
+    case DType::F32: {
+      const float* p = logits.data<float>();
+      return rows([p](i64 i) { return static_cast<double>(p[i]); });
+    }
+    default: {
+      const double* p = logits.data<double>();
+      return rows([p](i64 i) { return p[i]; });
+    }
+  }
+}
+
+void CpuBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                             const Tensor& weight) {
+  const CombineDims d = check_moe_combine(device(), out, rows, token, weight);
+  const i64* tok = token.data<i64>();
+  for (i64 r = 0; r < d.S; ++r)
+    if (tok[r] < 0 || tok[r] >= d.n)
+      throw Error("moe_combine: token '" + token.tag() + "' row " + std::to_string(r) + " is " +
+                  std::to_string(tok[r]) + ", outside the " + std::to_string(d.n) +
+                  " rows of out '" + out.tag() + "'");
+  // [n,H] f64 accumulators: each token's rows added in row order, rounded once at the end.
+  std::vector<double> acc(static_cast<std::size_t>(d.n * d.H), 0.0);
+  const double* w = weight.data<double>();
+  auto add = [&](auto load) {
+    for (i64 r = 0; r < d.S; ++r) {
+      double* y = acc.data() + tok[r] * d.H;
+      for (i64 h = 0; h < d.H; ++h) y[h] += w[r] * load(r * d.H + h);
+    }
+  };
+  switch (rows.dtype()) {
+    case DType::BF16: {
+      const bf16* p = rows.data<bf16>();
+      add([p](i64 i) { return static_cast<double>(bf16_to_f32(p[i])); });
+      break;
+    }
+    case DType::F32: {
+      const float* p = rows.data<float>();
+      add([p](i64 i) { return static_cast<double>(p[i]); });
+      break;
+    }
+    default: {
+      const double* p = rows.data<double>();
+      add([p](i64 i) { return p[i]; });
+    }
+  }
+  if (!acc.empty()) from_host(out, acc.data());  // bf16 through f32, as from_host rounds
 }
 
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }

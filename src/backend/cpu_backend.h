@@ -94,6 +94,14 @@ class CpuBackend final : public Backend {
   double sum_squares(const Tensor& t) override;
   bool all_finite(const Tensor& t) override;  // exact in every dtype, reads t once
 
+  // moe_topk and moe_combine run backend/moe_route.h's and the combine's f64 arithmetic on
+  // the calling thread; grouped GEMMs are Backend's loops of gemm.
+  void moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse, const Tensor& logits,
+                const Tensor& bias, std::int64_t K, bool sigmoid, bool renorm) override;
+  // Throws Error for a token id outside [0, n).
+  void moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                   const Tensor& weight) override;
+
   double mse_forward(const Tensor& y, const Tensor& target) override;
   void mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) override;
 

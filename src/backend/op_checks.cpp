@@ -498,6 +498,125 @@ CeDims check_ce_backward(Device dev, const Tensor& dlogits, const Tensor& logits
 
 // ---- MSE and optimizers ---------------------------------------------------------------
 
+// ---- mixture of experts ------------------------------------------------------------
+
+MoeTopkDims check_moe_topk(Device dev, const Tensor& scores, const Tensor& expert, const Tensor& gate,
+                           const Tensor& lse, const Tensor& logits, const Tensor& bias,
+                           std::int64_t K) {
+  OpCheck c("moe_topk", dev);
+  c.float_arg("logits", logits);
+  c.ndim("logits", logits, 2);
+  const std::int64_t n = logits.dim(0), E = logits.dim(1);
+  const std::string why = "logits '" + logits.tag() + "' is " + shape_str(logits.shape()) +
+                          ", K = " + std::to_string(K);
+  c.range("E (the logits' columns)", E, 1, -1);
+  c.range("K", K, 1, E);
+  c.dtype("scores", scores, DType::F64, "the router's decisions are f64");
+  c.dtype("gate", gate, DType::F64, "the router's decisions are f64");
+  c.dtype("lse", lse, DType::F64, "the router's decisions are f64");
+  c.dtype("bias", bias, DType::F64, "the expert bias is f64");
+  c.dtype("expert", expert, DType::I64);
+  c.shape("scores", scores, {n, E}, why);
+  c.shape("expert", expert, {n, K}, why);
+  c.shape("gate", gate, {n, K}, why);
+  c.shape("lse", lse, {n}, why);
+  c.shape("bias", bias, {E}, why);
+  // The outputs are written while the logits and bias are still read.
+  for (const auto& [role, t] : {Arg{"scores", &scores}, Arg{"gate", &gate}, Arg{"lse", &lse}}) {
+    c.no_overlap(role, *t, "logits", logits);
+    c.no_overlap(role, *t, "bias", bias);
+  }
+  return {n, E};
+}
+
+std::int64_t check_group_offsets(const char* op, const std::vector<std::int64_t>& offsets,
+                                 std::size_t groups, std::int64_t rows) {
+  const OpCheck c(op, Device{});
+  if (offsets.size() != groups + 1)
+    c.fail(std::to_string(offsets.size()) + " offsets for " + std::to_string(groups) +
+           " groups (expected groups + 1)");
+  if (offsets.front() != 0 || offsets.back() != rows)
+    c.fail("offsets run from " + std::to_string(offsets.front()) + " to " +
+           std::to_string(offsets.back()) + ", expected 0 to " + std::to_string(rows) +
+           " (the operands' rows)");
+  for (std::size_t g = 0; g < groups; ++g)
+    if (offsets[g + 1] < offsets[g])
+      c.fail("offsets[" + std::to_string(g + 1) + "] = " + std::to_string(offsets[g + 1]) +
+             " < offsets[" + std::to_string(g) + "] = " + std::to_string(offsets[g]));
+  return static_cast<std::int64_t>(groups);
+}
+
+namespace {
+// check_gemm on one group, its message saying which group.
+void check_group_gemm(const char* op, std::size_t g, Device dev, const Tensor& out, const Tensor& a,
+                      bool trans_a, const Tensor& b, bool trans_b) {
+  try {
+    (void)check_gemm(dev, out, a, trans_a, b, trans_b);
+  } catch (const Error& e) {
+    throw Error(std::string(op) + ": group " + std::to_string(g) + ": " + e.what());
+  }
+}
+}  // namespace
+
+std::int64_t check_grouped_gemm(Device dev, const Tensor& out, const Tensor& a,
+                                const std::vector<const Tensor*>& b, bool trans_b,
+                                const std::vector<std::int64_t>& offsets) {
+  const char* op = "grouped_gemm";
+  OpCheck c(op, dev);
+  c.float_arg("a", a);
+  c.float_arg("out", out);
+  c.ndim("a", a, 2);
+  c.ndim("out", out, 2);
+  if (out.dim(0) != a.dim(0))
+    c.fail(OpCheck::describe("out", out) + " and " + OpCheck::describe("a", a) +
+           " differ in rows (the groups' rows are the same in both)");
+  const std::int64_t G = check_group_offsets(op, offsets, b.size(), a.dim(0));
+  for (std::size_t g = 0; g < b.size(); ++g) {
+    if (!b[g]) c.fail("b[" + std::to_string(g) + "] is null");
+    const std::int64_t r0 = offsets[g], m = offsets[g + 1] - offsets[g];
+    check_group_gemm(op, g, dev, out.narrow0(r0, m), a.narrow0(r0, m), false, *b[g], trans_b);
+  }
+  return G;
+}
+
+std::int64_t check_grouped_gemm_wgrad(Device dev, const std::vector<Tensor*>& out, const Tensor& a,
+                                      const Tensor& b, const std::vector<std::int64_t>& offsets) {
+  const char* op = "grouped_gemm_wgrad";
+  OpCheck c(op, dev);
+  c.float_arg("a", a);
+  c.float_arg("b", b);
+  c.ndim("a", a, 2);
+  c.ndim("b", b, 2);
+  if (b.dim(0) != a.dim(0))
+    c.fail(OpCheck::describe("a", a) + " and " + OpCheck::describe("b", b) +
+           " differ in rows (the groups' rows are the same in both)");
+  const std::int64_t G = check_group_offsets(op, offsets, out.size(), a.dim(0));
+  for (std::size_t g = 0; g < out.size(); ++g) {
+    if (!out[g]) c.fail("out[" + std::to_string(g) + "] is null");
+    const std::int64_t r0 = offsets[g], m = offsets[g + 1] - offsets[g];
+    check_group_gemm(op, g, dev, *out[g], a.narrow0(r0, m), true, b.narrow0(r0, m), false);
+  }
+  return G;
+}
+
+CombineDims check_moe_combine(Device dev, const Tensor& out, const Tensor& rows, const Tensor& token,
+                              const Tensor& weight) {
+  OpCheck c("moe_combine", dev);
+  c.float_arg("rows", rows);
+  c.ndim("rows", rows, 2);
+  c.ndim("out", out, 2);
+  c.dtype("out", out, rows.dtype(), "the rows' dtype");
+  const std::int64_t S = rows.dim(0), H = rows.dim(1), n = out.dim(0);
+  const std::string why = "rows '" + rows.tag() + "' is " + shape_str(rows.shape());
+  c.shape("out", out, {n, H}, why);
+  c.dtype("token", token, DType::I64);
+  c.shape("token", token, {S}, why);
+  c.dtype("weight", weight, DType::F64, "the gates are f64");
+  c.shape("weight", weight, {S}, why);
+  c.no_overlap("out", out, "rows", rows);
+  return {n, S, H};
+}
+
 void check_mse_backward(Device dev, const Tensor& dy, const Tensor& y, const Tensor& target) {
   check_same_float("mse_backward", dev, "target", target, "y", y);
   check_same_float("mse_backward", dev, "dy", dy, "y", y);

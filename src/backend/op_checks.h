@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "backend/dropout_mask.h"
 #include "core/tensor.h"
@@ -128,6 +129,30 @@ std::int64_t check_ce_loss(Device dev, const Tensor& loss, const Tensor& rowmax,
 CeDims check_ce_backward(Device dev, const Tensor& dlogits, const Tensor& logits,
                          const Tensor& rowmax, const Tensor& sumexp, const Tensor& targets,
                          std::int64_t col0, std::int64_t valid);
+
+// ---- mixture of experts ----
+struct MoeTopkDims {
+  std::int64_t n, E;
+};
+MoeTopkDims check_moe_topk(Device dev, const Tensor& scores, const Tensor& expert, const Tensor& gate,
+                           const Tensor& lse, const Tensor& logits, const Tensor& bias,
+                           std::int64_t K);
+// The groups' row ranges: offsets [G+1], from 0 to `rows`, non-decreasing; returns G.
+std::int64_t check_group_offsets(const char* op, const std::vector<std::int64_t>& offsets,
+                                 std::size_t groups, std::int64_t rows);
+// Each group's operands as check_gemm checks them (its message prefixed with the group);
+// returns G.
+std::int64_t check_grouped_gemm(Device dev, const Tensor& out, const Tensor& a,
+                                const std::vector<const Tensor*>& b, bool trans_b,
+                                const std::vector<std::int64_t>& offsets);
+std::int64_t check_grouped_gemm_wgrad(Device dev, const std::vector<Tensor*>& out, const Tensor& a,
+                                      const Tensor& b, const std::vector<std::int64_t>& offsets);
+struct CombineDims {
+  std::int64_t n, S, H;
+};
+// Shapes and dtypes only: the token ids' range is checked where they are read.
+CombineDims check_moe_combine(Device dev, const Tensor& out, const Tensor& rows, const Tensor& token,
+                              const Tensor& weight);
 
 void check_mse_backward(Device dev, const Tensor& dy, const Tensor& y, const Tensor& target);
 void check_adam(Device dev, const Tensor& param, const Tensor& grad, const Tensor& m,

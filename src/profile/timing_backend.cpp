@@ -107,6 +107,33 @@ void TimingBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tenso
   Scope s(*this, "gemm", C::Gemm, flops);
   inner_->gemm(out, a, trans_a, b, trans_b, alpha, beta);
 }
+void TimingBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
+                             const Tensor& logits, const Tensor& bias, std::int64_t K,
+                             bool sigmoid, bool renorm) {
+  Scope s(*this, "moe_topk", C::Activation);
+  inner_->moe_topk(scores, expert, gate, lse, logits, bias, K, sigmoid, renorm);
+}
+void TimingBackend::grouped_gemm(Tensor& out, const Tensor& a, const std::vector<const Tensor*>& b,
+                                 bool trans_b, const std::vector<std::int64_t>& offsets,
+                                 double alpha, double beta) {
+  // every group's 2·M_g·N·K together: 2·numel(out)·K
+  const double flops = 2.0 * static_cast<double>(out.numel()) * static_cast<double>(a.dim(1));
+  Scope s(*this, "grouped_gemm", C::Gemm, flops);
+  inner_->grouped_gemm(out, a, b, trans_b, offsets, alpha, beta);
+}
+void TimingBackend::grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a,
+                                       const Tensor& b, const std::vector<std::int64_t>& offsets,
+                                       double alpha, double beta) {
+  // Σ_g 2·M·N·m_g = 2·M·N·R
+  const double flops = 2.0 * static_cast<double>(a.numel()) * static_cast<double>(b.dim(1));
+  Scope s(*this, "grouped_gemm_wgrad", C::Gemm, flops);
+  inner_->grouped_gemm_wgrad(out, a, b, offsets, alpha, beta);
+}
+void TimingBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                                const Tensor& weight) {
+  Scope s(*this, "moe_combine", C::Memory);
+  inner_->moe_combine(out, rows, token, weight);
+}
 void TimingBackend::relu_forward(Tensor& out, const Tensor& inp) {
   Scope s(*this, "relu_forward", C::Activation);
   inner_->relu_forward(out, inp);

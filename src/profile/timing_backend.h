@@ -102,6 +102,17 @@ class TimingBackend final : public Backend {
   void ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
                    const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
                    std::int64_t valid, double scale) override;
+  // The MoE ops go to the inner backend whole (its grouped kernel, not Backend's loop).
+  void moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse, const Tensor& logits,
+                const Tensor& bias, std::int64_t K, bool sigmoid, bool renorm) override;
+  void grouped_gemm(Tensor& out, const Tensor& a, const std::vector<const Tensor*>& b,
+                    bool trans_b, const std::vector<std::int64_t>& offsets, double alpha,
+                    double beta) override;
+  void grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a, const Tensor& b,
+                          const std::vector<std::int64_t>& offsets, double alpha,
+                          double beta) override;
+  void moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                   const Tensor& weight) override;
   double sum(const Tensor& t) override;
   double sum_squares(const Tensor& t) override;
   bool all_finite(const Tensor& t) override;

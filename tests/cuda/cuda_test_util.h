@@ -3,7 +3,9 @@
 
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -29,6 +31,15 @@ inline bool have_gpus_for(int n, const std::string& what) {
   if (have >= n) return true;
   WARN(what << " needs " << n << " CUDA device(s), found " << have << ": skipped");
   return false;
+}
+
+// n normal values (mean 0, deviation `scale`) from `seed`.
+inline std::vector<double> randn(std::int64_t n, unsigned seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<double> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = d(rng);
+  return v;
 }
 
 // ‖a−b‖/‖b‖ (‖a−b‖ when b is 0).

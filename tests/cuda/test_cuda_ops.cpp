@@ -37,13 +37,7 @@ struct Input {
   bool is_i64 = false;
 };
 
-std::vector<double> randn(i64 n, unsigned seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> d(0.0, scale);
-  std::vector<double> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using test::randn;
 
 Input f(std::string tag, Shape s, unsigned seed, double scale = 1.0) {
   const i64 n = shape_numel(s);

@@ -972,6 +972,175 @@ void CudaBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tens
   });
 }
 
+// ---- mixture of experts -------------------------------------------------------------------
+
+void CudaBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
+                           const Tensor& logits, const Tensor& bias, std::int64_t K, bool sigmoid,
+                           bool renorm) {
+  const MoeTopkDims d = check_moe_topk(device(), scores, expert, gate, lse, logits, bias, K);
+  CudaDeviceGuard guard(device_);
+  auto run = [&](const auto* z) {
+    K::moe_topk(scores.data<double>(), expert.data<i64>(), gate.data<double>(), lse.data<double>(),
+                z, bias.data<double>(), d.n, d.E, K, sigmoid, renorm, stream_);
+  };
+  if (logits.dtype() == DType::BF16) return run(bits(logits));  // widened in the kernel
+  on_float(logits, [&](auto z) {
+    using T = decltype(z);
+    run(logits.data<T>());
+  });
+}
+
+void CudaBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                              const Tensor& weight) {
+  const char* op = "moe_combine";
+  const CombineDims d = check_moe_combine(device(), out, rows, token, weight);
+  CudaDeviceGuard guard(device_);
+  // The token ids come to the host (S i64s, one wait) to be checked, as the CPU checks
+  // them, and to plan each token's rows in row order.
+  std::vector<i64> tok(static_cast<std::size_t>(d.S));
+  if (d.S > 0) copy_to_host(tok.data(), token.data<i64>(), tok.size() * sizeof(i64), op);
+  // [offsets (n+1) | rows (S)]: a stable counting sort by token
+  std::vector<i64> plan(static_cast<std::size_t>(d.n + 1 + d.S), 0);
+  for (i64 r = 0; r < d.S; ++r) {
+    const i64 t = tok[static_cast<std::size_t>(r)];
+    if (t < 0 || t >= d.n)
+      throw Error("moe_combine: token '" + token.tag() + "' row " + std::to_string(r) + " is " +
+                  std::to_string(t) + ", outside the " + std::to_string(d.n) + " rows of out '" +
+                  out.tag() + "'");
+    ++plan[static_cast<std::size_t>(t + 1)];
+  }
+  for (i64 t = 0; t < d.n; ++t) plan[static_cast<std::size_t>(t + 1)] += plan[static_cast<std::size_t>(t)];
+  std::vector<i64> next(plan.begin(), plan.begin() + d.n);  // [n] each token's next slot
+  for (i64 r = 0; r < d.S; ++r)
+    plan[static_cast<std::size_t>(d.n + 1 + next[static_cast<std::size_t>(tok[static_cast<std::size_t>(r)])]++)] = r;
+  if (d.n * d.H == 0) return;
+  // [n+1+S] i64: the plan on the device
+  Tensor dplan = empty({static_cast<i64>(plan.size())}, DType::I64, MemCategory::Temporary,
+                       "moe_combine.plan");
+  copy_from_host(dplan.raw(), plan.data(), dplan.nbytes(), op);
+  const double* w = weight.data<double>();
+  if (out.dtype() == DType::BF16)
+    return K::moe_combine(bits(out), bits(rows), w, dplan.data<i64>(), d.n, d.H, stream_);
+  on_float(out, [&](auto z) {
+    using T = decltype(z);
+    K::moe_combine(out.data<T>(), rows.data<T>(), w, dplan.data<i64>(), d.n, d.H, stream_);
+  });
+}
+
+void CudaBackend::grouped_gemm(Tensor& out, const Tensor& a, const std::vector<const Tensor*>& b,
+                               bool trans_b, const std::vector<std::int64_t>& offsets,
+                               double alpha, double beta) {
+  check_grouped_gemm(device(), out, a, b, trans_b, offsets);
+  const i64 N = out.dim(1), Kd = a.dim(1);
+  std::vector<RowMajorGemm> problems;  // the non-empty groups
+  for (std::size_t g = 0; g < b.size(); ++g) {
+    const i64 r0 = offsets[g], m = offsets[g + 1] - offsets[g];
+    if (m == 0) continue;
+    problems.push_back({false, trans_b, m, N, Kd, static_cast<const char*>(a.raw()) + r0 * Kd * dtype_size(a.dtype()),
+                        Kd, b[g]->raw(), trans_b ? Kd : N,
+                        static_cast<char*>(out.raw()) + r0 * N * dtype_size(out.dtype()), N});
+  }
+  DType bd = a.dtype();
+  for (const Tensor* t : b)
+    if (t->dtype() != a.dtype()) bd = t->dtype();
+  grouped_call("grouped_gemm", problems, a.dtype(), bd, out.dtype(), alpha, beta);
+}
+
+void CudaBackend::grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a,
+                                     const Tensor& b, const std::vector<std::int64_t>& offsets,
+                                     double alpha, double beta) {
+  check_grouped_gemm_wgrad(device(), out, a, b, offsets);
+  const i64 M = a.dim(1), N = b.dim(1);
+  std::vector<RowMajorGemm> problems;  // the non-empty groups
+  DType cd = out.empty() ? a.dtype() : out[0]->dtype();
+  for (std::size_t g = 0; g < out.size(); ++g) {
+    const i64 r0 = offsets[g], m = offsets[g + 1] - offsets[g];
+    if (out[g]->dtype() != cd)
+      throw Error("grouped_gemm_wgrad: out[" + std::to_string(g) + "] '" + out[g]->tag() + "' is " +
+                  dtype_name(out[g]->dtype()) + ", out[0] '" + out[0]->tag() + "' " +
+                  dtype_name(cd) + " (one grouped call has one output dtype)");
+    if (m == 0) {  // a sum over no rows: beta · out_g, and 0 without reading it for beta 0
+      if (beta == 0.0) fill(*out[g], 0.0);
+      else if (beta != 1.0) scale_inplace(*out[g], beta);
+      continue;
+    }
+    problems.push_back({true, false, M, N, m,
+                        static_cast<const char*>(a.raw()) + r0 * M * dtype_size(a.dtype()), M,
+                        static_cast<const char*>(b.raw()) + r0 * N * dtype_size(b.dtype()), N,
+                        out[g]->raw(), N});
+  }
+  grouped_call("grouped_gemm_wgrad", problems, a.dtype(), b.dtype(), cd, alpha, beta);
+}
+
+void CudaBackend::grouped_call(const char* op, const std::vector<RowMajorGemm>& p, DType at,
+                               DType bt, DType ct, double alpha, double beta) {
+  if (p.empty()) return;
+  const bool bf = at == DType::BF16 || bt == DType::BF16 || ct == DType::BF16;
+  if (bf && (at != DType::BF16 || bt != DType::BF16))
+    throw Error(std::string(op) + ": a is " + dtype_name(at) + " and b " + dtype_name(bt) +
+                ": both must be bf16 when any operand is (the CUDA backend has no mixed " +
+                "bf16/f32 operands)");
+  CudaDeviceGuard guard(device_);
+  // Row-major as in gemm_rm: each Cᵀ = op(B)ᵀ · op(A)ᵀ, operands swapped.
+  const auto ta = [](const RowMajorGemm& q) { return q.tb ? CUBLAS_OP_T : CUBLAS_OP_N; };
+  const auto tb = [](const RowMajorGemm& q) { return q.ta ? CUBLAS_OP_T : CUBLAS_OP_N; };
+  if (bf && ct == DType::F32) {
+    // bf16 operands into an f32 C (a main gradient): not in cublasGemmGroupedBatchedEx's
+    // type table (its bf16 row is bf16 A, B and C), so one cublasGemmEx per group.
+    const float al = static_cast<float>(alpha), be = static_cast<float>(beta);
+    for (const RowMajorGemm& q : p)
+      TPSIM_CUBLAS_CHECK(cublasGemmEx(
+          cublas_, ta(q), tb(q), blas_int(op, "N", q.N, 0), blas_int(op, "M", q.M, 0),
+          blas_int(op, "K", q.K, 0), &al, q.B, CUDA_R_16BF, blas_int(op, "ldb", q.ldb, 1), q.A,
+          CUDA_R_16BF, blas_int(op, "lda", q.lda, 1), &be, q.C, CUDA_R_32F,
+          blas_int(op, "ldc", q.ldc, 1), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return;
+  }
+  // One cublasGemmGroupedBatchedEx: a group per problem (group_size 1, as every problem
+  // has its own shape), its shapes, scalars and group sizes in host arrays, its operand
+  // pointers in a device array.
+  const std::size_t G = p.size();
+  std::vector<cublasOperation_t> tas(G), tbs(G);
+  std::vector<int> m(G), n(G), k(G), lda(G), ldb(G), ldc(G), one(G, 1);
+  std::vector<const void*> ptrs(3 * G);  // [A (G) | B (G) | C (G)], cuBLAS's operands
+  for (std::size_t i = 0; i < G; ++i) {
+    const RowMajorGemm& q = p[i];
+    tas[i] = ta(q);
+    tbs[i] = tb(q);
+    m[i] = blas_int(op, "N", q.N, 0);
+    n[i] = blas_int(op, "M", q.M, 0);
+    k[i] = blas_int(op, "K", q.K, 0);
+    lda[i] = blas_int(op, "ldb", q.ldb, 1);
+    ldb[i] = blas_int(op, "lda", q.lda, 1);
+    ldc[i] = blas_int(op, "ldc", q.ldc, 1);
+    ptrs[i] = q.B;
+    ptrs[G + i] = q.A;
+    ptrs[2 * G + i] = q.C;
+  }
+  // [3G] pointers on the device, freed in stream order after the call has run
+  Tensor dptrs = empty({static_cast<i64>(3 * G)}, DType::I64, MemCategory::Temporary,
+                       std::string(op) + ".pointers");
+  copy_from_host(dptrs.raw(), ptrs.data(), 3 * G * sizeof(void*), op);
+  const auto* arr = static_cast<const void* const*>(dptrs.raw());
+  void* const* carr = static_cast<void* const*>(dptrs.raw()) + 2 * G;
+  const int groups = blas_int(op, "groups", static_cast<i64>(G), 0);
+  const cudaDataType_t type =
+      ct == DType::F64 ? CUDA_R_64F : ct == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
+  if (ct == DType::F64) {
+    const std::vector<double> al(G, alpha), be(G, beta);
+    TPSIM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+        cublas_, tas.data(), tbs.data(), m.data(), n.data(), k.data(), al.data(), arr, type,
+        lda.data(), arr + G, type, ldb.data(), be.data(), carr, type, ldc.data(), groups,
+        one.data(), CUBLAS_COMPUTE_64F));
+  } else {
+    const std::vector<float> al(G, static_cast<float>(alpha)), be(G, static_cast<float>(beta));
+    TPSIM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+        cublas_, tas.data(), tbs.data(), m.data(), n.data(), k.data(), al.data(), arr, type,
+        lda.data(), arr + G, type, ldb.data(), be.data(), carr, type, ldc.data(), groups,
+        one.data(), CUBLAS_COMPUTE_32F));
+  }
+}
+
 std::unique_ptr<Backend> make_cuda_backend(int device) {
   return std::make_unique<CudaBackend>(device);
 }

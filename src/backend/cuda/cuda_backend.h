@@ -149,6 +149,21 @@ class CudaBackend final : public Backend {
                    std::int64_t valid, double scale) override;
   double sum(const Tensor& t) override;
   double sum_squares(const Tensor& t) override;
+  // The router's decisions, one thread per token (moe.cu), f64.
+  void moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse, const Tensor& logits,
+                const Tensor& bias, std::int64_t K, bool sigmoid, bool renorm) override;
+  // One cublasGemmGroupedBatchedEx over the non-empty groups (f32, f64, bf16 with a bf16
+  // out); bf16 operands into an f32 out, which that call does not take, are a loop of
+  // cublasGemmEx.
+  void grouped_gemm(Tensor& out, const Tensor& a, const std::vector<const Tensor*>& b,
+                    bool trans_b, const std::vector<std::int64_t>& offsets, double alpha,
+                    double beta) override;
+  void grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a, const Tensor& b,
+                          const std::vector<std::int64_t>& offsets, double alpha,
+                          double beta) override;
+  // The token ids come to the host (one wait) to be checked and planned; then one kernel.
+  void moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                   const Tensor& weight) override;
 
   double mse_forward(const Tensor& y, const Tensor& target) override;
   void mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) override;
@@ -166,6 +181,22 @@ class CudaBackend final : public Backend {
   // Throws Error, as the CPU backend does, when a target can lie on no shard.
   void check_targets(const char* op, const Tensor& targets, const Tensor& logits,
                      std::int64_t col0, std::int64_t valid);
+  // One row-major product of a grouped call: C[M,N] = alpha · op(A)[M,K] · op(B)[K,N] +
+  // beta · C, lda/ldb/ldc the row strides as stored.
+  struct RowMajorGemm {
+    bool ta, tb;
+    std::int64_t M, N, K;
+    const void* A;
+    std::int64_t lda;
+    const void* B;
+    std::int64_t ldb;
+    void* C;
+    std::int64_t ldc;
+  };
+  // The products `p` (none empty) as one cuBLAS grouped call, or a loop where it takes no
+  // such types; operand types at, bt, C's ct.
+  void grouped_call(const char* op, const std::vector<RowMajorGemm>& p, DType at, DType bt,
+                    DType ct, double alpha, double beta);
   // Reads the f64 scalar sum_result_ back (after sum_f64 / sum_sq_diff_f64).
   double read_sum();
   // Polls the stream until it is idle, under host_wait_ ("op" names the caller).

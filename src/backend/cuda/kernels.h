@@ -148,4 +148,18 @@ void ce_check_targets(i64* bad_row, const i64* targets, i64 N, i64 Vl, i64 col0,
 // fill for i64 tensors
 void fill_i64(i64* t, i64 n, i64 value, cudaStream_t s);
 
+// ---- moe.cu (mixture of experts) ---------------------------------------------------------
+// T is float, double or std::uint16_t (bf16 bits): every input widened exactly to f64.
+// The router's decisions (backend/moe_route.h, one thread per token): scores [n,E],
+// expert [n,K], gate [n,K], lse [n] from logits [n,E] and bias [E].
+template <class T>
+void moe_topk(double* scores, i64* expert, double* gate, double* lse, const T* logits,
+              const double* bias, i64 n, i64 E, i64 K, bool sigmoid, bool renorm, cudaStream_t s);
+// out[n,H] = per token, Σ weight[r] · x[r,:] over its rows r in row order, in f64, stored
+// once. plan (device) is [offsets (n+1) | rows (S)]: token t's rows are
+// rows[offsets[t] .. offsets[t+1]), in row order.
+template <class T>
+void moe_combine(T* out, const T* x, const double* weight, const i64* plan, i64 n, i64 H,
+                 cudaStream_t s);
+
 }  // namespace tpsim::cuda_kernels
