@@ -47,6 +47,13 @@ MoeWorkspace::MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64
   };
   const auto Tm = MemCategory::Temporary, Cm = MemCategory::CommBuffer;
   logits = buf({n, E}, dtype, Tm, "moe.router.logits");
+  bias = buf({E}, DType::F64, Tm, "moe.router.bias");
+  scores = buf({n, E}, DType::F64, Tm, "moe.router.scores");
+  expert = buf({n, K}, DType::I64, Tm, "moe.router.expert");
+  gate = buf({n, K}, DType::F64, Tm, "moe.router.gate");
+  lse = buf({n}, DType::F64, Tm, "moe.router.lse");
+  combine_tokens = buf({S}, DType::I64, Tm, "moe.combine.tokens");
+  combine_weights = buf({S}, DType::F64, Tm, "moe.combine.weights");
   token_ids = buf({S}, DType::I64, Tm, "moe.dispatch.tokens");
   send = buf({S, H}, dtype, Cm, "moe.dispatch.send");
   recv = buf({R, H}, dtype, Cm, "moe.dispatch.recv");
@@ -66,12 +73,6 @@ MoeWorkspace::MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64
     grad_peers = buf({g}, compute_dtype(dtype), Cm, "moe.grad.peers");
   }
 }
-
-namespace {
-
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-
-}  // namespace
 
 // Everything one layer keeps between its forward and backward. n this rank's tokens, E
 // experts, K per token, El = E/ep local experts, Fel = F/etp their local width, P = ep·etp
@@ -119,6 +120,23 @@ struct MoeLayer::State {
   State(Backend& b, Communicator& cm, MoeWorkspace& w) : be(b), comm(cm), ws(w) {}
   int block0() const { return x.edp_rank() * x.ep * x.etp; }
   int block() const { return x.ep * x.etp; }
+  // The local experts' weights of one kind (gate_up or down), for a grouped GEMM.
+  std::vector<const Tensor*> weights(Parameter* Local::*which) const {
+    std::vector<const Tensor*> w;
+    for (const Local& l : local) w.push_back(&((l.*which)->value));
+    return w;
+  }
+  std::vector<Tensor*> grads(Parameter* Local::*which) {
+    std::vector<Tensor*> g;
+    for (Local& l : local) g.push_back(&((l.*which)->grad));
+    return g;
+  }
+  // Each local expert's rows of the expert-major buffer [R,*]: the grouped GEMMs' offsets.
+  std::vector<std::int64_t> groups(std::int64_t R) const {
+    std::vector<std::int64_t> o(off.begin(), off.end());
+    o.push_back(R);
+    return o;
+  }
   // The first v.size() rows of `buf`, holding v.
   Tensor ids(const Tensor& buf, const std::vector<std::int64_t>& v) {
     Tensor t = buf.narrow0(0, static_cast<std::int64_t>(v.size()));
@@ -198,45 +216,28 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
   const int world = s.x.world;
   s.xin = xin;
 
-  // ---- router: logits on the backend, the decisions on the host ----
+  // ---- router: logits, scores and top-k on the backend; the host gets the decisions,
+  // which the capacity rule, the dispatch plan and the observation points need ----
   s.comm.set_label(s.prefix + "moe.router");
-  Tensor& zt = s.ws.logits;  // [n,E]
+  MoeWorkspace& ws = s.ws;
+  Tensor& zt = ws.logits;  // [n,E]
   s.be.gemm(zt, xin, false, router_->value, true);
+  s.be.from_host(ws.bias, s.bias.data());
+  s.be.moe_topk(ws.scores, ws.expert, ws.gate, ws.lse, zt, ws.bias, K,
+                c.moe_score == MoeScore::Sigmoid, c.moe_topk_renorm);
   s.be.to_host_into(zt, s.z);
-  s.s.assign(static_cast<std::size_t>(n * E), 0.0);
-  s.lse.assign(static_cast<std::size_t>(n), 0.0);
-  s.expert.assign(static_cast<std::size_t>(n * K), 0);
-  s.gate.assign(static_cast<std::size_t>(n * K), 0.0);
+  s.be.to_host_into(ws.scores, s.s);
+  s.be.to_host_into(ws.lse, s.lse);
+  s.be.to_host_into(ws.gate, s.gate);
+  s.expert = s.be.to_host_i64(ws.expert);
   s.kept.assign(static_cast<std::size_t>(n * K), 1);
   s.load_local.assign(static_cast<std::size_t>(E), 0.0);
   std::vector<double> stats(static_cast<std::size_t>(2 * E + 1), 0.0);  // load, Σp, Σ lse²
-  std::vector<std::int64_t> order(static_cast<std::size_t>(E));
   for (std::int64_t t = 0; t < n; ++t) {
-    const double* zr = &s.z[static_cast<std::size_t>(t * E)];
-    double* sr = &s.s[static_cast<std::size_t>(t * E)];
-    const double mx = *std::max_element(zr, zr + E);
-    double sum = 0;
-    for (std::int64_t e = 0; e < E; ++e) sum += std::exp(zr[e] - mx);
-    s.lse[t] = mx + std::log(sum);
+    const double* sr = &s.s[static_cast<std::size_t>(t * E)];
+    for (std::int64_t k = 0; k < K; ++k) s.load_local[s.expert[t * K + k]] += 1;
     double ssum = 0;
-    for (std::int64_t e = 0; e < E; ++e) {
-      sr[e] = c.moe_score == MoeScore::Softmax ? std::exp(zr[e] - s.lse[t]) : sigmoid(zr[e]);
-      ssum += sr[e];
-    }
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
-      return sr[a] + s.bias[a] > sr[b] + s.bias[b];
-    });
-    double gsum = 0;
-    for (std::int64_t k = 0; k < K; ++k) {
-      const std::int64_t e = order[static_cast<std::size_t>(k)];
-      s.expert[t * K + k] = e;
-      s.gate[t * K + k] = sr[e];
-      gsum += sr[e];
-      s.load_local[e] += 1;
-    }
-    if (c.moe_topk_renorm)
-      for (std::int64_t k = 0; k < K; ++k) s.gate[t * K + k] /= gsum;
+    for (std::int64_t e = 0; e < E; ++e) ssum += sr[e];
     for (std::int64_t e = 0; e < E; ++e)
       stats[E + e] += c.moe_score == MoeScore::Softmax ? sr[e] : sr[e] / ssum;
     stats[2 * E] += s.lse[t] * s.lse[t];
@@ -373,14 +374,9 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
   Tensor o = s.ws.rows.narrow0(0, R);  // [R,H]
   s.gather_rows(s.xe, recv, s.perm);
   s.comm.set_label(s.prefix + "moe.experts");
-  for (std::int64_t le = 0; le < El; ++le) {
-    if (s.m[le] == 0) continue;
-    Tensor xe = s.xe.narrow0(s.off[le], s.m[le]), gu = s.gu.narrow0(s.off[le], s.m[le]);
-    Tensor a = s.a.narrow0(s.off[le], s.m[le]), oe = o.narrow0(s.off[le], s.m[le]);
-    s.be.gemm(gu, xe, false, s.local[le].gate_up->value, true);
-    s.be.swiglu_forward(a, gu);
-    s.be.gemm(oe, a, false, s.local[le].down->value, true);  // an ETP partial sum
-  }
+  s.be.grouped_gemm(s.gu, s.xe, s.weights(&State::Local::gate_up), true, s.groups(R));
+  if (R > 0) s.be.swiglu_forward(s.a, s.gu);
+  s.be.grouped_gemm(o, s.a, s.weights(&State::Local::down), true, s.groups(R));  // ETP partials
 
   // ---- combine: back to the sources, the ETP partials summed, weighted by the gates ----
   Tensor back_send = recv;  // [R,H] (the received rows are in xe now)
@@ -388,23 +384,26 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
   Tensor back = send;  // [S,H]
   s.comm.set_label(s.prefix + "moe.combine");
   s.exchange(back_send, back, true);
+  // Each kept pair's output (its ETP partials summed), on the host for the gates' gradient.
   const std::vector<double> bh = s.be.to_host(back);  // [S,H]
   s.pair_out.assign(static_cast<std::size_t>(n * K * H), 0.0);
   for (std::int64_t r = 0; r < S; ++r) {  // destinations in rank order: ETP ranks in order
     double* po = &s.pair_out[static_cast<std::size_t>(s.sent[r] * H)];
     for (std::int64_t h = 0; h < H; ++h) po[h] += bh[static_cast<std::size_t>(r * H + h)];
   }
-  s.out_host.assign(static_cast<std::size_t>(n * H), 0.0);
-  for (std::int64_t i = 0; i < n * K; ++i) {
-    if (!s.kept[i]) continue;
-    std::int64_t row = i / K;
+  std::vector<std::int64_t> row_of(s.sent.size());  // [S] the token each row joins
+  std::vector<double> weight(s.sent.size());        // [S] its pair's gate
+  for (std::int64_t r = 0; r < S; ++r) {
+    std::int64_t row = s.sent[r] / K;
     if (s.fault == Fault::MoeCombineRowInSequence && s.obs.seq > 0)  // the bug: the position
       row = (s.tok0 + row) % s.obs.seq % n;                           // in its sequence
-    double* y = &s.out_host[static_cast<std::size_t>(row * H)];
-    const double* po = &s.pair_out[static_cast<std::size_t>(i * H)];
-    for (std::int64_t h = 0; h < H; ++h) y[h] += s.gate[i] * po[h];
+    row_of[r] = row;
+    weight[r] = s.gate[s.sent[r]];
   }
-  s.be.from_host(out, s.out_host.data());
+  Tensor w = ws.combine_weights.narrow0(0, S);  // [S] f64
+  if (S > 0) s.be.from_host(w, weight.data());
+  s.be.moe_combine(out, back, s.ids(ws.combine_tokens, row_of), w);
+  s.be.to_host_into(out, s.out_host);
   return s.aux + s.zloss;
 }
 
@@ -441,7 +440,7 @@ void MoeLayer::State::sum_over(Tensor& grad, const std::vector<int>& peers) {
 void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
   State& s = *s_;
   const GptConfig& c = s.c;
-  const std::int64_t n = s.n, E = s.E, K = s.K, H = s.H, El = s.El;
+  const std::int64_t n = s.n, E = s.E, K = s.K, H = s.H;
   const std::int64_t S = static_cast<std::int64_t>(s.sent.size()), R = s.xe.dim(0);
   s.be.to_host_into(dout, s.dout_host);
   const std::vector<double>& dy = s.dout_host;
@@ -473,34 +472,23 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
   Tensor da = s.ws.act_grad.narrow0(0, R);       // [R,Fel]
   Tensor dgu = s.ws.gate_up_grad.narrow0(0, R);  // [R,2Fel]
   Tensor dh = recv;                              // [R,H] (the received rows are in de now)
-  for (std::int64_t le = 0; le < El; ++le) {
-    Parameter& gu_p = *s.local[le].gate_up;
-    Parameter& down_p = *s.local[le].down;
-    if (s.m[le] == 0) {  // no token this step: no gradient
-      s.be.fill(gu_p.grad, 0.0);
-      s.be.fill(down_p.grad, 0.0);
-      continue;
-    }
-    auto rows_of = [&](const Tensor& t) { return t.narrow0(s.off[le], s.m[le]); };
-    Tensor de_e = rows_of(de), a = rows_of(s.a), gu = rows_of(s.gu), xe = rows_of(s.xe);
-    Tensor da_e = rows_of(da), dgu_e = rows_of(dgu), dh_e = rows_of(dh);
-    s.be.gemm(down_p.grad, de_e, true, a, false);
-    s.be.gemm(da_e, de_e, false, down_p.value, false);
-    s.be.swiglu_backward(dgu_e, da_e, gu);
-    s.be.gemm(gu_p.grad, dgu_e, true, xe, false);
-    s.be.gemm(dh_e, dgu_e, false, gu_p.value, false);  // an ETP share of the input gradient
-  }
+  const std::vector<std::int64_t> groups = s.groups(R);  // an expert without rows: a zero gradient
+  s.be.grouped_gemm_wgrad(s.grads(&State::Local::down), de, s.a, groups);
+  s.be.grouped_gemm(da, de, s.weights(&State::Local::down), false, groups);
+  if (R > 0) s.be.swiglu_backward(dgu, da, s.gu);
+  s.be.grouped_gemm_wgrad(s.grads(&State::Local::gate_up), dgu, s.xe, groups);
+  s.be.grouped_gemm(dh, dgu, s.weights(&State::Local::gate_up), false, groups);  // ETP shares
   Tensor back_send = de;  // [R,H] (de is spent)
   s.gather_rows(back_send, dh, s.inv);
   Tensor back = send;  // [S,H]
   s.comm.set_label(s.prefix + "moe.dispatch backward");
   s.exchange(back_send, back, true);
-  const std::vector<double> bh = s.be.to_host(back);
-  std::vector<double> dxh(static_cast<std::size_t>(n * H), 0.0);
-  for (std::int64_t r = 0; r < S; ++r) {
-    double* d = &dxh[static_cast<std::size_t>(s.sent[r] / K * H)];
-    for (std::int64_t h = 0; h < H; ++h) d[h] += bh[static_cast<std::size_t>(r * H + h)];
-  }
+  // dx: each token's rows summed (its pairs' ETP shares), then the router's path below
+  std::vector<std::int64_t> token_of(s.sent.size());  // [S]
+  for (std::int64_t r = 0; r < S; ++r) token_of[r] = s.sent[r] / K;
+  Tensor ones = s.ws.combine_weights.narrow0(0, S);  // [S] f64
+  s.be.fill(ones, 1.0);
+  s.be.moe_combine(dx, back, s.ids(s.ws.combine_tokens, token_of), ones);
 
   // ---- the router: through the gates, the aux loss and the z-loss to the logits ----
   std::vector<double> ds(static_cast<std::size_t>(n * E), 0.0);
@@ -556,7 +544,6 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
   Tensor& dzt = s.ws.logits;  // [n,E]
   s.be.from_host(dzt, s.dz.data());
   s.be.gemm(router_->grad, dzt, true, s.xin, false);
-  s.be.from_host(dx, dxh.data());
   s.be.gemm(dx, dzt, false, router_->value, false, 1.0, 1.0);
 
   // ---- the experts' gradients saw this expert-DP block's tokens: summed over the blocks ----

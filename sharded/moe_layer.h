@@ -62,6 +62,13 @@ struct MoeWorkspace {
                DType dtype);
   std::int64_t S = 0, R = 0;
   Tensor logits;              // [n,E]     the router's logits; in backward, their gradient
+  Tensor bias;                // [E] f64   the expert bias, for the top-k
+  Tensor scores;              // [n,E] f64 the router's decisions (Backend::moe_topk)
+  Tensor expert;              // [n,K] i64
+  Tensor gate;                // [n,K] f64
+  Tensor lse;                 // [n] f64
+  Tensor combine_tokens;      // [S] i64   the token each returned row joins
+  Tensor combine_weights;     // [S] f64   its gate (1 for the input gradient)
   Tensor token_ids;           // [S] i64   each sent row's token
   Tensor send;                // [S,H]     the dispatch's send, the combine's receive
   Tensor recv;                // [R,H]     the dispatch's receive, the combine's send

@@ -34,6 +34,7 @@ class LoggingBackend final : public Backend {
   TPSIM_FORWARD(void, from_host, (Tensor& d, const double* s), (d, s))
   TPSIM_FORWARD(void, from_host_i64, (Tensor& d, const i64* s), (d, s))
   TPSIM_FORWARD(std::vector<double>, to_host, (const Tensor& s), (s))
+  TPSIM_FORWARD(std::vector<i64>, to_host_i64, (const Tensor& s), (s))
   TPSIM_FORWARD(void, copy_columns, (Tensor& d, const Tensor& s, i64 c), (d, s, c))
   TPSIM_FORWARD(void, set_columns, (Tensor& d, const Tensor& s, i64 c), (d, s, c))
   TPSIM_FORWARD(void, add_inplace, (Tensor& d, const Tensor& s), (d, s))

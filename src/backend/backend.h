@@ -48,6 +48,7 @@ class Backend {
   virtual void from_host(Tensor& dst, const double* src) = 0;        // float dst, numel values
   virtual void from_host_i64(Tensor& dst, const std::int64_t* src) = 0;  // i64 dst
   virtual std::vector<double> to_host(const Tensor& src) = 0;       // float src, as f64
+  virtual std::vector<std::int64_t> to_host_i64(const Tensor& src) = 0;  // i64 src
   // The same into `dst`, whose storage is reused when it is large enough (a backend that
   // does not override it allocates anew).
   virtual void to_host_into(const Tensor& src, std::vector<double>& dst) { dst = to_host(src); }

@@ -557,6 +557,13 @@ void CpuBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
   if (dst.nbytes() > 0) std::memcpy(dst.raw(), src, dst.nbytes());
 }
 
+std::vector<std::int64_t> CpuBackend::to_host_i64(const Tensor& src) {
+  OpCheck("to_host_i64", device()).dtype("src", src, DType::I64);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(src.numel()));
+  if (src.nbytes() > 0) std::memcpy(out.data(), src.raw(), src.nbytes());
+  return out;
+}
+
 std::vector<double> CpuBackend::to_host(const Tensor& src) {
   std::vector<double> out;
   to_host_into(src, out);

@@ -29,6 +29,7 @@ class CpuBackend final : public Backend {
   void from_host(Tensor& dst, const double* src) override;
   void from_host_i64(Tensor& dst, const std::int64_t* src) override;
   std::vector<double> to_host(const Tensor& src) override;
+  std::vector<std::int64_t> to_host_i64(const Tensor& src) override;
   void to_host_into(const Tensor& src, std::vector<double>& dst) override;
   const double* host_view_f64(const Tensor& src) override {
     return src.dtype() == DType::F64 ? src.data<double>() : nullptr;

@@ -242,6 +242,13 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     if (!sp) add(Tm, "moe.out.gathered", {N, H}, -1);
     // the layers' shared workspace
     add(Tm, "moe.router.logits", {moe.n, E}, -1);
+    add(Tm, "moe.router.bias", {E}, -1, 8);
+    add(Tm, "moe.router.scores", {moe.n, E}, -1, 8);
+    add(Tm, "moe.router.expert", {moe.n, K}, -1, 8);
+    add(Tm, "moe.router.gate", {moe.n, K}, -1, 8);
+    add(Tm, "moe.router.lse", {moe.n}, -1, 8);
+    add(Tm, "moe.combine.tokens", {moe.S}, -1, 8);
+    add(Tm, "moe.combine.weights", {moe.S}, -1, 8);
     add(Tm, "moe.dispatch.tokens", {moe.S}, -1, 8);
     add(Cm, "moe.dispatch.send", {moe.S, H}, -1);
     add(Cm, "moe.dispatch.recv", {moe.R, H}, -1);

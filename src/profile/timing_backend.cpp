@@ -75,6 +75,10 @@ void TimingBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
   Scope s(*this, "from_host_i64", C::Memory);
   inner_->from_host_i64(dst, src);
 }
+std::vector<std::int64_t> TimingBackend::to_host_i64(const Tensor& src) {
+  Scope s(*this, "to_host_i64", C::Memory);
+  return inner_->to_host_i64(src);
+}
 std::vector<double> TimingBackend::to_host(const Tensor& src) {
   Scope s(*this, "to_host", C::Memory);
   return inner_->to_host(src);

@@ -232,6 +232,15 @@ void CudaBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
   copy_from_host(dst.raw(), src, dst.nbytes(), "from_host_i64");
 }
 
+std::vector<std::int64_t> CudaBackend::to_host_i64(const Tensor& src) {
+  OpCheck("to_host_i64", device()).dtype("src", src, DType::I64);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(src.numel()));
+  if (src.nbytes() == 0) return out;
+  CudaDeviceGuard guard(device_);
+  copy_to_host(out.data(), src.raw(), src.nbytes(), "to_host_i64");
+  return out;
+}
+
 std::vector<double> CudaBackend::to_host(const Tensor& src) {
   OpCheck("to_host", device()).float_arg("src", src);
   std::vector<double> out(static_cast<std::size_t>(src.numel()));

@@ -89,6 +89,7 @@ class CudaBackend final : public Backend {
   void from_host(Tensor& dst, const double* src) override;
   void from_host_i64(Tensor& dst, const std::int64_t* src) override;
   std::vector<double> to_host(const Tensor& src) override;
+  std::vector<std::int64_t> to_host_i64(const Tensor& src) override;
   void copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) override;
   void set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) override;
   void add_inplace(Tensor& dst, const Tensor& src) override;
