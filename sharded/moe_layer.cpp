@@ -341,6 +341,8 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
   const std::int64_t S = static_cast<std::int64_t>(s.sent.size());
   std::vector<std::int64_t> token_of(s.sent.size());
   for (std::size_t i = 0; i < s.sent.size(); ++i) token_of[i] = s.sent[i] / K;
+  if (s.fault == Fault::MoeDispatchWrongRow && s.x.rank == 0 && S > 0 && n > 1)
+    token_of[0] = (token_of[0] + 1) % n;  // the bug: one row from the next token
   Tensor send = s.rows(S, H, "moe.dispatch.send");
   s.gather_rows(send, xin, s.ids(token_of, "moe.dispatch.tokens"));
   Tensor recv = s.rows(R, H, "moe.dispatch.recv");
