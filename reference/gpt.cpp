@@ -679,6 +679,13 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
       note(pt + "mlp.router.logits", moe.logits());
       note(pt + "mlp.router.scores", moe.scores());
       note_routing(pt, moe.routing(), N);
+      if (c.moe_aux_coeff > 0) note(pt + "mlp.router.aux_loss", Matrix<S>::Constant(1, 1, moe.aux_loss()));
+      if (c.moe_z_coeff > 0) note(pt + "mlp.router.z_loss", Matrix<S>::Constant(1, 1, moe.z_loss()));
+      // Each expert's dispatched input, then each one's output (before the gates)
+      for (Index e = 0; e < c.num_experts; ++e)
+        note(pt + "mlp.experts." + std::to_string(e) + ".in", moe.expert_input(e));
+      for (Index e = 0; e < c.num_experts; ++e)
+        note(pt + "mlp.experts." + std::to_string(e) + ".out", moe.expert_output(e));
       note(pt + "mlp.experts.out", routed);
       tmp += routed;
     }

@@ -149,7 +149,8 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   }
 
   // ---- the router's losses ----
-  S loss = 0;
+  aux_ = 0;
+  zloss_ = 0;
   if (c.moe_aux_coeff > 0) {
     S total = 0;
     for (Index e = 0; e < E; ++e) {
@@ -158,13 +159,12 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
         p += c.moe_score == MoeScore::Softmax ? s_(n, e) : s_(n, e) / s_.row(n).sum();
       total += static_cast<S>(r.load[e]) * p;
     }
-    loss += static_cast<S>(c.moe_aux_coeff * static_cast<double>(E) /
-                           (static_cast<double>(K) * static_cast<double>(N) * static_cast<double>(N))) *
-            total;
+    aux_ = static_cast<S>(c.moe_aux_coeff * static_cast<double>(E) /
+                          (static_cast<double>(K) * static_cast<double>(N) * static_cast<double>(N))) *
+           total;
   }
-  if (c.moe_z_coeff > 0)
-    loss += static_cast<S>(c.moe_z_coeff) * lse_.squaredNorm() / static_cast<S>(N);
-  return loss;
+  if (c.moe_z_coeff > 0) zloss_ = static_cast<S>(c.moe_z_coeff) * lse_.squaredNorm() / static_cast<S>(N);
+  return aux_ + zloss_;
 }
 
 template <class S>

@@ -75,6 +75,13 @@ class Moe {
   const Matrix<S>& logits() const { return z_; }       // [N,E]
   const Matrix<S>& scores() const { return s_; }       // [N,E]
   const Matrix<S>& logits_grad() const { return dz_; } // [N,E]
+  // Expert e's kept pairs of the last forward, in token order: their inputs (rows of x)
+  // and the expert's outputs before the gates weight them, [kept_e,H] each.
+  const Matrix<S>& expert_input(Eigen::Index e) const { return experts_.at(static_cast<std::size_t>(e)).x; }
+  const Matrix<S>& expert_output(Eigen::Index e) const { return experts_.at(static_cast<std::size_t>(e)).out; }
+  // The last forward's aux and z losses (each 0 without its coefficient).
+  S aux_loss() const { return aux_; }
+  S z_loss() const { return zloss_; }
 
  private:
   struct Expert {
@@ -86,6 +93,7 @@ class Moe {
   Matrix<S> x_;   // [N,H]
   Matrix<S> z_, s_, dz_;  // [N,E]
   Vector<S> lse_;  // [N]
+  S aux_ = 0, zloss_ = 0;
   std::vector<Expert> experts_;
   // Capacity ties: `keep` (expert e's kept pairs, of `pairs` routed to it) becomes the
   // sharded run's where that is what its own gates imply and every swap is within the

@@ -157,6 +157,10 @@ const std::vector<FaultInfo>& all_faults() {
        "MoE: the global load-balancing loss's gradient dp times too small (global token "
        "count, local probabilities)",
        {.mlp = false, .gpt = true, .min_tp = 1, .min_dp = 2, .moe = true, .aux_loss = true}},
+      {Fault::MoeDispatchWrongRow, "moe-dispatch-wrong-row",
+       "MoE: dispatch sends one row from the wrong token (world rank 0's first, from the "
+       "next token)",
+       {.mlp = false, .gpt = true, .min_tp = 1, .moe = true}},
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},

@@ -74,6 +74,8 @@ enum class Fault {
                              // a rank holds several sequences (torchtitan PR #3604)
   MoeAuxLossGradOverDp,      // the global load-balancing loss's gradient dp times too small
                              // (the token count global, the probabilities' sum local)
+  MoeDispatchWrongRow,       // dispatch sends one row (world rank 0's first) from the next
+                             // token: an index off by one in the permute
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
 };

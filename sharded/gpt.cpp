@@ -113,6 +113,11 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
     if (rest == "mlp.experts.out") return routed(H);
     if (!grad && (rest == "mlp.router.load" || rest == "mlp.router.expert_bias"))
       return replicate(ParamSpec{name, {1, c.num_experts}, {}}, r, t);
+    if (!grad && ((rest == "mlp.router.aux_loss" && c.moe_aux_coeff > 0) ||
+                  (rest == "mlp.router.z_loss" && c.moe_z_coeff > 0)))
+      return replicate(ParamSpec{name, {1}, {}}, r, t);
+    // Each expert's rows ("mlp.experts.3.in", ".out") are placed by the step's routing: no
+    // rule here (sharded/moe_layer.h, is_expert_point).
   }
   for (const char* p : {"attn.q", "attn.out"})
     if (rest == p) return columns(H);
@@ -1047,7 +1052,7 @@ void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
   }
   if (b.moe) {  // the routed experts on this rank's tokens, joined to the shared expert's sum
     Tensor& routed = ws_->moe_local;  // [N/t,H]
-    moe_loss_ += b.moe->forward(routed, sp ? b.h2 : routed_rows(b.h2));
+    moe_loss_ += b.moe->forward(routed, sp ? b.h2 : routed_rows(b.h2), record_);
     Tensor* joined = &routed;
     if (!sp) {  // gather_from_sequence_parallel_region: every rank's tokens
       gather_from_sp_region_forward(comm_, ws_->moe_full, routed);

@@ -16,6 +16,16 @@ bool is_expert_param(const std::string& name, std::int64_t* expert) {
   return true;
 }
 
+bool is_expert_point(const std::string& name) {
+  if (!name.starts_with("act/")) return false;
+  const auto at = name.find(".mlp.experts.");
+  if (at == std::string::npos) return false;
+  const std::string rest = name.substr(at + 13);  // "3.in"
+  const auto dot = rest.find('.');
+  return dot != std::string::npos && dot > 0 &&
+         rest.find_first_not_of("0123456789") == dot && (rest.substr(dot) == ".in" || rest.substr(dot) == ".out");
+}
+
 ShardSpec expert_param_shard(const ParamSpec& p, const GptConfig& c, const ExpertLayout& x) {
   std::int64_t e = 0;
   if (!is_expert_param(p.name, &e)) throw Error("expert_param_shard: " + p.name + " is no expert's");
@@ -104,6 +114,9 @@ struct MoeLayer::State {
   std::vector<double> load, load_local;  // [E] tokens routed per expert: global, this rank's
   std::vector<double> pair_out;     // [n·K,H] each pair's expert output (0 when dropped)
   std::vector<double> out_host;     // [n,H] (recording)
+  // [world,E] (recording) each rank's kept pairs per expert, after the dispatch plan: the
+  // per-expert points' row offsets (ranks route contiguous tokens in rank order).
+  std::vector<std::int64_t> kept_count;
   std::vector<double> dout_host, dz;  // [n,H], [n,E] (recording)
   // ---- the dispatch plan ----
   std::vector<std::int64_t> sent;   // [S] the pair index of each row sent, destinations in rank order
@@ -209,7 +222,7 @@ MoeLayer::MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x
 
 MoeLayer::~MoeLayer() = default;
 
-double MoeLayer::forward(Tensor& out, const Tensor& xin) {
+double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
   State& s = *s_;
   const GptConfig& c = s.c;
   const std::int64_t n = s.n, E = s.E, K = s.K, H = s.H, El = s.El;
@@ -357,11 +370,26 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin) {
                 std::to_string(s.ws.R) + " and " + std::to_string(s.ws.S));
   s.perm = s.ids(s.perm_buf, perm);
   s.inv = s.ids(s.inv_buf, inv);
+  s.kept_count.clear();
+  if (record) {  // after the plan, which may drop pairs (the fault above): what was sent
+    std::vector<double> mine(static_cast<std::size_t>(E), 0.0);  // [E]
+    for (std::int64_t i = 0; i < n * K; ++i)
+      if (s.kept[i]) mine[static_cast<std::size_t>(s.expert[i])] += 1;
+    // (recording only, so not in profile's memory model: verify's observation scratch)
+    Tensor in = s.be.empty({E}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.kept");
+    Tensor all = s.be.empty({world * E}, DType::F64, MemCategory::CommBuffer, s.prefix + "moe.kept.all");
+    s.be.from_host(in, mine.data());
+    s.comm.set_label(s.prefix + "moe.kept_counts");
+    s.comm.all_gather(in, all);
+    for (double v : s.be.to_host(all)) s.kept_count.push_back(static_cast<std::int64_t>(v));
+  }
 
   // ---- dispatch ----
   const std::int64_t S = static_cast<std::int64_t>(s.sent.size());
   std::vector<std::int64_t> token_of(s.sent.size());
   for (std::size_t i = 0; i < s.sent.size(); ++i) token_of[i] = s.sent[i] / K;
+  if (s.fault == Fault::MoeDispatchWrongRow && s.x.rank == 0 && S > 0 && n > 1)
+    token_of[0] = (token_of[0] + 1) % n;  // the bug: one row from the next token
   Tensor send = s.ws.send.narrow0(0, S);  // [S,H]
   s.gather_rows(send, xin, s.ids(s.ws.token_ids, token_of));
   Tensor recv = s.ws.recv.narrow0(0, R);  // [R,H]
@@ -594,13 +622,70 @@ std::vector<Observation> MoeLayer::observe_forward() const {
       kept[t * K + k] = s.kept[at[k]];
     }
   }
-  return {whole(s.pt + "mlp.router.expert_bias", s.bias),
-          tokens(s.pt + "mlp.router.logits", E, s.z),
-          tokens(s.pt + "mlp.router.scores", E, s.s),
-          tokens(s.pt + "mlp.router.topk", K, std::move(topk)),
-          tokens(s.pt + "mlp.router.kept", K, std::move(kept)),
-          whole(s.pt + "mlp.router.load", s.load),
-          tokens(s.pt + "mlp.experts.out", s.H, s.out_host)};
+  std::vector<Observation> obs{whole(s.pt + "mlp.router.expert_bias", s.bias),
+                               tokens(s.pt + "mlp.router.logits", E, s.z),
+                               tokens(s.pt + "mlp.router.scores", E, s.s),
+                               tokens(s.pt + "mlp.router.topk", K, std::move(topk)),
+                               tokens(s.pt + "mlp.router.kept", K, std::move(kept)),
+                               whole(s.pt + "mlp.router.load", s.load)};
+  auto scalar = [&](const std::string& name, double v) {
+    return Observation{name, replicate(ParamSpec{name, {1}, {}}, r, w), std::vector<double>{v}};
+  };
+  if (s.c.moe_aux_coeff > 0) obs.push_back(scalar(s.pt + "mlp.router.aux_loss", s.aux));
+  if (s.c.moe_z_coeff > 0) obs.push_back(scalar(s.pt + "mlp.router.z_loss", s.zloss));
+  if (s.kept_count.size() != static_cast<std::size_t>(s.x.world * E))
+    throw Error("MoE layer " + s.prefix + ": observed without recording (forward's `record`): no "
+                "kept counts to place the experts' rows by");
+  // Expert e's rows of the global batch, in global token order: rank q's kept pairs of e
+  // (its tokens, contiguous) follow those of the ranks before it.
+  auto before = [&](int q, std::int64_t e) {
+    std::int64_t rows = 0;
+    for (int p = 0; p < q; ++p) rows += s.kept_count[static_cast<std::size_t>(p * E + e)];
+    return rows;
+  };
+  // Rows [offset, offset+length) of [kept_e,H] on this mesh rank, marked an expert's so
+  // that the empty block of a rank that holds none is no check (StepChecker::check).
+  auto expert_rows = [&](const std::string& name, std::int64_t e, std::int64_t offset,
+                         std::int64_t length, std::vector<double> v) {
+    ShardSpec sp = replicate(ParamSpec{name, {before(s.x.world, e), s.H}, {}}, s.x.rank, s.x.world);
+    sp.split_dim = 0;
+    sp.padded = sp.full_shape[0];
+    sp.offset = offset;
+    sp.length = length;
+    sp.expert = true;
+    return Observation{name, std::move(sp), std::move(v)};
+  };
+  // Each expert's dispatched input, where it arrived: its expert-major rows in `xe` on its
+  // EP rank's ranks (each ETP rank the same rows), from the sources of this expert-DP
+  // block in rank order, so after the kept pairs of every earlier block's ranks.
+  const std::int64_t H = s.H;
+  for (std::int64_t e = 0; e < E; ++e) {
+    const std::string name = s.pt + "mlp.experts." + std::to_string(e) + ".in";
+    const std::int64_t le = e - s.x.ep_rank() * s.El;
+    if (le < 0 || le >= s.El) {
+      obs.push_back(expert_rows(name, e, 0, 0, {}));
+      continue;
+    }
+    const std::int64_t m = s.m[static_cast<std::size_t>(le)];
+    std::vector<double> v;  // [m,H]
+    if (m > 0) v = s.be.to_host(s.xe.narrow0(s.off[static_cast<std::size_t>(le)], m));
+    obs.push_back(expert_rows(name, e, before(s.block0(), e), m, std::move(v)));
+  }
+  // Each kept pair's expert output (the ETP partials summed, before its gate), where it
+  // came back: this rank's tokens, after the earlier ranks' pairs of the expert.
+  for (std::int64_t e = 0; e < E; ++e) {
+    std::vector<double> v;  // [rows,H]
+    for (std::int64_t i = 0; i < n * K; ++i)
+      if (s.kept[i] && s.expert[i] == e)
+        v.insert(v.end(), s.pair_out.begin() + i * H, s.pair_out.begin() + (i + 1) * H);
+    const auto rows = static_cast<std::int64_t>(v.size()) / H;
+    Observation o = expert_rows(s.pt + "mlp.experts." + std::to_string(e) + ".out", e,
+                                before(s.x.rank, e), rows, std::move(v));
+    o.spec.expert = false;  // every rank's block is compared, an empty one too
+    obs.push_back(std::move(o));
+  }
+  obs.push_back(tokens(s.pt + "mlp.experts.out", s.H, s.out_host));
+  return obs;
 }
 
 std::vector<Observation> MoeLayer::observe_backward() const {

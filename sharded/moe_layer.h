@@ -45,6 +45,10 @@ struct ExpertLayout {
 ShardSpec expert_param_shard(const ParamSpec& p, const GptConfig& c, const ExpertLayout& x);
 // Whether `name` is an expert's parameter, and which expert.
 bool is_expert_param(const std::string& name, std::int64_t* expert = nullptr);
+// Whether `name` is one expert's observation point ("act/h.0.mlp.experts.3.in" or
+// ".out"): rows [kept_e,H] of the global batch, whose count and blocks depend on the
+// step's routing, so that no layout rule (gpt_point_shard) can name them in advance.
+bool is_expert_point(const std::string& name);
 
 // The routed experts' scratch, shared by every MoE layer of a rank (one layer's dispatch and
 // combine end before the next begins) and allocated once, for the worst routing: what a run
@@ -101,8 +105,10 @@ class MoeLayer {
   ~MoeLayer();
 
   // out [n,H] = Σ_k g_nk · expert_{e_nk}(x_n) for this rank's tokens x [n,H]; returns the
-  // layer's aux and z losses over the global batch (the same on every rank).
-  double forward(Tensor& out, const Tensor& x);
+  // layer's aux and z losses over the global batch (the same on every rank). `record`
+  // (the same on every rank: it adds a collective) gathers every rank's kept pairs per
+  // expert, which the per-expert observation points' blocks are placed by.
+  double forward(Tensor& out, const Tensor& x, bool record = false);
   // dx [n,H] (written) and the router's and experts' gradients from dout [n,H]; the
   // experts' are summed over the expert-DP group, the router's left to the caller.
   void backward(Tensor& dx, const Tensor& dout);

@@ -411,6 +411,74 @@ TEST_CASE("a routing change above the scores' error fails the exact comparison",
   CHECK(j["tp"][0]["ties"].empty());
 }
 
+TEST_CASE("each expert's dispatched input and output are points of their own, in production order", "[cli][moe]") {
+  // (tp 4, ep 2, etp 2) and dp 2 x tp 2 with ep 4, Mixtral's 8 experts of top 2 without
+  // capacity: every pair is kept, so expert e's rows number its kept_e and they sum to N·K.
+  for (const auto& [fold, dp] : std::vector<std::pair<std::string, int>>{
+           {"--tp 4 --ep 2 --etp 2", 1}, {"--dp 2 --tp 2 --ep 4", 2}}) {
+    const std::string json = temp_path("moe-points.json");
+    const auto r = run_tpsim("verify --model mixtral --preset small --dtype f64 --steps 1 "
+                             "--batch-size 4 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 " +
+                             fold + " --json " + json);
+    INFO(fold << "\n" << r.out);
+    REQUIRE(r.exit_code == 0);
+    const auto j = read_json(json);
+    CHECK(j["tp"][0]["max_rel_err"].get<double>() < 1e-10);
+    std::map<std::string, std::vector<std::int64_t>> shape;
+    std::vector<std::string> order;  // the tensors of step 1, first seen
+    for (const auto& t : j["tp"][0]["tensors"]) {
+      const std::string name = t["tensor"];
+      if (!shape.count(name)) order.push_back(name);
+      shape[name] = t["shape"].get<std::vector<std::int64_t>>();
+    }
+    const std::int64_t H = shape.at("act/h.0.mlp.experts.out")[1];
+    const std::int64_t N = shape.at("act/h.0.mlp.experts.out")[0] * dp;  // a replica's rows
+    for (int l = 0; l < 2; ++l) {
+      const std::string a = "act/h." + std::to_string(l) + ".mlp.";
+      CHECK(shape.at(a + "router.aux_loss") == std::vector<std::int64_t>{1});
+      CHECK(shape.at(a + "router.z_loss") == std::vector<std::int64_t>{1});
+      std::int64_t rows = 0;
+      for (int e = 0; e < 8; ++e) {
+        const std::string in = a + "experts." + std::to_string(e) + ".in";
+        const std::string out = a + "experts." + std::to_string(e) + ".out";
+        REQUIRE(shape.count(in));
+        REQUIRE(shape.count(out));
+        CHECK(shape.at(in).size() == 2);
+        CHECK(shape.at(in)[1] == H);
+        CHECK(shape.at(out) == shape.at(in));
+        rows += shape.at(in)[0];
+      }
+      CHECK(rows == N * 2);  // the global batch's, top 2, nothing dropped
+      // After the router's load and losses, every input before any output, then the sum.
+      auto at = [&](const std::string& n) { return std::find(order.begin(), order.end(), n) - order.begin(); };
+      CHECK(at(a + "router.load") < at(a + "router.aux_loss"));
+      CHECK(at(a + "router.z_loss") < at(a + "experts.0.in"));
+      CHECK(at(a + "experts.7.in") < at(a + "experts.0.out"));
+      CHECK(at(a + "experts.7.out") < at(a + "experts.out"));
+    }
+  }
+}
+
+TEST_CASE("a row dispatched from the wrong token is named at the expert's input", "[cli][moe]") {
+  for (const std::string fold : {"--tp 2 --ep 2", "--tp 4 --ep 2 --etp 2", "--dp 2 --tp 2 --ep 4"}) {
+    const std::string json = temp_path("moe-wrong-row.json");
+    const auto r = run_tpsim("verify --model mixtral --preset small --dtype f64 --steps 1 "
+                             "--batch-size 4 --inject-fault moe-dispatch-wrong-row " + fold +
+                             " --json " + json);
+    INFO(fold << "\n" << r.out);
+    REQUIRE(r.exit_code == 1);
+    const auto j = read_json(json);
+    const std::string first = j["first_failure"]["tensor"];
+    CHECK(first.starts_with("act/h.0.mlp.experts."));
+    CHECK(first.ends_with(".in"));
+    CHECK(first != "act/h.0.mlp.experts.out");
+    // The shard that received it: rows of the expert's list on one of its ranks.
+    const std::string shard = j["first_failure"]["shard"];
+    CHECK(shard.find(" rows [") != std::string::npos);
+    CHECK(r.out.find(first) != std::string::npos);
+  }
+}
+
 TEST_CASE("MoE layouts that cannot fold are refused in one line", "[cli][moe]") {
   const std::string m = "verify --model mixtral --preset small ";
   for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{

@@ -4,10 +4,12 @@
 
 #include "io/atomic_file.h"
 #include "io/untrusted_text.h"
+#include "sharded/moe_layer.h"
 
 namespace tpsim {
 
 void RankDump::add(std::int64_t step, const Observation& ob) {
+  if (is_expert_point(ob.name)) return;
   const std::string name = "step" + std::to_string(step) + "/" + ob.name;
   const Shape shape = ob.spec.local_shape();
   if (static_cast<std::int64_t>(ob.values.size()) != shape_numel(shape))

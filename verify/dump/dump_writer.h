@@ -18,6 +18,8 @@ class RankDump {
  public:
   explicit RankDump(DType as) : as_(as) {}
   // Stores "step{step}/{ob.name}"; copies the values (an observation may be a view).
+  // Each MoE expert's rows are left out (is_expert_point): their count and blocks come
+  // from the step's routing, which no layout of the format can state.
   void add(std::int64_t step, const Observation& ob);
   void add(std::int64_t step, const std::vector<Observation>& obs) {
     for (const auto& ob : obs) add(step, ob);

@@ -254,6 +254,19 @@ double TermScale::block_norm(const ShardSpec& spec) const {
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
                                 double tolerance, double allowance, const TermScale* terms,
                                 const ErrorFactors* factors) {
+  // A global shape that differs from the reference's (an MoE expert's rows, counted by
+  // each side's own routing) is a failure of this tensor, not an error of the run: no
+  // element is compared, and the shard names both sizes.
+  if (static_cast<std::int64_t>(reference_full.size()) != shape_numel(obs.spec.full_shape)) {
+    Comparison c = header({obs.name, obs.spec, obs.values});
+    c.tolerance = tolerance;
+    c.shard += " (" + shape_str(obs.spec.full_shape) + " against the reference's " +
+               std::to_string(reference_full.size()) + " values)";
+    c.rel_err = INFINITY;
+    c.max_abs = INFINITY;
+    c.pass = false;
+    return c;
+  }
   return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
                       reference_full.size(), tolerance, allowance,
                       terms ? terms->block_norm(obs.spec) : 0.0, factors);

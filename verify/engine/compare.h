@@ -54,6 +54,9 @@ struct Comparison {
 
 // Compares obs.values with the block of `reference_full` that obs.spec names. Padded
 // positions compare against 0: padding must stay exactly zero.
+// A reference of another size than obs.spec's global shape (an MoE expert's rows, which
+// each side counts by its own routing) fails, with rel_err infinite and both sizes in the
+// shard's text: no element is compared.
 //
 // Non-finite values: NaN against NaN, and an infinity against the same infinity, agree
 // (distance 0): both models computed the same overflow, so the sharding is not at fault,

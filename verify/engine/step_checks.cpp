@@ -6,17 +6,20 @@
 #include <tuple>
 
 #include "core/finite.h"
+#include "sharded/moe_layer.h"
 
 namespace tpsim {
 
 namespace {
 
 // --dp: whether the reference's tensor holds every replica's rows, of which a replica's
-// observation is its own: the activation points, but MoE's per-expert counts and bias,
-// which are the global batch's.
+// observation is its own: the activation points, but MoE's per-expert counts, bias and
+// losses, and each expert's rows (placed in the global batch's by their ShardSpec), which
+// are the global batch's.
 bool replica_rows(const std::string& name) {
   return name.starts_with("act/") && !name.ends_with("mlp.router.load") &&
-         !name.ends_with("mlp.router.expert_bias");
+         !name.ends_with("mlp.router.expert_bias") && !name.ends_with("mlp.router.aux_loss") &&
+         !name.ends_with("mlp.router.z_loss") && !is_expert_point(name);
 }
 
 }  // namespace

@@ -77,6 +77,7 @@ nlohmann::json to_json(const Comparison& c) {
   }
   auto num = [](double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); };
   return {{"tensor", c.tensor},       {"check", c.what},          {"shard", c.shard},
+          {"shape", c.full_shape},
           {"rank", c.rank},           {"step", c.step},           {"phase", phase_name(c.phase)},
           {"rel_err", num(c.rel_err)}, {"max_abs", num(c.max_abs)}, {"worst_index", idx},
           {"sharded", num(c.sharded_at_worst)}, {"reference", num(c.reference_at_worst)},

@@ -10,6 +10,7 @@
 
 #include "core/errors.h"
 #include "sharded/gpt.h"
+#include "sharded/moe_layer.h"
 #include "sharded/tp_invariant.h"
 #include "verify/setup/tensor_order.h"
 #include "verify/setup/model_description.h"
@@ -73,6 +74,9 @@ double tp1_record_step_bytes(const RunOptions& o) {
     Shape full{1};  // "loss"
     if (auto point = gpt_point_shard(name, o.gpt, par, tokens, 0, 1)) {
       full = point->full_shape;
+    } else if (is_expert_point(name)) {
+      // An expert's rows: the E experts together hold at most the N·K kept pairs' rows.
+      full = {(tokens * o.gpt.moe_topk + o.gpt.num_experts - 1) / o.gpt.num_experts, o.gpt.hidden};
     } else if (name != "loss") {
       const bool grad = name.ends_with(".grad");
       const auto it = params.find(grad ? name.substr(0, name.size() - 5) : name);

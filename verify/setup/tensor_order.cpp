@@ -29,11 +29,19 @@ std::vector<std::string> gpt_tensor_order(const GptConfig& c, bool clipped) {
       o.push_back(a + act);
       o.push_back(a + mlp.back() + ".out");
     }
-    if (c.moe_layer(l))  // the router's inputs and decisions, then the experts' sum
+    if (c.moe_layer(l)) {  // the router's inputs, decisions and losses, the experts, their sum
       for (const char* p : {"mlp.router.expert_bias", "mlp.router.logits", "mlp.router.scores",
-                            "mlp.router.topk", "mlp.router.kept", "mlp.router.load",
-                            "mlp.experts.out"})
+                            "mlp.router.topk", "mlp.router.kept", "mlp.router.load"})
         o.push_back(a + p);
+      if (c.moe_aux_coeff > 0) o.push_back(a + "mlp.router.aux_loss");
+      if (c.moe_z_coeff > 0) o.push_back(a + "mlp.router.z_loss");
+      // Every expert's dispatched input before any expert's output: a wrong dispatch is
+      // named at its input, not at the output it spoils.
+      for (const char* p : {".in", ".out"})
+        for (std::int64_t e = 0; e < c.num_experts; ++e)
+          o.push_back(a + "mlp.experts." + std::to_string(e) + p);
+      o.push_back(a + "mlp.experts.out");
+    }
     o.push_back(a + "residual.out");
   }
   o.push_back("act/ln_f.out");
