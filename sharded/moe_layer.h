@@ -11,8 +11,10 @@
 //     ─ combine (all_to_all back): the ETP partial outputs summed, weighted by the gates
 //   → y [n,H]
 //
-// The routing's decisions run on the host in f64 from the router's logits (the logits
-// GEMM and the experts' GEMMs run on the backend). What the gradients need reduced:
+// The router's top-k, the experts' grouped GEMMs and the combine are backend ops; the host
+// keeps copies of the decisions for the capacity rule (over the global batch), the
+// dispatch plan (all_to_all's counts) and the observation points, and computes the gates'
+// and the router's gradients in f64 (n·E numbers). What the gradients need reduced:
 // the router's weight saw this rank's tokens only (the caller all-reduces it, as every
 // token-split replicated parameter); the experts' weights saw their expert-DP block's
 // tokens only, and are summed over the expert-DP group here.
