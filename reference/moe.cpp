@@ -151,17 +151,31 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   // ---- the router's losses ----
   aux_ = 0;
   zloss_ = 0;
+  // The Switch loss of each group of tokens (the global batch, or each of its G
+  // micro-batches of N/G consecutive tokens), averaged over the groups: each group's loads
+  // (before dropping) times its summed probabilities.
+  const Index G = c.moe_aux_scope == MoeAuxScope::Global ? 1 : static_cast<Index>(c.moe_micro_batches);
+  if (G < 1 || N % G != 0)
+    throw UsageError("reference MoE: " + std::to_string(N) + " tokens in " + std::to_string(G) +
+                     " micro-batches");
+  const Index Ng = N / G;
+  aux_scale_ = static_cast<S>(c.moe_aux_coeff * static_cast<double>(E) /
+                              (static_cast<double>(K) * static_cast<double>(Ng) *
+                               static_cast<double>(Ng) * static_cast<double>(G)));
+  aux_load_.assign(static_cast<std::size_t>(G * E), 0);
+  for (Index n = 0; n < N; ++n)
+    for (Index k = 0; k < K; ++k) aux_load_[static_cast<std::size_t>(n / Ng * E + r.expert[n * K + k])] += 1;
+  aux_groups_ = G;
   if (c.moe_aux_coeff > 0) {
     S total = 0;
-    for (Index e = 0; e < E; ++e) {
-      S p = 0;
-      for (Index n = 0; n < N; ++n)
-        p += c.moe_score == MoeScore::Softmax ? s_(n, e) : s_(n, e) / s_.row(n).sum();
-      total += static_cast<S>(r.load[e]) * p;
-    }
-    aux_ = static_cast<S>(c.moe_aux_coeff * static_cast<double>(E) /
-                          (static_cast<double>(K) * static_cast<double>(N) * static_cast<double>(N))) *
-           total;
+    for (Index g = 0; g < G; ++g)
+      for (Index e = 0; e < E; ++e) {
+        S p = 0;
+        for (Index n = g * Ng; n < (g + 1) * Ng; ++n)
+          p += c.moe_score == MoeScore::Softmax ? s_(n, e) : s_(n, e) / s_.row(n).sum();
+        total += static_cast<S>(aux_load_[static_cast<std::size_t>(g * E + e)]) * p;
+      }
+    aux_ = aux_scale_ * total;
   }
   if (c.moe_z_coeff > 0) zloss_ = static_cast<S>(c.moe_z_coeff) * lse_.squaredNorm() / static_cast<S>(N);
   return aux_ + zloss_;
@@ -281,17 +295,17 @@ void Moe<S>::backward(Matrix<S>& dx, ParamSet<S>& grads, const Matrix<S>& dy,
     }
   }
   if (c.moe_aux_coeff > 0) {
-    const S scale = static_cast<S>(c.moe_aux_coeff * static_cast<double>(E) /
-                                   (static_cast<double>(K) * static_cast<double>(N) *
-                                    static_cast<double>(N)));
+    const S scale = aux_scale_;
+    const Index Ng = N / aux_groups_;
     for (Index n = 0; n < N; ++n) {
+      const std::int64_t* load = &aux_load_[static_cast<std::size_t>(n / Ng * E)];  // its group's
       if (c.moe_score == MoeScore::Softmax) {
-        for (Index e = 0; e < E; ++e) ds(n, e) += scale * static_cast<S>(r.load[e]);
+        for (Index e = 0; e < E; ++e) ds(n, e) += scale * static_cast<S>(load[e]);
       } else {  // p = s / Σ s: ds_e = (dp_e − Σ p dp) / Σ s
         const S sum = s_.row(n).sum();
         S dot = 0;
-        for (Index e = 0; e < E; ++e) dot += s_(n, e) / sum * scale * static_cast<S>(r.load[e]);
-        for (Index e = 0; e < E; ++e) ds(n, e) += (scale * static_cast<S>(r.load[e]) - dot) / sum;
+        for (Index e = 0; e < E; ++e) dot += s_(n, e) / sum * scale * static_cast<S>(load[e]);
+        for (Index e = 0; e < E; ++e) ds(n, e) += (scale * static_cast<S>(load[e]) - dot) / sum;
       }
     }
   }

@@ -8,7 +8,9 @@
 //             the lowest token index; a dropped pair's expert output is 0
 //   y_n = Σ_k g_nk · expert_{e_k}(x_n),  expert(x) = down(silu(gate(x)) · up(x))
 //   aux = c_aux·E/(K·N²) Σ_e load_e Σ_n p_ne  (p = s for softmax, s/Σs for sigmoid; load_e
-//         the tokens routed to e before dropping)
+//         the tokens routed to e before dropping) over the global batch, or with
+//         MoeAuxScope::MicroBatch the mean over its G micro-batches (N/G consecutive
+//         tokens each) of the same loss of each
 //   zloss = c_z/N Σ_n logsumexp(z_n)²
 // and its own backward through the gates, the scores and both losses.
 #pragma once
@@ -94,6 +96,11 @@ class Moe {
   Matrix<S> z_, s_, dz_;  // [N,E]
   Vector<S> lse_;  // [N]
   S aux_ = 0, zloss_ = 0;
+  // The aux loss's groups (1, or the micro-batches), each group's loads [G·E] and the
+  // scale of its gradient, c·E/(K·(N/G)²·G).
+  Eigen::Index aux_groups_ = 1;
+  std::vector<std::int64_t> aux_load_;
+  S aux_scale_ = 0;
   std::vector<Expert> experts_;
   // Capacity ties: `keep` (expert e's kept pairs, of `pairs` routed to it) becomes the
   // sharded run's where that is what its own gates imply and every swap is within the

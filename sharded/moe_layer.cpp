@@ -71,6 +71,8 @@ MoeWorkspace::MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64
   act_grad = buf({R, Fel}, dtype, Tm, "moe.experts.act.grad");
   gate_up_grad = buf({R, 2 * Fel}, dtype, Tm, "moe.experts.gate_up.grad");
   stats = buf({2 * E + 1}, DType::F64, Cm, "moe.stats");
+  if (c.moe_aux_coeff > 0 && c.moe_aux_scope == MoeAuxScope::MicroBatch && c.moe_micro_batches > 1)
+    stats_all = buf({x.world * (2 * E + 1)}, DType::F64, Cm, "moe.stats.all");  // per micro-batch
   counts = buf({P * El, 1}, DType::F64, Cm, "moe.counts");
   counts_in = buf({P * El, 1}, DType::F64, Cm, "moe.counts.in");
   if (c.moe_capacity_factor > 0) {
@@ -112,6 +114,8 @@ struct MoeLayer::State {
   std::vector<double> gate;         // [n,K]
   std::vector<char> kept;           // [n,K]
   std::vector<double> load, load_local;  // [E] tokens routed per expert: global, this rank's
+  std::vector<double> aux_load;     // [E] the loads this rank's aux-loss gradient uses: the
+  double aux_scale = 0;             // global batch's or its micro-batch's, and their scale
   std::vector<double> pair_out;     // [n·K,H] each pair's expert output (0 when dropped)
   std::vector<double> out_host;     // [n,H] (recording)
   // [world,E] (recording) each rank's kept pairs per expert, after the dispatch plan: the
@@ -193,6 +197,10 @@ MoeLayer::MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x
                      " x etp " + std::to_string(x.etp) + " does not fold");
   s.n = tokens / x.world;
   s.tok0 = s.n * x.rank;
+  if (c.moe_micro_batches != x.world / rows.world)  // the reference splits the batch so too
+    throw Error("MoE layer: the config's " + std::to_string(c.moe_micro_batches) +
+                " micro-batches are not the run's " + std::to_string(x.world / rows.world) +
+                " data-parallel replicas");
   auto find = [&](const std::string& name) -> Parameter* {
     for (Parameter& p : params)
       if (p.spec.name == name) return &p;
@@ -258,15 +266,44 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
   std::copy(s.load_local.begin(), s.load_local.end(), stats.begin());
   Tensor& st = s.ws.stats;
   s.be.from_host(st, stats.data());
-  s.comm.all_reduce(st, ReduceOp::Sum);  // over every rank's tokens: the global batch's
-  stats = s.be.to_host(st);
+  const std::int64_t W = 2 * E + 1, G = c.moe_micro_batches;
+  std::vector<double> per_rank;  // [world,W] per_rank rank's, when each micro-batch's sums count
+  if (s.ws.stats_all.defined()) {
+    s.comm.all_gather(st, s.ws.stats_all);
+    per_rank = s.be.to_host(s.ws.stats_all);
+    std::fill(stats.begin(), stats.end(), 0.0);
+    for (int q = 0; q < world; ++q)
+      for (std::int64_t j = 0; j < W; ++j) stats[j] += per_rank[static_cast<std::size_t>(q * W + j)];
+  } else {
+    s.comm.all_reduce(st, ReduceOp::Sum);  // over per_rank rank's tokens: the global batch's
+    stats = s.be.to_host(st);
+  }
   s.load.assign(stats.begin(), stats.begin() + E);
   const double Nd = static_cast<double>(s.N);
-  s.aux = 0;
-  if (c.moe_aux_coeff > 0) {
+  // The aux loss over the global batch, or the mean of each micro-batch's (a replica's:
+  // mesh ranks [g·world/G, (g+1)·world/G)); backward needs this rank's loads and scale.
+  auto switch_loss = [&](const double* load, const double* p, double n_tokens) {
     double total = 0;
-    for (std::int64_t e = 0; e < E; ++e) total += s.load[e] * stats[E + e];
-    s.aux = c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * Nd * Nd) * total;
+    for (std::int64_t e = 0; e < E; ++e) total += load[e] * p[e];
+    return c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * n_tokens * n_tokens) * total;
+  };
+  s.aux = 0;
+  s.aux_load = s.load;
+  s.aux_scale = c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * Nd * Nd);
+  if (c.moe_aux_coeff > 0 && per_rank.empty()) {
+    s.aux = switch_loss(s.load.data(), &stats[E], Nd);
+  } else if (c.moe_aux_coeff > 0) {
+    const int per = world / static_cast<int>(G);
+    const double Ng = Nd / static_cast<double>(G);
+    for (std::int64_t g = 0; g < G; ++g) {
+      std::vector<double> sums(static_cast<std::size_t>(2 * E), 0.0);  // the group's load, Σp
+      for (int q = static_cast<int>(g) * per; q < static_cast<int>(g + 1) * per; ++q)
+        for (std::int64_t j = 0; j < 2 * E; ++j) sums[j] += per_rank[static_cast<std::size_t>(q * W + j)];
+      s.aux += switch_loss(sums.data(), &sums[E], Ng) / static_cast<double>(G);
+      if (g == s.x.rank / per) s.aux_load.assign(sums.begin(), sums.begin() + E);
+    }
+    s.aux_scale = c.moe_aux_coeff * static_cast<double>(E) /
+                  (static_cast<double>(K) * Ng * Ng * static_cast<double>(G));
   }
   s.zloss = c.moe_z_coeff > 0 ? c.moe_z_coeff * stats[2 * E] / Nd : 0.0;
 
@@ -536,18 +573,18 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
   }
   const double Nd = static_cast<double>(s.N);
   if (c.moe_aux_coeff > 0) {
-    double scale = c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * Nd * Nd);
+    double scale = s.aux_scale;
     if (s.fault == Fault::MoeAuxLossGradOverDp) scale /= s.x.world / s.obs.world;  // the bug: 1/dp
     for (std::int64_t t = 0; t < n; ++t) {
       const double* sr = &s.s[static_cast<std::size_t>(t * E)];
       double* dr = &ds[static_cast<std::size_t>(t * E)];
       if (c.moe_score == MoeScore::Softmax) {
-        for (std::int64_t e = 0; e < E; ++e) dr[e] += scale * s.load[e];
+        for (std::int64_t e = 0; e < E; ++e) dr[e] += scale * s.aux_load[e];
       } else {  // p = s / Σ s
         double sum = 0, dot = 0;
         for (std::int64_t e = 0; e < E; ++e) sum += sr[e];
-        for (std::int64_t e = 0; e < E; ++e) dot += sr[e] / sum * scale * s.load[e];
-        for (std::int64_t e = 0; e < E; ++e) dr[e] += (scale * s.load[e] - dot) / sum;
+        for (std::int64_t e = 0; e < E; ++e) dot += sr[e] / sum * scale * s.aux_load[e];
+        for (std::int64_t e = 0; e < E; ++e) dr[e] += (scale * s.aux_load[e] - dot) / sum;
       }
     }
   }

@@ -82,6 +82,7 @@ struct MoeWorkspace {
   Tensor act_grad;            // [R,Fel]
   Tensor gate_up_grad;        // [R,2Fel]
   Tensor stats;               // [2E+1] f64  loads, Σ probabilities, Σ lse², summed over the world
+  Tensor stats_all;           // [world·(2E+1)] f64  every rank's, for a per-micro-batch aux loss
   Tensor counts, counts_in;   // [P·El,1] f64  rows per (destination, its local expert), and back
   Tensor pairs, pairs_all;    // [2nK], [world·2nK] f64  every pair's (expert, gate): capacity only
   Tensor grad_copies, grad_peers;  // [edp·2Fel·H] compute dtype: an expert gradient's sum

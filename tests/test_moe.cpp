@@ -276,6 +276,62 @@ TEST_CASE("the expert bias moves towards the mean load", "[moe][reference]") {
   }
 }
 
+TEST_CASE("the per-micro-batch aux loss is the mean of each micro-batch's, and so is its gradient", "[moe][reference]") {
+  // Two micro-batches of 6 tokens: the loss (aux and z) of the 12 is the mean of the two
+  // halves' own, and each token's logit gradient half its own half's (dy = 0: the losses'
+  // alone). The global variant is another loss: the loads of all 12 weigh every token.
+  for (MoeScore score : {MoeScore::Softmax, MoeScore::Sigmoid}) {
+    GptConfig c = small_moe(4, 2);
+    c.moe_score = score;
+    c.moe_aux_coeff = 0.3;
+    c.moe_z_coeff = 0.01;
+    const auto p = moe_params(c, 3);
+    const ref::Matrix<double> x = tokens(12, 8, 4);
+    const ref::Vector<double> b = ref::Vector<double>::Zero(4);
+    auto run = [&](const GptConfig& cfg, const ref::Matrix<double>& xs, ref::Matrix<double>& dz) {
+      ref::Moe<double> m;
+      ref::Matrix<double> y, dx;
+      const double loss = m.forward(y, xs, p, "h.0.", cfg, b);
+      ref::ParamSet<double> g = p;
+      m.backward(dx, g, ref::Matrix<double>::Zero(xs.rows(), 8), p, "h.0.", cfg);
+      dz = m.logits_grad();
+      return loss;
+    };
+    GptConfig two = c;
+    two.moe_micro_batches = 2;
+    ref::Matrix<double> dz, dz0, dz1, dzg;
+    const double whole = run(two, x, dz);
+    const double first = run(c, x.topRows(6), dz0), second = run(c, x.bottomRows(6), dz1);
+    CHECK(whole == Approx(0.5 * (first + second)).epsilon(1e-14));
+    CHECK((dz.topRows(6) - 0.5 * dz0).cwiseAbs().maxCoeff() < 1e-15);
+    CHECK((dz.bottomRows(6) - 0.5 * dz1).cwiseAbs().maxCoeff() < 1e-15);
+    two.moe_aux_scope = MoeAuxScope::Global;
+    const double global = run(two, x, dzg);
+    CHECK(std::abs(global - whole) > 1e-6);  // a different loss, not a relabelled one
+    CHECK((dzg - dz).cwiseAbs().maxCoeff() > 1e-9);
+  }
+}
+
+TEST_CASE("verify passes each load-balancing type over data-parallel replicas, and they differ", "[cli][moe]") {
+  const std::string base =
+      "verify --model deepseek-moe --preset small --dp 2 --tp 2 --ep 4 --batch-size 4 --dtype f64 "
+      "--steps 3 --moe-aux-loss-coeff 0.1 ";
+  std::vector<double> first_loss;
+  for (const char* type : {"", "--moe-router-load-balancing-type aux_loss",
+                           "--moe-router-load-balancing-type global_aux_loss"}) {
+    const std::string json = temp_path("aux-type.json");
+    const auto r = run_tpsim(base + type + " --json " + json);
+    INFO(type << "\n" << r.out);
+    REQUIRE(r.exit_code == 0);
+    const auto j = read_json(json);
+    CHECK(j["tp"][0]["max_rel_err"].get<double>() < 1e-10);
+    first_loss.push_back(j["tp"][0]["losses"][0].get<double>());
+  }
+  CHECK(first_loss[0] == first_loss[1]);  // aux_loss is the default
+  CHECK(std::abs(first_loss[1] - first_loss[2]) > 1e-6);
+  CHECK(run_tpsim(base + "--moe-router-load-balancing-type seq_aux_loss").exit_code == 2);
+}
+
 TEST_CASE("verify passes Mixtral and DeepSeek-MoE at every folding and mode in f64", "[cli][moe]") {
   // (tp, ep, etp) as the issue lists them, and dp 2 x tp 2 with ep 4: the experts over
   // both replicas. Batch 4: two rows per replica.

@@ -53,6 +53,12 @@ inline constexpr NamedChoice<RopeStyle> kRopeStyleNames[] = {{"half", RopeStyle:
 enum class MoeScore { Softmax, Sigmoid };
 inline constexpr NamedChoice<MoeScore> kMoeScoreNames[] = {{"softmax", MoeScore::Softmax},
                                                            {"sigmoid", MoeScore::Sigmoid}};
+// Which tokens the load-balancing loss balances (Megatron-core's
+// --moe-router-load-balancing-type): each micro-batch's (a data-parallel replica's batch:
+// the loss is the mean of the replicas' losses), or the global batch's.
+enum class MoeAuxScope { MicroBatch, Global };
+inline constexpr NamedChoice<MoeAuxScope> kMoeAuxScopeNames[] = {
+    {"aux_loss", MoeAuxScope::MicroBatch}, {"global_aux_loss", MoeAuxScope::Global}};
 template <class E, std::size_t N>
 const char* choice_name(const NamedChoice<E> (&table)[N], E value) {
   for (const auto& c : table)
@@ -99,7 +105,11 @@ struct GptConfig {
   std::int64_t moe_layer_freq = 1;
   MoeScore moe_score = MoeScore::Softmax;
   bool moe_topk_renorm = true;        // gates divided by their sum over the k chosen
-  double moe_aux_coeff = 0.0;         // Switch load-balancing loss over the global batch
+  double moe_aux_coeff = 0.0;         // Switch load-balancing loss (0: none)
+  MoeAuxScope moe_aux_scope = MoeAuxScope::MicroBatch;  // over what it balances
+  // The global batch's micro-batches: the run's data-parallel replicas, each of
+  // N/moe_micro_batches consecutive tokens (set from --dp; a run setting, no flag).
+  std::int64_t moe_micro_batches = 1;
   double moe_z_coeff = 0.0;           // router z-loss
   bool moe_expert_bias = false;       // DeepSeek-V3's loss-free balancing
   double moe_bias_rate = 1e-3;        // its update per step

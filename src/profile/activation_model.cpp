@@ -256,6 +256,8 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     add(Tm, "moe.experts.act.grad", {moe.R, moe.Fel}, -1);
     add(Tm, "moe.experts.gate_up.grad", {moe.R, 2 * moe.Fel}, -1);
     add(Cm, "moe.stats", {2 * E + 1}, -1, 8);
+    if (c.moe_aux_coeff > 0 && c.moe_aux_scope == MoeAuxScope::MicroBatch && c.moe_micro_batches > 1)
+      add(Cm, "moe.stats.all", {moe.world * (2 * E + 1)}, -1, 8);  // every rank's, per micro-batch
     add(Cm, "moe.counts", {moe.P * El, 1}, -1, 8);
     add(Cm, "moe.counts.in", {moe.P * El, 1}, -1, 8);
     if (c.moe_capacity_factor > 0) {

@@ -44,6 +44,7 @@ struct RawFlags {
   std::string norm, mlp, positions, rope_style;
   std::string recompute;  // empty: none
   std::string moe_score;  // empty: the family's
+  std::string moe_aux_scope = "aux_loss";
   int moe_renorm = 0, no_moe_renorm = 0, moe_bias = 0, no_moe_bias = 0;
   int norm_bias = 0, no_norm_bias = 0, linear_bias = 0, no_linear_bias = 0;
   int tied = 0, untied = 0;
@@ -64,6 +65,7 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
                                  "--moe-router-score-function", "--moe-router-topk-renorm",
                                  "--no-moe-router-topk-renorm", "--moe-aux-loss-coeff",
+                                 "--moe-router-load-balancing-type",
                                  "--moe-z-loss-coeff", "--moe-router-enable-expert-bias",
                                  "--no-moe-router-enable-expert-bias",
                                  "--moe-router-bias-update-rate", "--moe-expert-capacity-factor",
@@ -146,7 +148,11 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                "MoE: divide the k gates by their sum");
   cmd.add_flag("--no-moe-router-topk-renorm", raw.no_moe_renorm, "MoE: the k scores as gates");
   cmd.add_option("--moe-aux-loss-coeff", o.gpt.moe_aux_coeff,
-                 "MoE: Switch load-balancing loss over the global batch (0: none)");
+                 "MoE: Switch load-balancing loss (0: none)");
+  cmd.add_option("--moe-router-load-balancing-type", raw.moe_aux_scope,
+                 "MoE: aux_loss (the default: each micro-batch's, a --dp replica's batch, the "
+                 "loss their mean) or global_aux_loss (the global batch's)")
+      ->check(CLI::IsMember({"aux_loss", "global_aux_loss"}));
   cmd.add_option("--moe-z-loss-coeff", o.gpt.moe_z_coeff, "MoE: router z-loss (0: none)");
   cmd.add_flag("--moe-router-enable-expert-bias", raw.moe_bias,
                "MoE: DeepSeek-V3's expert bias, added to the scores to choose the experts and "
@@ -259,6 +265,7 @@ void apply_architecture(const CLI::App& cmd, RunOptions& o, const RawFlags& raw)
        "--no-moe-router-enable-expert-bias", c.moe_expert_bias);
   if (!raw.moe_score.empty())
     c.moe_score = raw.moe_score == "sigmoid" ? MoeScore::Sigmoid : MoeScore::Softmax;
+  c.moe_aux_scope = raw.moe_aux_scope == "global_aux_loss" ? MoeAuxScope::Global : MoeAuxScope::MicroBatch;
 }
 
 // --load DIR, a Hugging Face checkpoint: its config.json is the model, so no flag may say
@@ -287,6 +294,7 @@ void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw
   o.gpt.dropout = run.dropout;
   if (c.moe()) {
     o.gpt.moe_aux_coeff = run.moe_aux_coeff;
+    o.gpt.moe_aux_scope = run.moe_aux_scope;
     o.gpt.moe_z_coeff = run.moe_z_coeff;
     o.gpt.moe_capacity_factor = run.moe_capacity_factor;
     o.gpt.moe_expert_bias = run.moe_expert_bias;
@@ -370,6 +378,7 @@ void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DTy
   // check every step from the reference's weights unless asked not to; f64 drifts by
   // reassociation only and runs free.
   if (verify && o.dtype != DType::F64 && !raw.free_running) o.resync = true;
+  o.gpt.moe_micro_batches = o.dp;  // a replica's batch is a micro-batch
   validate_run_options(o);
   // MPI starts once the options are known to be good, and only for a run of ranks.
   o.device.processes = start_processes(parse_launch_kind(raw.launch));

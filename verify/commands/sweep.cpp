@@ -141,6 +141,9 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
     m.etp = etp;
     m.clip_grad = clip;
     m.gpt.moe_aux_coeff = 0.01;
+    m.gpt.moe_micro_batches = replicas;
+    // over replicas, the global batch's loss: the variant whose 1/dp bug a fault plants
+    if (replicas > 1) m.gpt.moe_aux_scope = MoeAuxScope::Global;
     m.gpt.moe_z_coeff = 0.001;
     m.gpt.moe_capacity_factor = 1.0;
     m.batch = BatchKind::Boundary;

@@ -201,6 +201,8 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
     c.moe_score = cfg.choice_or("moe_score", kMoeScoreNames, c.moe_score);
     c.moe_topk_renorm = cfg.boolean_or("moe_topk_renorm", c.moe_topk_renorm);
     c.moe_aux_coeff = cfg.number_or("moe_aux_coeff", 0.0, 0.0, 1e6);
+    // (a dump is one replica's run: a micro-batch is its batch, so both scopes agree)
+    c.moe_aux_scope = cfg.choice_or("moe_aux_scope", kMoeAuxScopeNames, c.moe_aux_scope);
     c.moe_z_coeff = cfg.number_or("moe_z_coeff", 0.0, 0.0, 1e6);
     c.moe_expert_bias = cfg.boolean_or("moe_expert_bias", false);
     c.moe_bias_rate = cfg.number_or("moe_bias_rate", c.moe_bias_rate, 0.0, 1e6);
@@ -299,6 +301,7 @@ nlohmann::json manifest_json(const DumpManifest& m) {
     k["moe_score"] = choice_name(kMoeScoreNames, c.moe_score);
     k["moe_topk_renorm"] = c.moe_topk_renorm;
     k["moe_aux_coeff"] = c.moe_aux_coeff;
+    k["moe_aux_scope"] = choice_name(kMoeAuxScopeNames, c.moe_aux_scope);
     k["moe_z_coeff"] = c.moe_z_coeff;
     k["moe_expert_bias"] = c.moe_expert_bias;
     k["moe_bias_rate"] = c.moe_bias_rate;
