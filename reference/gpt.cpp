@@ -776,8 +776,13 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
     e2 = Vector<S>::Zero(N);
     if (c.moe_layer(l)) {
       note_grad(pt + "mlp.experts.out.grad", dbranch, a_x);
+      const auto& moe = moe_[static_cast<std::size_t>(l)];
       moe_[static_cast<std::size_t>(l)].backward(part, grads_, dbranch, params_, p, c);
-      note(pt + "mlp.router.logits.grad", moe_[static_cast<std::size_t>(l)].logits_grad());
+      for (Index e = 0; e < c.num_experts; ++e)
+        note(pt + "mlp.experts." + std::to_string(e) + ".out.grad", moe.expert_output_grad(e));
+      for (Index e = 0; e < c.num_experts; ++e)
+        note(pt + "mlp.experts." + std::to_string(e) + ".in.grad", moe.expert_input_grad(e));
+      note(pt + "mlp.router.logits.grad", moe.logits_grad());
       e2 += row_errors_sq(part, a_x);
       dln += part;
     }

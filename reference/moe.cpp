@@ -254,9 +254,10 @@ void Moe<S>::backward(Matrix<S>& dx, ParamSet<S>& grads, const Matrix<S>& dy,
   dx = Matrix<S>::Zero(N, H);
   std::vector<S> dgate(static_cast<std::size_t>(N * K), S(0));  // [N·K] dL/dg, 0 when dropped
   for (Index e = 0; e < E; ++e) {
-    const Expert& ex = experts_[static_cast<std::size_t>(e)];
+    Expert& ex = experts_[static_cast<std::size_t>(e)];
     const Index m = static_cast<Index>(ex.pair.size());
-    Matrix<S> dout(m, H);  // [m,H]
+    Matrix<S>& dout = ex.dout;  // [m,H]
+    dout.resize(m, H);
     for (Index j = 0; j < m; ++j) {
       const std::int64_t i = ex.pair[j];
       dout.row(j) = r.gate[i] * dy.row(i / K);
@@ -274,9 +275,9 @@ void Moe<S>::backward(Matrix<S>& dx, ParamSet<S>& grads, const Matrix<S>& dy,
       }
     grads.at(expert_name(prefix, e, "gate_proj")) = dg.transpose() * ex.x;
     grads.at(expert_name(prefix, e, "up_proj")) = du.transpose() * ex.x;
-    const Matrix<S> dxe = dg * params.at(expert_name(prefix, e, "gate_proj")) +
-                          du * params.at(expert_name(prefix, e, "up_proj"));
-    for (Index j = 0; j < m; ++j) dx.row(ex.pair[j] / K) += dxe.row(j);
+    ex.dx = dg * params.at(expert_name(prefix, e, "gate_proj")) +
+            du * params.at(expert_name(prefix, e, "up_proj"));  // [m,H]
+    for (Index j = 0; j < m; ++j) dx.row(ex.pair[j] / K) += ex.dx.row(j);
   }
 
   // ---- through the gates to the scores ----

@@ -81,6 +81,10 @@ class Moe {
   // and the expert's outputs before the gates weight them, [kept_e,H] each.
   const Matrix<S>& expert_input(Eigen::Index e) const { return experts_.at(static_cast<std::size_t>(e)).x; }
   const Matrix<S>& expert_output(Eigen::Index e) const { return experts_.at(static_cast<std::size_t>(e)).out; }
+  // Their gradients of the last backward, [kept_e,H] each: the output's (gate · dy) and
+  // the input's (the expert's own backward).
+  const Matrix<S>& expert_output_grad(Eigen::Index e) const { return experts_.at(static_cast<std::size_t>(e)).dout; }
+  const Matrix<S>& expert_input_grad(Eigen::Index e) const { return experts_.at(static_cast<std::size_t>(e)).dx; }
   // The last forward's aux and z losses (each 0 without its coefficient).
   S aux_loss() const { return aux_; }
   S z_loss() const { return zloss_; }
@@ -89,6 +93,7 @@ class Moe {
   struct Expert {
     std::vector<std::int64_t> pair;  // indices n·K + k of the kept pairs it serves
     Matrix<S> x, gate, up, act, out; // [m,H], [m,Fe], [m,Fe], [m,Fe], [m,H]
+    Matrix<S> dout, dx;              // [m,H], [m,H] of the last backward
   };
   Routing route_;
   std::vector<RoutingTie> ties_;

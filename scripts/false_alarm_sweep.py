@@ -143,6 +143,7 @@ def moe_variant(rng, args, dtypes):
              rng.choice(["--moe-router-topk-renorm", "--no-moe-router-topk-renorm"]),
              rng.choice(["--moe-router-enable-expert-bias", "--no-moe-router-enable-expert-bias"]),
              "--moe-aux-loss-coeff", rng.choice(["0", "0.01", "0.1"]),
+             "--moe-router-load-balancing-type", rng.choice(["aux_loss", "global_aux_loss"]),
              "--moe-z-loss-coeff", rng.choice(["0", "0.001"]),
              "--moe-expert-capacity-factor", rng.choice(["0", "0", "0.8", "1.0", "1.5"]),
              "--moe-layer-freq", rng.choice(["1", "1", "2"]),

@@ -161,6 +161,10 @@ const std::vector<FaultInfo>& all_faults() {
        "MoE: dispatch sends one row from the wrong token (world rank 0's first, from the "
        "next token)",
        {.mlp = false, .gpt = true, .min_tp = 1, .moe = true}},
+      {Fault::MoeDispatchWrongRank, "moe-dispatch-wrong-rank",
+       "MoE: dispatch sends one pair to the next EP rank's expert of the same local index "
+       "(world rank 0's first), its counts consistent with it",
+       {.mlp = false, .gpt = true, .moe = true, .min_ep = 2}},
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},

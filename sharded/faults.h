@@ -76,6 +76,8 @@ enum class Fault {
                              // (the token count global, the probabilities' sum local)
   MoeDispatchWrongRow,       // dispatch sends one row (world rank 0's first) from the next
                              // token: an index off by one in the permute
+  MoeDispatchWrongRank,      // dispatch sends one pair (world rank 0's first) to the next EP
+                             // rank: a destination off by one, the counts consistent with it
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
 };

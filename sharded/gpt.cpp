@@ -1287,7 +1287,7 @@ void ShardedGpt::backward() {
     const Tensor& dmlp_out = branch_grad(*dx, site + "mlp.residual");
     if (b.moe) {  // the routed experts: this rank's tokens' share of the branch gradient
       const Tensor mine = sp ? dmlp_out : routed_rows(dmlp_out);
-      b.moe->backward(s.moe_dx, mine);
+      b.moe->backward(s.moe_dx, mine, record_);
       if (record_)
         for (auto& o : b.moe->observe_backward()) keep(snaps, std::move(o));
     }

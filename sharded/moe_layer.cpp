@@ -23,7 +23,9 @@ bool is_expert_point(const std::string& name) {
   const std::string rest = name.substr(at + 13);  // "3.in"
   const auto dot = rest.find('.');
   return dot != std::string::npos && dot > 0 &&
-         rest.find_first_not_of("0123456789") == dot && (rest.substr(dot) == ".in" || rest.substr(dot) == ".out");
+         rest.find_first_not_of("0123456789") == dot &&
+         (rest.substr(dot) == ".in" || rest.substr(dot) == ".out" || rest.substr(dot) == ".in.grad" ||
+          rest.substr(dot) == ".out.grad");
 }
 
 ShardSpec expert_param_shard(const ParamSpec& p, const GptConfig& c, const ExpertLayout& x) {
@@ -117,6 +119,8 @@ struct MoeLayer::State {
   std::vector<double> aux_load;     // [E] the loads this rank's aux-loss gradient uses: the
   double aux_scale = 0;             // global batch's or its micro-batch's, and their scale
   std::vector<double> pair_out;     // [n·K,H] each pair's expert output (0 when dropped)
+  std::vector<double> pair_in_grad; // [n·K,H] (recording) each pair's input gradient, ETP shares summed
+  std::vector<std::vector<double>> de_host;  // [El][m,H] (recording) each local expert's output gradient
   std::vector<double> out_host;     // [n,H] (recording)
   // [world,E] (recording) each rank's kept pairs per expert, after the dispatch plan: the
   // per-expert points' row offsets (ranks route contiguous tokens in rank order).
@@ -168,6 +172,72 @@ struct MoeLayer::State {
   void exchange(const Tensor& in, Tensor& out, bool back) {
     comm.all_to_all(in, out, back ? recv_counts : send_counts, back ? send_counts : recv_counts);
   }
+  // ---- each expert's observation points (recording): [kept_e,H], the rows of the tokens
+  // whose pair with e was kept, in global token order. Rank q's kept pairs of e (its
+  // tokens, contiguous) follow those of the ranks before it.
+  std::int64_t kept_before(int q, std::int64_t e) const {
+    std::int64_t rows = 0;
+    for (int p = 0; p < q; ++p) rows += kept_count[static_cast<std::size_t>(p * E + e)];
+    return rows;
+  }
+  // Rows [offset, offset+length) of expert e's [kept_e,H] on this mesh rank, marked an
+  // expert's so that the empty block of a rank that holds none is no check.
+  Observation expert_rows(const std::string& name, std::int64_t e, std::int64_t offset,
+                          std::int64_t length, std::vector<double> v) const {
+    if (kept_count.size() != static_cast<std::size_t>(x.world * E))
+      throw Error("MoE layer " + prefix + ": observed without recording (forward's `record`): "
+                  "no kept counts to place the experts' rows by");
+    ShardSpec sp = replicate(ParamSpec{name, {kept_before(x.world, e), H}, {}}, x.rank, x.world);
+    sp.split_dim = 0;
+    sp.padded = sp.full_shape[0];
+    sp.offset = offset;
+    sp.length = length;
+    sp.expert = true;
+    return Observation{name, std::move(sp), std::move(v)};
+  }
+  // Where the rows arrived: on the expert's own ranks, its expert-major rows (`rows(le,
+  // off, m)`, [m,H]), from the sources of this expert-DP block in rank order, so after
+  // the kept pairs of every earlier block's ranks; each ETP rank the same rows.
+  template <class Rows>
+  void observe_experts(std::vector<Observation>& out, const char* suffix, Rows rows) const {
+    for (std::int64_t e = 0; e < E; ++e) {
+      const std::string name = pt + "mlp.experts." + std::to_string(e) + suffix;
+      const std::int64_t le = e - x.ep_rank() * El;
+      if (le < 0 || le >= El) {
+        out.push_back(expert_rows(name, e, 0, 0, {}));
+        continue;
+      }
+      const std::int64_t rows_e = m[static_cast<std::size_t>(le)];
+      std::vector<double> v;  // [rows_e,H]
+      if (rows_e > 0) v = rows(le, off[static_cast<std::size_t>(le)], rows_e);
+      Observation o = expert_rows(name, e, kept_before(block0(), e), rows_e, std::move(v));
+      // An owner's block is always compared, an empty one too; and where it received
+      // another count than its block's sources kept, the expert's size it implies is not
+      // the reference's: a failure naming it, not a block quietly short.
+      o.spec.expert = false;
+      const std::int64_t kept_in_block = kept_before(block0() + block(), e) - kept_before(block0(), e);
+      o.spec.full_shape[0] += rows_e - kept_in_block;
+      o.spec.padded = o.spec.full_shape[0];
+      out.push_back(std::move(o));
+    }
+  }
+  // Where they came back: on each source rank, its own kept pairs' rows of `per_pair`
+  // [n·K,H]; every rank's block is compared, an empty one too.
+  void observe_pairs(std::vector<Observation>& out, const char* suffix,
+                     const std::vector<double>& per_pair) const {
+    for (std::int64_t e = 0; e < E; ++e) {
+      std::vector<double> v;  // [rows,H]
+      for (std::int64_t i = 0; i < n * K; ++i)
+        if (kept[i] && expert[i] == e)
+          v.insert(v.end(), per_pair.begin() + i * H, per_pair.begin() + (i + 1) * H);
+      const auto rows = static_cast<std::int64_t>(v.size()) / H;
+      Observation o = expert_rows(pt + "mlp.experts." + std::to_string(e) + suffix, e,
+                                  kept_before(x.rank, e), rows, std::move(v));
+      o.spec.expert = false;
+      out.push_back(std::move(o));
+    }
+  }
+
   // grad summed over the ranks `peers` (in their order, this rank among them): every peer
   // ends with the same sum.
   void sum_over(Tensor& grad, const std::vector<int>& peers);
@@ -347,21 +417,35 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
     std::stable_sort(pairs.begin(), pairs.end(), [&](std::int64_t a, std::int64_t b) {
       return s.expert[a] < s.expert[b];  // by expert, then token
     });
+    std::vector<std::int64_t> local_of(static_cast<std::size_t>(n * K), 0);  // [n·K] as sent
+    bool misrouted = false;
     for (std::int64_t i : pairs) {
       if (!s.kept[i]) continue;
       const std::int64_t e = s.expert[i];
-      const std::int64_t j = e / El;
+      std::int64_t j = e / El;
+      // The fault: world rank 0's first pair sent to the next EP rank, to the expert of the
+      // same local index there, with counts that say so (a destination off by one).
+      if (s.fault == Fault::MoeDispatchWrongRank && s.x.rank == 0 && !misrouted && s.x.ep > 1) {
+        j = (j + 1) % s.x.ep;
+        misrouted = true;
+      }
       // The fault: the global expert id used as the destination's local index. Only EP
       // rank 0's are in range; the others' pairs fall off, silently.
-      const std::int64_t le = s.fault == Fault::MoeGlobalExpertIdAsLocal ? e : e - j * El;
+      const std::int64_t le = s.fault == Fault::MoeGlobalExpertIdAsLocal ? e : e % El;
       if (le >= El) {
         s.kept[i] = 0;
         continue;
       }
       to_ep[static_cast<std::size_t>(j)].push_back(i);
+      local_of[i] = le;
       for (int t = 0; t < s.x.etp; ++t)
         meta[static_cast<std::size_t>((s.x.at(s.x.edp_rank(), static_cast<int>(j), t) - b0) * El + le)] += 1;
     }
+    // Each destination's rows by its local expert, as its counts say (a misrouted pair
+    // joins another EP rank's list out of expert order)
+    for (auto& list : to_ep)
+      std::stable_sort(list.begin(), list.end(),
+                       [&](std::int64_t a, std::int64_t b) { return local_of[a] < local_of[b]; });
   }
   for (int q = b0; q < b0 + P; ++q) {
     const auto& list = to_ep[static_cast<std::size_t>((q - b0) / s.x.etp)];
@@ -502,10 +586,10 @@ void MoeLayer::State::sum_over(Tensor& grad, const std::vector<int>& peers) {
     be.add_inplace(grad, all.narrow0(static_cast<std::int64_t>(j) * rows_n, rows_n));
 }
 
-void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
+void MoeLayer::backward(Tensor& dx, const Tensor& dout, bool record) {
   State& s = *s_;
   const GptConfig& c = s.c;
-  const std::int64_t n = s.n, E = s.E, K = s.K, H = s.H;
+  const std::int64_t n = s.n, E = s.E, K = s.K, H = s.H, El = s.El;
   const std::int64_t S = static_cast<std::int64_t>(s.sent.size()), R = s.xe.dim(0);
   s.be.to_host_into(dout, s.dout_host);
   const std::vector<double>& dy = s.dout_host;
@@ -534,6 +618,10 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
   // ---- the local experts' backward ----
   Tensor de = s.ws.rows.narrow0(0, R);  // [R,H]
   s.gather_rows(de, recv, s.perm);
+  s.de_host.assign(static_cast<std::size_t>(El), {});
+  if (record)  // each expert's output gradient, before the workspace's rows are reused
+    for (std::int64_t le = 0; le < El; ++le)
+      if (s.m[le] > 0) s.de_host[le] = s.be.to_host(de.narrow0(s.off[le], s.m[le]));
   Tensor da = s.ws.act_grad.narrow0(0, R);       // [R,Fel]
   Tensor dgu = s.ws.gate_up_grad.narrow0(0, R);  // [R,2Fel]
   Tensor dh = recv;                              // [R,H] (the received rows are in de now)
@@ -548,6 +636,14 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout) {
   Tensor back = send;  // [S,H]
   s.comm.set_label(s.prefix + "moe.dispatch backward");
   s.exchange(back_send, back, true);
+  if (record) {  // each pair's input gradient, its ETP shares summed (the destinations in rank order)
+    const std::vector<double> bh = s.be.to_host(back);  // [S,H]
+    s.pair_in_grad.assign(static_cast<std::size_t>(n * K * H), 0.0);
+    for (std::int64_t r = 0; r < S; ++r) {
+      double* d = &s.pair_in_grad[static_cast<std::size_t>(s.sent[r] * H)];
+      for (std::int64_t h = 0; h < H; ++h) d[h] += bh[static_cast<std::size_t>(r * H + h)];
+    }
+  }
   // dx: each token's rows summed (its pairs' ETP shares), then the router's path below
   std::vector<std::int64_t> token_of(s.sent.size());  // [S]
   for (std::int64_t r = 0; r < S; ++r) token_of[r] = s.sent[r] / K;
@@ -670,57 +766,10 @@ std::vector<Observation> MoeLayer::observe_forward() const {
   };
   if (s.c.moe_aux_coeff > 0) obs.push_back(scalar(s.pt + "mlp.router.aux_loss", s.aux));
   if (s.c.moe_z_coeff > 0) obs.push_back(scalar(s.pt + "mlp.router.z_loss", s.zloss));
-  if (s.kept_count.size() != static_cast<std::size_t>(s.x.world * E))
-    throw Error("MoE layer " + s.prefix + ": observed without recording (forward's `record`): no "
-                "kept counts to place the experts' rows by");
-  // Expert e's rows of the global batch, in global token order: rank q's kept pairs of e
-  // (its tokens, contiguous) follow those of the ranks before it.
-  auto before = [&](int q, std::int64_t e) {
-    std::int64_t rows = 0;
-    for (int p = 0; p < q; ++p) rows += s.kept_count[static_cast<std::size_t>(p * E + e)];
-    return rows;
-  };
-  // Rows [offset, offset+length) of [kept_e,H] on this mesh rank, marked an expert's so
-  // that the empty block of a rank that holds none is no check (StepChecker::check).
-  auto expert_rows = [&](const std::string& name, std::int64_t e, std::int64_t offset,
-                         std::int64_t length, std::vector<double> v) {
-    ShardSpec sp = replicate(ParamSpec{name, {before(s.x.world, e), s.H}, {}}, s.x.rank, s.x.world);
-    sp.split_dim = 0;
-    sp.padded = sp.full_shape[0];
-    sp.offset = offset;
-    sp.length = length;
-    sp.expert = true;
-    return Observation{name, std::move(sp), std::move(v)};
-  };
-  // Each expert's dispatched input, where it arrived: its expert-major rows in `xe` on its
-  // EP rank's ranks (each ETP rank the same rows), from the sources of this expert-DP
-  // block in rank order, so after the kept pairs of every earlier block's ranks.
-  const std::int64_t H = s.H;
-  for (std::int64_t e = 0; e < E; ++e) {
-    const std::string name = s.pt + "mlp.experts." + std::to_string(e) + ".in";
-    const std::int64_t le = e - s.x.ep_rank() * s.El;
-    if (le < 0 || le >= s.El) {
-      obs.push_back(expert_rows(name, e, 0, 0, {}));
-      continue;
-    }
-    const std::int64_t m = s.m[static_cast<std::size_t>(le)];
-    std::vector<double> v;  // [m,H]
-    if (m > 0) v = s.be.to_host(s.xe.narrow0(s.off[static_cast<std::size_t>(le)], m));
-    obs.push_back(expert_rows(name, e, before(s.block0(), e), m, std::move(v)));
-  }
-  // Each kept pair's expert output (the ETP partials summed, before its gate), where it
-  // came back: this rank's tokens, after the earlier ranks' pairs of the expert.
-  for (std::int64_t e = 0; e < E; ++e) {
-    std::vector<double> v;  // [rows,H]
-    for (std::int64_t i = 0; i < n * K; ++i)
-      if (s.kept[i] && s.expert[i] == e)
-        v.insert(v.end(), s.pair_out.begin() + i * H, s.pair_out.begin() + (i + 1) * H);
-    const auto rows = static_cast<std::int64_t>(v.size()) / H;
-    Observation o = expert_rows(s.pt + "mlp.experts." + std::to_string(e) + ".out", e,
-                                before(s.x.rank, e), rows, std::move(v));
-    o.spec.expert = false;  // every rank's block is compared, an empty one too
-    obs.push_back(std::move(o));
-  }
+  s.observe_experts(obs, ".in", [&](std::int64_t, std::int64_t off, std::int64_t rows) {
+    return s.be.to_host(s.xe.narrow0(off, rows));
+  });
+  s.observe_pairs(obs, ".out", s.pair_out);
   obs.push_back(tokens(s.pt + "mlp.experts.out", s.H, s.out_host));
   return obs;
 }
@@ -731,8 +780,13 @@ std::vector<Observation> MoeLayer::observe_backward() const {
   auto tokens = [&](const std::string& name, std::int64_t width, const std::vector<double>& v) {
     return Observation{name, split(ParamSpec{name, {s.obs.tokens, width}, {}}, 0, r, w), v};
   };
-  return {tokens(s.pt + "mlp.experts.out.grad", s.H, s.dout_host),
-          tokens(s.pt + "mlp.router.logits.grad", s.E, s.dz)};
+  std::vector<Observation> obs{tokens(s.pt + "mlp.experts.out.grad", s.H, s.dout_host)};
+  s.observe_experts(obs, ".out.grad", [&](std::int64_t le, std::int64_t, std::int64_t) {
+    return s.de_host[static_cast<std::size_t>(le)];
+  });
+  s.observe_pairs(obs, ".in.grad", s.pair_in_grad);
+  obs.push_back(tokens(s.pt + "mlp.router.logits.grad", s.E, s.dz));
+  return obs;
 }
 
 }  // namespace tpsim

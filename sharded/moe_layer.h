@@ -108,13 +108,16 @@ class MoeLayer {
   ~MoeLayer();
 
   // out [n,H] = Σ_k g_nk · expert_{e_nk}(x_n) for this rank's tokens x [n,H]; returns the
-  // layer's aux and z losses over the global batch (the same on every rank). `record`
+  // layer's aux loss (the global batch's, or the mean of its micro-batches') and z-loss,
+  // the same on every rank. `record`
   // (the same on every rank: it adds a collective) gathers every rank's kept pairs per
   // expert, which the per-expert observation points' blocks are placed by.
   double forward(Tensor& out, const Tensor& x, bool record = false);
   // dx [n,H] (written) and the router's and experts' gradients from dout [n,H]; the
   // experts' are summed over the expert-DP group, the router's left to the caller.
-  void backward(Tensor& dx, const Tensor& dout);
+  // `record` keeps each expert's output gradient and each pair's input gradient for
+  // observe_backward.
+  void backward(Tensor& dx, const Tensor& dout, bool record = false);
   // After the optimizer step: the expert bias moves towards the mean load.
   void update_expert_bias();
   // The layer's observation points of the last forward and backward ("act/h.0.mlp.router.

@@ -502,6 +502,8 @@ TEST_CASE("each expert's dispatched input and output are points of their own, in
         CHECK(shape.at(in).size() == 2);
         CHECK(shape.at(in)[1] == H);
         CHECK(shape.at(out) == shape.at(in));
+        CHECK(shape.at(out + ".grad") == shape.at(in));  // the gradients' rows are the same
+        CHECK(shape.at(in + ".grad") == shape.at(in));
         rows += shape.at(in)[0];
       }
       CHECK(rows == N * 2);  // the global batch's, top 2, nothing dropped
@@ -510,18 +512,23 @@ TEST_CASE("each expert's dispatched input and output are points of their own, in
       CHECK(at(a + "router.load") < at(a + "router.aux_loss"));
       CHECK(at(a + "router.z_loss") < at(a + "experts.0.in"));
       CHECK(at(a + "experts.7.in") < at(a + "experts.0.out"));
+      // backward: the routed sum's gradient, each expert's output's, then each one's input's
+      CHECK(at(a + "experts.out.grad") < at(a + "experts.0.out.grad"));
+      CHECK(at(a + "experts.7.out.grad") < at(a + "experts.0.in.grad"));
+      CHECK(at(a + "experts.7.in.grad") < at(a + "router.logits.grad"));
       CHECK(at(a + "experts.7.out") < at(a + "experts.out"));
     }
   }
 }
 
-TEST_CASE("a row dispatched from the wrong token is named at the expert's input", "[cli][moe]") {
+TEST_CASE("a row dispatched from the wrong token, or to the wrong rank, is named at an expert's input", "[cli][moe]") {
+  for (const std::string fault : {"moe-dispatch-wrong-row", "moe-dispatch-wrong-rank"})
   for (const std::string fold : {"--tp 2 --ep 2", "--tp 4 --ep 2 --etp 2", "--dp 2 --tp 2 --ep 4"}) {
     const std::string json = temp_path("moe-wrong-row.json");
     const auto r = run_tpsim("verify --model mixtral --preset small --dtype f64 --steps 1 "
-                             "--batch-size 4 --inject-fault moe-dispatch-wrong-row " + fold +
+                             "--batch-size 4 --inject-fault " + fault + " " + fold +
                              " --json " + json);
-    INFO(fold << "\n" << r.out);
+    INFO(fault << " " << fold << "\n" << r.out);
     REQUIRE(r.exit_code == 1);
     const auto j = read_json(json);
     const std::string first = j["first_failure"]["tensor"];

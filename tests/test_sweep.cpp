@@ -198,6 +198,9 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
       // World rank 0's first dispatched row from its next token: named where it arrived,
       // the first expert's input on EP rank 0, before any expert computes with it.
       {"moe-dispatch-wrong-row", {"reference", "act/h.0.mlp.experts.0.in", "rank 0/2 rows", 2}},
+      // World rank 0's first pair sent to the next EP rank: expert 0's owners received one
+      // row fewer than its sources kept, a size the reference does not have.
+      {"moe-dispatch-wrong-rank", {"reference", "act/h.0.mlp.experts.0.in", "rank 0/2 rows [0,11) ([11,72] against", 2}},
       // The clip norm without the experts: the first tensor a wrong norm reaches.
       {"moe-clip-norm-missing-experts", {"reference", "grad_norm", "rank 0/2", 2}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.

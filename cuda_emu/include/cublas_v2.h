@@ -72,8 +72,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
 // ldc[i] and alpha[i], beta[i] (host arrays, read at the call; alpha and beta typed by the
 // compute type); Aarray, Barray, Carray are device arrays of every problem's operands, in
 // group order, read when the stream runs the call. Types: A, B and C all CUDA_R_32F or
-// all CUDA_R_16BF with CUBLAS_COMPUTE_32F, or all CUDA_R_64F with CUBLAS_COMPUTE_64F;
-// anything else is CUBLAS_STATUS_NOT_SUPPORTED. Each problem as cublasGemmEx sums it.
+// all CUDA_R_16BF with CUBLAS_COMPUTE_32F; anything else is CUBLAS_STATUS_NOT_SUPPORTED. Each problem as cublasGemmEx sums it.
 cublasStatus_t cublasGemmGroupedBatchedEx(cublasHandle_t h, const cublasOperation_t transa_array[],
                                           const cublasOperation_t transb_array[],
                                           const int m_array[], const int n_array[],

@@ -201,8 +201,8 @@ class Backend {
 
   // ---- mixture of experts: the router's decisions, grouped expert GEMMs, the combine ----
   // The router's decisions for n tokens over E experts, 1 <= K <= E, in f64 from the logits
-  // widened exactly (backend/moe_route.h, shared by every backend, so that no two backends
-  // can route a token differently). Per token t, every sum in expert order:
+  // widened exactly (backend/moe_route.h, one routine for every backend: the same
+  // operations in the same order). Per token t, every sum in expert order:
   //   lse[t] = m + log Σ_e exp(z[t,e] - m), m = max_e z[t,e] (kept for the z-loss);
   //   scores[t,e] = exp(z[t,e] - lse[t]) (softmax) or 1/(1 + exp(-z[t,e])) (sigmoid);
   //   expert[t,k] = the k-th expert by scores + bias, descending, ties to the lower

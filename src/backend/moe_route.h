@@ -1,7 +1,7 @@
 // The router's decisions for one token, written once for the CPU backend and the CUDA
-// kernel (TPSIM_HD) so that the backends cannot route a token differently: the f64
-// operations, in the order, of the host routing in MoeLayer::forward
-// (sharded/moe_layer.cpp), which the verifier's reference mirrors.
+// kernel (TPSIM_HD): the same f64 operations in the same order on both (the CPU and the
+// emulator agree bit for bit; on a GPU, the device's exp and log may differ from the
+// host's by an ulp, and a near-tie then falls either way, which verify's tie rule allows).
 #pragma once
 
 #include <cmath>

@@ -59,8 +59,12 @@ std::vector<std::string> gpt_tensor_order(const GptConfig& c, bool clipped) {
     if (c.moe_layer(l)) {  // the routed experts' backward runs first, then the router's
       o.push_back(a + "mlp.experts.out.grad");
       for (std::int64_t e = 0; e < c.num_experts; ++e)
+        o.push_back(a + "mlp.experts." + std::to_string(e) + ".out.grad");
+      for (std::int64_t e = 0; e < c.num_experts; ++e)
         for (const char* p : {"down_proj", "gate_proj", "up_proj"})
           grads(b + "mlp.experts." + std::to_string(e) + "." + p, false);
+      for (std::int64_t e = 0; e < c.num_experts; ++e)
+        o.push_back(a + "mlp.experts." + std::to_string(e) + ".in.grad");
       o.push_back(a + "mlp.router.logits.grad");
       grads(b + "mlp.router", false);
     }

@@ -1105,6 +1105,18 @@ void CudaBackend::grouped_call(const char* op, const std::vector<RowMajorGemm>& 
           blas_int(op, "ldc", q.ldc, 1), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return;
   }
+  if (ct == DType::F64) {
+    // f64: cublasGemmGroupedBatchedEx's type table is for 16-bit and f32 data with f32
+    // compute (as we read it; not checked on a GPU yet), so one cublasDgemm per group.
+    for (const RowMajorGemm& q : p)
+      TPSIM_CUBLAS_CHECK(cublasDgemm(
+          cublas_, ta(q), tb(q), blas_int(op, "N", q.N, 0), blas_int(op, "M", q.M, 0),
+          blas_int(op, "K", q.K, 0), &alpha, static_cast<const double*>(q.B),
+          blas_int(op, "ldb", q.ldb, 1), static_cast<const double*>(q.A),
+          blas_int(op, "lda", q.lda, 1), &beta, static_cast<double*>(q.C),
+          blas_int(op, "ldc", q.ldc, 1)));
+    return;
+  }
   // One cublasGemmGroupedBatchedEx: a group per problem (group_size 1, as every problem
   // has its own shape), its shapes, scalars and group sizes in host arrays, its operand
   // pointers in a device array.
@@ -1133,21 +1145,12 @@ void CudaBackend::grouped_call(const char* op, const std::vector<RowMajorGemm>& 
   const auto* arr = static_cast<const void* const*>(dptrs.raw());
   void* const* carr = static_cast<void* const*>(dptrs.raw()) + 2 * G;
   const int groups = blas_int(op, "groups", static_cast<i64>(G), 0);
-  const cudaDataType_t type =
-      ct == DType::F64 ? CUDA_R_64F : ct == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
-  if (ct == DType::F64) {
-    const std::vector<double> al(G, alpha), be(G, beta);
-    TPSIM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
-        cublas_, tas.data(), tbs.data(), m.data(), n.data(), k.data(), al.data(), arr, type,
-        lda.data(), arr + G, type, ldb.data(), be.data(), carr, type, ldc.data(), groups,
-        one.data(), CUBLAS_COMPUTE_64F));
-  } else {
-    const std::vector<float> al(G, static_cast<float>(alpha)), be(G, static_cast<float>(beta));
-    TPSIM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
-        cublas_, tas.data(), tbs.data(), m.data(), n.data(), k.data(), al.data(), arr, type,
-        lda.data(), arr + G, type, ldb.data(), be.data(), carr, type, ldc.data(), groups,
-        one.data(), CUBLAS_COMPUTE_32F));
-  }
+  const cudaDataType_t type = ct == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
+  const std::vector<float> al(G, static_cast<float>(alpha)), be(G, static_cast<float>(beta));
+  TPSIM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+      cublas_, tas.data(), tbs.data(), m.data(), n.data(), k.data(), al.data(), arr, type,
+      lda.data(), arr + G, type, ldb.data(), be.data(), carr, type, ldc.data(), groups,
+      one.data(), CUBLAS_COMPUTE_32F));
 }
 
 std::unique_ptr<Backend> make_cuda_backend(int device) {
