@@ -273,7 +273,8 @@ int main(int argc, char** argv) {
              "tensor: "
           << (unexplained == 0 ? std::string("equal, byte for byte")
                                : std::to_string(unexplained) + " differences")
-          << ". The routing runs on the host (f64), which the GFLOP/s above include.\n\n";
+          << ". The routing (top-k, capacity, the dispatch plan) is part of the step time, so "
+             "of the GFLOP/s above.\n\n";
     std::cout << out.str();
     if (!append.empty()) {
       std::ofstream fo(append, std::ios::app);

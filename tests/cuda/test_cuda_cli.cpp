@@ -134,11 +134,20 @@ TEST_CASE("cli: verify --backend cuda runs MoE: experts over ep x etp, all_to_al
       CHECK(r.exit_code == 0);
       CHECK_THAT(r.out, Catch::Matchers::Contains("verify: PASS"));
     }
-  for (const char* fault : {"moe-router-grad-not-reduced", "moe-global-expert-id-as-local"}) {
+  for (const char* fault : {"moe-router-grad-not-reduced", "moe-global-expert-id-as-local",
+                            "moe-dispatch-wrong-rank"}) {
     const auto bad = run_tpsim(std::string("verify --backend cuda --comm sim --tp 2 --ep 2 --dtype f64") +
                                moe + " --inject-fault " + fault);
     INFO(fault << ":\n" << bad.out);
     CHECK(bad.exit_code == 1);
+  }
+  // The device's ledger against the memory model: the experts' buffers for the worst
+  // routing, the decisions' and the combine's, byte for byte on every rank.
+  for (const char* run : {" --comm sim --tp 2 --ep 2 --dtype f64", " --comm sim --tp 4 --ep 2 --etp 2 --dtype bf16"}) {
+    const auto p = run_tpsim(std::string("profile --backend cuda") + moe + run);
+    INFO(run << ":\n" << p.out);
+    CHECK(p.exit_code == 0);
+    CHECK_THAT(p.out, Catch::Matchers::Contains("every tensor of every rank equals the model, byte for byte"));
   }
 }
 
