@@ -78,9 +78,13 @@ void run_device_rank(const DeviceOptions& dev, int device, double timeout_s, con
   CudaBackend& device_backend = *cuda;
   std::unique_ptr<Backend> be = std::move(cuda);
   if (dev.wrap) be = dev.wrap(at.rank, std::move(be));
-  // Host waits for the device end at the run's timeout (with NCCL, also at an
-  // asynchronous error of this rank's communicators, while they live), never hang.
-  const HostWait plain{"rank " + std::to_string(at.rank), timeout_s, nullptr};
+  // Host waits for the device end (with NCCL, also at an asynchronous error of this rank's
+  // communicators, while they live), never hang. Their deadline is a backstop, three
+  // times the run's timeout: later than the waits that can name a stalled peer and its
+  // process (a host collective's, at the timeout; verify's checkers', at twice it), so
+  // that a stall is reported by the wait that knows who stalled.
+  const double backstop_s = 3 * timeout_s;
+  const HostWait plain{"rank " + std::to_string(at.rank), backstop_s, nullptr};
   device_backend.set_host_wait(plain);
   try {
     // The communicators die before the backend whose stream they use; a fault in work
@@ -90,7 +94,7 @@ void run_device_rank(const DeviceOptions& dev, int device, double timeout_s, con
     if (nccl) {
       auto* a = static_cast<NcclComm*>(tp_comm.get());
       auto* b = static_cast<NcclComm*>(dp_comm.get());
-      device_backend.set_host_wait({plain.who, timeout_s, [a, b] {
+      device_backend.set_host_wait({plain.who, backstop_s, [a, b] {
                                       a->check_async();
                                       b->check_async();
                                     }});
