@@ -172,6 +172,17 @@ struct MoeLayer::State {
   void exchange(const Tensor& in, Tensor& out, bool back) {
     comm.all_to_all(in, out, back ? recv_counts : send_counts, back ? send_counts : recv_counts);
   }
+  // into [n·K,H] = the rows of back [S,H] (what came back for each sent row) summed per
+  // pair: its ETP ranks' shares, in their rank order.
+  void sum_per_pair(std::vector<double>& into, const Tensor& back) {
+    const std::vector<double> bh = be.to_host(back);  // [S,H]
+    into.assign(static_cast<std::size_t>(n * K * H), 0.0);
+    for (std::size_t r = 0; r < sent.size(); ++r) {
+      double* d = &into[static_cast<std::size_t>(sent[r] * H)];
+      for (std::int64_t h = 0; h < H; ++h) d[h] += bh[r * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)];
+    }
+  }
+
   // ---- each expert's observation points (recording): [kept_e,H], the rows of the tokens
   // whose pair with e was kept, in global token order. Rank q's kept pairs of e (its
   // tokens, contiguous) follow those of the ranks before it.
@@ -303,7 +314,7 @@ MoeLayer::~MoeLayer() = default;
 double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
   State& s = *s_;
   const GptConfig& c = s.c;
-  const std::int64_t n = s.n, E = s.E, K = s.K, H = s.H, El = s.El;
+  const std::int64_t n = s.n, E = s.E, K = s.K, El = s.El;
   const int world = s.x.world;
   s.xin = xin;
 
@@ -534,12 +545,7 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
   s.comm.set_label(s.prefix + "moe.combine");
   s.exchange(back_send, back, true);
   // Each kept pair's output (its ETP partials summed), on the host for the gates' gradient.
-  const std::vector<double> bh = s.be.to_host(back);  // [S,H]
-  s.pair_out.assign(static_cast<std::size_t>(n * K * H), 0.0);
-  for (std::int64_t r = 0; r < S; ++r) {  // destinations in rank order: ETP ranks in order
-    double* po = &s.pair_out[static_cast<std::size_t>(s.sent[r] * H)];
-    for (std::int64_t h = 0; h < H; ++h) po[h] += bh[static_cast<std::size_t>(r * H + h)];
-  }
+  s.sum_per_pair(s.pair_out, back);
   std::vector<std::int64_t> row_of(s.sent.size());  // [S] the token each row joins
   std::vector<double> weight(s.sent.size());        // [S] its pair's gate
   for (std::int64_t r = 0; r < S; ++r) {
@@ -636,14 +642,7 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout, bool record) {
   Tensor back = send;  // [S,H]
   s.comm.set_label(s.prefix + "moe.dispatch backward");
   s.exchange(back_send, back, true);
-  if (record) {  // each pair's input gradient, its ETP shares summed (the destinations in rank order)
-    const std::vector<double> bh = s.be.to_host(back);  // [S,H]
-    s.pair_in_grad.assign(static_cast<std::size_t>(n * K * H), 0.0);
-    for (std::int64_t r = 0; r < S; ++r) {
-      double* d = &s.pair_in_grad[static_cast<std::size_t>(s.sent[r] * H)];
-      for (std::int64_t h = 0; h < H; ++h) d[h] += bh[static_cast<std::size_t>(r * H + h)];
-    }
-  }
+  if (record) s.sum_per_pair(s.pair_in_grad, back);  // each pair's input gradient
   // dx: each token's rows summed (its pairs' ETP shares), then the router's path below
   std::vector<std::int64_t> token_of(s.sent.size());  // [S]
   for (std::int64_t r = 0; r < S; ++r) token_of[r] = s.sent[r] / K;

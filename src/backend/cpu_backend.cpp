@@ -1219,6 +1219,27 @@ void CpuBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tenso
 
 // ---- mixture of experts -------------------------------------------------------------------
 
+namespace {
+// f(load), load(i) the i-th element of `t` widened exactly to f64 (bf16 through its f32).
+template <class F>
+void with_f64_loader(const Tensor& t, F&& f) {
+  switch (t.dtype()) {
+    case DType::BF16: {
+      const bf16* p = t.data<bf16>();
+      return f([p](i64 i) { return static_cast<double>(bf16_to_f32(p[i])); });
+    }
+    case DType::F32: {
+      const float* p = t.data<float>();
+      return f([p](i64 i) { return static_cast<double>(p[i]); });
+    }
+    default: {
+      const double* p = t.data<double>();
+      return f([p](i64 i) { return p[i]; });
+    }
+  }
+}
+}  // namespace
+
 void CpuBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
                           const Tensor& logits, const Tensor& bias, std::int64_t K, bool sigmoid,
                           bool renorm) {
@@ -1232,31 +1253,14 @@ void CpuBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& 
           expert.data<i64>() + t * K, gate.data<double>() + t * K);
     }
   };
-  switch (logits.dtype()) {
-    case DType::BF16: {
-      const bf16* p = logits.data<bf16>();
-      return rows([p](i64 i) { return static_cast<double>(bf16_to_f32(p[i])); });
-    }
-    case DType::F32: {
-      const float* p = logits.data<float>();
-      return rows([p](i64 i) { return static_cast<double>(p[i]); });
-    }
-    default: {
-      const double* p = logits.data<double>();
-      return rows([p](i64 i) { return p[i]; });
-    }
-  }
+  with_f64_loader(logits, rows);
 }
 
 void CpuBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
                              const Tensor& weight) {
   const CombineDims d = check_moe_combine(device(), out, rows, token, weight);
   const i64* tok = token.data<i64>();
-  for (i64 r = 0; r < d.S; ++r)
-    if (tok[r] < 0 || tok[r] >= d.n)
-      throw Error("moe_combine: token '" + token.tag() + "' row " + std::to_string(r) + " is " +
-                  std::to_string(tok[r]) + ", outside the " + std::to_string(d.n) +
-                  " rows of out '" + out.tag() + "'");
+  check_combine_tokens(tok, d, token, out);
   // [n,H] f64 accumulators: each token's rows added in row order, rounded once at the end.
   std::vector<double> acc(static_cast<std::size_t>(d.n * d.H), 0.0);
   const double* w = weight.data<double>();
@@ -1266,22 +1270,7 @@ void CpuBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& toke
       for (i64 h = 0; h < d.H; ++h) y[h] += w[r] * load(r * d.H + h);
     }
   };
-  switch (rows.dtype()) {
-    case DType::BF16: {
-      const bf16* p = rows.data<bf16>();
-      add([p](i64 i) { return static_cast<double>(bf16_to_f32(p[i])); });
-      break;
-    }
-    case DType::F32: {
-      const float* p = rows.data<float>();
-      add([p](i64 i) { return static_cast<double>(p[i]); });
-      break;
-    }
-    default: {
-      const double* p = rows.data<double>();
-      add([p](i64 i) { return p[i]; });
-    }
-  }
+  with_f64_loader(rows, add);
   if (!acc.empty()) from_host(out, acc.data());  // bf16 through f32, as from_host rounds
 }
 

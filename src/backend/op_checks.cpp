@@ -547,6 +547,17 @@ std::int64_t check_group_offsets(const char* op, const std::vector<std::int64_t>
 }
 
 namespace {
+// Two float matrices whose rows the groups split alike.
+void check_row_pair(OpCheck& c, const char* nx, const Tensor& x, const char* ny, const Tensor& y) {
+  c.float_arg(nx, x);
+  c.float_arg(ny, y);
+  c.ndim(nx, x, 2);
+  c.ndim(ny, y, 2);
+  if (x.dim(0) != y.dim(0))
+    c.fail(OpCheck::describe(nx, x) + " and " + OpCheck::describe(ny, y) +
+           " differ in rows (the groups' rows are the same in both)");
+}
+
 // check_gemm on one group, its message saying which group.
 void check_group_gemm(const char* op, std::size_t g, Device dev, const Tensor& out, const Tensor& a,
                       bool trans_a, const Tensor& b, bool trans_b) {
@@ -563,13 +574,7 @@ std::int64_t check_grouped_gemm(Device dev, const Tensor& out, const Tensor& a,
                                 const std::vector<std::int64_t>& offsets) {
   const char* op = "grouped_gemm";
   OpCheck c(op, dev);
-  c.float_arg("a", a);
-  c.float_arg("out", out);
-  c.ndim("a", a, 2);
-  c.ndim("out", out, 2);
-  if (out.dim(0) != a.dim(0))
-    c.fail(OpCheck::describe("out", out) + " and " + OpCheck::describe("a", a) +
-           " differ in rows (the groups' rows are the same in both)");
+  check_row_pair(c, "a", a, "out", out);
   const std::int64_t G = check_group_offsets(op, offsets, b.size(), a.dim(0));
   for (std::size_t g = 0; g < b.size(); ++g) {
     if (!b[g]) c.fail("b[" + std::to_string(g) + "] is null");
@@ -583,13 +588,7 @@ std::int64_t check_grouped_gemm_wgrad(Device dev, const std::vector<Tensor*>& ou
                                       const Tensor& b, const std::vector<std::int64_t>& offsets) {
   const char* op = "grouped_gemm_wgrad";
   OpCheck c(op, dev);
-  c.float_arg("a", a);
-  c.float_arg("b", b);
-  c.ndim("a", a, 2);
-  c.ndim("b", b, 2);
-  if (b.dim(0) != a.dim(0))
-    c.fail(OpCheck::describe("a", a) + " and " + OpCheck::describe("b", b) +
-           " differ in rows (the groups' rows are the same in both)");
+  check_row_pair(c, "a", a, "b", b);
   const std::int64_t G = check_group_offsets(op, offsets, out.size(), a.dim(0));
   for (std::size_t g = 0; g < out.size(); ++g) {
     if (!out[g]) c.fail("out[" + std::to_string(g) + "] is null");
@@ -597,6 +596,15 @@ std::int64_t check_grouped_gemm_wgrad(Device dev, const std::vector<Tensor*>& ou
     check_group_gemm(op, g, dev, *out[g], a.narrow0(r0, m), true, b.narrow0(r0, m), false);
   }
   return G;
+}
+
+void check_combine_tokens(const std::int64_t* tok, const CombineDims& d, const Tensor& token,
+                          const Tensor& out) {
+  for (std::int64_t r = 0; r < d.S; ++r)
+    if (tok[r] < 0 || tok[r] >= d.n)
+      throw Error("moe_combine: token '" + token.tag() + "' row " + std::to_string(r) + " is " +
+                  std::to_string(tok[r]) + ", outside the " + std::to_string(d.n) +
+                  " rows of out '" + out.tag() + "'");
 }
 
 CombineDims check_moe_combine(Device dev, const Tensor& out, const Tensor& rows, const Tensor& token,

@@ -150,9 +150,12 @@ std::int64_t check_grouped_gemm_wgrad(Device dev, const std::vector<Tensor*>& ou
 struct CombineDims {
   std::int64_t n, S, H;
 };
-// Shapes and dtypes only: the token ids' range is checked where they are read.
+// Shapes and dtypes only: the token ids' range is checked where they are read, by
+// check_combine_tokens on their host copy tok [S].
 CombineDims check_moe_combine(Device dev, const Tensor& out, const Tensor& rows, const Tensor& token,
                               const Tensor& weight);
+void check_combine_tokens(const std::int64_t* tok, const CombineDims& d, const Tensor& token,
+                          const Tensor& out);
 
 void check_mse_backward(Device dev, const Tensor& dy, const Tensor& y, const Tensor& target);
 void check_adam(Device dev, const Tensor& param, const Tensor& grad, const Tensor& m,

@@ -1008,16 +1008,10 @@ void CudaBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& tok
   // them, and to plan each token's rows in row order.
   std::vector<i64> tok(static_cast<std::size_t>(d.S));
   if (d.S > 0) copy_to_host(tok.data(), token.data<i64>(), tok.size() * sizeof(i64), op);
+  check_combine_tokens(tok.data(), d, token, out);
   // [offsets (n+1) | rows (S)]: a stable counting sort by token
   std::vector<i64> plan(static_cast<std::size_t>(d.n + 1 + d.S), 0);
-  for (i64 r = 0; r < d.S; ++r) {
-    const i64 t = tok[static_cast<std::size_t>(r)];
-    if (t < 0 || t >= d.n)
-      throw Error("moe_combine: token '" + token.tag() + "' row " + std::to_string(r) + " is " +
-                  std::to_string(t) + ", outside the " + std::to_string(d.n) + " rows of out '" +
-                  out.tag() + "'");
-    ++plan[static_cast<std::size_t>(t + 1)];
-  }
+  for (i64 r = 0; r < d.S; ++r) ++plan[static_cast<std::size_t>(tok[static_cast<std::size_t>(r)] + 1)];
   for (i64 t = 0; t < d.n; ++t) plan[static_cast<std::size_t>(t + 1)] += plan[static_cast<std::size_t>(t)];
   std::vector<i64> next(plan.begin(), plan.begin() + d.n);  // [n] each token's next slot
   for (i64 r = 0; r < d.S; ++r)
