@@ -27,7 +27,7 @@ cmake -S . -B build-emu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPSIM_WERROR=ON \
 targets=(tpsim tpsim_cuda_tests cuda_emu_tests cuda_emu_crash)
 # With MPI: NcclComm across processes (tests/mpi/test_mpi_nccl.cpp, label cuda).
 mpi=0
-if grep -q '^TPSIM_MPI:BOOL=ON' build-emu/CMakeCache.txt; then
+if grep -q '^TPSIM_WITH_MPI:INTERNAL=ON' build-emu/CMakeCache.txt; then
   mpi=1
   targets+=(tpsim_mpi_nccl_tests)
 fi

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-scripts/build.sh
+scripts/build.sh tpsim   # the CLI alone: the tests are scripts/test.sh's
 build/tpsim verify
 build/tpsim verify --model gpt --preset seed --tp 1,2
