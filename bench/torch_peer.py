@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Times the seed's PyTorch TP scheme and `tpsim train` on the same config, side by side.
 
 Config (issue 11): GPT batch 2 x seq 64, H 256, 8 heads, 2 layers, V 50257, TP 2, loss
@@ -16,7 +16,7 @@ Order A B A B ... (--rounds, at least 2). Per side and round:
     STEPS-step run, from wait4.
 Prints both ratios, tpsim / PyTorch (medians over rounds). Exit 77 if torch is missing.
 
-  /usr/bin/python3 bench/torch_peer.py [--tpsim build/tpsim] [--rounds 2]
+  $(scripts/test_python.sh) bench/torch_peer.py [--tpsim build/tpsim] [--rounds 2]
 """
 import argparse
 import json

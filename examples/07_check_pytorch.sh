@@ -3,10 +3,11 @@
 # examples/pytorch trains the seed's GPT with Megatron-style TP (one process per rank,
 # gloo, float64) and dumps every rank's shards; `tpsim check` compares them with the
 # float64 reference. Then the same with a planted bug, which check names (exit 1).
-# Needs /usr/bin/python3 with torch (Debian: python3-torch).
+# Needs the Python test environment (PyPI's torch; scripts/setup.sh --test-deps), or
+# PYTHON naming an interpreter with torch.
 set -euo pipefail
 tpsim=${TPSIM:-build/tpsim}
-py=${PYTHON:-/usr/bin/python3}
+py=${PYTHON:-$(scripts/test_python.sh)}
 tp=${TP:-2}
 out=${OUT:-/tmp/tpsim-07}
 here=$(dirname "$0")

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Installs what tpsim needs from Debian's packages, only when something is missing.
-# Run as root (or with sudo) on a fresh Debian machine.
-#   --test-deps: also what only scripts/test.sh needs (chromium renders the --html page;
-#   python3-torch and python3-numpy run the PyTorch producer of examples/pytorch; Open MPI
-#   builds MpiComm and runs the tests under mpirun).
+# Installs what tpsim needs, only what is missing. Run as root (or with sudo) on a fresh
+# Debian machine.
+#   --test-deps: also what only scripts/test.sh needs: chromium renders the --html page;
+#   Open MPI builds MpiComm and runs the tests under mpirun; and a Python virtual
+#   environment from python/requirements-test.txt (PyPI's torch, transformers, numpy,
+#   safetensors, pinned exactly) for the PyTorch and Hugging Face peers.
+# The environment lives outside the clone, in $TPSIM_VENV_CACHE (default
+# ~/.cache/tpsim), in a folder named for the requirements file's hash, so that a fresh
+# clone on the same machine (CI's) reuses it; scripts/test_python.sh prints its python.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 need=(cmake ninja-build g++ clang libclang-rt-14-dev libeigen3-dev libcli11-dev catch2
       nlohmann-json3-dev libopenblas-dev libboost-context-dev)
+test_deps=0
 for arg in "$@"; do
   case "$arg" in
-    --test-deps) need+=(chromium python3-torch python3-numpy libopenmpi-dev openmpi-bin) ;;
+    --test-deps) test_deps=1
+                 need+=(chromium python3-venv libopenmpi-dev openmpi-bin) ;;
     *) echo "setup: unknown option $arg (known: --test-deps)" >&2; exit 2 ;;
   esac
 done
@@ -24,4 +31,21 @@ if ((${#missing[@]})); then
   [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if ((test_deps)); then
+  py=$(scripts/test_python.sh --path)
+  venv=$(dirname "$(dirname "$py")")
+  if [ ! -f "$venv/.complete" ]; then
+    # Marked complete only at the end, so that an interrupted install is redone, never
+    # taken for a finished one.
+    echo "setup: creating $venv from python/requirements-test.txt (PyPI's torch: several GB on a fresh machine)"
+    start=$SECONDS
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    /usr/bin/python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r python/requirements-test.txt
+    touch "$venv/.complete"
+    echo "setup: Python environment ready in $((SECONDS - start)) s"
+  fi
 fi

@@ -11,6 +11,15 @@ scripts/setup.sh --test-deps
 scripts/build.sh
 jobs=$(nproc)
 
+# --test-deps promised Open MPI and the Python environment: a test family that cannot run
+# here is a failure, not a quiet skip.
+if ! grep -q '^TPSIM_WITH_MPI:INTERNAL=ON' build/CMakeCache.txt; then
+  echo "test: Open MPI is installed but build/ was configured without MPI; reconfigure with -DTPSIM_MPI=AUTO (see CMakeLists.txt)" >&2
+  exit 1
+fi
+TPSIM_TEST_PYTHON=$(scripts/test_python.sh)
+export TPSIM_TEST_PYTHON
+
 echo "== ctest (Release)"
 ctest --test-dir build --output-on-failure -j "$jobs"
 

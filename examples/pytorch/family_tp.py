@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Llama (RMSNorm, SwiGLU, RoPE, grouped-query attention) and GPT-2 (LayerNorm and Linear
 biases, tanh GELU, learned positions, a tied head) with Megatron-style tensor parallelism in
 PyTorch, as nn.Modules (one process per rank, gloo), dumped for `tpsim check` by
 python/tpsim_dump's Recorder, in the naming convention --names chooses:
 
-  /usr/bin/python3 examples/pytorch/family_tp.py --model llama --kv-heads 2 --tp 4 --out /tmp/d
+  $(scripts/test_python.sh) examples/pytorch/family_tp.py --model llama --kv-heads 2 --tp 4 --out /tmp/d
   tpsim check --dumps /tmp/d --load /tmp/d/W.safetensors --data /tmp/d/D.safetensors
 
 Sharding as Megatron does it: q, k, v, gate, up and GPT-2's fc column-parallel (a column-

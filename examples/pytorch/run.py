@@ -1,8 +1,8 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Trains the seed's GPT with Megatron-style tensor parallelism in PyTorch (one process per
 rank, gloo) and writes tpsim's dump format v1 (docs/dump-format.md), for `tpsim check`:
 
-  /usr/bin/python3 examples/pytorch/run.py --tp 2 --out /tmp/dump
+  $(scripts/test_python.sh) examples/pytorch/run.py --tp 2 --out /tmp/dump
   tpsim check --dumps /tmp/dump --load /tmp/dump/W.safetensors --data /tmp/dump/D.safetensors
 
 It writes the seeded full initial weights (W) and batch (D) it trains on, then

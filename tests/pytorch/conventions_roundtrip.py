@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """tpsim -> convention -> tpsim, bit for bit: a dump that `tpsim train --dump` wrote is
 rewritten in a convention by python/tpsim_dump (renamed, q/k/v and gate/up fused, GPT-2's
 Conv1D weights transposed, in every rank's shards and in the full weights), and `tpsim
@@ -18,7 +18,7 @@ import tempfile
 try:
     import torch
 except ImportError:
-    print("SKIP: no torch (Debian: python3-torch)")
+    print("SKIP: no torch (run it with scripts/test_python.sh's python)")
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """End to end: the PyTorch Llama and GPT-2 producer (examples/pytorch/family_tp.py, dumped by
 python/tpsim_dump's Recorder) against `tpsim check`. Correct runs, in the naming
 conventions users have and with kv heads fewer than ranks, must PASS; each planted --bug,
@@ -18,7 +18,7 @@ import tempfile
 try:
     import torch  # noqa: F401
 except ImportError:
-    print("SKIP: no torch (Debian: python3-torch)")
+    print("SKIP: no torch (run it with scripts/test_python.sh's python)")
     sys.exit(77)
 
 PRODUCER = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pytorch", "family_tp.py")
@@ -59,7 +59,7 @@ def full_matrix():
 
 def run_case(tpsim, work, i, flags):
     d = os.path.join(work, str(i))
-    p = subprocess.run(["/usr/bin/python3", PRODUCER, *flags.split(), "--out", d],
+    p = subprocess.run([sys.executable, PRODUCER, *flags.split(), "--out", d],
                        capture_output=True, text=True)
     if p.returncode != 0:
         return None, f"the producer exited {p.returncode}: {(p.stdout + p.stderr)[-300:]}"

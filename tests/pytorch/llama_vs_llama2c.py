@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """tpsim's Llama against an implementation nobody on this project wrote: the Transformer of
 llama2.c's model.py (github.com/karpathy/llama2.c: RMSNorm, SwiGLU, Meta's interleaved
 RoPE, grouped-query attention by repeat_kv, a tied head), in float64, from the same weights
@@ -23,7 +23,7 @@ import sys
 try:
     import torch
 except ImportError:
-    print("SKIP: no torch (Debian: python3-torch)")
+    print("SKIP: no torch (run it with scripts/test_python.sh's python)")
     sys.exit(77)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))

@@ -5,12 +5,12 @@
 # Usage: test_producer.sh TPSIM_BINARY. Exit 77 (skip) without torch or without `check`.
 set -uo pipefail
 tpsim=${1:?usage: test_producer.sh TPSIM_BINARY}
-py=/usr/bin/python3
+py=${TPSIM_TEST_PYTHON:-$("$(dirname "$0")/../../scripts/test_python.sh" 2>/dev/null || true)}
 here=$(cd "$(dirname "$0")" && pwd)
 producer="$here/../../examples/pytorch/run.py"
 
-if ! [ -x "$py" ] || ! "$py" -c 'import torch, numpy' 2>/dev/null; then
-  echo "SKIP: $py has no torch/numpy (Debian: python3-torch python3-numpy)"; exit 77
+if [ -z "$py" ] || ! "$py" -c 'import torch, numpy' 2>/dev/null; then
+  echo "SKIP: no Python test environment with torch (scripts/setup.sh --test-deps builds it)"; exit 77
 fi
 if ! "$tpsim" check --help >/dev/null 2>&1; then
   echo "SKIP: $tpsim has no 'check' command"; exit 77
