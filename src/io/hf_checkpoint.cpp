@@ -141,6 +141,26 @@ GptConfig llama_config(ConfigFields& f) {
   c.block_size = f.size("max_position_embeddings");
   c.ln_eps = f.number_or("rms_norm_eps", 1e-6, 0.0, 1.0);  // LlamaConfig's default
   c.rope_theta = f.number_or("rope_theta", 10000.0, 1.0, 1e12);
+  // transformers 5 writes RoPE as {"rope_theta": T, "rope_type": "default"}, and a scaled
+  // RoPE as another rope_type with its factors there.
+  if (const json* r = f.get("rope_parameters"); r && !r->is_null()) {
+    if (!r->is_object()) f.fail("rope_parameters", "must be an object");
+    for (const auto& [k, v] : r->items()) {
+      if (k == "rope_type") {
+        if (v != "default")
+          f.fail("rope_parameters", "rope_type " + quote_text(v.is_string() ? v.get<std::string>() : v.dump()) +
+                                        ": a scaled RoPE (llama3, linear, dynamic, yarn) is not built");
+      } else if (k == "rope_theta") {
+        if (!v.is_number() || !(v.get<double>() >= 1.0 && v.get<double>() <= 1e12))
+          f.fail("rope_parameters", "rope_theta must be a number from 1 to 1e12");
+        if (f.get("rope_theta") && v.get<double>() != c.rope_theta)
+          f.fail("rope_parameters", "rope_theta differs from the top-level rope_theta");
+        c.rope_theta = v.get<double>();
+      } else {
+        f.fail("rope_parameters", quote_text(k) + ": a RoPE parameter tpsim does not build");
+      }
+    }
+  }
   c.tied_embeddings = f.boolean_or("tie_word_embeddings", false);
   if (f.size_or("head_dim", c.hidden / c.heads) * c.heads != c.hidden)
     f.fail("head_dim", "is not hidden_size / num_attention_heads, which tpsim's attention assumes");
