@@ -611,6 +611,12 @@ TEST_CASE("verify and check --load take a Hugging Face Llama checkpoint director
     expect_config_refused(dir + "/one", "--model llama", config, key, value, says);
   };
   refused("rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}}, "scaled RoPE");
+  // transformers 5's form of the same: rope_parameters, its rope_type default only.
+  refused("rope_parameters", {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0}},
+          "scaled RoPE");
+  refused("rope_parameters", {{"rope_type", "default"}, {"rope_theta", 0.5}}, "from 1 to 1e12");
+  refused("rope_parameters", {{"rope_type", "default"}, {"partial_rotary_factor", 0.5}},
+          "a RoPE parameter tpsim does not build");
   refused("sliding_window", 4096, "sliding-window");
   refused("hidden_act", "gelu", "SwiGLU");
   refused("attention_bias", true, "no biases");

@@ -145,11 +145,13 @@ GptConfig llama_config(ConfigFields& f) {
   // RoPE as another rope_type with its factors there.
   if (const json* r = f.get("rope_parameters"); r && !r->is_null()) {
     if (!r->is_object()) f.fail("rope_parameters", "must be an object");
+    // The type first: a scaled RoPE's own parameters are better refused by its name.
+    if (const auto t = r->find("rope_type"); t != r->end() && *t != "default")
+      f.fail("rope_parameters", "rope_type " + quote_text(t->is_string() ? t->get<std::string>() : t->dump()) +
+                                    ": a scaled RoPE (llama3, linear, dynamic, yarn) is not built");
     for (const auto& [k, v] : r->items()) {
       if (k == "rope_type") {
-        if (v != "default")
-          f.fail("rope_parameters", "rope_type " + quote_text(v.is_string() ? v.get<std::string>() : v.dump()) +
-                                        ": a scaled RoPE (llama3, linear, dynamic, yarn) is not built");
+        continue;
       } else if (k == "rope_theta") {
         if (!v.is_number() || !(v.get<double>() >= 1.0 && v.get<double>() <= 1e12))
           f.fail("rope_parameters", "rope_theta must be a number from 1 to 1e12");

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """tpsim against Hugging Face transformers' own modeling code: GPT2LMHeadModel and
-LlamaForCausalLM (GQA, tied and untied head), built from a config.json with random weights
+LlamaForCausalLM (GQA, tied and untied head) and MixtralForCausalLM, built from a config.json with random weights
 (no hub), saved with save_pretrained, trained here in float64 for 5 steps of torch.optim.Adam
 with tpsim's settings; `tpsim train --load DIR` reads the same directory. Every step's loss
-and every final weight at TP 1, 2, 4 must agree within 1e-9.
+and every final weight at TP 1, 2, 4 (Mixtral: EP 1, 2, 2, expert TP 1, 1, 2) must agree
+within 1e-9.
 
 Usage: hf_peer.py TPSIM_BINARY FAMILY [--twin]
-  FAMILY: gpt2, llama (GQA, untied head) or llama-tied (MHA, tied head)
+  FAMILY: gpt2, llama (GQA, untied head), llama-tied (MHA, tied head) or mixtral (4 experts,
+          top 2, GQA)
   --twin: the Hugging Face side is built with one semantic changed (gpt2: the exact GELU for
-          GPT-2's tanh one; llama: RMSNorm's eps 1e-6 for 1e-5, the model's own field), to
+          GPT-2's tanh one; llama and mixtral: RMSNorm's eps 1e-6 for 1e-5, the model's own field), to
           show that this comparison fails when the models differ: it then exits 0 only if
           every degree disagrees.
 Exit 0 as expected, 1 not, 77 skip (no torch or transformers)."""
@@ -23,6 +25,7 @@ try:
     import torch.nn.functional as F
     import transformers
     from transformers.models.llama import modeling_llama
+    from transformers.models.mixtral import modeling_mixtral
 except ImportError:
     print("SKIP: no torch or transformers (run it with scripts/test_python.sh's python)")
     sys.exit(77)
@@ -37,17 +40,26 @@ DEGREES = (1, 2, 4)
 
 def config_of(family):
     """The model, as a config.json would give it. initializer_range 0.2 (not 0.02): weights
-    large enough that a wrong semantic moves every number well above the tolerance."""
+    large enough that a wrong semantic moves every number well above the tolerance. Llama's
+    rope_theta is Llama 3's 500000, not the default, so a reader that dropped it would
+    disagree."""
     if family == "gpt2":
         return transformers.GPT2Config(
             vocab_size=V, n_positions=T, n_embd=H, n_layer=L, n_head=A,
             activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             layer_norm_epsilon=1e-5, initializer_range=0.2, tie_word_embeddings=True)
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L,
+            num_attention_heads=A, num_key_value_heads=2, max_position_embeddings=T,
+            num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+            output_router_logits=False, rms_norm_eps=1e-5, rope_theta=500000.0,
+            initializer_range=0.2, tie_word_embeddings=False)
     tied = family == "llama-tied"
     return transformers.LlamaConfig(
         vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=L,
         num_attention_heads=A, num_key_value_heads=A if tied else 2, max_position_embeddings=T,
-        rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False, mlp_bias=False,
+        rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False, mlp_bias=False,
         initializer_range=0.2, tie_word_embeddings=tied)
 
 
@@ -67,8 +79,10 @@ def build(config):
     analytically (attention's key bias: softmax ignores a shift common to a row) would have
     Adam follow its rounding noise (an update g/(|g|+eps) for |g| ~ 1e-17) on either side."""
     torch.manual_seed(11)
-    cls = transformers.GPT2LMHeadModel if config.model_type == "gpt2" else transformers.LlamaForCausalLM
+    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+           "mixtral": transformers.MixtralForCausalLM}[config.model_type]
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # (grouped_mm takes no float64)
     model = cls(config).to(torch.float64)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -80,7 +94,7 @@ def build(config):
 
 
 class _Float32IsFloat64:
-    """What transformers' Llama module sees as `torch` in the peer: its float32 is float64."""
+    """What a transformers modeling module sees as `torch` in the peer: its float32 is float64."""
 
     def __init__(self, real):
         self._real = real
@@ -89,34 +103,55 @@ class _Float32IsFloat64:
         return self._real.float64 if name in ("float32", "float") else getattr(self._real, name)
 
 
-def llama_in_float64(model, config):
-    """transformers' Llama computes three things in float32 whatever the model's dtype: the
-    RMSNorm (hidden_states.to(torch.float32)), attention's softmax (dtype=torch.float32) and
-    RoPE's cos and sin (.float()): a relative difference of ~1e-7 in a float64 run
-    (docs/models.md). The peer runs them in float64, as tpsim does: the module's `torch`
-    reads float32 as float64 (its own code, unchanged, then computes in float64), and the
-    rotary embedding, which casts with Tensor.float(), is replaced by the same formula in
-    float64. Both at run time; no installed file is edited."""
-    modeling_llama.torch = _Float32IsFloat64(torch)
-    rotary = model.model.rotary_emb
-    d = config.hidden_size // config.num_attention_heads
-    theta = config.rope_parameters["rope_theta"]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+def in_float64(config):
+    """transformers' Llama and Mixtral compute parts of a float64 model in float32: the
+    RMSNorm (hidden_states.to(torch.float32)), attention's softmax (dtype=torch.float32),
+    RoPE's cos and sin and Mixtral's router softmax (Tensor.float()): a relative difference
+    of ~1e-7 (docs/models.md). The peer runs them in float64, as tpsim does, with
+    transformers' code unchanged: its module's `torch` reads float32 as float64, and
+    Tensor.float() casts to float64 in this process. At run time; no installed file is
+    edited."""
+    module = modeling_mixtral if config.model_type == "mixtral" else modeling_llama
+    module.torch = _Float32IsFloat64(torch)
+    torch.Tensor.float = lambda self, *a, **k: self.to(torch.float64)
 
-    def forward(x, position_ids):
-        freqs = position_ids[..., None].to(torch.float64) * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    rotary.forward = forward
+
+def hf_names(tensors, family, names):
+    """tpsim's final weights under transformers' parameter names: python/tpsim_dump's
+    conventions for the dense part; Mixtral's router as mlp.gate, and its experts stacked
+    as transformers 5 holds them (gate_up_proj [E, 2F, H] = each expert's [gate; up],
+    down_proj [E, H, F])."""
+    if family == "gpt2":
+        return conventions.to_convention(tensors, "hf-gpt2", names)
+    moe = {n: t for n, t in tensors.items() if ".mlp.router." in n or ".mlp.experts." in n}
+    out = conventions.to_convention({n: t for n, t in tensors.items() if n not in moe},
+                                    "hf-llama", names)
+    for i in range(L):
+        if f"h.{i}.mlp.router.weight" not in moe:
+            continue
+        p, E = f"h.{i}.mlp.", config_experts(moe, i)
+        out[f"model.layers.{i}.mlp.gate.weight"] = moe[p + "router.weight"]
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([moe[f"{p}experts.{e}.gate_proj.weight"], moe[f"{p}experts.{e}.up_proj.weight"]])
+             for e in range(E)])
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(
+            [moe[f"{p}experts.{e}.down_proj.weight"] for e in range(E)])
+    return out
+
+
+def config_experts(moe, layer):
+    return sum(1 for n in moe if n.startswith(f"h.{layer}.mlp.experts.") and n.endswith("down_proj.weight"))
 
 
 def main():
-    if len(sys.argv) < 3 or sys.argv[2] not in ("gpt2", "llama", "llama-tied"):
+    if len(sys.argv) < 3 or sys.argv[2] not in ("gpt2", "llama", "llama-tied", "mixtral"):
         print(__doc__.strip().splitlines()[-7])
         return 2
     tpsim, family = sys.argv[1], sys.argv[2]
     twin = "--twin" in sys.argv[3:]
     config = config_of(family)
+    if family != "gpt2":
+        in_float64(config)  # before any model is built: RoPE's frequencies are made at init
     saved = build(config)
     torch.manual_seed(5)
     ids = torch.randint(0, V, (B, T))
@@ -129,8 +164,6 @@ def main():
         saved.save_pretrained(hf_dir, safe_serialization=True)
         model = build(twin_of(family, config) if twin else config)
         model.load_state_dict(saved.state_dict())
-        if family != "gpt2":
-            llama_in_float64(model, config)
         # 5 steps of Adam with tpsim's defaults (lr 0.01, betas 0.9/0.95, eps 1e-8, L2 weight
         # decay 0.1 on every parameter); the loss is the mean over the labels that count.
         opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8,
@@ -148,13 +181,13 @@ def main():
 
         batch = os.path.join(d, "batch.safetensors")
         safetensors.save(batch, {"input_ids": ids, "labels": labels})
-        convention = "hf-gpt2" if family == "gpt2" else "hf-llama"
         names = {"heads": A, "kv_heads": getattr(config, "num_key_value_heads", A)}
         failed = False
         for tp in DEGREES:
             out = os.path.join(d, f"final{tp}.safetensors")
+            ep = [] if family != "mixtral" else {1: [], 2: ["--ep", "2"], 4: ["--ep", "2", "--etp", "2"]}[tp]
             r = subprocess.run(
-                [tpsim, "train", "--model", "gpt2" if family == "gpt2" else "llama",
+                [tpsim, "train", "--model", {"llama-tied": "llama"}.get(family, family), *ep,
                  "--load", hf_dir, "--data", batch, "--steps", str(STEPS), "--dtype", "f64",
                  "--tp", str(tp), "--seq-len", str(T), "--batch-size", str(B),
                  "--save-final", out], capture_output=True, text=True)
@@ -166,7 +199,7 @@ def main():
                       if l.strip().startswith("loss:")]
             loss_err = (max(abs(a - b) for a, b in zip(losses, theirs))
                         if len(theirs) == len(losses) else float("inf"))
-            got = conventions.to_convention(safetensors.load(out), convention, names)
+            got = hf_names(safetensors.load(out), family, names)
             worst, where = 0.0, ""
             missing = sorted(set(final) ^ set(got))
             for n, t in final.items():

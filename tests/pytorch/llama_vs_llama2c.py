@@ -20,6 +20,9 @@ import importlib.util
 import os
 import sys
 
+if len([a for a in sys.argv[1:] if not a.startswith("--")]) < 2 and not os.environ.get("LLAMA2C_MODEL_PY"):
+    print("SKIP: no llama2.c model.py (give its path, or set LLAMA2C_MODEL_PY)")
+    sys.exit(77)  # before importing torch, which takes seconds
 try:
     import torch
 except ImportError:
