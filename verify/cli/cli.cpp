@@ -105,10 +105,10 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("--weight-decay", o.adam.weight_decay, "Adam's L2 weight decay (gpt)");
   cmd.add_option("--seed", raw.seed, "seed of weights and data (0 or more)");
   cmd.add_option("--vocab-size", o.gpt.vocab_size, "gpt vocabulary size");
-  cmd.add_option("--block-size", o.gpt.block_size, "gpt context length (wpe rows)");
-  cmd.add_option("--hidden", o.gpt.hidden, "gpt hidden size H");
-  cmd.add_option("--heads", o.gpt.heads, "gpt attention heads");
-  cmd.add_option("--layers", o.gpt.layers, "gpt transformer blocks");
+  cmd.add_option("--block-size,--max-position-embeddings", o.gpt.block_size, "gpt context length (wpe rows)");
+  cmd.add_option("--hidden,--hidden-size", o.gpt.hidden, "gpt hidden size H");
+  cmd.add_option("--heads,--num-attention-heads", o.gpt.heads, "gpt attention heads");
+  cmd.add_option("--layers,--num-layers", o.gpt.layers, "gpt transformer blocks");
   cmd.add_option("--norm", raw.norm, "architecture: layernorm or rmsnorm")
       ->check(CLI::IsMember({"layernorm", "rmsnorm"}));
   cmd.add_flag("--norm-bias", raw.norm_bias, "architecture: LayerNorm with a bias");
@@ -117,17 +117,17 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_flag("--no-linear-bias", raw.no_linear_bias, "architecture: Linears without biases");
   cmd.add_option("--mlp", raw.mlp, "architecture: gelu (exact), gelu-tanh or swiglu")
       ->check(CLI::IsMember({"gelu", "gelu-tanh", "swiglu"}));
-  cmd.add_option("--ffn-hidden", o.gpt.ffn_hidden,
+  cmd.add_option("--ffn-hidden,--ffn-hidden-size", o.gpt.ffn_hidden,
                  "architecture: the MLP's hidden size F (0: 4H, or 8H/3 up to a multiple of 64 "
                  "for swiglu)");
   cmd.add_option("--positions", raw.positions, "architecture: learned (wpe) or rope")
       ->check(CLI::IsMember({"learned", "rope"}));
-  cmd.add_option("--rope-theta", o.gpt.rope_theta, "architecture: RoPE's base");
+  cmd.add_option("--rope-theta,--rotary-base", o.gpt.rope_theta, "architecture: RoPE's base");
   cmd.add_option("--rope-style", raw.rope_style,
                  "architecture: half (pairs i, i+d/2: Hugging Face, Megatron) or interleaved "
                  "(pairs 2i, 2i+1: Meta, torchtitan)")
       ->check(CLI::IsMember({"half", "interleaved"}));
-  cmd.add_option("--kv-heads", o.gpt.kv_heads,
+  cmd.add_option("--kv-heads,--num-query-groups", o.gpt.kv_heads,
                  "architecture: key/value heads (0: --heads; fewer: grouped-query; 1: multi-query)");
   cmd.add_flag("--tied-embeddings", raw.tied, "architecture: the LM head is wte");
   cmd.add_flag("--untied-embeddings", raw.untied, "architecture: the LM head is its own lm_head.weight");
@@ -165,10 +165,10 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                  "batch, the highest gates first, then the lowest token index (0: no dropping)");
   cmd.add_option("--moe-layer-freq", o.gpt.moe_layer_freq,
                  "MoE: layer l is an MoE layer when l % freq == 0 (default 1: every layer)");
-  cmd.add_option("--ep", o.ep,
+  cmd.add_option("--ep,--expert-model-parallel-size", o.ep,
                  "MoE: expert parallel, the experts split over ep ranks (ranks ordered ETP "
                  "fastest, then EP, then expert-DP over the same world; default 1)");
-  cmd.add_option("--etp", o.etp, "MoE: each expert's Linears split over etp ranks (default 1)");
+  cmd.add_option("--etp,--expert-tensor-parallel-size", o.etp, "MoE: each expert's Linears split over etp ranks (default 1)");
   cmd.add_option("-b,--batch-size", raw.batch_size, "batch rows (default: mlp 32, gpt 2)");
   cmd.add_option("--seq-len", o.seq_len, "gpt sequence length T");
   cmd.add_option("--load", o.load_path,
