@@ -55,9 +55,10 @@ bool is_rank_file_name(const std::string& f) {
   return !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos;
 }
 
-// A directory that already holds something: a dump's rank files go (a new run of another
-// TP degree must not leave rank files its manifest does not know); a directory that is
-// not a dump is refused rather than written into.
+// A directory that already holds something: every name a dump writes goes (a new run of
+// another TP degree must not leave rank files its manifest does not know, and a link
+// planted under one of the names must not be written through to a file outside: issue
+// 51); a directory that is not a dump is refused rather than written into.
 void clear_old_dump(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -69,11 +70,14 @@ void clear_old_dump(const std::string& dir) {
                      "dump (" + e.what() + "); refusing to write into it");
   }
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!is_rank_file_name(it->path().filename().string())) continue;
+    const std::string f = it->path().filename().string();
+    if (!is_rank_file_name(f) && f != "manifest.json" && f != "weights.safetensors" &&
+        f != "batch.safetensors")
+      continue;
     fs::remove(it->path(), ec);  // a link is removed, not its target
     if (ec)
       throw UsageError("--dump " + quote_text(it->path().string()) +
-                       ": cannot remove the old dump's rank file (" + ec.message() + ")");
+                       ": cannot remove the old dump's file (" + ec.message() + ")");
   }
   if (ec) throw UsageError("--dump " + quote_text(dir) + ": cannot list the directory (" + ec.message() + ")");
 }

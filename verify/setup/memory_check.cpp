@@ -138,7 +138,14 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
   for (int t : o.tp) ranks_per_group.push_back(t * o.dp);
   std::ostringstream d;
   double total = 0;
-  if (command == "verify") {
+  if (command == "check") {
+    // check: the float64 reference, and one step of every rank of the dump as the reader
+    // holds it (float64 shards of the run's tensors): no sharded model runs.
+    const double ref = rank_bytes(o, 1, DType::F64, false);
+    const double step = o.tp.front() * rank_bytes(o, o.tp.front(), DType::F64, true);
+    total = ref + step;
+    d << "reference " << gib(ref) << " + one step of every rank " << gib(step);
+  } else if (command == "verify") {
     const double ref = rank_bytes(o, 1, DType::F64, false);
     double ranks = 0;
     if (o.tp_invariant) {

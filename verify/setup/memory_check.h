@@ -32,11 +32,12 @@ double tp1_record_step_bytes(const RunOptions& o);
 // tensors already counted, allocated on first use).
 double tp_invariant_rank_bytes(const RunOptions& o, int tp);
 
-// The bytes a run of `command` ("train", "verify" or "profile") is predicted to hold at
+// The bytes a run of `command` ("train", "verify", "profile" or "check") is predicted to hold at
 // its peak in host memory, all ranks of the process together: for train and profile the
 // largest TP group (they run one group at a time); for verify the float64 reference plus
 // the largest set of groups that may run at once (with --tp-invariant, TP 1 in every such
-// set, its record of one step, and the mode's buffers in every rank). Ranks on a CUDA device count nothing
+// set, its record of one step, and the mode's buffers in every rank); for check the
+// reference and one step of the dump's ranks in float64. Ranks on a CUDA device count nothing
 // here (device memory is not checked). `detail` gets the parts, for the message.
 double predicted_run_bytes(const RunOptions& o, const std::string& command, std::string* detail);
 
