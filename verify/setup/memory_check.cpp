@@ -206,12 +206,17 @@ double available_memory_bytes() {
   return avail;
 }
 
-void check_memory(const RunOptions& o, const std::string& command) {
+void check_memory(const RunOptions& o, const std::string& command, double extra,
+                  const std::string& extra_what) {
   if (o.force) return;
   const double avail = available_memory_bytes();
   if (avail < 0) return;
   std::string detail;
-  const double need = predicted_run_bytes(o, command, &detail);
+  double need = predicted_run_bytes(o, command, &detail);
+  if (extra > 0) {
+    need += extra;
+    detail += " + " + extra_what + " " + gib(extra);
+  }
   if (need <= avail) return;
   throw UsageError("memory: this " + command + " run is predicted to need " + gib(need) + " (" +
                    detail + ", the model of profile --predict) but " + gib(avail) +

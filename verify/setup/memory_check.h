@@ -45,8 +45,10 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
 // address-space limit (ulimit -v). Negative when neither can be read.
 double available_memory_bytes();
 
-// Throws UsageError, naming both figures, when the prediction exceeds what is available,
-// unless o.force. Does nothing when the available memory cannot be read.
-void check_memory(const RunOptions& o, const std::string& command);
+// Throws UsageError, naming both figures, when the prediction, plus `extra` bytes the
+// command holds beside the model (`extra_what` names them: train --dump's dumps), exceeds
+// what is available, unless o.force. Does nothing when the available memory cannot be read.
+void check_memory(const RunOptions& o, const std::string& command, double extra = 0,
+                  const std::string& extra_what = {});
 
 }  // namespace tpsim
