@@ -347,6 +347,8 @@ def behaviours(s):
     report(s, "10 train --dump refuses a non-empty non-dump", code == 2 and os.path.exists(
         os.path.join(d, "mine.txt")), out)
 
+    routing_swap(s)
+
     # 51.6: train --dump into an old dump writes no name through a link planted there.
     d = s.copy("planted")
     victims = {}
@@ -371,6 +373,50 @@ def behaviours(s):
     code, out, _, _ = run(train[:-1] + [d, "--tp", "2"], s.work)
     report(s, "51.6 train --dump refuses a manifest linked out of the directory",
            code == 2 and open(victim, "rb").read() == before, out)
+
+
+def routing_swap(s):
+    """51.1: a Mixtral dump at capacity 0.5 with one kept pair of an expert swapped with a
+    dropped one and that token's other .topk slot set to 1e15: the reference must not
+    index by it (it died of SIGSEGV in 0.3 s); the routing is followed nowhere and fails."""
+    d = os.path.join(s.work, "moe-swap")
+    shutil.rmtree(d, ignore_errors=True)
+    code, out, _, _ = run([s.tpsim, "train", "--model", "mixtral", "--preset", "small", "--tp", "2",
+                           "--steps", "1", "--moe-expert-capacity-factor", "0.5", "--dump", d], s.work)
+    if code != 0:
+        return s.fail("51.1 MoE routing swap: could not make the dump", "train failed", out)
+    path = os.path.join(d, "rank0.safetensors")
+    header, data = read_st(path)
+    data = bytearray(data)
+
+    def values(name):
+        e = header[name]
+        b0, b1 = e["data_offsets"]
+        return list(struct.unpack(f"<{(b1 - b0) // 4}f", data[b0:b1])), b0
+
+    topk, t0 = values("step1/act/h.0.mlp.router.topk")
+    kept, k0 = values("step1/act/h.0.mlp.router.kept")
+    K = header["step1/act/h.0.mlp.router.topk"]["shape"][1]
+    pair = None
+    for e in sorted(set(topk)):
+        mine = [i for i, x in enumerate(topk) if x == e]
+        on = [i for i in mine if kept[i] == 1.0]
+        off = [i for i in mine if kept[i] == 0.0]
+        if on and off:
+            pair = on[0], off[0]
+            break
+    if pair is None:
+        return s.fail("51.1 MoE routing swap", "no expert of rank 0 both keeps and drops a pair")
+    a, b = pair
+    kept[a], kept[b] = 0.0, 1.0
+    other = b // K * K + (1 - b % K)
+    topk[other] = 1e15
+    data[t0:t0 + 4 * len(topk)] = struct.pack(f"<{len(topk)}f", *topk)
+    data[k0:k0 + 4 * len(kept)] = struct.pack(f"<{len(kept)}f", *kept)
+    open(path, "wb").write(st_bytes(header, bytes(data)))
+    code, out, _, _ = run(s.check_args(d), s.work)
+    report(s, "51.1 MoE .topk id 1e15 after a capacity swap: a mismatch, not a crash",
+           code == 1 and b"mlp.router.topk" in out, out[-400:])
 
 
 def report(s, case, ok, out):
