@@ -42,7 +42,8 @@ FollowRouting whole_parts(const FollowRouting& f, Index N, Index K, Index E) {
       std::all_of(f.kept->begin(), f.kept->end(), [](double v) { return v == 0.0 || v == 1.0; }))
     w.kept = f.kept;
   if (sized(f.scores, N * E) &&
-      std::all_of(f.scores->begin(), f.scores->end(), [](double v) { return std::isfinite(v) && v >= 0; }))
+      std::all_of(f.scores->begin(), f.scores->end(),
+                  [](double v) { return std::isfinite(v) && v >= 0; }))
     w.scores = f.scores;
   return w;
 }
@@ -88,7 +89,8 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
     if (!follow || !follow->topk) return false;
     into.clear();
     for (Index k = 0; k < K; ++k)
-      into.push_back(static_cast<std::int64_t>((*follow->topk)[static_cast<std::size_t>(n * K + k)]));
+      into.push_back(
+          static_cast<std::int64_t>((*follow->topk)[static_cast<std::size_t>(n * K + k)]));
     std::sort(into.begin(), into.end());
     return true;
   };

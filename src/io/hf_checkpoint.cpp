@@ -170,9 +170,9 @@ GptConfig mixtral_config(ConfigFields& f) {
   // Bounded before anything per expert is made (a hostile 1024 x 4096 spent 32 s and
   // 3.5 GB predicting its memory: issue 51).
   if (c.num_experts * c.layers > kMaxExpertsInAll)
-    f.fail("num_local_experts", std::to_string(c.num_experts) + " experts in each of " +
-                                    std::to_string(c.layers) + " layers (num_hidden_layers): more than " +
-                                    std::to_string(kMaxExpertsInAll) + " in all");
+    f.fail("num_local_experts",
+           std::to_string(c.num_experts) + " experts in each of " + std::to_string(c.layers) +
+               " layers (num_hidden_layers): more than " + std::to_string(kMaxExpertsInAll) + " in all");
   c.moe_topk = f.size_or("num_experts_per_tok", 2);
   f.must_be("router_jitter_noise", 0, "a noisy router is not built");
   f.ignore({"router_aux_loss_coef", "output_router_logits"});
@@ -211,7 +211,8 @@ GptConfig gpt2_config(ConfigFields& f) {
 
 }  // namespace
 
-std::string hf_config_message(const std::string& dir, const GptConfig& c, const std::string& message) {
+std::string hf_config_message(const std::string& dir, const GptConfig& c,
+                              const std::string& message) {
   // Each flag a config.json sets, as transformers names it (GPT2Config's or LlamaConfig's
   // and MixtralConfig's).
   static const std::map<std::string, std::string> kGpt2 = {
@@ -290,10 +291,12 @@ std::map<std::string, std::set<std::string>> hf_index_shards(const std::string& 
   };
   std::map<std::string, std::set<std::string>> files;
   for (const auto& [name, file] : map->items()) {
-    if (!file.is_string() || !plain(file.get_ref<const std::string&>()))
-      throw UsageError(quote_text(source) + ": weight_map " + st::quote_name(name) + ": " +
-                       (file.is_string() ? quote_text(file.get_ref<const std::string&>()) : "a JSON " + std::string(file.type_name())) +
+    if (!file.is_string() || !plain(file.get_ref<const std::string&>())) {
+      const std::string what = file.is_string() ? quote_text(file.get_ref<const std::string&>())
+                                                : "a JSON " + std::string(file.type_name());
+      throw UsageError(quote_text(source) + ": weight_map " + st::quote_name(name) + ": " + what +
                        " is not a plain file name of [A-Za-z0-9._-] in the checkpoint directory");
+    }
     files[file.get<std::string>()].insert(name);
   }
   return files;

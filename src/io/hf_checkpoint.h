@@ -31,7 +31,8 @@ GptConfig read_hf_config(const std::string& dir);
 // said in the words of `dir`'s config.json, whose model `c` is: "DIR/config.json:
 // num_key_value_heads 5 must divide num_attention_heads 12". Empty if the message does
 // not start with a flag that config.json sets (the user's own flags keep their names).
-std::string hf_config_message(const std::string& dir, const GptConfig& c, const std::string& message);
+std::string hf_config_message(const std::string& dir, const GptConfig& c,
+                              const std::string& message);
 
 // The shards model.safetensors.index.json in `dir` maps the tensors to: file name -> the
 // tensors it must hold. Every file name is of [A-Za-z0-9._-] and does not start with '.'
