@@ -16,6 +16,38 @@ S sigmoid(S v) {
   return S(1) / (S(1) + std::exp(-v));
 }
 
+// The parts of `f` that are whole, each checked once before anything indexes by it: `topk`
+// every row K distinct integer ids in [0,E), `kept` every value 0 or 1, `scores` every
+// value finite and >= 0. A part that fails anywhere is dropped whole (null), so the code
+// below may index by any value of what is left. A correct sharded run writes only whole
+// routing; a dump with a broken part is followed nowhere and fails the exact comparison
+// of topk/kept (issue 51: an id of 1e15 was read as an index).
+FollowRouting whole_parts(const FollowRouting& f, Index N, Index K, Index E) {
+  FollowRouting w{nullptr, nullptr, nullptr, f.tau};
+  const auto sized = [](const std::vector<double>* v, Index n) {
+    return v && v->size() == static_cast<std::size_t>(n);
+  };
+  if (sized(f.topk, N * K)) {
+    bool ok = true;
+    std::vector<double> row(static_cast<std::size_t>(K));
+    for (Index n = 0; n < N && ok; ++n) {
+      std::copy_n(f.topk->begin() + n * K, K, row.begin());
+      for (double v : row) ok = ok && v >= 0 && v < static_cast<double>(E) && v == std::floor(v);
+      std::sort(row.begin(), row.end());
+      ok = ok && std::adjacent_find(row.begin(), row.end()) == row.end();
+    }
+    if (ok) w.topk = f.topk;
+  }
+  if (sized(f.kept, N * K) &&
+      std::all_of(f.kept->begin(), f.kept->end(), [](double v) { return v == 0.0 || v == 1.0; }))
+    w.kept = f.kept;
+  if (sized(f.scores, N * E) &&
+      std::all_of(f.scores->begin(), f.scores->end(),
+                  [](double v) { return std::isfinite(v) && v >= 0; }))
+    w.scores = f.scores;
+  return w;
+}
+
 std::string expert_name(const std::string& prefix, std::int64_t e, const char* proj) {
   return prefix + "mlp.experts." + std::to_string(e) + "." + proj + ".weight";
 }
@@ -27,6 +59,11 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
                   const std::string& prefix, const GptConfig& c, const Vector<S>& bias,
                   const FollowRouting* follow) {
   const Index N = x.rows(), H = x.cols(), E = c.num_experts, K = c.moe_topk;
+  FollowRouting whole;
+  if (follow) {
+    whole = whole_parts(*follow, N, K, E);
+    follow = &whole;
+  }
   x_ = x;
   z_ = x * params.at(prefix + "mlp.router.weight").transpose();  // [N,E]
   s_.resize(N, E);
@@ -47,22 +84,20 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   r.kept.assign(static_cast<std::size_t>(N * K), 1);
   r.load.assign(static_cast<std::size_t>(E), 0);
   std::vector<std::int64_t> order(static_cast<std::size_t>(E)), mine, theirs;
-  // The sharded run's row n, if it is a set of K distinct expert ids (else nothing to follow).
+  // The sharded run's row n (whole_parts: a set of K distinct expert ids), sorted.
   const auto sharded_row = [&](Index n, std::vector<std::int64_t>& into) {
-    if (!follow || !follow->topk || follow->topk->size() != static_cast<std::size_t>(N * K)) return false;
+    if (!follow || !follow->topk) return false;
     into.clear();
-    for (Index k = 0; k < K; ++k) {
-      const double v = (*follow->topk)[static_cast<std::size_t>(n * K + k)];
-      if (!(v >= 0 && v < static_cast<double>(E)) || v != std::floor(v)) return false;
-      into.push_back(static_cast<std::int64_t>(v));
-    }
+    for (Index k = 0; k < K; ++k)
+      into.push_back(
+          static_cast<std::int64_t>((*follow->topk)[static_cast<std::size_t>(n * K + k)]));
     std::sort(into.begin(), into.end());
-    return std::adjacent_find(into.begin(), into.end()) == into.end();
+    return true;
   };
   // Whether `set` is the top K of the sharded run's own scores of token n (with the
   // bias), where those are given: the only choice a correct router could have made there.
   const auto consistent = [&](Index n, const std::vector<std::int64_t>& set) {
-    if (!follow->scores || follow->scores->size() != static_cast<std::size_t>(N * E)) return false;
+    if (!follow->scores) return false;
     std::vector<std::int64_t> o(static_cast<std::size_t>(E));
     std::iota(o.begin(), o.end(), 0);
     const auto theirs_sel = [&](std::int64_t e) {
@@ -185,10 +220,7 @@ template <class S>
 void Moe<S>::follow_capacity(std::vector<std::int64_t>& keep, const std::vector<std::int64_t>& pairs,
                              std::int64_t e, const FollowRouting* follow, Index N, Index K,
                              Index E, bool renorm) {
-  if (!follow || !follow->kept || !follow->topk || !follow->scores ||
-      follow->kept->size() != static_cast<std::size_t>(N * K) ||
-      follow->scores->size() != static_cast<std::size_t>(N * E))
-    return;
+  if (!follow || !follow->kept || !follow->topk || !follow->scores) return;  // whole_parts
   // The sharded run's kept pairs of this expert, where its routing of each token is ours.
   std::vector<std::int64_t> theirs;
   for (auto i : pairs) {
@@ -212,6 +244,7 @@ void Moe<S>::follow_capacity(std::vector<std::int64_t>& keep, const std::vector<
     double sum = 0;
     for (Index k = 0; k < K; ++k)
       sum += score(static_cast<std::int64_t>((*follow->topk)[static_cast<std::size_t>(n * K + k)]));
+    if (renorm && !(sum > 0)) return;  // no gate to rank by (the sort needs numbers)
     g[j] = renorm ? score(e) / sum : score(e);
   }
   std::vector<std::size_t> rank(pairs.size());

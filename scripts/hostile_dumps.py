@@ -239,7 +239,9 @@ def cases(s):
     s.refused("8 duplicate tensor name", d, b"rank1.safetensors")
     d = s.copy("convention")
     s.manifest(d, lambda j: j.update(names="nanogpt"))
-    s.refused("8 tpsim names in a nanogpt dump", d, b"weights.safetensors")
+    # (the rank files' headers are checked before the weights are read: the first file
+    # with tpsim names is rank 0's)
+    s.refused("8 tpsim names in a nanogpt dump", d, b"not a nanogpt parameter name")
 
     # 9: wrong exit codes.
     d = s.copy("e400")
@@ -249,7 +251,48 @@ def cases(s):
     s.manifest(d, lambda j: j["config"].update(vocab_size=1 << 31, hidden=1 << 20))
     s.refused("9 declared sizes that do not fit", d, b"manifest.json")
 
+    round_two(s, m, good_manifest)
     behaviours(s)
+
+
+def round_two(s, m, good_manifest):
+    """Issue 51: the second hostile round's defects that a refusal holds."""
+    # 3: --load and --data named in a subdirectory of the dump are the dump's too.
+    d = s.copy("sub-load")
+    os.makedirs(os.path.join(d, "sub"))
+    os.symlink("/etc/passwd", os.path.join(d, "sub", "w.safetensors"))
+    s.refused("51.3 --load in a subdirectory links to /etc/passwd", d,
+              b"a link in the dump directory to '/etc/passwd', outside it; refused unread",
+              args=[s.tpsim, "check", "--dumps", d, "--load", os.path.join(d, "sub", "w.safetensors"),
+                    "--data", os.path.join(d, "batch.safetensors")])
+    d = s.copy("sub-data")
+    os.makedirs(os.path.join(d, "sub"))
+    outside = os.path.join(s.work, "outside-batch.safetensors")
+    shutil.copy(os.path.join(s.valid, "batch.safetensors"), outside)
+    os.symlink(outside, os.path.join(d, "sub", "b.safetensors"))
+    s.refused("51.3 --data in a subdirectory links to a valid batch outside", d,
+              b"b.safetensors': a link in the dump directory to",
+              args=[s.tpsim, "check", "--dumps", d, "--load", os.path.join(d, "weights.safetensors"),
+                    "--data", os.path.join(d, "sub", "b.safetensors")])
+
+    # 4: a sparse batch within --data's cap, declaring 65,536 sequences of the block size:
+    # sized against the rank files from its header, never read whole (was 2.1 GB, 7.6 s).
+    d = s.copy("sparse-batch")
+    s.manifest(d, lambda j: j["config"].update(block_size=2048))
+    B, T = 65536, 2048
+    head = {"input_ids": {"dtype": "I64", "shape": [B, T], "data_offsets": [0, 8 * B * T]},
+            "labels": {"dtype": "I64", "shape": [B, T - 1], "data_offsets": [8 * B * T, 8 * B * (2 * T - 1)]}}
+    p = os.path.join(d, "batch.safetensors")
+    open(p, "wb").write(st_bytes(head))
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) + 8 * B * (2 * T - 1))
+    s.refused("51.4 a sparse batch declaring 65,536 sequences", d, b".safetensors")
+
+    # 11: a root key twice after an object is the root's duplicate, not the object's.
+    d = s.copy("duplicate-root")
+    s.manifest(d, text=good_manifest.rstrip()[:-1] + ', "dtype": "f64"}')
+    s.refused("51.11 duplicate top-level key after an object", d,
+              b"manifest.json': duplicate key 'dtype'")
 
 
 def behaviours(s):
@@ -303,6 +346,77 @@ def behaviours(s):
     code, out, _, _ = run(train[:-1] + [d, "--tp", "2"], s.work)
     report(s, "10 train --dump refuses a non-empty non-dump", code == 2 and os.path.exists(
         os.path.join(d, "mine.txt")), out)
+
+    routing_swap(s)
+
+    # 51.6: train --dump into an old dump writes no name through a link planted there.
+    d = s.copy("planted")
+    victims = {}
+    for f in ("weights.safetensors", "batch.safetensors", "rank0.safetensors"):
+        victims[f] = os.path.join(s.work, "victim-" + f)
+        open(victims[f], "w").write("mine")
+        os.remove(os.path.join(d, f))
+        os.symlink(victims[f], os.path.join(d, f))
+    code, out, _, _ = run(train[:-1] + [d, "--tp", "2"], s.work)
+    untouched = all(open(v, "rb").read() == b"mine" for v in victims.values())
+    regular = all(not os.path.islink(os.path.join(d, f)) for f in victims)
+    code2, out2, _, _ = run(s.check_args(d), s.work)
+    report(s, "51.6 train --dump over planted links writes none through them",
+           code == 0 and untouched and regular and code2 == 0, out + out2[-300:])
+    # ...and a manifest.json linked out of the directory is no dump of ours: refused.
+    d = s.copy("planted-manifest")
+    victim = os.path.join(s.work, "victim-manifest.json")
+    shutil.copy(os.path.join(s.valid, "manifest.json"), victim)
+    before = open(victim, "rb").read()
+    os.remove(os.path.join(d, "manifest.json"))
+    os.symlink(victim, os.path.join(d, "manifest.json"))
+    code, out, _, _ = run(train[:-1] + [d, "--tp", "2"], s.work)
+    report(s, "51.6 train --dump refuses a manifest linked out of the directory",
+           code == 2 and open(victim, "rb").read() == before, out)
+
+
+def routing_swap(s):
+    """51.1: a Mixtral dump at capacity 0.5 with one kept pair of an expert swapped with a
+    dropped one and that token's other .topk slot set to 1e15: the reference must not
+    index by it (it died of SIGSEGV in 0.3 s); the routing is followed nowhere and fails."""
+    d = os.path.join(s.work, "moe-swap")
+    shutil.rmtree(d, ignore_errors=True)
+    code, out, _, _ = run([s.tpsim, "train", "--model", "mixtral", "--preset", "small", "--tp", "2",
+                           "--steps", "1", "--moe-expert-capacity-factor", "0.5", "--dump", d], s.work)
+    if code != 0:
+        return s.fail("51.1 MoE routing swap: could not make the dump", "train failed", out)
+    path = os.path.join(d, "rank0.safetensors")
+    header, data = read_st(path)
+    data = bytearray(data)
+
+    def values(name):
+        e = header[name]
+        b0, b1 = e["data_offsets"]
+        return list(struct.unpack(f"<{(b1 - b0) // 4}f", data[b0:b1])), b0
+
+    topk, t0 = values("step1/act/h.0.mlp.router.topk")
+    kept, k0 = values("step1/act/h.0.mlp.router.kept")
+    K = header["step1/act/h.0.mlp.router.topk"]["shape"][1]
+    pair = None
+    for e in sorted(set(topk)):
+        mine = [i for i, x in enumerate(topk) if x == e]
+        on = [i for i in mine if kept[i] == 1.0]
+        off = [i for i in mine if kept[i] == 0.0]
+        if on and off:
+            pair = on[0], off[0]
+            break
+    if pair is None:
+        return s.fail("51.1 MoE routing swap", "no expert of rank 0 both keeps and drops a pair")
+    a, b = pair
+    kept[a], kept[b] = 0.0, 1.0
+    other = b // K * K + (1 - b % K)
+    topk[other] = 1e15
+    data[t0:t0 + 4 * len(topk)] = struct.pack(f"<{len(topk)}f", *topk)
+    data[k0:k0 + 4 * len(kept)] = struct.pack(f"<{len(kept)}f", *kept)
+    open(path, "wb").write(st_bytes(header, bytes(data)))
+    code, out, _, _ = run(s.check_args(d), s.work)
+    report(s, "51.1 MoE .topk id 1e15 after a capacity swap: a mismatch, not a crash",
+           code == 1 and b"mlp.router.topk" in out, out[-400:])
 
 
 def report(s, case, ok, out):

@@ -593,6 +593,63 @@ TEST_CASE("verify and check --load take a Hugging Face Llama checkpoint director
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("model.safetensors': a link to") != std::string::npos);
   CHECK(r.out.find("outside the dump directory; refused unread") != std::string::npos);
+  // Issue 51: every file the reader opens is held, whatever its name: a shard the index
+  // names shard1.bin linking to a valid shard outside (was read, PASS); `secret` linking
+  // to /etc/passwd (its first 8 bytes and size leaked into the error line); a name with a
+  // NUL, which opened the name before it.
+  const auto hf_in_dump = [&](const std::string& sub, const nlohmann::json& weight_map) {
+    fs::create_directories(dir + "/dump/" + sub);
+    fs::copy_file(dir + "/one/config.json", dir + "/dump/" + sub + "/config.json");
+    std::ofstream(dir + "/dump/" + sub + "/model.safetensors.index.json")
+        << nlohmann::json{{"weight_map", weight_map}}.dump();
+    return run_tpsim("check --dumps " + dir + "/dump --data " + dir + "/dump/batch.safetensors --load " +
+                     dir + "/dump/" + sub);
+  };
+  {
+    nlohmann::json bin = index["weight_map"];
+    for (auto& [k, v] : bin.items())
+      if (v == "model-00001-of-00002.safetensors") v = "shard1.bin";
+    fs::create_directories(dir + "/dump/hf-bin");
+    fs::create_symlink(dir + "/sharded/model-00001-of-00002.safetensors", dir + "/dump/hf-bin/shard1.bin");
+    fs::copy_file(dir + "/sharded/model-00002-of-00002.safetensors",
+                  dir + "/dump/hf-bin/model-00002-of-00002.safetensors");
+    r = hf_in_dump("hf-bin", bin);
+    INFO(r.out);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find("shard1.bin': a link to") != std::string::npos);
+    CHECK(r.out.find('\n') == r.out.size() - 1);
+    nlohmann::json secret = index["weight_map"];
+    for (auto& [k, v] : secret.items()) v = "secret";
+    fs::create_directories(dir + "/dump/hf-secret");
+    fs::create_symlink("/etc/passwd", dir + "/dump/hf-secret/secret");
+    r = hf_in_dump("hf-secret", secret);
+    INFO(r.out);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find("secret': a link to '/etc/passwd', outside the dump directory; refused unread") !=
+          std::string::npos);
+    CHECK(r.out.find("bytes") == std::string::npos);  // nothing of its size or header
+    nlohmann::json nul = index["weight_map"];
+    for (auto& [k, v] : nul.items()) v = std::string("x\0.safetensors", 14);
+    r = hf_in_dump("hf-nul", nul);
+    INFO(r.out);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find("is not a plain file name of [A-Za-z0-9._-]") != std::string::npos);
+    CHECK(r.out.find("x\\x00.safetensors") != std::string::npos);  // escaped, not cut
+  }
+  // Issue 51: files the reader never opens are no concern (a tokenizer.json larger than the
+  // weights' cap, or a dangling link to one, as partly downloaded caches hold).
+  {
+    std::ofstream(dir + "/one/tokenizer.json") << std::string(4 << 20, ' ');
+    r = run_tpsim(check_hf + "one");
+    INFO(r.out);
+    CHECK(r.exit_code == 0);
+    fs::remove(dir + "/one/tokenizer.json");
+    fs::create_symlink(dir + "/nowhere/tokenizer.json", dir + "/one/tokenizer.json");
+    r = run_tpsim(check_hf + "one");
+    INFO(r.out);
+    CHECK(r.exit_code == 0);
+    fs::remove(dir + "/one/tokenizer.json");
+  }
   fs::create_directory_symlink(dir + "/one", dir + "/dump/hf-link");
   r = run_tpsim("check --dumps " + dir + "/dump --data " + dir + "/dump/batch.safetensors --load " +
                 dir + "/dump/hf-link");
@@ -622,7 +679,32 @@ TEST_CASE("verify and check --load take a Hugging Face Llama checkpoint director
   refused("attention_bias", true, "no biases");
   refused("num_experts", 8, "does not know");
   refused("model_type", "mistral", "GPT2LMHeadModel");
+  // Issue 51: sizes the file sets are refused in its words, naming it, not as flags the
+  // user never gave ("--kv-heads 5 must divide --heads 12", "--layers").
+  refused("num_key_value_heads", 5, "config.json': num_key_value_heads 5 must divide num_attention_heads 12");
+  refused("num_hidden_layers", 100000, "config.json': num_hidden_layers 100000: out of range");
+  refused("max_position_embeddings", 1 << 30, "config.json': max_position_embeddings");
+  // ...and a Mixtral's experts x layers bounded before anything per expert is made.
+  {
+    auto mixtral = config;
+    mixtral["model_type"] = "mixtral";
+    mixtral["num_local_experts"] = 1024;
+    mixtral["num_hidden_layers"] = 4096;
+    std::ofstream(dir + "/one/config.json") << mixtral.dump();
+    const auto e = run_tpsim("train --load " + dir + "/one --steps 1");
+    INFO(e.out);
+    CHECK(e.exit_code == 2);
+    CHECK(e.out.find("config.json': 'num_local_experts': 1024 experts in each of 4096 layers") != std::string::npos);
+  }
   std::ofstream(dir + "/one/config.json") << config.dump();
+  // Without --model, the family is config.json's (issue 51: "add --model mlp, gpt, gpt2
+  // or llama" was a new user's first answer): the same numbers as with it.
+  for (const char* sub : {"one", "sharded"}) {
+    r = run_tpsim("verify --seq-len 24 --load " + dir + "/" + sub + run + dir + "/got.json");
+    INFO(sub << ": " << r.out);
+    REQUIRE(r.exit_code == 0);
+    CHECK(read_json(dir + "/got.json")["reference"]["losses"] == want);
+  }
   r = run_tpsim("verify --model llama --hidden 64 --load " + dir + "/one --tp 2");
   CHECK(r.exit_code == 2);
   CHECK(r.out.find("--hidden: the model comes from") != std::string::npos);

@@ -26,6 +26,18 @@ TEST_CASE("bad flags are one-line usage errors with exit 2", "[cli]") {
   expect_usage_error("verify --model transformer", "--model");
   expect_usage_error("verify --model mlp --tp 1,a", "--tp 'a': not a whole number");
   expect_usage_error("verify --model mlp --tp 1,,2", "--tp '1,,2': an empty item");
+  expect_usage_error("verify --model mlp --tp 2,2,2", "--tp: degree 2 is listed twice");  // issue 51
+  // Issue 51: experts x layers bounded before the memory prediction builds anything per
+  // expert (1024 x 4096 spent 17 s and 2.8 GB there).
+  // Issue 51, 8: a dump whose rank file header would pass the reader's 100 MB is refused
+  // before the run (it ran 70 s, then failed to write; ~19,500 steps of this model).
+  expect_usage_error("train --model gpt --vocab-size 101 --hidden 8 --heads 2 --layers 1 --block-size 16 "
+                     "--seq-len 16 --batch-size 2 --tp 2 --dtype f32 --steps 20000 --dump " +
+                         temp_path("dump-20000"),
+                     "--dump: 20000 steps make rank 0's file header at least");
+  expect_usage_error("train --model mixtral --num-experts 1024 --layers 4096 --hidden 8 --heads 2",
+                     "--num-experts 1024 x --layers 4096 = 4194304 experts in all (allowed at most 16384");
+  expect_usage_error("verify --model mlp --tp 1,2,4,2", "--tp: degree 2 is listed twice");
   expect_usage_error("verify --model gpt --tp 3", "does not divide --heads 8");
   expect_usage_error("verify --model mlp --dtype f16", "--dtype");
   expect_usage_error("train --model mlp --tp 1,2", "one degree");
@@ -45,7 +57,7 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
   expect_usage_error("verify --model llama --norm-bias", "RMSNorm has no bias");
   expect_usage_error("verify --model gpt2 --norm-bias --no-norm-bias", "exclude each other");
   expect_usage_error("verify --model gpt --tied-embeddings --untied-embeddings", "exclude each other");
-  expect_usage_error("verify --model mlp --kv-heads 2", "apply to --model gpt, gpt2 and llama");
+  expect_usage_error("verify --model mlp --kv-heads 2", "apply to --model gpt, gpt2, llama, mixtral and deepseek-moe");
   expect_usage_error("verify --model llama --hidden 36 --heads 12", "even head size");
   expect_usage_error("verify --model llama --rope-theta 0.5", "--rope-theta");
   expect_usage_error("verify --model llama --preset small --ffn-hidden 102 --tp 4",
@@ -68,7 +80,7 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
                      "--inject-fault recompute-chunk-input-to-every-layer",
                      "--recompute-layers 2 or more");
   expect_usage_error("verify --model gpt2 --dropout -0.1", "--dropout");
-  expect_usage_error("verify --model mlp --dropout 0.1", "apply to --model gpt, gpt2 and llama");
+  expect_usage_error("verify --model mlp --dropout 0.1", "apply to --model gpt, gpt2, llama, mixtral and deepseek-moe");
   expect_usage_error("verify --model gpt2 --preset small --kv-heads 3 --tp-invariant --tp 1,2",
                      "--tp-invariant: the canonical tiles cut the k and v width");
   // A dump holds no dropout masks: check could not draw tpsim's.
@@ -78,7 +90,7 @@ TEST_CASE("architecture flags that cannot build a model are one-line usage error
   expect_usage_error(
       "verify --model gpt --preset small --tp 2 --inject-fault dropout-tp-mask-same-on-ranks",
       "needs --dropout above 0");
-  expect_usage_error("verify --kv-heads 2", "add --model mlp, gpt, gpt2 or llama");
+  expect_usage_error("verify --kv-heads 2", "add --model mlp, gpt, gpt2, llama, mixtral or deepseek-moe");
   // A fault whose code path this architecture lacks is refused, not silently passed.
   expect_usage_error("verify --model gpt --preset small --tp 2 --inject-fault row-bias-before-reduce",
                      "needs --linear-bias");

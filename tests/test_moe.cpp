@@ -259,6 +259,70 @@ TEST_CASE("a capacity decision is followed only if the sharded run's own gates i
   CHECK(d.routing().kept[first] == 1);
 }
 
+TEST_CASE("a broken routing point is followed nowhere, never indexed by", "[moe][reference][untrusted]") {
+  // Issue 51: a hostile dump swaps a kept pair with a dropped one of the same expert (so
+  // the capacity is followed) and sets the token's other .topk slot to 1e15. The old code
+  // checked .topk only at that expert's pairs, then read the scores at expert id 1e15.
+  GptConfig c = small_moe(4, 2);
+  c.moe_capacity_factor = 0.5;  // ceil(0.5 · 16 · 2 / 4) = 4 pairs per expert
+  const auto p = moe_params(c, 11);
+  const ref::Matrix<double> x = tokens(16, 8, 5);
+  const ref::Vector<double> bias = ref::Vector<double>::Zero(4);
+  ref::Moe<double> own;
+  ref::Matrix<double> y_own, y;
+  own.forward(y_own, x, p, "h.0.", c, bias);
+  const auto& r = own.routing();
+  std::vector<double> topk, kept, scores(own.scores().data(), own.scores().data() + own.scores().size());
+  for (std::size_t i = 0; i < r.expert.size(); ++i) {
+    topk.push_back(static_cast<double>(r.expert[i]));
+    kept.push_back(r.kept[i]);
+  }
+  // Expert e's kept pair a of the smallest gate, and a dropped pair b of the same expert.
+  std::int64_t e = -1, a = -1, b = -1;
+  for (std::int64_t cand = 0; cand < 4 && b < 0; ++cand) {
+    std::int64_t ka = -1, db = -1;
+    for (std::size_t i = 0; i < r.expert.size(); ++i)
+      if (r.expert[i] == cand) {
+        if (!r.kept[i]) db = static_cast<std::int64_t>(i);
+        else if (ka < 0 || r.gate[i] < r.gate[static_cast<std::size_t>(ka)]) ka = static_cast<std::int64_t>(i);
+      }
+    if (ka >= 0 && db >= 0) e = cand, a = ka, b = db;
+  }
+  REQUIRE(b >= 0);
+  kept[static_cast<std::size_t>(a)] = 0;
+  kept[static_cast<std::size_t>(b)] = 1;
+  // The sharded run's own score of b's pair far above: its gates imply its swap.
+  scores[static_cast<std::size_t>(b / 2 * 4 + e)] = 1e3;
+  // A tie bound that takes any gap (tau 1), so that only the broken id stops the following.
+  const std::size_t other = static_cast<std::size_t>(b / 2 * 2 + (1 - b % 2));
+  for (const double bad : {1e15, -1.0, 0.5, std::nan("")}) {
+    std::vector<double> hostile = topk;
+    hostile[other] = bad;
+    ref::FollowRouting f{&hostile, &kept, &scores, 1.0};
+    ref::Moe<double> m;
+    m.forward(y, x, p, "h.0.", c, bias, &f);
+    CHECK(m.ties().empty());
+    CHECK(m.routing().expert == r.expert);
+    CHECK(m.routing().kept == r.kept);
+  }
+  // Whole, the same swap is followed (so the cases above are refused by the broken id alone).
+  ref::FollowRouting whole{&topk, &kept, &scores, 1.0};
+  ref::Moe<double> m;
+  m.forward(y, x, p, "h.0.", c, bias, &whole);
+  CHECK(m.routing().kept[static_cast<std::size_t>(b)] == 1);
+  // A kept value that is neither 0 nor 1, or a score that is not a number: nothing followed.
+  std::vector<double> half = kept, nan_scores = scores;
+  half[static_cast<std::size_t>(a)] = 0.5;
+  nan_scores[0] = std::nan("");
+  for (const auto& f : {ref::FollowRouting{&topk, &half, &scores, 1.0},
+                        ref::FollowRouting{&topk, &kept, &nan_scores, 1.0}}) {
+    ref::Moe<double> n;
+    n.forward(y, x, p, "h.0.", c, bias, &f);
+    CHECK(n.ties().empty());
+    CHECK(n.routing().kept == r.kept);
+  }
+}
+
 TEST_CASE("the expert bias moves towards the mean load", "[moe][reference]") {
   GptConfig c = small_moe(4, 2);
   c.moe_expert_bias = true;

@@ -40,6 +40,12 @@ TEST_CASE("strict JSON: a key twice in one object is refused, at any level", "[i
   CHECK(e.kind == JsonRefusal::Kind::Duplicate);
   CHECK(e.top_key == "config");
   CHECK(e.depth == 2);
+  // A root key twice after an object: the root's duplicate, not the object's (issue 51:
+  // "config: duplicate key 'dtype'" for a second top-level dtype).
+  e = refusal(R"({"dtype":"f64","config":{"hidden":8},"dtype":"f32"})", 3);
+  CHECK(e.key == "dtype");
+  CHECK(e.depth == 1);
+  CHECK(e.top_key.empty());
   // The same key in two different objects is no duplicate.
   CHECK_NOTHROW(parse_json_strict(R"({"a":{"k":1},"b":{"k":2}})", 3));
 }

@@ -186,3 +186,62 @@ TEST_CASE("a bound of 1 or more is counted as no check", "[tolerance][update]") 
   CHECK(rep.real_checks() == 1);
   CHECK(rep.vacuous_from_step() == 2);
 }
+
+TEST_CASE("the Adam cap R_t is the sum it stands for, finite at any step count",
+          "[tolerance][update][long]") {
+  // With m = v = 0 every element's error exceeds half its denominator, so the bound is
+  // lr·sqrt(n)·R_t (U4): R_t read off the bound, against its defining sum over k = 1..t
+  // formed in logarithms (no term underflows), for Adam's betas and for β1² > β2 (no limit).
+  const auto brute = [](const AdamConfig& c, std::int64_t t) {
+    const long double l1 = std::log(static_cast<long double>(c.beta1));
+    const long double l2 = std::log(static_cast<long double>(c.beta2));
+    const long double bc1 = -std::expm1(static_cast<long double>(t) * l1);
+    const long double bc2 = -std::expm1(static_cast<long double>(t) * l2);
+    long double sum = 0;
+    for (std::int64_t age = 0; age < t; ++age) {
+      const long double la = std::log((1 - static_cast<long double>(c.beta1)) / bc1) + age * l1;
+      const long double lc = std::log((1 - static_cast<long double>(c.beta2)) / bc2) + age * l2;
+      sum += std::exp(2 * la - lc);
+    }
+    return static_cast<double>(std::sqrt(sum));
+  };
+  const std::vector<double> zero(4, 0.0);
+  AdamConfig c;  // β1 0.9, β2 0.95
+  for (const std::int64_t t : {1, 2, 7, 1000, 14500, 15000, 100000}) {
+    const double r = adam_update_error(zero, zero, c, t, 1.0) / (c.lr * 2.0);
+    INFO("step " << t);
+    REQUIRE(std::isfinite(r));
+    CHECK(r == Approx(brute(c, t)).epsilon(1e-9));
+  }
+  // The limit, (1−β1)²/((1−β2)(1−β1²/β2)), reached and not passed.
+  const double limit = std::sqrt(0.01 / (0.05 * (1 - 0.81 / 0.95)));
+  CHECK(adam_update_error(zero, zero, c, 1000000, 1.0) / (c.lr * 2.0) == Approx(limit).epsilon(1e-12));
+  // β1² > β2: R_t grows as (β1²/β2)^(t/2), exactly as the sum says, and is +inf once that
+  // overflows (no cap: the comparison is then no check, test below), never NaN.
+  c.beta1 = 0.99;
+  c.beta2 = 0.9;
+  for (const std::int64_t t : {2, 50, 500})
+    CHECK(adam_update_error(zero, zero, c, t, 1.0) / (c.lr * 2.0) == Approx(brute(c, t)).epsilon(1e-9));
+  CHECK(std::isinf(adam_update_error(zero, zero, c, 100000, 1.0)));
+  // β2 = 0: v̂ is the newest g², and m̂ another mean: no cap but at step 1, or with β1 = 0.
+  c.beta2 = 0.0;
+  CHECK(adam_update_error(zero, zero, c, 1, 1.0) == Approx(c.lr * 2.0));
+  CHECK(std::isinf(adam_update_error(zero, zero, c, 2, 1.0)));
+  c.beta1 = 0.0;
+  CHECK(adam_update_error(zero, zero, c, 9, 1.0) == Approx(c.lr * 2.0));
+}
+
+TEST_CASE("a bound that is not a finite number is never compared", "[tolerance][compare]") {
+  const ParamSpec p{"w", Shape{4}, {}};
+  const std::vector<double> ref{1.0, 2.0, 3.0, 4.0};
+  const std::vector<double> off{1.5, 2.0, 3.0, 4.0};  // rel err ~0.09
+  const Observation obs{"w", replicate(p, 0, 1), off};
+  for (const double bound : {NAN, INFINITY}) {
+    const Comparison c = compare_to_reference(obs, ref, bound, 0.0);
+    CHECK(c.pass);                // not a failure of the code under test...
+    CHECK_FALSE(is_real_check(c)); // ...but no check, counted as such
+  }
+  // A finite bound still fails it: the guard is on the bound, not the comparison.
+  CHECK_FALSE(compare_to_reference(obs, ref, 1e-3, 0.0).pass);
+  CHECK(compare_to_reference(obs, ref, 0.5, 0.0).pass);
+}

@@ -12,7 +12,7 @@ names_given=True (a Megatron model recorded under its own names)."""
 import json
 import os
 
-from . import conventions, safetensors
+from . import conventions, files, safetensors
 
 
 def _split_by_step(tensors):
@@ -24,12 +24,23 @@ def _split_by_step(tensors):
 
 
 def prepare_dir(out):
-    """Creates `out`, without the rank files of an earlier run (a stale rank file from a
-    wider run would be read as this run's, and refused)."""
+    """Creates `out`, without the rank files of an earlier dump (a stale rank file from a
+    wider run would be read as this run's, and refused). Only the files that dump's own
+    manifest.json names are deleted (a link among them is removed, not its target); rank
+    files in a directory with no tpsim manifest are not ours to delete, and are refused."""
     os.makedirs(out, exist_ok=True)
-    for f in os.listdir(out):
-        if f.startswith("rank") and f.endswith(".safetensors"):
-            os.remove(os.path.join(out, f))
+    ours = files.dump_rank_files(out)
+    if ours is None:
+        found = sorted(f for f in os.listdir(out) if f.startswith("rank") and f.endswith(".safetensors"))
+        if found:
+            raise ValueError(f"{out}: holds {found[0]} but no tpsim manifest.json; not deleting "
+                             "files of a dump that is not ours (remove them, or choose another "
+                             "directory)")
+        return
+    for f in ours:
+        p = os.path.join(out, f)
+        if os.path.lexists(p):
+            os.remove(p)
 
 
 def write_rank(out, rank, tensors, names="tpsim", config=None, world_size=1, names_given=False,
@@ -76,7 +87,11 @@ def write_manifest(out, world_size, steps, config, dtype, optimizer, parallel=No
                 "names": names}
     if lay:
         manifest["layouts"] = lay
+    path = os.path.join(out, "manifest.json")
+    try:  # formed whole before the file is touched: a failure leaves the old manifest
+        text = json.dumps(manifest, indent=1, allow_nan=False)
+    except ValueError as e:  # NaN or infinity, which JSON cannot hold (and check refuses)
+        raise ValueError(f"{path}: a value JSON cannot hold (NaN or infinity): {e}") from None
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    files.write_atomically(path, [text.encode()])
     return manifest

@@ -9,6 +9,8 @@ import struct
 
 import torch
 
+from . import files
+
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "I64": torch.int64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -27,11 +29,8 @@ def save(path, tensors):
         offset += len(data)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # pad the header so the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for b in blobs:
-            f.write(b)
+    # whole or not at all, never through a link (files.py)
+    files.write_atomically(path, [struct.pack("<Q", len(head)), head, *blobs])
 
 
 def load(path):

@@ -189,6 +189,12 @@ GptConfig mixtral_config(ConfigFields& f) {
   apply_gpt_family(c, "mixtral");       // (its experts' width: ffn_hidden)
   c.tied_embeddings = tied;
   c.num_experts = f.size("num_local_experts");
+  // Bounded before anything per expert is made (a hostile 1024 x 4096 spent 32 s and
+  // 3.5 GB predicting its memory: issue 51).
+  if (c.num_experts * c.layers > kMaxExpertsInAll)
+    f.fail("num_local_experts",
+           std::to_string(c.num_experts) + " experts in each of " + std::to_string(c.layers) +
+               " layers (num_hidden_layers): more than " + std::to_string(kMaxExpertsInAll) + " in all");
   c.moe_topk = f.size_or("num_experts_per_tok", 2);
   f.must_be("router_jitter_noise", 0, "a noisy router is not built");
   f.ignore({"router_aux_loss_coef", "output_router_logits"});
@@ -227,6 +233,45 @@ GptConfig gpt2_config(ConfigFields& f) {
 
 }  // namespace
 
+std::string hf_config_message(const std::string& dir, const GptConfig& c,
+                              const std::string& message) {
+  // Each flag a config.json sets, as transformers names it (GPT2Config's or LlamaConfig's
+  // and MixtralConfig's).
+  static const std::map<std::string, std::string> kGpt2 = {
+      {"--vocab-size", "vocab_size"}, {"--hidden", "n_embd"},       {"--layers", "n_layer"},
+      {"--heads", "n_head"},          {"--block-size", "n_positions"}, {"--ffn-hidden", "n_inner"}};
+  static const std::map<std::string, std::string> kLlama = {
+      {"--vocab-size", "vocab_size"},
+      {"--hidden", "hidden_size"},
+      {"--ffn-hidden", "intermediate_size"},
+      {"--layers", "num_hidden_layers"},
+      {"--heads", "num_attention_heads"},
+      {"--kv-heads", "num_key_value_heads"},
+      {"--block-size", "max_position_embeddings"},
+      {"--rope-theta", "rope_theta"},
+      {"--num-experts", "num_local_experts"},
+      {"--moe-router-topk", "num_experts_per_tok"}};
+  const auto& fields = c.swiglu() ? kLlama : kGpt2;
+  const auto flag_at = [&](std::size_t i) {
+    std::size_t j = i + 2;
+    while (j < message.size() && ((message[j] >= 'a' && message[j] <= 'z') || message[j] == '-')) ++j;
+    return message.substr(i, j - i);
+  };
+  if (!message.starts_with("--") || !fields.count(flag_at(0))) return {};
+  std::string out;
+  for (std::size_t i = 0; i < message.size();) {
+    if (message.compare(i, 2, "--") == 0) {
+      const std::string flag = flag_at(i);
+      const auto it = fields.find(flag);
+      out += it == fields.end() ? flag : it->second;
+      i += flag.size();
+    } else {
+      out += message[i++];
+    }
+  }
+  return quote_text(in_dir(dir, "config.json")) + ": " + out;
+}
+
 GptConfig read_hf_config(const std::string& dir) {
   const std::string source = quote_text(in_dir(dir, "config.json"));
   const json j = read_json_file(in_dir(dir, "config.json"), 4);
@@ -242,8 +287,41 @@ GptConfig read_hf_config(const std::string& dir) {
             "dtype", "transformers_version", "initializer_range", "use_cache", "_name_or_path",
             "tokenizer_class"});
   f.no_others();
-  check_gpt_architecture(c);
+  try {
+    check_gpt_architecture(c);
+  } catch (const UsageError& e) {  // in the file's words, not flags the user never gave
+    const std::string m = hf_config_message(dir, c, e.what());
+    throw UsageError(m.empty() ? source + ": " + e.what() : m);
+  }
   return c;
+}
+
+std::map<std::string, std::set<std::string>> hf_index_shards(const std::string& dir) {
+  const std::string source = in_dir(dir, "model.safetensors.index.json");
+  const json index = read_json_file(source, 3);
+  const auto map = index.find("weight_map");
+  if (!index.is_object() || map == index.end() || !map->is_object())
+    throw UsageError(quote_text(source) + ": no \"weight_map\" object (and no model.safetensors)");
+  // A plain file name: a '/' or a leading '.' would leave the directory, a NUL would cut
+  // the name the system opens short of the one checked (issue 51).
+  const auto plain = [](const std::string& f) {
+    return !f.empty() && f.size() <= 255 && f[0] != '.' &&
+           std::all_of(f.begin(), f.end(), [](char ch) {
+             return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') ||
+                    ch == '.' || ch == '_' || ch == '-';
+           });
+  };
+  std::map<std::string, std::set<std::string>> files;
+  for (const auto& [name, file] : map->items()) {
+    if (!file.is_string() || !plain(file.get_ref<const std::string&>())) {
+      const std::string what = file.is_string() ? quote_text(file.get_ref<const std::string&>())
+                                                : "a JSON " + std::string(file.type_name());
+      throw UsageError(quote_text(source) + ": weight_map " + st::quote_name(name) + ": " + what +
+                       " is not a plain file name of [A-Za-z0-9._-] in the checkpoint directory");
+    }
+    files[file.get<std::string>()].insert(name);
+  }
+  return files;
 }
 
 std::map<std::string, std::vector<double>> load_hf_weights(const std::string& dir,
@@ -271,19 +349,7 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
     all = read_capped(source);
   } else {
     source = in_dir(dir, "model.safetensors.index.json");
-    const json index = read_json_file(source, 3);
-    const auto map = index.find("weight_map");
-    if (!index.is_object() || map == index.end() || !map->is_object())
-      throw UsageError(quote_text(source) + ": no \"weight_map\" object (and no model.safetensors)");
-    std::map<std::string, std::set<std::string>> files;  // shard -> the tensors it must hold
-    for (const auto& [name, file] : map->items()) {
-      if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos ||
-          file.get<std::string>().empty() || file.get<std::string>()[0] == '.')
-        throw UsageError(quote_text(source) + ": weight_map " + st::quote_name(name) +
-                         ": not a file name inside the checkpoint directory");
-      files[file.get<std::string>()].insert(name);
-    }
-    for (const auto& [file, names] : files) {
+    for (const auto& [file, names] : hf_index_shards(dir)) {
       st::StFile shard = read_capped(in_dir(dir, file));
       for (auto& [name, t] : shard.tensors) {
         if (!names.count(name))

@@ -35,9 +35,11 @@ class StrictBuilder : public json::json_sax_t {
 
   bool key(string_t& k) override {
     json& obj = *open_.back();
-    if (obj.contains(k))
-      throw JsonRefusal(JsonRefusal::Kind::Duplicate, 0, k, top_key(), "duplicate key",
+    if (obj.contains(k)) {  // (a root key's holder is the root: no top key, issue 51)
+      const std::string holder = open_.size() == 1 ? std::string() : top_key();
+      throw JsonRefusal(JsonRefusal::Kind::Duplicate, 0, k, holder, "duplicate key",
                         static_cast<int>(open_.size()));
+    }
     if (open_.size() == 1) top_ = k;
     key_ = std::move(k);
     return true;

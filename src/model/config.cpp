@@ -37,6 +37,16 @@ std::vector<std::string> GptConfig::mlp_linears() const {
   return {"mlp.ffn1", "mlp.ffn2"};
 }
 
+std::string gpt_family_list(const char* last, const char* first) {
+  std::vector<std::string> names;
+  if (first) names.emplace_back(first);
+  names.insert(names.end(), std::begin(kGptFamilies), std::end(kGptFamilies));
+  std::string s;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == names.size() ? std::string(" ") + last + " " : ", ") + names[i];
+  return s;
+}
+
 void apply_gpt_family(GptConfig& c, const std::string& family) {
   GptConfig a;  // the seed's architecture
   if (family == "mixtral" || family == "deepseek-moe") {
@@ -61,8 +71,7 @@ void apply_gpt_family(GptConfig& c, const std::string& family) {
     a.positions = PositionKind::Rope;
     a.tied_embeddings = false;
   } else if (family != "gpt") {
-    throw UsageError("unknown model family '" + family +
-                     "' (gpt, gpt2, llama, mixtral or deepseek-moe)");
+    throw UsageError("unknown model family '" + family + "' (" + gpt_family_list("or") + ")");
   }
   c.norm = a.norm;
   c.norm_bias = a.norm_bias;

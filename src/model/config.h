@@ -141,6 +141,16 @@ struct GptConfig {
 // F/2, sigmoid scores renormalised, expert bias). Sets the architecture fields of `c` and
 // leaves its sizes alone; throws UsageError for another name.
 void apply_gpt_family(GptConfig& c, const std::string& family);
+// The experts of every layer together (num_experts x layers) at most: each is three
+// tensors that are built, initialised and checked one by one, so the product is bounded
+// before anything per parameter is made (on the command line, in a manifest and in a
+// Hugging Face config.json alike).
+inline constexpr std::int64_t kMaxExpertsInAll = 16384;
+// Those families, the one table every list of models in a message is made from.
+inline constexpr const char* kGptFamilies[] = {"gpt", "gpt2", "llama", "mixtral", "deepseek-moe"};
+// "gpt, gpt2, llama, mixtral or deepseek-moe" (`last`: "or", or "and" for all of them),
+// after `first` if given ("mlp, gpt, ...").
+std::string gpt_family_list(const char* last, const char* first = nullptr);
 // The architecture in a few words: "LayerNorm, exact GELU F 1024, learned positions,
 // 8 heads, tied" for the seed's model.
 std::string describe_architecture(const GptConfig& c);

@@ -85,6 +85,13 @@ void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
   if (unset("--batch-size")) o.batch_size = kSmallGptBatch;
 }
 
+// --model's choices: the MLP, then apply_gpt_family's (model/config.h, the one table).
+std::vector<std::string> model_names() {
+  std::vector<std::string> names{"mlp"};
+  names.insert(names.end(), std::begin(kGptFamilies), std::end(kGptFamilies));
+  return names;
+}
+
 void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {
   cmd.add_option("-m,--model", raw.model,
                  "mlp (the seed's naive TP MLP); gpt (the seed's transformer), gpt2 (LayerNorm "
@@ -92,7 +99,7 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                  "mixtral (llama with 8 experts, top 2, softmax) or deepseek-moe (16 experts of "
                  "F/4, top 4, a shared expert of F/2, sigmoid scores, expert bias), each a set "
                  "of the architecture flags below; verify without --model runs the default sweep")
-      ->check(CLI::IsMember({"mlp", "gpt", "gpt2", "llama", "mixtral", "deepseek-moe"}));
+      ->check(CLI::IsMember(model_names()));
   cmd.add_option("-t,--tp", raw.tp,
                  tp_list ? "TP degrees to verify, comma-separated (default: mlp 1,2,4,8, gpt 1,2)"
                          : "TP degree (number of ranks)")
@@ -268,12 +275,17 @@ void apply_architecture(const CLI::App& cmd, RunOptions& o, const RawFlags& raw)
   c.moe_aux_scope = raw.moe_aux_scope == "global_aux_loss" ? MoeAuxScope::Global : MoeAuxScope::MicroBatch;
 }
 
+// The family a Hugging Face config.json describes (io/hf_checkpoint.h reads these three).
+std::string checkpoint_family(const GptConfig& c) {
+  return c.moe() ? "mixtral" : c.swiglu() ? "llama" : "gpt2";
+}
+
 // --load DIR, a Hugging Face checkpoint: its config.json is the model, so no flag may say
 // otherwise.
 void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
   if (o.load_path.empty() || !is_hf_model_dir(o.load_path)) return;
   const GptConfig c = read_hf_config(o.load_path);
-  const std::string family = c.moe() ? "mixtral" : c.swiglu() ? "llama" : "gpt2";
+  const std::string family = checkpoint_family(c);
   if (raw.model != family)
     throw UsageError("--load " + quote_text(o.load_path) + " is a Hugging Face " + family +
                      " checkpoint (config.json): add --model " + family);
@@ -379,7 +391,16 @@ void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DTy
   // reassociation only and runs free.
   if (verify && o.dtype != DType::F64 && !raw.free_running) o.resync = true;
   o.gpt.moe_micro_batches = o.dp;  // a replica's batch is a micro-batch
-  validate_run_options(o);
+  try {
+    validate_run_options(o);
+  } catch (const UsageError& e) {
+    // A size a Hugging Face config.json set (no flag may: apply_hf_checkpoint) is named
+    // as the file names it, not as a flag the user never gave.
+    if (!o.load_path.empty() && is_hf_model_dir(o.load_path))
+      if (const std::string m = hf_config_message(o.load_path, o.gpt, e.what()); !m.empty())
+        throw UsageError(m);
+    throw;
+  }
   // MPI starts once the options are known to be good, and only for a run of ranks.
   o.device.processes = start_processes(parse_launch_kind(raw.launch));
   say_so_when_the_launcher_ends_us(o.device);
@@ -570,17 +591,26 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
                           r.report);
       return r.report.pass ? kExitOk : kExitMismatch;
     }
+    // --load DIR of a Hugging Face checkpoint: its config.json names the family, so --model
+    // may be left out (then verify runs that model, not the default sweep).
+    bool model_from_checkpoint = false;
+    for (const CLI::App* sub : {train, verify, profile})
+      if (*sub && sub->count("--model") == 0 && !o.load_path.empty() && is_hf_model_dir(o.load_path)) {
+        raw.model = checkpoint_family(read_hf_config(o.load_path));
+        model_from_checkpoint = true;
+      }
     if (*train) {
       apply_preset(*train, o, raw);
       finish_options(*train, o, raw, DType::F32, false);
       run_train(o, std::cout);
       return kExitOk;
     }
-    if (*verify && verify->count("--model") == 0) {
+    if (*verify && verify->count("--model") == 0 && !model_from_checkpoint) {
       for (const char* flag : kSingleRunFlags)
         if (verify->count(flag) > 0)
-          throw UsageError(std::string(flag) + " describes one configuration: add --model mlp, "
-                           "gpt, gpt2 or llama (without --model, verify runs the default sweep)");
+          throw UsageError(std::string(flag) + " describes one configuration: add --model " +
+                           gpt_family_list("or", "mlp") +
+                           " (without --model, verify runs the default sweep)");
       if (raw.steps.empty()) raw.steps = "2";
       finish_options(*verify, o, raw, DType::F64, true);
       const SweepReport r = run_sweep(default_sweep(o));

@@ -7,6 +7,7 @@
 
 #include "io/checkpoint.h"
 #include "io/hf_checkpoint.h"
+#include "io/safetensors.h"
 #include "io/untrusted_text.h"
 #include "verify/dump/dump_files.h"
 #include "verify/dump/dump_reader.h"
@@ -14,6 +15,7 @@
 #include "verify/dump/name_maps.h"
 #include "verify/engine/reference_trace.h"
 #include "verify/engine/step_checks.h"
+#include "verify/setup/memory_check.h"
 #include "verify/setup/model_description.h"
 #include "verify/setup/tensor_order.h"
 #include "verify/engine/tolerance.h"
@@ -56,6 +58,29 @@ TensorMap producer_params(const std::vector<RankStep>& ranks) {
       place_shard(v, std::span<const double>(ob.values.data(), ob.values.size()), ob.spec);
     }
   return full;
+}
+
+// --data's B and T as its header declares input_ids [B,T], no tensor read: T at most the
+// manifest's block size, B at most `max_rows`. load_gpt_batch checks the rest when it
+// reads the file, after the rank files are sized by these.
+GptBatch batch_shape(const std::string& path, std::int64_t block_size, std::int64_t max_rows) {
+  GptBatch b;
+  const st::StReader header(path);
+  for (const auto& e : header.entries())
+    if (e.name == "input_ids" && e.shape.size() == 2) {
+      b.B = e.shape[0];
+      b.T = e.shape[1];
+    }
+  const std::string where = "--data " + quote_text(path) + ": 'input_ids': ";
+  if (b.B < 1 || b.T < 2)
+    throw UsageError(where + "no [B,T] tensor with B >= 1 and T >= 2 in its header");
+  if (b.T > block_size)
+    throw UsageError(where + "T " + std::to_string(b.T) + " is more than the manifest's block_size " +
+                     std::to_string(block_size));
+  if (b.B > max_rows)
+    throw UsageError(where + "B " + std::to_string(b.B) + " is more than " + std::to_string(max_rows) +
+                     " sequences");
+  return b;
 }
 
 }  // namespace
@@ -120,7 +145,14 @@ CheckResult run_check(const CheckOptions& c) {
   } else {
     check_input_file(c.load, c.dumps, weights_cap, "--load");
   }
-  o = run_options_of(m, c, load_gpt_batch(c.data));
+  // Nothing is read whole before it is sized (issue 51: a 4 KiB sparse batch cost 2.1 GB
+  // before its refusal): --data's B and T from its header alone, then every rank file's
+  // header and size for those B x T tokens, then the memory the run will hold, and only
+  // then the batch and the weights.
+  o = run_options_of(
+      m, c, batch_shape(c.data, m.config.block_size, static_cast<std::int64_t>(kMaxSequences)));
+  DumpReader dump(c.dumps, m, o.batch_size * o.seq_len);
+  check_memory(o, "check");
 
   // The inputs as verify reads them; the weights renamed from the dump's convention first.
   RunInputs in = prepare_inputs(o);
@@ -131,9 +163,8 @@ CheckResult run_check(const CheckOptions& c) {
     weights_to_tpsim_names(w, m, c.load);
     in.loaded = weights_from_st(w, param_specs(o), c.load);
   }
-  // Every file, header entry and required tensor is checked before the reference spends
-  // its time; the tensors themselves are read one step of every rank at a time.
-  DumpReader dump(c.dumps, m, in.gpt_batch.B * in.gpt_batch.T);
+  // (the dump's files, header entries and required tensors were checked above; its
+  // tensors are read one step of every rank at a time)
 
   VerifyReport& rep = res.report;
   rep.tolerance = norm_tolerance(o);

@@ -45,8 +45,10 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   const int tp = o.tp[0];
   check_tp_degree(o, tp);
   check_launch(o.device, tp * o.dp, o.dp);
-  check_memory(o, "train");
   const bool dump = !o.dump_dir.empty();
+  // (the dumps are held in memory until the run ends: counted, and refused before the run
+  // if a rank file could not be written)
+  check_memory(o, "train", dump ? dump_held_bytes(o, tp) : 0.0, "the dumps held until written");
   if (dump && o.gpt.dropout > 0)
     // tpsim's masks come from its own counter-based RNG, which a dump does not carry:
     // check could not draw them.

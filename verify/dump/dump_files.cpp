@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include "core/errors.h"
+#include "io/hf_checkpoint.h"
 #include "io/untrusted_text.h"
 
 namespace tpsim {
@@ -74,45 +75,72 @@ std::uint64_t check_dump_file(const std::string& dir, const std::string& name, s
   return regular_size(real, cap, s);
 }
 
+namespace {
+
+// The dump directory, resolved, if `path` is named in it or below it: lexically (DUMP/sub/w,
+// DUMP/../DUMP/w) or through its resolved parent (a directory link into the dump). Empty
+// otherwise. Such a file is the dump's, not the user's, whatever the command line says.
+fs::path dump_holding(const std::string& path, const std::string& dump_dir) {
+  if (dump_dir.empty()) return {};
+  std::error_code ec;
+  const fs::path real_dump = fs::canonical(dump_dir, ec);
+  if (ec) return {};
+  const fs::path named = fs::absolute(path, ec).lexically_normal();
+  const fs::path named_dump = fs::absolute(dump_dir, ec).lexically_normal();
+  const fs::path parent = fs::weakly_canonical(fs::absolute(path, ec).parent_path(), ec);
+  const bool in = inside(named, named_dump) || parent == real_dump || inside(parent, real_dump);
+  return in ? real_dump : fs::path();
+}
+
+}  // namespace
+
 std::uint64_t check_input_file(const std::string& path, const std::string& dump_dir,
                                std::uint64_t cap, const std::string& flag) {
   const std::string s = flag + " " + shown(path);
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(path, ec))) throw UsageError(s + ": no such file");
   const fs::path real = resolved(path, s);
-  if (!dump_dir.empty()) {
-    const fs::path parent = fs::weakly_canonical(fs::absolute(path, ec).parent_path(), ec);
-    const fs::path real_dir = fs::canonical(dump_dir, ec);
-    if (!ec && parent == real_dir && !inside(real, real_dir))
-      throw UsageError(s + ": a link in the dump directory to " + quote_text(real.string()) +
-                       ", outside it; refused unread");
-  }
+  if (const fs::path real_dump = dump_holding(path, dump_dir); !real_dump.empty() && !inside(real, real_dump))
+    throw UsageError(s + ": a link in the dump directory to " + quote_text(real.string()) +
+                     ", outside it; refused unread");
   return regular_size(real, cap, s);
 }
 
 void check_input_dir(const std::string& path, const std::string& dump_dir, std::uint64_t cap,
                      const std::string& flag) {
   const std::string s = flag + " " + shown(path);
-  std::error_code ec;
   const fs::path real = resolved(path, s);
-  const fs::path real_dump = fs::canonical(dump_dir, ec);
-  const fs::path parent = fs::weakly_canonical(fs::absolute(path, ec).parent_path(), ec);
-  const bool dumps = !real_dump.empty() && (parent == real_dump || inside(parent, real_dump) ||
-                                            inside(real, real_dump));
-  if (dumps && !inside(real, real_dump))
+  fs::path real_dump = dump_holding(path, dump_dir);
+  if (real_dump.empty() && !dump_dir.empty()) {  // a link from outside into the dump
+    std::error_code ec;
+    const fs::path d = fs::canonical(dump_dir, ec);
+    if (!ec && inside(real, d)) real_dump = d;
+  }
+  if (!real_dump.empty() && !inside(real, real_dump))
     throw UsageError(s + ": a link in the dump directory to " + quote_text(real.string()) +
                      ", outside it; refused unread");
-  for (const auto& entry : fs::directory_iterator(real, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!name.ends_with(".json") && !name.ends_with(".safetensors")) continue;
-    const std::string shown_file = flag + " " + shown((fs::path(path) / name).string());
-    const fs::path file = resolved(entry.path(), shown_file);
-    if (dumps && !inside(file, real_dump))
+  // Each file the Hugging Face reader opens, and only those (a tokenizer.json it never
+  // reads is no concern of check's, dangling or large), before it opens any: a file that
+  // does not exist is left to the reader's own message.
+  const auto hold = [&](const std::string& name) {
+    const fs::path named = fs::path(path) / name;
+    const std::string shown_file = flag + " " + shown(named.string());
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(named, ec))) return false;
+    const fs::path file = resolved(named, shown_file);
+    if (!real_dump.empty() && !inside(file, real_dump))
       throw UsageError(shown_file + ": a link to " + quote_text(file.string()) +
                        ", outside the dump directory; refused unread");
     regular_size(file, cap, shown_file);
-  }
-  if (ec) throw UsageError(s + ": cannot be listed (" + ec.message() + ")");
+    return true;
+  };
+  hold("config.json");
+  if (hold("model.safetensors")) return;
+  if (!hold("model.safetensors.index.json")) return;
+  for (const auto& [file, tensors] : hf_index_shards(path))
+    if (!hold(file))
+      throw UsageError(flag + " " + shown((fs::path(path) / file).string()) +
+                       ": missing, though the index names it");
 }
 
 std::string read_dump_text(const std::string& dir, const std::string& name, std::uint64_t cap,

@@ -20,16 +20,18 @@ std::uint64_t check_dump_file(const std::string& dir, const std::string& name, s
                               const std::string& what);
 
 // The same rules for a file the command line names: `path` must resolve to a regular file
-// of at most `cap` bytes; if it is named inside `dump_dir`, it must also resolve inside it
-// (a link in the dump directory is the dump's, not the user's). `flag` names it.
+// of at most `cap` bytes; if it is named inside `dump_dir` (in it or in a directory below
+// it, lexically or once its parent is resolved), it must also resolve inside it (a link in
+// the dump directory is the dump's, not the user's). `flag` names it.
 std::uint64_t check_input_file(const std::string& path, const std::string& dump_dir,
                                std::uint64_t cap, const std::string& flag);
 
-// The same for a model directory the command line names (a Hugging Face checkpoint: its
-// config.json and *.safetensors, *.json files, each at most `cap` bytes, regular files once
-// links are resolved). If `path` lies in `dump_dir` (named or resolved there), the
-// directory and every one of those files must resolve inside `dump_dir`: it is the dump's.
-// Outside it, a file may link elsewhere (the Hugging Face cache links to its blobs).
+// The same for a model directory the command line names (a Hugging Face checkpoint): each
+// file that io/hf_checkpoint.h opens (config.json, model.safetensors or the index and the
+// shards it names), and no other, must be a regular file once links are resolved and at
+// most `cap` bytes. If `path` lies in `dump_dir` (named or resolved there), the directory
+// and every one of those files must resolve inside `dump_dir`: it is the dump's. Outside
+// it, a file may link elsewhere (the Hugging Face cache links to its blobs).
 void check_input_dir(const std::string& path, const std::string& dump_dir, std::uint64_t cap,
                      const std::string& flag);
 

@@ -190,9 +190,10 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   // Mixture-of-Experts (docs/moe.md); absent: dense. Bounded here, before any parameter
   // list is made from them: E experts of three Linears each per layer.
   c.num_experts = cfg.integer_or("num_experts", 0, 0, 1024);
-  if (c.num_experts * c.layers > 16384)  // (3 tensors per expert per layer, each checked)
+  if (c.num_experts * c.layers > kMaxExpertsInAll)  // (3 tensors per expert per layer, each checked)
     cfg.fail("config.num_experts", std::to_string(c.num_experts) + " experts in each of " +
-                                       std::to_string(c.layers) + " layers: more than 16384 in all");
+                                       std::to_string(c.layers) + " layers: more than " +
+                                       std::to_string(kMaxExpertsInAll) + " in all");
   if (c.moe()) {
     c.moe_topk = cfg.integer("moe_topk", 1, c.num_experts);
     c.moe_ffn_hidden = cfg.integer_or("moe_ffn_hidden", 0, 0, kMaxSize);

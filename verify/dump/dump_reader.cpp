@@ -176,6 +176,7 @@ class RankReader {
   // it must hold (loss, parameters, gradients; F32).
   struct Budget {
     std::uint64_t most = 0, least = 0, count = 0;
+    std::uint64_t names = 0, shapes = 0;  // the bytes of their names, of their shapes' digits and commas
   };
   Budget budget(const std::vector<std::string>& order) const {
     Budget b;
@@ -183,10 +184,13 @@ class RankReader {
       // (k and v gradients are no point where kv heads are replicated: gpt_point_shard)
       if (n.starts_with("act/") && !gpt_point_shard(n, m_.config, m_.parallel, tokens_, rank_, m_.world_size))
         continue;
-      const auto numel = static_cast<std::uint64_t>(shape_numel(placed(n, n).spec.local_shape()));
+      const Shape local = placed(n, n).spec.local_shape();
+      const auto numel = static_cast<std::uint64_t>(shape_numel(local));
+      for (std::size_t d = 0; d < local.size(); ++d) b.shapes += std::to_string(local[d]).size() + (d > 0);
       b.most += 8 * numel;
       if (!n.starts_with("act/")) b.least += 4 * numel;
       ++b.count;
+      b.names += n.size();
     }
     return b;
   }
@@ -262,6 +266,13 @@ struct DumpReader::Rank {
   st::StReader file;
   std::vector<std::vector<std::size_t>> by_step;
 };
+
+DumpStepSize dump_step_size(const DumpManifest& m, std::int64_t tokens, int rank) {
+  const auto layouts = layouts_in_tpsim_names(m);
+  const auto b = RankReader(m, tokens, rank, "rank" + std::to_string(rank) + ".safetensors", layouts)
+                     .budget(gpt_tensor_order(m.config, m.clip_grad > 0));
+  return {b.most, b.least, b.count, b.names, b.shapes};
+}
 
 DumpReader::DumpReader(const std::string& dir, const DumpManifest& m, std::int64_t tokens)
     : layouts_(layouts_in_tpsim_names(m)) {

@@ -24,6 +24,16 @@ struct RankStep {
   std::vector<Observation> update;    // <param> after the optimizer step
 };
 
+// One step of rank `rank` in a dump of `m` over `tokens` (B·T) as the reader lays it out:
+// the bytes of every point it may hold at F64, of those it must hold at F32 (loss,
+// parameters, gradients), how many tensors, and the bytes of their names (without
+// "step{s}/") and of their shapes in JSON (digits and commas). For sizing a dump before
+// it is written (train --dump).
+struct DumpStepSize {
+  std::uint64_t f64_bytes = 0, least_bytes = 0, count = 0, name_bytes = 0, shape_bytes = 0;
+};
+DumpStepSize dump_step_size(const DumpManifest& m, std::int64_t tokens, int rank);
+
 // A dump's rank files, checked whole when the reader is made (every file and its size,
 // every header entry's name, dtype and shape against its shard, every required tensor of
 // every step), then read one step of one rank at a time: check holds one step of every

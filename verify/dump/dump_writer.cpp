@@ -4,6 +4,7 @@
 
 #include "io/atomic_file.h"
 #include "io/untrusted_text.h"
+#include "verify/dump/dump_reader.h"
 #include "sharded/moe_layer.h"
 
 namespace tpsim {
@@ -55,9 +56,10 @@ bool is_rank_file_name(const std::string& f) {
   return !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos;
 }
 
-// A directory that already holds something: a dump's rank files go (a new run of another
-// TP degree must not leave rank files its manifest does not know); a directory that is
-// not a dump is refused rather than written into.
+// A directory that already holds something: every name a dump writes goes (a new run of
+// another TP degree must not leave rank files its manifest does not know, and a link
+// planted under one of the names must not be written through to a file outside: issue
+// 51); a directory that is not a dump is refused rather than written into.
 void clear_old_dump(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -69,16 +71,49 @@ void clear_old_dump(const std::string& dir) {
                      "dump (" + e.what() + "); refusing to write into it");
   }
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!is_rank_file_name(it->path().filename().string())) continue;
+    const std::string f = it->path().filename().string();
+    if (!is_rank_file_name(f) && f != "manifest.json" && f != "weights.safetensors" &&
+        f != "batch.safetensors")
+      continue;
     fs::remove(it->path(), ec);  // a link is removed, not its target
     if (ec)
       throw UsageError("--dump " + quote_text(it->path().string()) +
-                       ": cannot remove the old dump's rank file (" + ec.message() + ")");
+                       ": cannot remove the old dump's file (" + ec.message() + ")");
   }
   if (ec) throw UsageError("--dump " + quote_text(dir) + ": cannot list the directory (" + ec.message() + ")");
 }
 
 }  // namespace
+
+double dump_held_bytes(const RunOptions& o, int tp) {
+  const DumpManifest m = manifest_of(o, tp);
+  const auto steps = static_cast<std::uint64_t>(o.steps);
+  // A rank file's header at its least: every entry's JSON around its name and shape,
+  //   "step{s}/N":{"dtype":"F32","shape":[..],"data_offsets":[a,b]},
+  // 53 bytes, the digits of its step, and of its two offsets, each at least the bytes of
+  // the steps before it (the writer lays the steps out in order), counted at the least
+  // that a step's tensors can hold (`least`: none may be absent).
+  const std::uint64_t elem = o.dtype == DType::F64 ? 8 : 4;
+  const auto digits = [](std::uint64_t v) { return static_cast<std::uint64_t>(std::to_string(v).size()); };
+  double held = 0;
+  for (int r = 0; r < tp; ++r) {
+    const DumpStepSize s = dump_step_size(m, o.batch_size * o.seq_len, r);
+    const std::uint64_t data = steps * s.f64_bytes / 8 * elem;
+    std::uint64_t header = steps * (s.count * 53 + s.name_bytes + s.shape_bytes);
+    for (std::uint64_t k = 1; k <= steps; ++k)
+      header += s.count * (digits(k) + 2 * digits((k - 1) * s.least_bytes));
+    if (header > st::kMaxHeaderBytes)
+      throw UsageError("--dump: " + std::to_string(o.steps) + " steps make rank " + std::to_string(r) +
+                       "'s file header at least " + std::to_string(header) + " bytes, more than the " +
+                       std::to_string(st::kMaxHeaderBytes) + " a safetensors reader takes (a dump is " +
+                       "not yet split over files; dump fewer steps)");
+    // The tensors, the serialised file beside them, and 1 KiB per tensor: its bookkeeping
+    // and its share of the header's JSON as it is formed [measured: 15,000 steps of issue
+    // 36's tiny model peaked at 5.2 GiB, 1.1 KiB per tensor above twice the data].
+    held += 2.0 * static_cast<double>(data) + 1024.0 * static_cast<double>(steps * s.count);
+  }
+  return held;
+}
 
 void prepare_dump_dir(const std::string& dir, int tp) {
   std::error_code ec;

@@ -39,6 +39,14 @@ std::string manifest_file(const std::string& dir);             // DIR/manifest.j
 std::string dump_weights_file(const std::string& dir);         // DIR/weights.safetensors
 std::string dump_batch_file(const std::string& dir);           // DIR/batch.safetensors
 
+// train --dump keeps every rank's dump in memory until the run ends, then writes each rank
+// file whole (issue 51, 8: not yet streamed to disk). Before the run: UsageError if a rank
+// file's header would pass the 100 MB a safetensors reader takes (kMaxHeaderBytes, at
+// ~19,000 steps of issue 36's tiny model), counted at its least (the shortest JSON of each
+// entry); else the bytes the dumps will hold at their peak, every rank's tensors at the
+// run's dtype and the serialised file beside them, for the memory check.
+double dump_held_bytes(const RunOptions& o, int tp);
+
 // Creates DIR (and its parents) and checks that every file of the dump can be written
 // there, before the run spends its time. UsageError naming --dump otherwise.
 void prepare_dump_dir(const std::string& dir, int tp);

@@ -113,19 +113,29 @@ double f32_tolerance(const RunOptions& o, double* k_max_out) { return chain_boun
 // inherits lr times the weight gradient's. Without K, 34 of 1,000 clean randomized runs
 // (every one an MLP in bf16) failed at fc1.weight.grad, 1.0-3.2x the bound.
 namespace {
+// Σ_{j=0}^{t-1} q^j for q >= 0, t >= 1, in closed form: q^t is never formed on its own
+// (expm1 keeps 1 − q^t accurate for q near 1, where it cancels). +inf where it overflows.
+double geometric_sum(double q, std::int64_t t) {
+  const double n = static_cast<double>(t);
+  if (q == 1.0) return n;
+  return std::expm1(n * std::log(q)) / (q - 1.0);  // q = 0: expm1(−inf) = −1, the sum 1
+}
+
 // R_t of U4: sqrt(Σ_k a_k²/c_k) over steps k = 1..t, a_k = (1−β1)β1^(t−k)/(1−β1^t) and
-// c_k = (1−β2)β2^(t−k)/(1−β2^t).
+// c_k = (1−β2)β2^(t−k)/(1−β2^t). With G(q) = Σ_{j<t} q^j the weights are β1^j/G(β1) and
+// β2^j/G(β2) at age j = t − k, so
+//   R_t² = G(β1²/β2) · G(β2) / G(β1)²
+// in O(1) (issue 51: the sum over k was O(t) per parameter per step, and at age ~14,500
+// with β2 = 0.95 both weights underflowed to 0 and made 0/0, a NaN bound that failed a
+// correct 15,000-step run). For β1² < β2 (Adam's defaults: 0.81/0.95) it tends to
+// (1−β1)²/((1−β2)(1−β1²/β2)) as t grows; for β1² >= β2 it grows without bound, and +inf
+// (no cap) is its value where it overflows. β2 = 0 weighs only the newest gradient (c_k = 0
+// for k < t): R = 1 if m̂ is that gradient too (β1 = 0 or t = 1), else no cap.
 double moment_ratio_cap(const AdamConfig& c, std::int64_t t) {
-  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(t));
-  double sum = 0.0;
-  for (std::int64_t k = 1; k <= t; ++k) {
-    const double age = static_cast<double>(t - k);
-    const double a = (1.0 - c.beta1) * std::pow(c.beta1, age) / bc1;
-    const double w = (1.0 - c.beta2) * std::pow(c.beta2, age) / bc2;
-    sum += a * a / w;
-  }
-  return std::sqrt(sum);
+  if (t == 1 || (c.beta1 == 0.0 && c.beta2 == 0.0)) return 1.0;
+  if (c.beta2 == 0.0) return INFINITY;
+  const double g1 = geometric_sum(c.beta1, t);
+  return std::sqrt(geometric_sum(c.beta1 * c.beta1 / c.beta2, t)) * std::sqrt(geometric_sum(c.beta2, t)) / g1;
 }
 }  // namespace
 

@@ -138,7 +138,14 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
   for (int t : o.tp) ranks_per_group.push_back(t * o.dp);
   std::ostringstream d;
   double total = 0;
-  if (command == "verify") {
+  if (command == "check") {
+    // check: the float64 reference, and one step of every rank of the dump as the reader
+    // holds it (float64 shards of the run's tensors): no sharded model runs.
+    const double ref = rank_bytes(o, 1, DType::F64, false);
+    const double step = o.tp.front() * rank_bytes(o, o.tp.front(), DType::F64, true);
+    total = ref + step;
+    d << "reference " << gib(ref) << " + one step of every rank " << gib(step);
+  } else if (command == "verify") {
     const double ref = rank_bytes(o, 1, DType::F64, false);
     double ranks = 0;
     if (o.tp_invariant) {
@@ -199,12 +206,17 @@ double available_memory_bytes() {
   return avail;
 }
 
-void check_memory(const RunOptions& o, const std::string& command) {
+void check_memory(const RunOptions& o, const std::string& command, double extra,
+                  const std::string& extra_what) {
   if (o.force) return;
   const double avail = available_memory_bytes();
   if (avail < 0) return;
   std::string detail;
-  const double need = predicted_run_bytes(o, command, &detail);
+  double need = predicted_run_bytes(o, command, &detail);
+  if (extra > 0) {
+    need += extra;
+    detail += " + " + extra_what + " " + gib(extra);
+  }
   if (need <= avail) return;
   throw UsageError("memory: this " + command + " run is predicted to need " + gib(need) + " (" +
                    detail + ", the model of profile --predict) but " + gib(avail) +

@@ -32,11 +32,12 @@ double tp1_record_step_bytes(const RunOptions& o);
 // tensors already counted, allocated on first use).
 double tp_invariant_rank_bytes(const RunOptions& o, int tp);
 
-// The bytes a run of `command` ("train", "verify" or "profile") is predicted to hold at
+// The bytes a run of `command` ("train", "verify", "profile" or "check") is predicted to hold at
 // its peak in host memory, all ranks of the process together: for train and profile the
 // largest TP group (they run one group at a time); for verify the float64 reference plus
 // the largest set of groups that may run at once (with --tp-invariant, TP 1 in every such
-// set, its record of one step, and the mode's buffers in every rank). Ranks on a CUDA device count nothing
+// set, its record of one step, and the mode's buffers in every rank); for check the
+// reference and one step of the dump's ranks in float64. Ranks on a CUDA device count nothing
 // here (device memory is not checked). `detail` gets the parts, for the message.
 double predicted_run_bytes(const RunOptions& o, const std::string& command, std::string* detail);
 
@@ -44,8 +45,10 @@ double predicted_run_bytes(const RunOptions& o, const std::string& command, std:
 // address-space limit (ulimit -v). Negative when neither can be read.
 double available_memory_bytes();
 
-// Throws UsageError, naming both figures, when the prediction exceeds what is available,
-// unless o.force. Does nothing when the available memory cannot be read.
-void check_memory(const RunOptions& o, const std::string& command);
+// Throws UsageError, naming both figures, when the prediction, plus `extra` bytes the
+// command holds beside the model (`extra_what` names them: train --dump's dumps), exceeds
+// what is available, unless o.force. Does nothing when the available memory cannot be read.
+void check_memory(const RunOptions& o, const std::string& command, double extra = 0,
+                  const std::string& extra_what = {});
 
 }  // namespace tpsim

@@ -77,12 +77,12 @@ class MlpDescription final : public ModelDescription {
     if (o_.loss_parallel || o_.sequence_parallel)
       throw UsageError("--loss-parallel and --sequence-parallel apply to --model gpt");
     if (o_.recompute != RecomputeKind::None)
-      throw UsageError("--recompute applies to --model gpt, gpt2 and llama");
+      throw UsageError("--recompute applies to --model " + gpt_family_list("and"));
     if (!seed_architecture(o_.gpt))
-      throw UsageError("the architecture flags (--norm, --mlp, --kv-heads, ...) apply to --model "
-                       "gpt, gpt2 and llama");
+      throw UsageError("the architecture flags (--norm, --mlp, --kv-heads, ...) apply to --model " +
+                       gpt_family_list("and"));
     if (o_.dp > 1 || o_.clip_grad > 0)
-      throw UsageError("--dp and --clip-grad apply to --model gpt, gpt2 and llama");
+      throw UsageError("--dp and --clip-grad apply to --model " + gpt_family_list("and"));
     if (o_.tp_invariant) throw UsageError("--tp-invariant: applies to --model gpt");
     if (!o_.dump_dir.empty())
       throw UsageError("--dump: the dump format holds a GPT run; use --model gpt");

@@ -198,6 +198,10 @@ void check_moe_layout(const RunOptions& o) {
 
 void validate_run_options(const RunOptions& o) {
   for (int t : o.tp) check_int("--tp", t, 1, kMaxRanks);
+  for (std::size_t i = 0; i < o.tp.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (o.tp[i] == o.tp[j])  // (the same run twice, reported as two)
+        throw UsageError("--tp: degree " + std::to_string(o.tp[i]) + " is listed twice");
   check_int("--steps", o.steps, 1, kMaxSteps);
   check_float("--lr", o.lr, 0, false, std::numeric_limits<double>::infinity());
   check_float("--weight-decay", o.adam.weight_decay, 0, true,
@@ -219,6 +223,11 @@ void validate_run_options(const RunOptions& o) {
   check_int("--ffn-hidden", g.ffn_hidden, 0, kMaxHidden);
   // MoE's sizes, before anything (the parameter list) is made from them
   check_int("--num-experts", g.num_experts, 0, 1024);
+  if (g.num_experts * g.layers > kMaxExpertsInAll)  // (each bounded above: no overflow)
+    throw UsageError("--num-experts " + std::to_string(g.num_experts) + " x --layers " +
+                     std::to_string(g.layers) + " = " + std::to_string(g.num_experts * g.layers) +
+                     " experts in all (allowed at most " + std::to_string(kMaxExpertsInAll) +
+                     ": each is three tensors, every one built and checked)");
   check_int("--moe-ffn-hidden-size", g.moe_ffn_hidden, 0, kMaxHidden);
   check_int("--moe-shared-expert-intermediate-size", g.moe_shared_ffn, 0, kMaxHidden);
   check_int("--moe-layer-freq", g.moe_layer_freq, 1, 1 << 20);
