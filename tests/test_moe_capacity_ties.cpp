@@ -7,9 +7,13 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 
+#include "cli_runner.h"
 #include "sharded/moe_layer.h"
 
 using namespace tpsim;
+using tpsim::testing::read_json;
+using tpsim::testing::run_tpsim;
+using tpsim::testing::temp_path;
 
 namespace {
 
@@ -79,4 +83,28 @@ TEST_CASE("capacity at exact ties: the global token order decides, at every spli
   CHECK(other[4 * K + 0] == 1);
   CHECK(other[0 * K + 1] == 0);
   CHECK(other[4 * K + 1] == 1);
+}
+
+TEST_CASE("a capacity choice one renormalisation's rounding from the recomputed gates' is followed",
+          "[moe][capacity][cli]") {
+  // Found by `verify --sweep full`: tokens 12 and 13 of the boundary batch are the same id
+  // at positions 0 and 1 of a sequence, so under RoPE with one block their router scores
+  // for expert 12 are bit-equal and the others an ulp apart. The sharded run sums each
+  // token's K scores in its pick order, the reference's recomputation of its gates in
+  // expert order: the two gates tie in the recomputation (token 12 first), and not in the
+  // sharded run's own (token 13 first). Either is right; before the renormalisation's
+  // rounding was allowed for, the reference refused to follow and verify failed correct
+  // code on act/h.0.mlp.router.kept.
+  const std::string json = temp_path("capacity-renorm-tie.json");
+  const auto r = run_tpsim(
+      "verify --model deepseek-moe --vocab-size 53 --hidden 48 --heads 12 --layers 1 "
+      "--ffn-hidden 96 --seq-len 12 --batch-size 2 --rope-style interleaved "
+      "--moe-shared-expert-intermediate-size 0 --moe-expert-capacity-factor 1 --tp 4 --ep 4 "
+      "--kv-heads 2 --batch boundary --json " + json);
+  INFO(r.out);
+  CHECK(r.exit_code == 0);
+  const auto ties = read_json(json)["tp"][0]["ties"];
+  REQUIRE(ties.size() == 1);
+  CHECK(ties[0].get<std::string>().find("token 12: expert 12 kept tokens") != std::string::npos);
+  CHECK(ties[0].get<std::string>().find("gap 0.00e+00") != std::string::npos);
 }
