@@ -7,7 +7,11 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 
+#include <map>
+
 #include "cli_runner.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
 #include "sharded/moe_layer.h"
 
 using namespace tpsim;
@@ -107,4 +111,63 @@ TEST_CASE("a capacity choice one renormalisation's rounding from the recomputed 
   REQUIRE(ties.size() == 1);
   CHECK(ties[0].get<std::string>().find("token 12: expert 12 kept tokens") != std::string::npos);
   CHECK(ties[0].get<std::string>().find("gap 0.00e+00") != std::string::npos);
+}
+
+TEST_CASE("two identical sequences: capacity cuts between bit-equal twins keep the first at every folding",
+          "[moe][capacity][cli]") {
+  // Two copies of one sequence: every token's twin 12 positions on has bit-identical router
+  // inputs (causal attention sees the same tokens at the same positions), so every pair has
+  // a twin of equal gate. Capacity 0.5 keeps ceil(0.5·24·4/16) = 3 pairs an expert, an odd
+  // number: each expert with 4 or more pairs is cut between the two twins of one token.
+  GptConfig c;
+  c.vocab_size = 53;
+  const GptBatch one = make_gpt_batch(c, 1, 12, 3);
+  GptBatch twins;
+  twins.B = 2;
+  twins.T = 12;
+  for (int copy = 0; copy < 2; ++copy) {
+    twins.input_ids.insert(twins.input_ids.end(), one.input_ids.begin(), one.input_ids.end());
+    twins.labels.insert(twins.labels.end(), one.labels.begin(), one.labels.end());
+  }
+  const std::string data = temp_path("twins.safetensors");
+  save_gpt_batch(data, twins);
+  const std::string run =
+      "--model deepseek-moe --vocab-size 53 --hidden 48 --heads 12 --layers 1 --ffn-hidden 96 "
+      "--seq-len 12 --batch-size 2 --moe-expert-capacity-factor 0.5 --data " + data;
+
+  // The cuts are there: tp 4's dump (ep 4: each rank routes 6 tokens) keeps the first twin
+  // and drops the second wherever the two were decided apart.
+  const std::string dir = temp_path("twins-dump");
+  const auto d = run_tpsim("train " + run + " --tp 4 --ep 4 --steps 1 --dtype f64 --dump " + dir);
+  REQUIRE(d.exit_code == 0);
+  std::map<std::pair<std::int64_t, std::int64_t>, double> kept;  // (token, expert) -> kept
+  for (int r = 0; r < 4; ++r) {
+    const st::StFile f = st::read_safetensors(dir + "/rank" + std::to_string(r) + ".safetensors");
+    const auto topk = f.tensors.at("step1/act/h.0.mlp.router.topk").to_f64();  // [6,4]
+    const auto keep = f.tensors.at("step1/act/h.0.mlp.router.kept").to_f64();
+    for (std::size_t i = 0; i < topk.size(); ++i)
+      kept[{r * 6 + static_cast<std::int64_t>(i / 4), static_cast<std::int64_t>(topk[i])}] = keep[i];
+  }
+  int split = 0;
+  for (const auto& [te, k] : kept) {
+    if (te.first >= 12) continue;
+    const double twin = kept.at({te.first + 12, te.second});
+    if (k != twin) {
+      ++split;
+      CHECK(k == 1.0);  // the first in the global token order
+    }
+  }
+  CHECK(split >= 4);
+
+  // Every folding decides as the reference, in token order: no decision followed as a tie.
+  for (const char* folding : {"--tp 1", "--tp 2 --ep 2", "--tp 2 --etp 2", "--tp 3",
+                              "--tp 4 --ep 2 --etp 2", "--tp 4 --ep 4", "--tp 4",
+                              "--tp 2 --dp 2 --ep 4"}) {
+    INFO(folding);
+    const std::string json = temp_path("twins.json");
+    const auto r = run_tpsim("verify " + run + " " + folding + " --json " + json);
+    INFO(r.out);
+    REQUIRE(r.exit_code == 0);
+    CHECK(read_json(json)["tp"][0]["ties"].empty());
+  }
 }
