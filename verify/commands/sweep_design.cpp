@@ -367,29 +367,39 @@ std::vector<SweepRow> cover(const std::vector<SweepRow>& given, const SweepDesig
     return order;
   };
   std::vector<SweepRow> added;
+  // Rows grown from each of the `kCandidates` missing combinations whose values are in the
+  // most missing ones (ties: the goal's order); the row that completes the most is added.
+  constexpr std::size_t kCandidates = 16;
   for (;;) {
-    // The next row starts from the missing combination whose values are in the most
-    // missing combinations (the first such in the goal's order).
-    std::size_t first = all.size();
-    int best = -1;
+    std::vector<std::pair<int, std::size_t>> starts;  // (-score, combination)
     for (std::size_t i = 0; i < all.size(); ++i) {
       if (!missing[i]) continue;
       int score = 0;
       for (const auto& [a, v] : all[i]) score += open(a, v);
-      if (score > best) {
-        best = score;
-        first = i;
+      starts.emplace_back(-score, i);
+    }
+    if (starts.empty()) break;
+    std::stable_sort(starts.begin(), starts.end(),
+                     [](const auto& x, const auto& y) { return x.first < y.first; });
+    SweepRow best;
+    int best_new = -1;
+    for (std::size_t c = 0; c < std::min(kCandidates, starts.size()); ++c) {
+      const SweepTuple& start = all[starts[c].second];
+      SweepRow row(kNumSweepAxes, -1);
+      for (const auto& [a, v] : start) row[static_cast<std::size_t>(a)] = v;
+      if (!complete(row, 0, by_gain))  // possible() said it is: a rule that is not monotone
+        throw Error("the sweep's design: no row holds " + sweep_tuple_name(start) +
+                    ", though the rules allow it");
+      int completes = 0;
+      for (std::size_t i = 0; i < all.size(); ++i) completes += missing[i] && holds(row, all[i]);
+      if (completes > best_new) {
+        best_new = completes;
+        best = std::move(row);
       }
     }
-    if (first == all.size()) break;
-    SweepRow row(kNumSweepAxes, -1);
-    for (const auto& [a, v] : all[first]) row[static_cast<std::size_t>(a)] = v;
-    if (!complete(row, 0, by_gain))  // possible() said it is: a rule that is not monotone
-      throw Error("the sweep's design: no row holds " + sweep_tuple_name(all[first]) +
-                  ", though the rules allow it");
     for (std::size_t i = 0; i < all.size(); ++i)
-      if (missing[i] && holds(row, all[i])) missing[i] = 0;
-    added.push_back(std::move(row));
+      if (missing[i] && holds(best, all[i])) missing[i] = 0;
+    added.push_back(std::move(best));
   }
   return added;
 }

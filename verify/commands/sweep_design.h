@@ -87,9 +87,10 @@ std::string sweep_tuple_name(const SweepTuple& t);  // "family=llama, dp=dp 2"
 
 // Rows that extend `given` until every combination of `goal` that some allowed row holds
 // is in a row of given or of the result (the result only: the rows added). Greedy and
-// deterministic (in the manner of AETG): the missing combination whose values are in the most
-// missing ones starts a row, whose other axes take the value that completes the most
-// missing combinations (ties: the one in the most still open, then the first).
+// deterministic (in the manner of AETG): each of the 16 missing combinations whose values
+// are in the most missing ones starts a candidate row, whose other axes take the value that
+// completes the most missing combinations (ties: the one in the most still open, then the
+// first); the candidate that completes the most is added.
 std::vector<SweepRow> cover(const std::vector<SweepRow>& given, const SweepDesignGoal& goal);
 
 // The combinations of `goal` that some allowed row holds and none of `rows` does (empty:
