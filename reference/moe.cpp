@@ -255,7 +255,25 @@ void Moe<S>::follow_capacity(std::vector<std::int64_t>& keep, const std::vector<
   std::vector<std::int64_t> implied;
   for (std::size_t j = 0; j < keep.size(); ++j) implied.push_back(pairs[rank[j]]);
   std::sort(implied.begin(), implied.end());
-  if (implied != theirs) return;
+  // Those gates are recomputed here from the posted scores, whose K-term sum the sharded
+  // run may have added in another order: each side's g = s / Σ s is within K·u of the
+  // exact quotient (K-1 roundings in the sum, one in the division; u = 2^-53, the scores
+  // are f64), so the two computations of one gate differ by at most 2K·u·g. Where the
+  // recomputed gates of a pair it kept (b) and one it dropped (a) are that close, the
+  // sharded run's own gates may have ranked b first: its choice is still implied (with
+  // (K+1) for K, one rounding of margin). Above that, its choice is not its gates'.
+  if (implied != theirs) {
+    const double u = std::numeric_limits<double>::epsilon() / 2;
+    auto gate_of = [&](std::int64_t i) {
+      return g[static_cast<std::size_t>(std::find(pairs.begin(), pairs.end(), i) - pairs.begin())];
+    };
+    for (auto a : implied)
+      if (!std::binary_search(theirs.begin(), theirs.end(), a))
+        for (auto b : theirs)
+          if (!std::binary_search(implied.begin(), implied.end(), b) &&
+              gate_of(a) - gate_of(b) > 2.0 * static_cast<double>(K + 1) * u * (gate_of(a) + gate_of(b)))
+            return;
+  }
   const Routing& r = route_;
   double worst = -std::numeric_limits<double>::infinity(), bound = std::numeric_limits<double>::infinity();
   for (auto a : mine)

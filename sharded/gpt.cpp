@@ -1053,6 +1053,7 @@ void ShardedGpt::block_forward(std::size_t l, const Tensor& x_in) {
   if (b.moe) {  // the routed experts on this rank's tokens, joined to the shared expert's sum
     Tensor& routed = ws_->moe_local;  // [N/t,H]
     moe_loss_ += b.moe->forward(routed, sp ? b.h2 : routed_rows(b.h2), record_);
+    comm_.set_label(label + (rerun_ ? "" : ".mlp"));  // the MoE layer labelled its own
     Tensor* joined = &routed;
     if (!sp) {  // gather_from_sequence_parallel_region: every rank's tokens
       gather_from_sp_region_forward(comm_, ws_->moe_full, routed);
@@ -1288,6 +1289,7 @@ void ShardedGpt::backward() {
     if (b.moe) {  // the routed experts: this rank's tokens' share of the branch gradient
       const Tensor mine = sp ? dmlp_out : routed_rows(dmlp_out);
       b.moe->backward(s.moe_dx, mine, record_);
+      comm_.set_label("h." + std::to_string(li) + ".mlp");  // the MoE layer labelled its own
       if (record_)
         for (auto& o : b.moe->observe_backward()) keep(snaps, std::move(o));
     }

@@ -44,6 +44,7 @@ double ShardedMlp::forward_backward() {
   fc1_.forward(be_, h_, x);
   be_.relu_forward(a_, h_);
   fc2_.forward(be_, y_, a_);
+  comm_.set_label("fc2 g");
   reduce_from_tp_region_forward(comm_, y_);  // g
   loss_ = be_.mse_forward(y_, target_);
   // backward
@@ -52,6 +53,7 @@ double ShardedMlp::forward_backward() {
   fc2_.backward(be_, da_, dy, a_);
   be_.relu_backward(dh_, da_, h_);
   fc1_.backward(be_, dx_, dh_, x, /*accumulate=*/false);
+  comm_.set_label("fc1 f backward");
   if (fault_ != Fault::MlpDropFBackward) copy_to_tp_region_backward(comm_, dx_);  // f
   return loss_;
 }

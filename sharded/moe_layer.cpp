@@ -311,6 +311,27 @@ MoeLayer::MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x
 
 MoeLayer::~MoeLayer() = default;
 
+std::vector<char> moe_capacity_kept(const std::vector<double>& every, std::int64_t E,
+                                    std::int64_t cap, std::int64_t first, std::int64_t count) {
+  const auto P = static_cast<std::int64_t>(every.size() / 2);
+  if (first < 0 || count < 0 || first + count > P)
+    throw Error("moe_capacity_kept: pairs [" + std::to_string(first) + ", " +
+                std::to_string(first + count) + ") of " + std::to_string(P));
+  std::vector<std::vector<std::int64_t>> by_expert(static_cast<std::size_t>(E));
+  for (std::int64_t i = 0; i < P; ++i)
+    by_expert.at(static_cast<std::size_t>(every[static_cast<std::size_t>(2 * i)])).push_back(i);
+  std::vector<char> kept(static_cast<std::size_t>(count), 1);
+  for (auto& pairs : by_expert) {
+    std::stable_sort(pairs.begin(), pairs.end(), [&](std::int64_t a, std::int64_t b) {
+      // equal gates keep the global pair order: token, then its k
+      return every[static_cast<std::size_t>(2 * a + 1)] > every[static_cast<std::size_t>(2 * b + 1)];
+    });
+    for (std::size_t j = static_cast<std::size_t>(std::max<std::int64_t>(cap, 0)); j < pairs.size(); ++j)
+      if (pairs[j] >= first && pairs[j] < first + count) kept[static_cast<std::size_t>(pairs[j] - first)] = 0;
+  }
+  return kept;
+}
+
 double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
   State& s = *s_;
   const GptConfig& c = s.c;
@@ -402,17 +423,7 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
     s.comm.set_label(s.prefix + "moe.capacity");
     s.comm.all_gather(in, all);
     const std::vector<double> every = s.be.to_host(all);  // [world·n·K, 2], global pair order
-    std::vector<std::vector<std::int64_t>> by_expert(static_cast<std::size_t>(E));
-    for (std::int64_t i = 0; i < world * n * K; ++i)
-      by_expert[static_cast<std::size_t>(every[2 * i])].push_back(i);
-    const std::int64_t first = s.tok0 * K;
-    for (auto& pairs : by_expert) {
-      std::stable_sort(pairs.begin(), pairs.end(), [&](std::int64_t a, std::int64_t b) {
-        return every[2 * a + 1] > every[2 * b + 1];  // equal gates keep the token order
-      });
-      for (std::size_t j = static_cast<std::size_t>(cap); j < pairs.size(); ++j)
-        if (pairs[j] >= first && pairs[j] < first + n * K) s.kept[pairs[j] - first] = 0;
-    }
+    s.kept = moe_capacity_kept(every, E, cap, s.tok0 * K, n * K);
   }
 
   // ---- the dispatch plan: rows to each ETP rank of the expert's EP rank, in this block ----
@@ -525,6 +536,8 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
   Tensor send = s.ws.send.narrow0(0, S);  // [S,H]
   s.gather_rows(send, xin, s.ids(s.ws.token_ids, token_of));
   Tensor recv = s.ws.recv.narrow0(0, R);  // [R,H]
+  // Its own label again: recording's kept-count all_gather above set another.
+  s.comm.set_label(s.prefix + "moe.dispatch");
   s.exchange(send, recv, false);
 
   // ---- the local experts, each on its rows ----

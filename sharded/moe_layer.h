@@ -52,6 +52,15 @@ bool is_expert_param(const std::string& name, std::int64_t* expert = nullptr);
 // step's routing, so that no layout rule (gpt_point_shard) can name them in advance.
 bool is_expert_point(const std::string& name);
 
+// The capacity rule over the global batch, as each rank applies it: `every` [P,2] holds
+// every pair's (expert, gate) in global pair order (token-major, rank 0's tokens first:
+// rank w routes tokens [w·n, (w+1)·n)); expert e keeps the `cap` pairs of largest gate,
+// equal gates in that order. Returns the kept flags of pairs [first, first + count), this
+// rank's. Every rank decides from the same list, so a tie between two ranks' tokens falls
+// the same way at every folding, and the same way as the reference (token order).
+std::vector<char> moe_capacity_kept(const std::vector<double>& every, std::int64_t E,
+                                    std::int64_t cap, std::int64_t first, std::int64_t count);
+
 // The routed experts' scratch, shared by every MoE layer of a rank (one layer's dispatch and
 // combine end before the next begins) and allocated once, for the worst routing: what a run
 // holds does not depend on where its tokens go, so the analytical model predicts it byte for

@@ -257,6 +257,22 @@ TEST_CASE("a capacity decision is followed only if the sharded run's own gates i
   d.forward(y, x, p, "h.0.", c, bias, &far);
   CHECK(d.ties().empty());
   CHECK(d.routing().kept[first] == 1);
+  // `second` one ulp below `first`: the gates recomputed from these scores rank `first`
+  // ahead by less than a renormalisation's rounding (2(K+1)·u·(g_a + g_b)), so the sharded
+  // run's own gates may have ranked `second` ahead: followed. 1e-12 below is far past it.
+  const std::size_t at_first = static_cast<std::size_t>(first * 2 + e), at_second = static_cast<std::size_t>(second * 2 + e);
+  scores[at_second] = std::nextafter(scores[at_first], 0.0);
+  ref::FollowRouting ulp{&topk, &kept, &scores, 1.0};
+  ref::Moe<double> near;
+  near.forward(y, x, p, "h.0.", c, bias, &ulp);
+  CHECK(near.ties().size() == 1);
+  CHECK(near.routing().kept[second] == 1);
+  scores[at_second] = scores[at_first] * (1 - 1e-12);
+  ref::FollowRouting below{&topk, &kept, &scores, 1.0};
+  ref::Moe<double> refused;
+  refused.forward(y, x, p, "h.0.", c, bias, &below);
+  CHECK(refused.ties().empty());
+  CHECK(refused.routing().kept[first] == 1);
 }
 
 TEST_CASE("a broken routing point is followed nowhere, never indexed by", "[moe][reference][untrusted]") {

@@ -443,6 +443,11 @@ Exit codes: 0 pass, 1 verify found a mismatch, 2 bad input or usage, 3 runtime f
 
 }  // namespace
 
+int sweep_exit_code(const SweepReport& r) {
+  if (r.first_failure()) return kExitMismatch;
+  return r.errors() > 0 ? kExitRuntime : kExitOk;
+}
+
 int cli_main(int argc, char** argv) {
   CLI::App app{"tpsim: a tensor-parallel simulator and verifier. One process drives N ranks\n"
                "(threads) running a Megatron-style sharded model, and checks it element by\n"
@@ -494,6 +499,12 @@ Examples:
                      "write a self-contained HTML page: losses, a heatmap of every tensor's "
                      "error per step and TP degree, the first failure's shards");
   verify->add_flag("--list-faults", list_faults, "list the faults --inject-fault knows and exit");
+  std::string sweep = "pairs";
+  verify->add_option("--sweep", sweep,
+                     "without --model: pairs (the default: every pair of values of every two "
+                     "feature axes meets in a case) or full (also every triple of the axes "
+                     "that share collectives: longer)")
+      ->check(CLI::IsMember({"pairs", "full"}));
   verify->footer(std::string(R"(
 Examples:
   tpsim verify                                      # the default sweep: every model and mode
@@ -505,8 +516,10 @@ Examples:
 
 Without --model, verify runs the default sweep: the MLP at tp 1,2,4,8 and a small GPT (an
 odd vocabulary, 12 heads) at tp 1,2,3,4, plain, loss parallel, sequence parallel and both,
-each on a boundary batch and a random one; --dtype, --steps, --seed, --inject-fault,
---timeout, --backend, --comm and --json apply to it.)") + kFooter);
+each on a boundary batch and a random one, the families, recomputation, data parallelism
+and MoE; then cases generated so that every pair of values of every two feature axes meets
+in one (--sweep full: every triple of the collectives' axes too). --dtype, --steps,
+--seed, --inject-fault, --timeout, --backend, --comm and --json apply to it.)") + kFooter);
 
   // profile: the train flags, a list of TP degrees, and where to write the trace and plot.
   ProfileOptions prof;
@@ -613,13 +626,13 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
                            " (without --model, verify runs the default sweep)");
       if (raw.steps.empty()) raw.steps = "2";
       finish_options(*verify, o, raw, DType::F64, true);
-      const SweepReport r = run_sweep(default_sweep(o));
+      const SweepReport r = run_sweep(default_sweep(o, sweep == "full" ? 3 : 2));
       // Under MPI the first process checked every rank: it reports, and its verdict is all's.
       if (process_index(o.device) == 0) {
         print_sweep_report(o.json_path == "-" ? std::cerr : std::cout, o, r);  // --json -: stdout is the JSON
         if (!o.json_path.empty()) write_json(o.json_path, sweep_json(o, r));
       }
-      return exit_code_of_first_process(o.device, r.pass ? kExitOk : kExitMismatch);
+      return exit_code_of_first_process(o.device, sweep_exit_code(r));
     }
     if (*profile) {
       // Defaults: the seed's float32, one TP degree unless a list is given, 2 steps.
@@ -632,6 +645,8 @@ Exit codes: 0 pass, 1 a dumped tensor differs from the reference, 2 a bad dump o
       run_profile(o, prof, std::cout);
       return kExitOk;
     }
+    if (verify->count("--sweep") > 0)
+      throw UsageError("--sweep chooses the default sweep's cases, which runs without --model");
     apply_preset(*verify, o, raw);
     finish_options(*verify, o, raw, DType::F64, true);
     check_fault_applies(o.fault, fault_target(o));

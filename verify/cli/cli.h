@@ -9,6 +9,12 @@ inline constexpr int kExitMismatch = 1;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitRuntime = 3;
 
+struct SweepReport;
+
 int cli_main(int argc, char** argv);
+
+// The default sweep's verdict: 1 when a case found a mismatch, else 3 when a case threw
+// (its row says why), else 0.
+int sweep_exit_code(const SweepReport& r);
 
 }  // namespace tpsim

@@ -1,8 +1,11 @@
 #include "verify/commands/sweep.h"
 
 #include <algorithm>
+#include <new>
 
 #include "core/clock.h"
+#include "runtime/launch.h"
+#include "verify/commands/sweep_design.h"
 #include "verify/setup/validate.h"
 #include "verify/setup/model_description.h"
 
@@ -51,7 +54,7 @@ void for_each_mode(RunOptions& o, F&& add) {
 
 }  // namespace
 
-std::vector<SweepCase> default_sweep(const RunOptions& base) {
+std::vector<SweepCase> default_sweep(const RunOptions& base, int strength) {
   std::vector<SweepCase> all;
   RunOptions mlp = base;
   mlp.model = ModelKind::Mlp;
@@ -160,6 +163,24 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   moe("deepseek-moe", 2, 2, 1, "plain", 0.5);
   moe("deepseek-moe", 2, 4, 1, "--sequence-parallel", 0.5, 2);  // the experts span 2 x 2 ranks
 
+  // Then the covering design: every pair of values of every two axes of the table
+  // (sweep_design.h) that the cases above do not bring together, each in a case of its own
+  // at one TP degree (--sweep full: also every triple of the collectives' axes).
+  std::vector<SweepRow> given;
+  for (const auto& c : all)
+    for (SweepRow& r : sweep_rows_of(c.options)) given.push_back(std::move(r));
+  for (const SweepRow& r : cover(given, strength == 3 ? full_sweep_goal() : SweepDesignGoal{})) {
+    RunOptions o = sweep_row_options(base, r);
+    try {
+      validate_run_options(o);
+      for (int t : o.tp) check_tp_degree(o, t);
+    } catch (const UsageError& e) {  // a rule the table lacks: its fix is in sweep_design.cpp
+      throw Error("the sweep's design made a case that cannot run (" + sweep_row_name(r) +
+                  "): " + e.what());
+    }
+    all.push_back({sweep_row_name(r), std::move(o)});
+  }
+
   std::vector<SweepCase> cases;
   std::string why;  // from a case of the fault's own model, which the sweep always has
   const FaultScope& scope = fault_info(base.fault).scope;
@@ -175,14 +196,37 @@ std::vector<SweepCase> default_sweep(const RunOptions& base) {
   return cases;
 }
 
+namespace {
+
+// A case's exception as one line: its first line (a message may quote more below it).
+std::string one_line(const std::string& what) {
+  const std::string line = what.substr(0, what.find('\n'));
+  return line.empty() ? "an exception without a message" : line;
+}
+
+}  // namespace
+
 SweepReport run_sweep(const std::vector<SweepCase>& cases) {
   const std::int64_t t0 = steady_now_ns();
   SweepReport rep;
   for (const auto& c : cases) {
     const std::int64_t c0 = steady_now_ns();
-    VerifyReport r = run_verify(c.options);
-    rep.cases.push_back({c, std::move(r), static_cast<double>(steady_now_ns() - c0) * 1e-9});
-    rep.pass = rep.pass && rep.cases.back().report.pass;
+    SweepResult res{c, {}, 0.0, {}};
+    // A case that throws is that case's failure, not the sweep's: the cases after it still
+    // run and the table is printed. Across processes it still ends the sweep: the other
+    // processes' ranks may be stalled inside it, and no later case could meet them.
+    try {
+      res.report = run_verify(c.options);
+    } catch (const std::bad_alloc&) {
+      if (process_count(c.options.device) > 1) throw;
+      res.error = "out of memory";
+    } catch (const std::exception& e) {
+      if (process_count(c.options.device) > 1) throw;
+      res.error = one_line(e.what());
+    }
+    res.seconds = static_cast<double>(steady_now_ns() - c0) * 1e-9;
+    rep.pass = rep.pass && res.pass();
+    rep.cases.push_back(std::move(res));
   }
   rep.seconds = static_cast<double>(steady_now_ns() - t0) * 1e-9;
   return rep;

@@ -15,10 +15,12 @@ namespace tpsim {
 GptConfig small_gpt_config();
 inline constexpr std::int64_t kSmallGptBatch = 2, kSmallGptSeqLen = 24;
 
-// The cases, from `base` (its dtype, steps, seed, fault, timeout and device). A fault is
-// injected only into the cases it can change; the others are left out, and a fault that
-// fits no case is a UsageError.
-std::vector<SweepCase> default_sweep(const RunOptions& base);
+// The cases, from `base` (its dtype, steps, seed, fault, timeout and device): the
+// hand-picked ones, then the covering design's (sweep_design.h) of `strength` 2 (every
+// pair of values of every two axes) or 3 (--sweep full: also every triple of the axes that
+// share collectives). A fault is injected only into the cases it can change; the others
+// are left out, and a fault that fits no case is a UsageError.
+std::vector<SweepCase> default_sweep(const RunOptions& base, int strength = 2);
 
 SweepReport run_sweep(const std::vector<SweepCase>& cases);
 

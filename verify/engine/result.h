@@ -104,17 +104,27 @@ struct SweepResult {
   SweepCase c;
   VerifyReport report;
   double seconds = 0.0;  // the whole case, wall clock
+  // The case threw (a collective timed out, the run diverged, ...): its cause in one line,
+  // and `report` is empty. The sweep goes on with the next case.
+  std::string error;
+  bool pass() const { return error.empty() && report.pass; }
 };
 
 struct SweepReport {
   std::vector<SweepResult> cases;
-  bool pass = true;
+  bool pass = true;  // every case ran and passed
   double seconds = 0.0;
-  // The first failing case, or null.
+  // The first case that ran and found a mismatch, or null.
   const SweepResult* first_failure() const {
     for (const auto& c : cases)
-      if (!c.report.pass) return &c;
+      if (c.error.empty() && !c.report.pass) return &c;
     return nullptr;
+  }
+  // The cases that threw instead of finishing.
+  int errors() const {
+    int n = 0;
+    for (const auto& c : cases) n += c.error.empty() ? 0 : 1;
+    return n;
   }
 };
 

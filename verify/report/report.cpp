@@ -413,6 +413,13 @@ void print_sweep_report(std::ostream& os, const RunOptions& base, const SweepRep
   os << line;
   CaseTotals all;
   for (const auto& c : r.cases) {
+    if (!c.error.empty()) {  // the case threw: its row says why, and the sweep went on
+      std::snprintf(line, sizeof line, "  %-50s %-30s %-8s %7s  %-9s %5.2fs  ERROR: ",
+                    c.c.name.c_str(), describe_model(c.c.options)->shape().c_str(),
+                    tp_list(c.c.options).c_str(), "-", "-", c.seconds);
+      os << line << c.error << "\n";
+      continue;
+    }
     const CaseTotals t = totals(c.report);
     all.comparisons += t.comparisons;
     all.real += t.real;
@@ -424,12 +431,26 @@ void print_sweep_report(std::ostream& os, const RunOptions& base, const SweepRep
     os << line;
   }
   const SweepResult* first = r.first_failure();
+  const int errors = r.errors();
+  const std::string also_errors =
+      errors == 0 ? std::string()
+                  : "; and " + std::to_string(errors) + " of " + std::to_string(r.cases.size()) +
+                        " cases ERROR (they threw: their rows say why)";
   if (first) {
     os << "\n---- the first failing case: " << first->c.name << " ----\n";
     print_verify_report(os, first->c.options, first->report);
     os << "----\n\n";
     os << "verify: FAIL: first mismatch at tp " << first->report.first_failure->tp << ": "
-       << describe(*first->report.first_failure) << " [case " << first->c.name << "]\n";
+       << describe(*first->report.first_failure) << " [case " << first->c.name << "]"
+       << also_errors << "\n";
+    return;
+  }
+  if (errors > 0) {
+    const auto e = std::find_if(r.cases.begin(), r.cases.end(),
+                                [](const SweepResult& c) { return !c.error.empty(); });
+    os << "\nverify: ERROR: " << errors << " of " << r.cases.size()
+       << " cases threw at run time, the others passed; the first: " << e->c.name << ": "
+       << e->error << "\n";
     return;
   }
   const std::string real = all.real == all.comparisons
@@ -453,7 +474,16 @@ nlohmann::json sweep_json(const RunOptions& base, const SweepReport& r) {
   j["pass"] = r.pass;
   j["seconds"] = r.seconds;
   j["cases"] = nlohmann::json::array();
+  j["errors"] = r.errors();
   for (const auto& c : r.cases) {
+    if (!c.error.empty()) {
+      j["cases"].push_back({{"case", c.c.name},
+                            {"case_seconds", c.seconds},
+                            {"model", describe_model(c.c.options)->name()},
+                            {"pass", false},
+                            {"error", c.error}});
+      continue;
+    }
     nlohmann::json jc = verify_json(c.c.options, c.report);
     jc["case"] = c.c.name;
     jc["case_seconds"] = c.seconds;
