@@ -94,7 +94,7 @@ TEST_CASE("tpsim --help shows every default", "[cli]") {
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
   for (const char* d : {"--lr FLOAT=0.01", "--weight-decay FLOAT=0.1", "--seed TEXT=1234",
-                        "--timeout FLOAT=60", "--vocab-size INT=50257", "--hidden INT=256",
+                        "--timeout FLOAT=60", "--vocab-size INT=50257", "--hidden,--hidden-size INT=256",
                         "--make-vocab-divisible-by INT=1", "--force"})
     REQUIRE(r.out.find(d) != std::string::npos);
   REQUIRE(r.out.find("(default: mlp 2, gpt 5)") != std::string::npos);  // --steps
