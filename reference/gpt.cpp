@@ -505,8 +505,8 @@ double Gpt<S>::clip_gradients(double max_norm) {
 }
 
 template <class S>
-void Gpt<S>::adam_step(const AdamConfig& adam) {
-  adam_.step(adam, params_, grads_);
+void Gpt<S>::optimizer_step(const AdamConfig& config) {
+  optimizer_.step(config, params_, grads_);
   if (config_.moe_expert_bias)
     for (Index l = 0; l < config_.layers; ++l)
       if (config_.moe_layer(l))
@@ -602,7 +602,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   // This step's dropout at each site: its masks are drawn by global index, keyed by the
   // step (the Adam steps taken so far), so a rerun of the step draws the same.
   const auto dropout = [&](const std::string& site) {
-    return Dropout<S>(c.dropout, dropout_seed_, "dropout/" + site, adam_.steps());
+    return Dropout<S>(c.dropout, dropout_seed_, "dropout/" + site, optimizer_.steps());
   };
 
   // ------------------------------------------------------------ forward
