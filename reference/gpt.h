@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,7 @@ class Gpt {
   ParamSet<S> params_;
   ParamSet<S> grads_;
   Optimizer<S> optimizer_;
+  std::set<std::string> one_dim_;  // the parameters of one dimension (biases, norm weights)
   std::vector<BlockActs> blocks_;  // [L]
   Matrix<S> lnf_xhat_;             // [N, H]
   Vector<S> lnf_rstd_;             // [N]

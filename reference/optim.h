@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <numbers>
+#include <set>
 #include <string>
 
 #include "reference/params.h"
@@ -88,11 +90,16 @@ inline double reference_lr(const AdamConfig& c, std::int64_t t) {
 template <class S>
 class Optimizer {
  public:
-  void step(const AdamConfig& c, ParamSet<S>& params, const ParamSet<S>& grads) {
+  // `one_dim`: the names of the parameters of one dimension (AdamConfig::decay_of).
+  void step(const AdamConfig& c, ParamSet<S>& params, const ParamSet<S>& grads,
+            const std::set<std::string>& one_dim = {}) {
     ++t_;
     kind_ = c.kind;
     lr_ = reference_lr(c, t_);
     for (auto& [name, p] : params) {
+      AdamConfig pc = c;
+      pc.weight_decay = c.decay_of(one_dim.count(name) ? 1 : 2);
+      decay_[name] = pc.weight_decay;
       const auto git = grads.find(name);
       if (git == grads.end()) throw UsageError("reference optimizer: no gradient for " + name);
       if (git->second.size() != p.size())
@@ -102,17 +109,19 @@ class Optimizer {
       Matrix<S>& m = m_[name];  // [same as p], Adam's first moment or SGD's momentum buffer
       if (m.size() == 0) m = zeros_on_huge_pages<S>(p.rows(), p.cols());
       if (c.kind == OptimizerKind::Sgd) {
-        sgd(c, p, git->second, m);
+        sgd(pc, p, git->second, m);
         continue;
       }
       Matrix<S>& v = v_[name];  // [same as p], Adam's second moment
       if (v.size() == 0) v = zeros_on_huge_pages<S>(p.rows(), p.cols());
-      adam(c, p, git->second, m, v);
+      adam(pc, p, git->second, m, v);
     }
   }
   std::int64_t steps() const { return t_; }
   OptimizerKind kind() const { return kind_; }
   double last_lr() const { return lr_; }  // the learning rate of the last step
+  // The weight decay the last step gave `name` (0 for a parameter it exempted).
+  double weight_decay(const std::string& name) const { return decay_.at(name); }
   // Adam's m (SGD: the momentum buffer) and v (SGD: none) after the last step.
   const ParamSet<S>& first_moment() const { return m_; }
   const ParamSet<S>& second_moment() const { return v_; }
@@ -162,6 +171,7 @@ class Optimizer {
   OptimizerKind kind_ = OptimizerKind::Adam;
   double lr_ = 0.0;
   ParamSet<S> m_, v_;
+  std::map<std::string, double> decay_;
 };
 
 }  // namespace tpsim::ref

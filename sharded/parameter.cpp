@@ -122,17 +122,19 @@ void optimizer_step(Backend& be, std::vector<Parameter>& params, const AdamConfi
   const bool decoupled = c.kind == OptimizerKind::AdamW;
   for (auto& p : params) {
     Tensor& w = updated(p);
+    AdamConfig pc = c;
+    pc.weight_decay = c.decay_of(p.spec.full_shape.size());
     if (c.kind == OptimizerKind::Sgd) {
-      sgd_momentum_step(be, p, w, c, lr, step);
+      sgd_momentum_step(be, p, w, pc, lr, step);
     } else {
       if (!p.adam_m.defined()) {
         p.adam_m = zeroed_state(be, w, p.spec.name + ".adam_m");
         p.adam_v = zeroed_state(be, w, p.spec.name + ".adam_v");
       }
       // AdamW shrinks the weight first, and the Adam update then sees the gradient alone.
-      if (decoupled && c.weight_decay != 0.0) be.scale_inplace(w, 1.0 - lr * c.weight_decay);
+      if (decoupled && pc.weight_decay != 0.0) be.scale_inplace(w, 1.0 - lr * pc.weight_decay);
       be.adam_update(w, p.grad, p.adam_m, p.adam_v, lr, c.beta1, c.beta2, c.eps,
-                     decoupled ? 0.0 : c.weight_decay, step);
+                     decoupled ? 0.0 : pc.weight_decay, step);
     }
     if (p.master.defined()) be.copy(p.value, p.master);  // the bf16 cast of the update
   }

@@ -70,6 +70,28 @@ TEST_CASE("reference AdamW decays decoupled, as torch.optim.AdamW", "[optim]") {
                  {0.87036261757311406, -2.1436334969507804}});
 }
 
+TEST_CASE("reference AdamW exempts the parameters of one dimension when told to", "[optim]") {
+  AdamConfig c = settings(OptimizerKind::AdamW);
+  c.decay_1d = false;
+  ref::ParamSet<double> params, grads;
+  params["w"] = ref::Matrix<double>(1, 2);
+  params["w"] << 1.0, -2.0;
+  params["b"] = params["w"];
+  grads["w"] = ref::Matrix<double>(1, 2);
+  grads["w"] << 0.5, 0.25;
+  grads["b"] = grads["w"];
+  ref::Optimizer<double> opt;
+  opt.step(c, params, grads, {"b"});  // "b" is of one dimension, "w" of two
+  // "w" decays as above (0.99 − 0.1·0.5/(0.5 + 1e-8)); "b" does not: 1 − the same update.
+  CHECK(params["w"](0, 0) == Approx(0.89000000199999996).epsilon(1e-14));
+  CHECK(params["b"](0, 0) == Approx(1.0 - 0.1 * 0.5 / (0.5 + 1e-8)).epsilon(1e-14));
+  CHECK(opt.weight_decay("b") == 0.0);
+  CHECK(opt.weight_decay("w") == 0.1);
+  CHECK(c.decay_of(1) == 0.0);
+  c.decay_1d = true;
+  CHECK(c.decay_of(1) == 0.1);
+}
+
 TEST_CASE("reference Adam keeps weight decay as L2, which AdamW does not", "[optim]") {
   // Step 1: g' = g + wd·p0 = [0.6, −0.15]; the update is ±lr: [0.9, −2.1] (less 1e-8 of
   // eps). The same settings under AdamW give 0.89 (above): the two decays differ.
@@ -197,6 +219,7 @@ TEST_CASE("a dump's manifest carries the optimizer and the schedule, and refuses
   m.adam.schedule.decay_style = LrDecayStyle::Cosine;
   m.adam.schedule.decay_iters = 4;
   m.adam.schedule.min_lr = 0.01;
+  m.adam.decay_1d = false;
   const nlohmann::json j = manifest_json(m);
   const DumpManifest back = parse_manifest(j.dump(), "m");
   CHECK(back.adam.kind == OptimizerKind::AdamW);
@@ -205,6 +228,8 @@ TEST_CASE("a dump's manifest carries the optimizer and the schedule, and refuses
   CHECK(back.adam.schedule.warmup_iters == 1);
   CHECK(back.adam.schedule.decay_iters == 4);
   CHECK(back.adam.schedule.min_lr == 0.01);
+  CHECK(j["optimizer"]["weight_decay_params"] == "2d");
+  CHECK_FALSE(back.adam.decay_1d);
 
   // SGD writes its momentum, not Adam's betas.
   DumpManifest sgd = m;
@@ -221,6 +246,7 @@ TEST_CASE("a dump's manifest carries the optimizer and the schedule, and refuses
   CHECK(o.adam.kind == OptimizerKind::Adam);
   CHECK(o.adam.beta2 == 0.999);
   CHECK(o.adam.schedule.constant());
+  CHECK(o.adam.decay_1d);
 
   auto refused = [&](nlohmann::json opt, const std::string& says) {
     nlohmann::json bad = j;
@@ -240,4 +266,5 @@ TEST_CASE("a dump's manifest carries the optimizer and the schedule, and refuses
           "exclude each other");
   refused({{"name", "adamw"}, {"lr_schedule", {{"decay_style", "wsd"}}}}, "decay_style");
   refused({{"name", "sgd"}, {"beta1", 0.9}}, "unknown field");
+  refused({{"name", "adamw"}, {"weight_decay_params", "1d"}}, "weight_decay_params");
 }

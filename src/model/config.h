@@ -228,6 +228,13 @@ struct AdamConfig {
   OptimizerKind kind = OptimizerKind::Adam;  // --optimizer
   double momentum = 0.0;                     // sgd: --sgd-momentum
   LrSchedule schedule;
+  // false (--weight-decay-params 2d): the parameters of one dimension, biases and norm
+  // weights, are not decayed, as Megatron-core's and Hugging Face Trainer's defaults
+  // exempt them; true: every parameter is (torch.optim with one parameter group,
+  // torchtitan).
+  bool decay_1d = true;
+  // The weight decay of a parameter of `dims` dimensions.
+  double decay_of(std::size_t dims) const { return decay_1d || dims > 1 ? weight_decay : 0.0; }
 };
 
 struct ParamSpec {

@@ -48,7 +48,7 @@ struct RawFlags {
   int moe_renorm = 0, no_moe_renorm = 0, moe_bias = 0, no_moe_bias = 0;
   int norm_bias = 0, no_norm_bias = 0, linear_bias = 0, no_linear_bias = 0;
   int tied = 0, untied = 0;
-  std::string optimizer = "adam", lr_decay_style = "constant";
+  std::string optimizer = "adam", lr_decay_style = "constant", decay_params = "all";
 };
 
 // Flags that describe one configuration. Without --model, verify runs the default sweep,
@@ -59,6 +59,7 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--make-vocab-divisible-by", "--resync", "--batch", "--preset",
                                  "--lr", "--weight-decay", "--optimizer", "--adam-beta1",
                                  "--adam-beta2", "--adam-eps", "--sgd-momentum",
+                                 "--weight-decay-params",
                                  "--lr-warmup-iters", "--lr-warmup-init", "--lr-decay-style",
                                  "--lr-decay-iters", "--min-lr", "--html", "--norm", "--norm-bias",
                                  "--no-norm-bias", "--linear-bias", "--no-linear-bias", "--mlp",
@@ -99,6 +100,11 @@ void add_optimizer_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw) {
   cmd.add_option("--weight-decay", o.adam.weight_decay,
                  "gpt: weight decay, L2 for --optimizer adam and sgd, decoupled for adamw "
                  "(default 0.1)");
+  cmd.add_option("--weight-decay-params", raw.decay_params,
+                 "gpt: all (every parameter decays; the default, torchtitan's) or 2d (biases "
+                 "and norm weights, the parameters of one dimension, do not: Megatron-core's "
+                 "and Hugging Face Trainer's default)")
+      ->check(CLI::IsMember({"all", "2d"}));
   cmd.add_option("--adam-beta1", o.adam.beta1, "gpt: Adam's beta1 (default 0.9)");
   cmd.add_option("--adam-beta2", o.adam.beta2, "gpt: Adam's beta2 (default 0.95)");
   cmd.add_option("--adam-eps", o.adam.eps, "gpt: Adam's eps (default 1e-8)");
@@ -405,6 +411,7 @@ void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DTy
   o.adam.lr = o.lr;
   o.adam.kind = *choice_named(kOptimizerNames, raw.optimizer);
   o.adam.schedule.decay_style = *choice_named(kLrDecayNames, raw.lr_decay_style);
+  o.adam.decay_1d = raw.decay_params == "all";
   if (o.adam.schedule.decay_iters == 0) o.adam.schedule.decay_iters = o.steps;  // Megatron's
   o.fault = parse_fault(raw.fault);
   o.device.backend = parse_backend_kind(raw.backend);

@@ -136,6 +136,9 @@ DumpLayout parse_layout(const json& v, const std::string& name, const std::strin
 
 }  // namespace
 
+// optimizer.weight_decay_params: whether the parameters of one dimension decay.
+constexpr NamedChoice<bool> kDecayParamsNames[] = {{"all", true}, {"2d", false}};
+
 // The optimizer's lr_schedule (Megatron's, config.h's LrSchedule) or lr_per_step (the
 // run's own list, one per step), or neither: every step at lr.
 LrSchedule parse_lr_schedule(Fields& opt, std::int64_t steps, const std::string& source) {
@@ -263,6 +266,7 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
       m.adam.eps = f.number_or("eps", m.adam.eps, 0.0, 1.0);
     }
     m.adam.weight_decay = f.number_or("weight_decay", m.adam.weight_decay, 0.0, 1e6);
+    m.adam.decay_1d = f.choice_or("weight_decay_params", kDecayParamsNames, true);
     m.clip_grad = f.number_or("clip_grad", 0.0, 0.0, 1e300);
     m.adam.schedule = parse_lr_schedule(f, m.steps, source);
     f.no_others();
@@ -335,6 +339,7 @@ nlohmann::json manifest_json(const DumpManifest& m) {
     opt["eps"] = m.adam.eps;
   }
   if (m.clip_grad > 0) opt["clip_grad"] = m.clip_grad;
+  if (!m.adam.decay_1d) opt["weight_decay_params"] = "2d";
   const LrSchedule& s = m.adam.schedule;
   if (!s.per_step.empty())
     opt["lr_per_step"] = s.per_step;

@@ -138,7 +138,7 @@ class OwnBounds {
       const double before = fresh() ? 0.0 : a;
       if constexpr (requires { model.optimizer(); }) {
         const auto& opt = model.optimizer();
-        a = before * decay_carry_factor(adam_, opt.last_lr()) + optimizer_update(name, opt, e, n, before);
+        a = before * carry_factor(name, opt) + optimizer_update(name, opt, e, n, before);
       } else {
         const auto kink = st.kink_allowance.find(name + ".grad");
         a = before + sgd_update_error(lr_, e, n) +
@@ -167,12 +167,19 @@ class OwnBounds {
       const double e = n ? rho * gradient_scale(st, name, g) / std::sqrt(static_cast<double>(n)) : 0.0;
       double& a = carried_abs_[name];
       const double before = fresh() ? 0.0 : a;
-      a = before * decay_carry_factor(adam_, opt.last_lr()) + optimizer_update(name, opt, e, n, before);
+      a = before * carry_factor(name, opt) + optimizer_update(name, opt, e, n, before);
       st.update_allowance[name] = a;
     }
     restart_ = false;
   }
 
+  // What `name`'s carried error is scaled by in this step's decay (U7).
+  template <class Opt>
+  double carry_factor(const std::string& name, const Opt& opt) const {
+    AdamConfig c = adam_;
+    c.weight_decay = opt.weight_decay(name);
+    return decay_carry_factor(c, opt.last_lr());
+  }
   // This step's update error of `name` (tolerance.cpp, "The update" and U6-U8), from the
   // reference optimizer's state after the step: gradient errors of `e` per element over
   // its `n`, and `carried`, the weight's absolute error before the step.
@@ -181,6 +188,7 @@ class OwnBounds {
                           double carried) {
     AdamConfig c = adam_;
     c.lr = opt.last_lr();
+    c.weight_decay = opt.weight_decay(name);
     if (opt.kind() != OptimizerKind::Sgd) {
       const ref::Matrix<double>& m = opt.first_moment().at(name);
       const ref::Matrix<double>& v = opt.second_moment().at(name);

@@ -171,7 +171,8 @@ double carried_weight_error(std::span<const double> relative_weight_errors) {
 //       weight-decayed run has lr·wd near 1). The product rounds once more: u·‖w‖
 //       norm-wise, inside b, the storage bound the updated weight is held to (b >= 4u for
 //       every dtype; f64's 1e-10 pass mark is ~10^6 u). [rigorous] L2 decay (adam, sgd)
-//       instead adds wd·δw to g' (for Adam, U5's note).
+//       instead adds wd·δw to g' (for Adam, U5's note). wd is the parameter's own (0 for
+//       one exempted by --weight-decay-params 2d).
 //  (U8) SGD with momentum μ: buf_t = μ·buf_{t−1} + g'_t, Δ = lr_t·buf_t, so by the
 //       triangle inequality ‖δbuf_t‖ <= μ·‖δbuf_{t−1}‖ + ‖δg'_t‖ with ‖δg'_t‖ <= e·sqrt(n)
 //       + wd·A (U1's gradient error, and L2 decay's share of the weight's carried error A),

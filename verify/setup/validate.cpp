@@ -199,9 +199,10 @@ void check_optimizer(const RunOptions& o) {
   const AdamConfig& a = o.adam;
   const double below_one = std::nextafter(1.0, 0.0);
   if (o.model == ModelKind::Mlp &&
-      (a.kind != OptimizerKind::Adam || a.momentum != 0.0 || !a.schedule.constant()))
-    throw UsageError("--optimizer, --sgd-momentum and the --lr-* schedule are the gpt's: the "
-                     "mlp trains with plain SGD at --lr");
+      (a.kind != OptimizerKind::Adam || a.momentum != 0.0 || !a.schedule.constant() ||
+       !a.decay_1d))
+    throw UsageError("--optimizer, --sgd-momentum, --weight-decay-params and the --lr-* "
+                     "schedule are the gpt's: the mlp trains with plain SGD at --lr");
   check_float("--adam-beta1", a.beta1, 0, true, below_one);
   check_float("--adam-beta2", a.beta2, 0, true, below_one);
   check_float("--adam-eps", a.eps, 0, false, 1);
