@@ -93,36 +93,34 @@ void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
 // The GPT's optimizer and learning-rate schedule (config.h), with Megatron's spellings.
 void add_optimizer_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw) {
   cmd.add_option("--optimizer", raw.optimizer,
-                 "gpt: adam (torch.optim.Adam, weight decay as L2 in the gradient; the "
-                 "default), adamw (torch.optim.AdamW, decoupled decay: Megatron-core's adam) "
+                 "gpt: adam (torch.optim.Adam, weight decay as L2 in the gradient), adamw (torch.optim.AdamW, decoupled decay: Megatron-core's adam) "
                  "or sgd (torch.optim.SGD with --sgd-momentum, L2 decay)")
       ->check(CLI::IsMember({"adam", "adamw", "sgd"}));
   cmd.add_option("--weight-decay", o.adam.weight_decay,
-                 "gpt: weight decay, L2 for --optimizer adam and sgd, decoupled for adamw "
-                 "(default 0.1)");
+                 "gpt: weight decay, L2 for --optimizer adam and sgd, decoupled for adamw");
   cmd.add_option("--weight-decay-params", raw.decay_params,
-                 "gpt: all (every parameter decays; the default, torchtitan's) or 2d (biases "
+                 "gpt: all (every parameter decays: torchtitan's) or 2d (biases "
                  "and norm weights, the parameters of one dimension, do not: Megatron-core's "
                  "and Hugging Face Trainer's default)")
       ->check(CLI::IsMember({"all", "2d"}));
-  cmd.add_option("--adam-beta1", o.adam.beta1, "gpt: Adam's beta1 (default 0.9)");
-  cmd.add_option("--adam-beta2", o.adam.beta2, "gpt: Adam's beta2 (default 0.95)");
-  cmd.add_option("--adam-eps", o.adam.eps, "gpt: Adam's eps (default 1e-8)");
+  cmd.add_option("--adam-beta1", o.adam.beta1, "gpt: Adam's beta1");
+  cmd.add_option("--adam-beta2", o.adam.beta2, "gpt: Adam's beta2 (Megatron's default: 0.999)");
+  cmd.add_option("--adam-eps", o.adam.eps, "gpt: Adam's eps");
   cmd.add_option("--sgd-momentum", o.adam.momentum,
-                 "gpt with --optimizer sgd: momentum (default 0: none)");
+                 "gpt with --optimizer sgd: momentum (0: none)");
   cmd.add_option("--lr-warmup-iters", o.adam.schedule.warmup_iters,
                  "gpt: steps of linear warm-up from --lr-warmup-init to --lr, as Megatron's "
-                 "(step 1 runs at --lr-warmup-init; default 0: none)");
+                 "(step 1 runs at --lr-warmup-init; 0: none)");
   cmd.add_option("--lr-warmup-init", o.adam.schedule.warmup_init,
-                 "gpt: the learning rate warm-up starts from (default 0)");
+                 "gpt: the learning rate warm-up starts from");
   cmd.add_option("--lr-decay-style", raw.lr_decay_style,
-                 "gpt: constant (the default), linear or cosine decay from --lr to --min-lr "
-                 "after the warm-up, as Megatron's")
+                 "gpt: constant, linear or cosine decay from --lr to --min-lr "
+                 "after the warm-up, as Megatron's (whose default is linear)")
       ->check(CLI::IsMember({"constant", "linear", "cosine"}));
   cmd.add_option("--lr-decay-iters", o.adam.schedule.decay_iters,
-                 "gpt: the step count the decay ends at, warm-up included (default: --steps)");
+                 "gpt: the step count the decay ends at, warm-up included (0: --steps)");
   cmd.add_option("--min-lr", o.adam.schedule.min_lr,
-                 "gpt: the learning rate after the decay (default 0)");
+                 "gpt: the learning rate after the decay");
 }
 
 void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {

@@ -110,6 +110,7 @@ FaultTarget fault_target(const RunOptions& o) {
   run.shared_expert = g.moe() && g.moe_shared_ffn > 0;
   run.expert_bias = g.moe() && g.moe_expert_bias;
   run.aux_loss = g.moe() && g.moe_aux_coeff > 0;
+  run.decoupled_decay = o.adam.kind == OptimizerKind::AdamW && o.adam.weight_decay > 0;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || padded_vocab(g, par, t) > g.vocab_size;
