@@ -480,7 +480,10 @@ Gpt<S>::Gpt(const GptConfig& config, ParamSet<S> params, std::uint64_t dropout_s
   if (c.vocab_size < 1 || c.block_size < 1 || c.hidden < 1 || c.heads < 1 || c.layers < 0)
     throw UsageError("reference Gpt: vocab, block size, hidden and heads must be >= 1");
   check_gpt_architecture(c);
-  grads_ = zeros_like_specs<S>(gpt_param_specs(config_));
+  const std::vector<ParamSpec> specs = gpt_param_specs(config_);
+  grads_ = zeros_like_specs<S>(specs);
+  for (const ParamSpec& p : specs)
+    if (p.shape.size() == 1) one_dim_.insert(p.name);
   expert_bias_.assign(static_cast<std::size_t>(std::max<Index>(c.layers, 0)),
                       Vector<S>::Zero(std::max<Index>(c.num_experts, 0)));
   set_params(std::move(params));
@@ -505,8 +508,8 @@ double Gpt<S>::clip_gradients(double max_norm) {
 }
 
 template <class S>
-void Gpt<S>::adam_step(const AdamConfig& adam) {
-  adam_.step(adam, params_, grads_);
+void Gpt<S>::optimizer_step(const AdamConfig& config) {
+  optimizer_.step(config, params_, grads_, one_dim_);
   if (config_.moe_expert_bias)
     for (Index l = 0; l < config_.layers; ++l)
       if (config_.moe_layer(l))
@@ -602,7 +605,7 @@ S Gpt<S>::forward_backward(const GptBatch& batch) {
   // This step's dropout at each site: its masks are drawn by global index, keyed by the
   // step (the Adam steps taken so far), so a rerun of the step draws the same.
   const auto dropout = [&](const std::string& site) {
-    return Dropout<S>(c.dropout, dropout_seed_, "dropout/" + site, adam_.steps());
+    return Dropout<S>(c.dropout, dropout_seed_, "dropout/" + site, optimizer_.steps());
   };
 
   // ------------------------------------------------------------ forward

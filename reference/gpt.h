@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -38,9 +39,10 @@ class Gpt {
   // Forward and backward on one batch; returns the loss, fills logits() [B*T, V] (row
   // b*T+t is position t of sequence b; all T positions) and grads() (overwritten).
   S forward_backward(const GptBatch& batch);
-  // One torch.optim.Adam step on grads(), then each MoE layer's expert bias update; the
-  // internal step counter starts at 1.
-  void adam_step(const AdamConfig& adam);
+  // One step of the configured optimizer (Adam, AdamW or SGD, reference/optim.h) on
+  // grads(), then each MoE layer's expert bias update; the internal step counter starts
+  // at 1.
+  void optimizer_step(const AdamConfig& config);
   // Clips grads() by their global L2 norm (reference/optim.h, clip_grad_norm), the term
   // scales with them; returns the norm before clipping.
   double clip_gradients(double max_norm);
@@ -84,9 +86,9 @@ class Gpt {
   const ParamSet<S>& params() const { return params_; }
   const ParamSet<S>& grads() const { return grads_; }
   const GptConfig& config() const { return config_; }
-  std::int64_t adam_steps() const { return adam_.steps(); }
+  std::int64_t optimizer_steps() const { return optimizer_.steps(); }
   // The optimizer's state after the last step (its moments), for the update's error model.
-  const Adam<S>& optimizer() const { return adam_; }
+  const Optimizer<S>& optimizer() const { return optimizer_; }
   // Replaces the parameters (checked against gpt_param_specs); keeps the Adam state.
   void set_params(ParamSet<S> params);
 
@@ -114,7 +116,8 @@ class Gpt {
   std::uint64_t dropout_seed_;
   ParamSet<S> params_;
   ParamSet<S> grads_;
-  Adam<S> adam_;
+  Optimizer<S> optimizer_;
+  std::set<std::string> one_dim_;  // the parameters of one dimension (biases, norm weights)
   std::vector<BlockActs> blocks_;  // [L]
   Matrix<S> lnf_xhat_;             // [N, H]
   Vector<S> lnf_rstd_;             // [N]

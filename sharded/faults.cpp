@@ -168,6 +168,9 @@ const std::vector<FaultInfo>& all_faults() {
       {Fault::ReassemblyShardOrder, "reassembly-shard-order",
        "reassembly (gather_full, --save-final): shards placed at the next rank's offset",
        {.mlp = true, .gpt = true}},
+      {Fault::AdamwDecayAsL2, "adamw-decay-as-l2",
+       "AdamW's decoupled weight decay applied as L2 in the gradient (torch.optim.Adam's)",
+       {.mlp = false, .gpt = true, .min_tp = 1, .decoupled_decay = true}},
   };
   return kFaults;
 }
@@ -246,6 +249,9 @@ std::string fault_inapplicable(Fault f, const FaultTarget& run) {
   if (s.rank_holds_sequences && !run.rank_holds_sequences)
     return "misplaces rows only where a rank routes two sequences or more: it needs "
            "--batch-size above dp x tp";
+  if (s.decoupled_decay && !run.decoupled_decay)
+    return "breaks AdamW's decoupled weight decay; it needs --optimizer adamw and "
+           "--weight-decay above 0";
   if (s.sp_chunk_mid_sequence && !run.sp_chunk_mid_sequence)
     return "miscounts positions from a rank's first token, which at every degree of this run "
            "starts a sequence (batch x sequence / tp is a multiple of --seq-len)";

@@ -80,6 +80,9 @@ enum class Fault {
                              // rank: a destination off by one, the counts consistent with it
   // reassembly (gather_full: what train --save-final writes)
   ReassemblyShardOrder,    // shards placed at the next rank's offset
+  // the optimizer (sharded/parameter.h)
+  AdamwDecayAsL2,          // AdamW's decoupled decay applied as Adam's L2 term in the
+                           // gradient (torch.optim.Adam where AdamW was asked for)
 };
 
 // Whether a parallelism option must be on, must be off, or does not matter for a fault.
@@ -112,6 +115,7 @@ struct FaultScope {
   bool expert_bias = false;    // --moe-router-enable-expert-bias
   bool aux_loss = false;       // --moe-aux-loss-coeff above 0
   bool rank_holds_sequences = false;  // some rank routes the tokens of 2+ sequences
+  bool decoupled_decay = false;  // --optimizer adamw with --weight-decay above 0
   // Whether it breaks the model named `model` ("mlp", "gpt").
   bool covers(const std::string& model) const { return model == "mlp" ? mlp : gpt; }
 };
@@ -148,6 +152,7 @@ struct FaultTarget {
   bool moe = false, shared_expert = false, expert_bias = false, aux_loss = false;
   bool rank_holds_sequences = false;  // some degree's B·T/(dp·t) tokens per rank exceed T
   int ep = 1;
+  bool decoupled_decay = false;  // AdamW with a weight decay
 };
 
 // "" when `f` changes such a run at some TP degree; otherwise why it cannot ("needs

@@ -901,7 +901,7 @@ double ShardedGpt::forward_backward() {
 }
 
 void ShardedGpt::optimizer_step() {
-  adam_step(be_, params_, adam_, ++step_);
+  tpsim::optimizer_step(be_, params_, adam_, ++step_, fault_);
   for (auto& b : blocks_)
     if (b->moe) b->moe->update_expert_bias();
 }

@@ -11,6 +11,7 @@
 
 #include "backend/backend.h"
 #include "model/config.h"
+#include "sharded/faults.h"
 #include "sharded/shard_map.h"
 
 namespace tpsim {
@@ -21,6 +22,8 @@ struct Parameter {
   Tensor grad;    // spec.local_shape(), compute_dtype(): f32 for a bf16 model
   Tensor adam_m;  // spec.local_shape(), compute_dtype(), allocated by the first Adam step
   Tensor adam_v;
+  Tensor momentum;  // spec.local_shape(), compute_dtype(): SGD's momentum buffer, allocated
+                    // by the first SGD step with momentum
   Tensor master;  // spec.local_shape(), f32; defined only when value is bf16
 };
 
@@ -37,7 +40,11 @@ void load_full(Backend& be, Parameter& p, const std::vector<double>& full);
 void set_values(Backend& be, Parameter& p, const double* values);
 
 void sgd_step(Backend& be, std::vector<Parameter>& params, double lr);
-void adam_step(Backend& be, std::vector<Parameter>& params, const AdamConfig& c,
-               std::int64_t step);
+// The learning rate of `step` (from 1) under c's schedule (config.h, LrSchedule).
+double scheduled_lr(const AdamConfig& c, std::int64_t step);
+// One step (from 1) of c's optimizer, Adam, AdamW or SGD (config.h), at scheduled_lr.
+// `fault`: Fault::AdamwDecayAsL2 plants its bug (sharded/faults.h); any other is none.
+void optimizer_step(Backend& be, std::vector<Parameter>& params, const AdamConfig& c,
+                    std::int64_t step, Fault fault = Fault::None);
 
 }  // namespace tpsim

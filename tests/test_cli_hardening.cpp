@@ -171,6 +171,8 @@ TEST_CASE("a fault that cannot apply to the run is refused", "[cli]") {
   expect_usage("verify --model gpt --tp 2 --inject-fault vocab-range-off-by-one", "needs --loss-parallel");
   expect_usage("verify --model gpt --tp 2 --inject-fault drop-target-logit-all-reduce", "needs --loss-parallel");
   expect_usage("verify --model gpt --tp 2 --inject-fault sp-ln-grad-not-summed", "needs --sequence-parallel");
+  expect_usage("verify --model gpt --tp 2 --inject-fault adamw-decay-as-l2",
+               "needs --optimizer adamw and --weight-decay above 0");
   expect_usage("verify --model gpt --tp 2 --sequence-parallel --inject-fault gpt-missing-g",
                "cannot apply with --sequence-parallel");
   expect_usage("verify --model mlp --tp 1 --inject-fault mlp-drop-f-backward",

@@ -386,7 +386,7 @@ TEST_CASE("reference GPT matches PyTorch on a small model", "[reference]") {
     CHECK(close(model.grads().at(g.name).data()[g.flat], g.value));
   }
   for (int step = 0; step < 3; ++step) {
-    model.adam_step(AdamConfig{});
+    model.optimizer_step(AdamConfig{});
     const double l = model.forward_backward(batch);
     INFO("after Adam step " << step + 1 << ": ours " << l << ", torch " << losses_after_adam[step]);
     CHECK(close(l, losses_after_adam[step]));
@@ -490,13 +490,14 @@ TEST_CASE("reference Adam matches a hand computation", "[reference]") {
   //   p -= 0.1 m_hat / (sqrt(v_hat) + 1e-8) = [p0 - 0.0390326227623518, p1 + 0.0600092251599501]
   //                                          = [0.86096737890431486, -1.8399907848400498]
   // (hand derivation; the final digits were checked with a few lines of Python floats)
-  const AdamConfig cfg{0.1, 0.9, 0.95, 1e-8, 0.1};
+  AdamConfig cfg;  // lr 0.1, betas 0.9/0.95, eps 1e-8, L2 decay 0.1
+  cfg.lr = 0.1;
   ParamSet<double> p, g;
   p["w"] = Matrix<double>(1, 2);
   p["w"] << 1.0, -2.0;
   g["w"] = Matrix<double>(1, 2);
   g["w"] << 0.5, 0.1;
-  tpsim::ref::Adam<double> adam;
+  tpsim::ref::Optimizer<double> adam;
   adam.step(cfg, p, g);
   CHECK(adam.steps() == 1);
   CHECK(p["w"](0, 0) == Approx(0.90000000166666664).epsilon(1e-15));
@@ -512,22 +513,22 @@ TEST_CASE("reference Adam matches a hand computation", "[reference]") {
   CHECK(p["w"](0, 1) == Approx(-1.8399907848400498).epsilon(1e-14));
 }
 
-TEST_CASE("reference GPT adam_step is torch.optim.Adam on grads(), and set_params keeps its state",
+TEST_CASE("reference GPT optimizer_step is torch.optim.Adam on grads(), and set_params keeps its state",
           "[reference]") {
   const GptConfig c = small_config();
   const GptBatch batch = small_batch(c);
   const AdamConfig adam;  // lr 0.01, betas (0.9, 0.95), eps 1e-8, weight decay 0.1
   const auto p0 = tpsim::ref::init_params<double>(tpsim::gpt_param_specs(c), 3);
 
-  // Two steps, written out element by element (not through ref::Adam).
+  // Two steps, written out element by element (not through ref::Optimizer).
   Gpt<double> model(c, p0);
   ParamSet<double> m, v;
   for (int t = 1; t <= 2; ++t) {
     model.forward_backward(batch);
     const ParamSet<double> before = model.params();
     const ParamSet<double> grads = model.grads();
-    model.adam_step(adam);
-    CHECK(model.adam_steps() == t);
+    model.optimizer_step(adam);
+    CHECK(model.optimizer_steps() == t);
     for (const auto& [name, p] : before) {
       if (t == 1) m[name] = v[name] = Matrix<double>::Zero(p.rows(), p.cols());
       double worst = 0;
@@ -552,12 +553,12 @@ TEST_CASE("reference GPT adam_step is torch.optim.Adam on grads(), and set_param
   Gpt<double> a(c, p0), b(c, p0);
   for (int t = 0; t < 3; ++t) {
     a.forward_backward(batch);
-    a.adam_step(adam);
+    a.optimizer_step(adam);
     b.forward_backward(batch);
-    b.adam_step(adam);
+    b.optimizer_step(adam);
     b.set_params(ParamSet<double>(b.params()));
   }
-  CHECK(b.adam_steps() == 3);
+  CHECK(b.optimizer_steps() == 3);
   for (const auto& [name, p] : a.params()) CHECK(b.params().at(name) == p);
 }
 
@@ -636,7 +637,7 @@ std::vector<double> five_adam_losses(const GptConfig& c) {
   std::vector<double> losses;
   for (int step = 0; step < 5; ++step) {
     losses.push_back(model.forward_backward(batch));
-    model.adam_step(AdamConfig{});
+    model.optimizer_step(AdamConfig{});
   }
   return losses;
 }

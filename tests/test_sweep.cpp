@@ -220,6 +220,9 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
       {"moe-clip-norm-missing-experts", {"reference", "grad_norm", "rank 0/2", 2}},
       // Every shard is right; only the reassembled tensors (what --save-final writes) are not.
       {"reassembly-shard-order", {"reassembled", "fc1.weight.grad", "reassembled from 2", 2}},
+      // The one case trained with AdamW (Megatron-core's, llama dp 2 x tp 4): the first
+      // parameter's update, wte's, on every rank.
+      {"adamw-decay-as-l2", {"reference", "wte.weight", "dp 0/2, rank 0/4", 4}},
   };
   const auto list = run_tpsim("verify --list-faults");
   REQUIRE(list.exit_code == 0);

@@ -280,6 +280,7 @@ TEST_CASE("verify --tp-invariant catches every built-in fault in f32 and bf16, n
        "act/h.0.ln2.out.grad"},
       {"sp-all-gather-chunk-order", "--sequence-parallel", "act/h.0.attn.q", "act/h.0.attn.q"},
       {"reassembly-shard-order", "", "h.0.attn.q_proj.weight.grad", ""},
+      {"adamw-decay-as-l2", "--optimizer adamw --weight-decay 0.1", "wte.weight", ""},
   };
   for (const char* dtype : {"f32", "bf16"})
     for (const auto& e : faults) {

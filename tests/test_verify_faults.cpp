@@ -111,6 +111,17 @@ TEST_CASE("verify catches the new fault classes, each by the check meant for it"
                 "--model mlp ");
 }
 
+TEST_CASE("verify catches AdamW's decay applied as L2, at the first updated weight",
+          "[cli][faults][optim]") {
+  // The gradients are right; the update of the first parameter, wte, is not, at every
+  // degree (tp 1 included) and on every rank.
+  for (int tp : {1, 2}) {
+    Expect e{"adamw-decay-as-l2", "--optimizer adamw --weight-decay 0.1", "wte.weight", "", ""};
+    e.tp = tp;
+    expect_caught(e, kSmallGpt);
+  }
+}
+
 TEST_CASE("without a fault the same configurations pass", "[cli][faults]") {
   for (const char* flags : {"", "--loss-parallel", "--sequence-parallel",
                             "--loss-parallel --sequence-parallel"}) {

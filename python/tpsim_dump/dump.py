@@ -69,7 +69,9 @@ def write_weights(path, weights, names="tpsim", config=None, te_norms=False):
 
 def write_manifest(out, world_size, steps, config, dtype, optimizer, parallel=None, names="tpsim",
                    layouts=None, model="gpt"):
-    """manifest.json in `out`. optimizer: Adam's lr, beta1, beta2, eps, weight_decay (L2);
+    """manifest.json in `out`. optimizer: Adam's lr, beta1, beta2, eps, weight_decay (L2),
+    or with "name": "adamw" (decoupled decay) or "sgd" (and "momentum"), and "lr_schedule"
+    or "lr_per_step" for a learning rate that changes (docs/dump-format.md);
     parallel: loss_parallel, sequence_parallel, make_vocab_divisible_by; layouts: {tpsim
     name: "replicated" or {"split_dim": d, "padded": P}} for tensors whose layout is not
     Megatron's default (renamed into `names`; a fused tensor's layout is its convention's)."""

@@ -65,6 +65,12 @@ const char* choice_name(const NamedChoice<E> (&table)[N], E value) {
     if (c.value == value) return c.name;
   return "?";
 }
+template <class E, std::size_t N>
+std::optional<E> choice_named(const NamedChoice<E> (&table)[N], const std::string& name) {
+  for (const auto& c : table)
+    if (name == c.name) return c.value;
+  return std::nullopt;
+}
 
 // The seed's GPT (see docs/models.md, "The models") by default; the architecture fields
 // make it GPT-2, Llama or anything between.
@@ -179,13 +185,66 @@ enum class RecomputeKind {
 std::int64_t recompute_chunk_layers(RecomputeKind kind, std::int64_t requested,
                                     std::int64_t layers);
 
-// torch.optim.Adam: weight decay is L2 added to the gradient; bias-corrected moments.
+// The GPT's optimizer (the MLP's is plain SGD), each as its torch.optim class computes it
+// (docs/models.md, "The optimizer"):
+//   adam   torch.optim.Adam: weight decay is L2, wd·w added to the gradient before the
+//          moments (tpsim's optimizer before AdamW existed, and still the default);
+//   adamw  torch.optim.AdamW: decoupled, w *= 1 − lr·wd before the Adam update of the
+//          gradient alone (Megatron-core's "adam", torchtitan's and Hugging Face's AdamW);
+//   sgd    torch.optim.SGD with momentum μ (dampening 0, no Nesterov): L2 decay, then
+//          buf = g' at step 1, μ·buf + g' after, and w −= lr·buf.
+enum class OptimizerKind { Adam, AdamW, Sgd };
+inline constexpr NamedChoice<OptimizerKind> kOptimizerNames[] = {
+    {"adam", OptimizerKind::Adam}, {"adamw", OptimizerKind::AdamW}, {"sgd", OptimizerKind::Sgd}};
+
+// Megatron's --lr-decay-style (its inverse-square-root and WSD are not modelled).
+enum class LrDecayStyle { Constant, Linear, Cosine };
+inline constexpr NamedChoice<LrDecayStyle> kLrDecayNames[] = {{"constant", LrDecayStyle::Constant},
+                                                              {"linear", LrDecayStyle::Linear},
+                                                              {"cosine", LrDecayStyle::Cosine}};
+
+// The learning rate of each step, as Megatron's OptimizerParamScheduler sets it: the
+// scheduler's count n is the number of steps already taken (step t, from 1, runs at
+// n = t − 1), and with W warm-up and D decay iterations
+//   n <= W (W > 0): warmup_init + (lr − warmup_init)·n/W   (so step 1 runs at warmup_init)
+//   constant:       lr
+//   n > D:          min_lr
+//   otherwise:      min_lr + c·(lr − min_lr), r = (n − W)/(D − W), c = 1 − r (linear) or
+//                   (1 + cos(π·r))/2 (cosine).
+// `per_step`, when not empty, is the run's own list instead (a dump's lr_per_step):
+// step t runs at per_step[t − 1].
+struct LrSchedule {
+  std::int64_t warmup_iters = 0;  // W, --lr-warmup-iters
+  double warmup_init = 0.0;       // --lr-warmup-init
+  LrDecayStyle decay_style = LrDecayStyle::Constant;
+  std::int64_t decay_iters = 0;   // D, --lr-decay-iters; 0: the run's --steps (Megatron's
+                                  // default, --train-iters)
+  double min_lr = 0.0;            // --min-lr
+  std::vector<double> per_step;
+  // Whether every step runs at the peak lr (the schedule changes nothing).
+  bool constant() const {
+    return per_step.empty() && warmup_iters == 0 && decay_style == LrDecayStyle::Constant;
+  }
+};
+
+// Named for Adam, the default; holds every optimizer's settings. `lr` is the peak learning
+// rate, the schedule's max_lr.
 struct AdamConfig {
   double lr = 0.01;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
+  double beta1 = 0.9;   // --adam-beta1
+  double beta2 = 0.95;  // --adam-beta2
+  double eps = 1e-8;    // --adam-eps
   double weight_decay = 0.1;
+  OptimizerKind kind = OptimizerKind::Adam;  // --optimizer
+  double momentum = 0.0;                     // sgd: --sgd-momentum
+  LrSchedule schedule;
+  // false (--weight-decay-params 2d): the parameters of one dimension, biases and norm
+  // weights, are not decayed, as Megatron-core's and Hugging Face Trainer's defaults
+  // exempt them; true: every parameter is (torch.optim with one parameter group,
+  // torchtitan).
+  bool decay_1d = true;
+  // The weight decay of a parameter of `dims` dimensions.
+  double decay_of(std::size_t dims) const { return decay_1d || dims > 1 ? weight_decay : 0.0; }
 };
 
 struct ParamSpec {

@@ -108,10 +108,12 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
       add(MemCategory::Gradient, f + ".grad", both, -1, bc);
     }
     if (q.dtype == DType::BF16) add(MemCategory::OptimizerState, n + ".master", s, -1, 4);
-    if (q.adam) {
+    if (q.adam && q.optimizer != OptimizerKind::Sgd) {
       add(MemCategory::OptimizerState, n + ".adam_m", s, -1, bc);
       add(MemCategory::OptimizerState, n + ".adam_v", s, -1, bc);
     }
+    if (q.adam && q.optimizer == OptimizerKind::Sgd && q.momentum != 0.0)
+      add(MemCategory::OptimizerState, n + ".momentum_buffer", s, -1, bc);
   }
 
   // ---- inputs (i64) ----

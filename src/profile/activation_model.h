@@ -74,7 +74,9 @@ struct GptMemoryQuery {
   bool loss_parallel = false;
   std::int64_t make_vocab_divisible_by = 1;
   DType dtype = DType::F32;
-  bool adam = true;  // Adam's m and v exist (after the first optimizer step)
+  bool adam = true;  // the optimizer's state exists (after the first optimizer step)
+  OptimizerKind optimizer = OptimizerKind::Adam;  // Adam and AdamW: m and v; SGD: a
+  double momentum = 0.0;                          // momentum buffer unless momentum is 0
   // --tp-invariant: the canonical chunks C (sharded/tp_invariant.h); 0 when the mode is off.
   // The vocabulary pads to C·M at every t, and the mode's partials and their gathered
   // copies (sharded/gpt.cpp's Invariant, the cross-entropy's chunked exp-sum) are counted.

@@ -48,6 +48,7 @@ struct RawFlags {
   int moe_renorm = 0, no_moe_renorm = 0, moe_bias = 0, no_moe_bias = 0;
   int norm_bias = 0, no_norm_bias = 0, linear_bias = 0, no_linear_bias = 0;
   int tied = 0, untied = 0;
+  std::string optimizer = "adam", lr_decay_style = "constant", decay_params = "all";
 };
 
 // Flags that describe one configuration. Without --model, verify runs the default sweep,
@@ -56,7 +57,11 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--layers", "--batch-size", "--seq-len", "--load", "--data",
                                  "--loss-parallel", "--sequence-parallel",
                                  "--make-vocab-divisible-by", "--resync", "--batch", "--preset",
-                                 "--lr", "--weight-decay", "--html", "--norm", "--norm-bias",
+                                 "--lr", "--weight-decay", "--optimizer", "--adam-beta1",
+                                 "--adam-beta2", "--adam-eps", "--sgd-momentum",
+                                 "--weight-decay-params",
+                                 "--lr-warmup-iters", "--lr-warmup-init", "--lr-decay-style",
+                                 "--lr-decay-iters", "--min-lr", "--html", "--norm", "--norm-bias",
                                  "--no-norm-bias", "--linear-bias", "--no-linear-bias", "--mlp",
                                  "--ffn-hidden", "--positions", "--rope-theta", "--rope-style",
                                  "--kv-heads", "--tied-embeddings", "--untied-embeddings",
@@ -92,6 +97,39 @@ std::vector<std::string> model_names() {
   return names;
 }
 
+// The GPT's optimizer and learning-rate schedule (config.h), with Megatron's spellings.
+void add_optimizer_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw) {
+  cmd.add_option("--optimizer", raw.optimizer,
+                 "gpt: adam (torch.optim.Adam, weight decay as L2 in the gradient), adamw (torch.optim.AdamW, decoupled decay: Megatron-core's adam) "
+                 "or sgd (torch.optim.SGD with --sgd-momentum, L2 decay)")
+      ->check(CLI::IsMember({"adam", "adamw", "sgd"}));
+  cmd.add_option("--weight-decay", o.adam.weight_decay,
+                 "gpt: weight decay, L2 for --optimizer adam and sgd, decoupled for adamw");
+  cmd.add_option("--weight-decay-params", raw.decay_params,
+                 "gpt: all (every parameter decays: torchtitan's) or 2d (biases "
+                 "and norm weights, the parameters of one dimension, do not: Megatron-core's "
+                 "and Hugging Face Trainer's default)")
+      ->check(CLI::IsMember({"all", "2d"}));
+  cmd.add_option("--adam-beta1", o.adam.beta1, "gpt: Adam's beta1");
+  cmd.add_option("--adam-beta2", o.adam.beta2, "gpt: Adam's beta2 (Megatron's default: 0.999)");
+  cmd.add_option("--adam-eps", o.adam.eps, "gpt: Adam's eps");
+  cmd.add_option("--sgd-momentum", o.adam.momentum,
+                 "gpt with --optimizer sgd: momentum (0: none)");
+  cmd.add_option("--lr-warmup-iters", o.adam.schedule.warmup_iters,
+                 "gpt: steps of linear warm-up from --lr-warmup-init to --lr, as Megatron's "
+                 "(step 1 runs at --lr-warmup-init; 0: none)");
+  cmd.add_option("--lr-warmup-init", o.adam.schedule.warmup_init,
+                 "gpt: the learning rate warm-up starts from");
+  cmd.add_option("--lr-decay-style", raw.lr_decay_style,
+                 "gpt: constant, linear or cosine decay from --lr to --min-lr "
+                 "after the warm-up, as Megatron's (whose default is linear)")
+      ->check(CLI::IsMember({"constant", "linear", "cosine"}));
+  cmd.add_option("--lr-decay-iters", o.adam.schedule.decay_iters,
+                 "gpt: the step count the decay ends at, warm-up included (0: --steps)");
+  cmd.add_option("--min-lr", o.adam.schedule.min_lr,
+                 "gpt: the learning rate after the decay");
+}
+
 void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) {
   cmd.add_option("-m,--model", raw.model,
                  "mlp (the seed's naive TP MLP); gpt (the seed's transformer), gpt2 (LayerNorm "
@@ -108,8 +146,9 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
                  "statistics, main gradients, master weights and Adam state): the sharded "
                  "model's precision");
   cmd.add_option("-s,--steps", raw.steps, "training steps (default: mlp 2, gpt 5)");
-  cmd.add_option("--lr", o.lr, "learning rate (mlp: SGD, gpt: Adam)");
-  cmd.add_option("--weight-decay", o.adam.weight_decay, "Adam's L2 weight decay (gpt)");
+  cmd.add_option("--lr", o.lr, "learning rate (mlp: SGD; gpt: --optimizer's, the peak of the "
+                               "--lr-* schedule)");
+  add_optimizer_flags(cmd, o, raw);
   cmd.add_option("--seed", raw.seed, "seed of weights and data (0 or more)");
   cmd.add_option("--vocab-size", o.gpt.vocab_size, "gpt vocabulary size");
   cmd.add_option("--block-size,--max-position-embeddings", o.gpt.block_size, "gpt context length (wpe rows)");
@@ -380,6 +419,10 @@ void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DTy
     o.batch_size = o.mlp.batch = parse_int_flag("--batch-size", raw.batch_size, min64, max64);
   o.seed = static_cast<std::uint64_t>(parse_int_flag("--seed", raw.seed, 0, max64));
   o.adam.lr = o.lr;
+  o.adam.kind = *choice_named(kOptimizerNames, raw.optimizer);
+  o.adam.schedule.decay_style = *choice_named(kLrDecayNames, raw.lr_decay_style);
+  o.adam.decay_1d = raw.decay_params == "all";
+  if (o.adam.schedule.decay_iters == 0) o.adam.schedule.decay_iters = o.steps;  // Megatron's
   o.fault = parse_fault(raw.fault);
   o.device.backend = parse_backend_kind(raw.backend);
   o.device.comm = parse_comm_kind(raw.comm);

@@ -96,6 +96,7 @@ RunOptions run_options_of(const DumpManifest& m, const CheckOptions& c, const Gp
   o.gpt = m.config;
   o.adam = m.adam;
   o.lr = m.adam.lr;
+  if (o.adam.schedule.decay_iters == 0) o.adam.schedule.decay_iters = m.steps;  // Megatron's
   o.clip_grad = m.clip_grad;
   o.loss_parallel = m.parallel.loss_parallel;
   o.sequence_parallel = m.parallel.sequence_parallel;

@@ -109,7 +109,8 @@ std::vector<SweepCase> default_sweep(const RunOptions& base, int strength) {
   // whose replicas hold different counts of labels. First without clipping, so that a DP
   // fault is named at the gradient it breaks; then, in the four modes, with clipping at
   // 0.5, below the norm (about 1.6 at step 1): the clipped gradients and the norm are
-  // checked too. Then Llama with kv heads replicated over tp 4, under SP, as 2 x 4 ranks.
+  // checked too. Then Llama with kv heads replicated over tp 4, under SP, as 2 x 4 ranks,
+  // with Megatron-core's AdamW.
   auto data_parallel = [&](const std::string& fam, std::vector<int> tp,
                            double clip, std::int64_t kv) {
     RunOptions d = small_gpt(base, fam, std::move(tp));
@@ -126,6 +127,10 @@ std::vector<SweepCase> default_sweep(const RunOptions& base, int strength) {
   for_each_mode(dp, [&](const std::string& m) { all.push_back({"gpt dp 2 clip 0.5 " + m, dp}); });
   dp = data_parallel("llama", {4}, 0.5, 2);
   set_mode(dp, "--sequence-parallel");
+  // trained as Megatron-core trains: AdamW, decay 0.01, biases and norm weights exempt
+  dp.adam.kind = OptimizerKind::AdamW;
+  dp.adam.weight_decay = 0.01;
+  dp.adam.decay_1d = false;
   all.push_back({"llama kv<tp dp 2 clip 0.5 --sequence-parallel", dp});
 
   // Mixture-of-Experts, folded onto the TP ranks: DeepSeek-style (16 experts of F/4, top 4,

@@ -136,6 +136,38 @@ DumpLayout parse_layout(const json& v, const std::string& name, const std::strin
 
 }  // namespace
 
+// optimizer.weight_decay_params: whether the parameters of one dimension decay.
+constexpr NamedChoice<bool> kDecayParamsNames[] = {{"all", true}, {"2d", false}};
+
+// The optimizer's lr_schedule (Megatron's, config.h's LrSchedule) or lr_per_step (the
+// run's own list, one per step), or neither: every step at lr.
+LrSchedule parse_lr_schedule(Fields& opt, std::int64_t steps, const std::string& source) {
+  LrSchedule s;
+  const json* list = opt.get("lr_per_step");
+  const json* sched = opt.get("lr_schedule");
+  if (list && sched)
+    opt.fail("optimizer.lr_per_step", "and optimizer.lr_schedule exclude each other");
+  if (list) {
+    if (!list->is_array() || static_cast<std::int64_t>(list->size()) != steps)
+      opt.fail("optimizer.lr_per_step", "must be a list of " + std::to_string(steps) +
+                                            " numbers (one per step), got " + describe(*list));
+    for (const json& v : *list) {
+      if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1e6))
+        opt.fail("optimizer.lr_per_step", "holds " + describe(v) + ", not a number in [0, 1e6]");
+      s.per_step.push_back(v.get<double>());
+    }
+  }
+  if (!sched) return s;
+  Fields f(*sched, "optimizer.lr_schedule", source);
+  s.warmup_iters = f.integer_or("warmup_iters", 0, 0, 1'000'000);
+  s.warmup_init = f.number_or("warmup_init", 0.0, 0.0, 1e6);
+  s.decay_style = f.choice_or("decay_style", kLrDecayNames, LrDecayStyle::Constant);
+  s.decay_iters = f.integer_or("decay_iters", 0, 0, 1'000'000);  // 0: the dump's steps
+  s.min_lr = f.number_or("min_lr", 0.0, 0.0, 1e6);
+  f.no_others();
+  return s;
+}
+
 DumpManifest parse_manifest(const std::string& text, const std::string& source) {
   json j;
   try {
@@ -221,14 +253,23 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
 
   if (const json* opt = top.get("optimizer")) {
     Fields f(*opt, "optimizer", source);
-    if (f.string("name") != "adam")
-      f.fail("optimizer.name", "expected \"adam\", got " + describe(f.need("name")));
+    const auto kind = choice_named(kOptimizerNames, f.string("name"));
+    if (!kind)
+      f.fail("optimizer.name", "expected \"adam\", \"adamw\" or \"sgd\", got " +
+                                   describe(f.need("name")));
+    m.adam.kind = *kind;
     m.adam.lr = f.number_or("lr", m.adam.lr, 0.0, 1e6);
-    m.adam.beta1 = f.number_or("beta1", m.adam.beta1, 0.0, 1.0);
-    m.adam.beta2 = f.number_or("beta2", m.adam.beta2, 0.0, 1.0);
-    m.adam.eps = f.number_or("eps", m.adam.eps, 0.0, 1.0);
+    if (m.adam.kind == OptimizerKind::Sgd) {
+      m.adam.momentum = f.number_or("momentum", 0.0, 0.0, 1.0);
+    } else {
+      m.adam.beta1 = f.number_or("beta1", m.adam.beta1, 0.0, 1.0);
+      m.adam.beta2 = f.number_or("beta2", m.adam.beta2, 0.0, 1.0);
+      m.adam.eps = f.number_or("eps", m.adam.eps, 0.0, 1.0);
+    }
     m.adam.weight_decay = f.number_or("weight_decay", m.adam.weight_decay, 0.0, 1e6);
+    m.adam.decay_1d = f.choice_or("weight_decay_params", kDecayParamsNames, true);
     m.clip_grad = f.number_or("clip_grad", 0.0, 0.0, 1e300);
+    m.adam.schedule = parse_lr_schedule(f, m.steps, source);
     f.no_others();
   }
   if (const json* par = top.get("parallel")) {
@@ -283,15 +324,30 @@ nlohmann::json manifest_json(const DumpManifest& m) {
                   {"rope_style", choice_name(kRopeStyleNames, c.rope_style)},
                   {"kv_heads", c.kv()}, {"tied_embeddings", c.tied_embeddings}}},
       {"dtype", dtype_name(m.dtype)},
-      {"optimizer", {{"name", "adam"}, {"lr", m.adam.lr}, {"beta1", m.adam.beta1},
-                     {"beta2", m.adam.beta2}, {"eps", m.adam.eps},
+      {"optimizer", {{"name", choice_name(kOptimizerNames, m.adam.kind)}, {"lr", m.adam.lr},
                      {"weight_decay", m.adam.weight_decay}}},
       {"parallel", {{"loss_parallel", m.parallel.loss_parallel},
                     {"sequence_parallel", m.parallel.sequence_parallel},
                     {"make_vocab_divisible_by", m.parallel.make_vocab_divisible_by}}},
       {"names", convention_name(m.names)},
   };
-  if (m.clip_grad > 0) j["optimizer"]["clip_grad"] = m.clip_grad;
+  json& opt = j["optimizer"];
+  if (m.adam.kind == OptimizerKind::Sgd) {
+    opt["momentum"] = m.adam.momentum;
+  } else {
+    opt["beta1"] = m.adam.beta1;
+    opt["beta2"] = m.adam.beta2;
+    opt["eps"] = m.adam.eps;
+  }
+  if (m.clip_grad > 0) opt["clip_grad"] = m.clip_grad;
+  if (!m.adam.decay_1d) opt["weight_decay_params"] = "2d";
+  const LrSchedule& s = m.adam.schedule;
+  if (!s.per_step.empty())
+    opt["lr_per_step"] = s.per_step;
+  else if (!s.constant())
+    opt["lr_schedule"] = {{"warmup_iters", s.warmup_iters}, {"warmup_init", s.warmup_init},
+                          {"decay_style", choice_name(kLrDecayNames, s.decay_style)},
+                          {"decay_iters", s.decay_iters}, {"min_lr", s.min_lr}};
   if (c.moe()) {
     json& k = j["config"];
     k["num_experts"] = c.num_experts;

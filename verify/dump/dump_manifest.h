@@ -24,12 +24,24 @@ struct DumpLayout {
   std::int64_t padded = 0;   // the split dimension's length after padding; 0: unpadded
 };
 
+// torch.optim.Adam's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, no weight decay): what
+// a manifest's missing optimizer fields mean.
+inline AdamConfig torch_adam_defaults() {
+  AdamConfig c;
+  c.lr = 1e-3;
+  c.beta1 = 0.9;
+  c.beta2 = 0.999;
+  c.eps = 1e-8;
+  c.weight_decay = 0.0;
+  return c;
+}
+
 struct DumpManifest {
   int world_size = 1;
   std::int64_t steps = 1;
   GptConfig config;
   DType dtype = DType::F64;
-  AdamConfig adam{1e-3, 0.9, 0.999, 1e-8, 0.0};  // torch.optim.Adam's defaults
+  AdamConfig adam = torch_adam_defaults();
   // optimizer.clip_grad: the cap of torch.nn.utils.clip_grad_norm_ before each step (0:
   // none); the dump then holds step{s}/grad_norm, the norm before clipping, and its
   // gradients are the clipped ones.

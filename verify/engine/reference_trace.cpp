@@ -134,19 +134,16 @@ class OwnBounds {
       const auto n = static_cast<std::size_t>(g.size());
       const double scale = gradient_scale(st, name, g);
       const double e = n ? grad_bound * scale / std::sqrt(static_cast<double>(n)) : 0.0;
-      double update = 0.0;
+      double& a = carried_abs_[name];
+      const double before = fresh() ? 0.0 : a;
       if constexpr (requires { model.optimizer(); }) {
         const auto& opt = model.optimizer();
-        const ref::Matrix<double>& m = opt.first_moment().at(name);
-        const ref::Matrix<double>& v = opt.second_moment().at(name);
-        update = adam_update_error({m.data(), n}, {v.data(), n}, adam_, opt.steps(), e);
+        a = before * carry_factor(name, opt) + optimizer_update(name, opt, e, n, before);
       } else {
         const auto kink = st.kink_allowance.find(name + ".grad");
-        update = sgd_update_error(lr_, e, n) +
-                 (kink == st.kink_allowance.end() ? 0.0 : lr_ * kink->second);
+        a = before + sgd_update_error(lr_, e, n) +
+            (kink == st.kink_allowance.end() ? 0.0 : lr_ * kink->second);
       }
-      double& a = carried_abs_[name];
-      a = (fresh() ? 0.0 : a) + update;
       const double wn = w.norm();
       st.update_allowance[name] = a;
       relative.push_back(a == 0.0 ? 0.0 : wn > 0 ? a / wn : INFINITY);
@@ -168,13 +165,39 @@ class OwnBounds {
         rho = std::max(rho, bf16_->bound(name + ".grad", st.step, t) +
                                 (st.clipped ? bf16_->largest_gradient_bound(st.step, t) : 0.0));
       const double e = n ? rho * gradient_scale(st, name, g) / std::sqrt(static_cast<double>(n)) : 0.0;
-      const ref::Matrix<double>& m = opt.first_moment().at(name);
-      const ref::Matrix<double>& v = opt.second_moment().at(name);
       double& a = carried_abs_[name];
-      a = (fresh() ? 0.0 : a) + adam_update_error({m.data(), n}, {v.data(), n}, adam_, opt.steps(), e);
+      const double before = fresh() ? 0.0 : a;
+      a = before * carry_factor(name, opt) + optimizer_update(name, opt, e, n, before);
       st.update_allowance[name] = a;
     }
     restart_ = false;
+  }
+
+  // What `name`'s carried error is scaled by in this step's decay (U7).
+  template <class Opt>
+  double carry_factor(const std::string& name, const Opt& opt) const {
+    AdamConfig c = adam_;
+    c.weight_decay = opt.weight_decay(name);
+    return decay_carry_factor(c, opt.last_lr());
+  }
+  // This step's update error of `name` (tolerance.cpp, "The update" and U6-U8), from the
+  // reference optimizer's state after the step: gradient errors of `e` per element over
+  // its `n`, and `carried`, the weight's absolute error before the step.
+  template <class Opt>
+  double optimizer_update(const std::string& name, const Opt& opt, double e, std::size_t n,
+                          double carried) {
+    AdamConfig c = adam_;
+    c.lr = opt.last_lr();
+    c.weight_decay = opt.weight_decay(name);
+    if (opt.kind() != OptimizerKind::Sgd) {
+      const ref::Matrix<double>& m = opt.first_moment().at(name);
+      const ref::Matrix<double>& v = opt.second_moment().at(name);
+      return adam_update_error({m.data(), n}, {v.data(), n}, c, opt.steps(), e);
+    }
+    const double grad_error = e * std::sqrt(static_cast<double>(n)) + c.weight_decay * carried;
+    double& buf = momentum_error_[name];
+    buf = momentum_buffer_error(c.momentum == 0.0 ? 0.0 : buf, c.momentum, grad_error);
+    return c.lr * buf;
   }
 
   // The relative error `param` carries into the next step (0 when steps restart from the
@@ -196,6 +219,7 @@ class OwnBounds {
   std::unique_ptr<ToleranceModel> bf16_;       // bf16 GPT runs: the gradients' bounds
   double carried_ = 0.0;                       // for the next step
   std::map<std::string, double> carried_abs_;  // A_p
+  std::map<std::string, double> momentum_error_;  // SGD: ‖δbuf‖ of U8, never restarted
 };
 
 std::string describe_tie(std::int64_t layer, const ref::RoutingTie& t) {
@@ -310,7 +334,7 @@ void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params), o.seed);
     g.record_points(true);
-    trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.adam_step(o.adam); },
+    trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.optimizer_step(o.adam); },
           bounds, storage, slot, published, rebase, follow);
   }
 }
@@ -326,7 +350,7 @@ FreeRunningReference::~FreeRunningReference() = default;
 double FreeRunningReference::step_and_distance(const TensorMap& params) {
   model_->forward_backward(in_.gpt_batch);
   if (o_.clip_grad > 0) model_->clip_gradients(o_.clip_grad);
-  model_->adam_step(o_.adam);
+  model_->optimizer_step(o_.adam);
   double diff2 = 0, norm2 = 0;
   for (const auto& [name, f] : model_->params()) {
     const auto it = params.find(name);

@@ -167,6 +167,48 @@ double carried_weight_error(std::span<const double> relative_weight_errors) {
   return 2.0 * std::sqrt(2.0 * sum);
 }
 
+// ---- AdamW, SGD with momentum, the schedule (--optimizer, --lr-*) ---------------------
+//
+// "The update" above is Adam's with L2 decay. The other optimizers (config.h) change it so:
+//  (U6) The schedule. Step t runs at lr_t, the same number on both sides (each computes
+//       it; a dump's manifest gives it). Every term of U3-U5 is linear in lr, so the
+//       step's bound is U5's at lr_t (the moments' bias corrections count the optimizer's
+//       steps, not the schedule's). [rigorous]
+//  (U7) AdamW: w' = (1 − lr_t·wd)·w − Δ, Δ = Adam's update of the gradient alone, so m̂
+//       and v̂ are the gradient's moments and U1-U5 hold for Δ as they stand. The decay's
+//       own term changes two things. The weight's carried error δw passes through it
+//       scaled: A' = |1 − lr_t·wd|·A + ‖δΔ‖, no growth while lr_t·wd <= 2 (and no
+//       weight-decayed run has lr·wd near 1). The product rounds once more: u·‖w‖
+//       norm-wise, inside b, the storage bound the updated weight is held to (b >= 4u for
+//       every dtype; f64's 1e-10 pass mark is ~10^6 u). [rigorous] L2 decay (adam, sgd)
+//       instead adds wd·δw to g' (for Adam, U5's note). wd is the parameter's own (0 for
+//       one exempted by --weight-decay-params 2d).
+//  (U8) SGD with momentum μ: buf_t = μ·buf_{t−1} + g'_t, Δ = lr_t·buf_t, so by the
+//       triangle inequality ‖δbuf_t‖ <= μ·‖δbuf_{t−1}‖ + ‖δg'_t‖ with ‖δg'_t‖ <= e·sqrt(n)
+//       + wd·A (U1's gradient error, and L2 decay's share of the weight's carried error A),
+//       and ‖δΔ‖ <= lr_t·‖δbuf_t‖. The buffer is the sharded side's own across steps
+//       (--resync and check restart the weights, not the optimizer), so its bound carries
+//       from step to step in every mode. [rigorous, given U1] The sharded model forms
+//       g' + μ·buf in another order of roundings than torch's (sharded/parameter.cpp):
+//       one rounding of g', inside U1's e.
+//  bf16 (the a-priori model below, "(5) Steps"): AdamW's flips are Adam's (the moments
+//  see the gradient alone) and its decay adds one f32 rounding u_a of the master per step;
+//  SGD's update error is rho_g per step times the buffer's gain Σ_{k<t} μ^k (every step's
+//  gradient has the same relative bound, and each step is smaller than the weight).
+double momentum_buffer_error(double previous, double momentum, double grad_error) {
+  return momentum * previous + grad_error;
+}
+
+double decay_carry_factor(const AdamConfig& c, double lr) {
+  return c.kind == OptimizerKind::AdamW ? std::abs(1.0 - lr * c.weight_decay) : 1.0;
+}
+
+double momentum_gain(double momentum, std::int64_t t) {
+  double gain = 0.0, power = 1.0;
+  for (std::int64_t k = 0; k < t; ++k, power *= momentum) gain += power;
+  return gain;
+}
+
 // ---- bf16: per-tensor bounds --------------------------------------------------------
 //
 // bf16 sharded (Megatron's mixed precision, backend.h) vs float64 reference, norm-wise
@@ -293,12 +335,15 @@ ToleranceModel::ToleranceModel(const RunOptions& o)
   u_acc_ = tpsim::accumulation_roundoff(DType::BF16);
   steps_ = static_cast<int>(std::max<std::int64_t>(1, o.steps));
   const auto model = describe_model(o);
-  adam_ = model->adam();
+  adam_ = model->adam() && o.adam.kind != OptimizerKind::Sgd;
+  decoupled_ = model->adam() && o.adam.kind == OptimizerKind::AdamW;
+  momentum_ = model->adam() && o.adam.kind == OptimizerKind::Sgd ? o.adam.momentum : 0.0;
 
   // Depths, the bf16 sums up to each tensor, and the parameters.
   const std::vector<std::string> order = model->tensor_order(/*clipped=*/false);
   const std::vector<ParamSpec> specs = model->param_specs();
-  const double lr = adam_ ? o.adam.lr : o.lr;
+  // The peak: a schedule's every rate is at most --lr (validate.cpp).
+  const double lr = model->adam() ? o.adam.lr : o.lr;
   int sums = 0;
   for (std::size_t k = 0; k < order.size(); ++k) {
     const std::string& n = order[k];
@@ -415,7 +460,8 @@ void ToleranceModel::build_weights(int ti) {
       const std::string g = q.name + ".grad";
       const double rho_g = chain(q.grad_depth, sums_before(g), reads(g), s, ti) + clip;
       const double flips = q.every_element_may_flip ? 2.0 : std::min(kFlip * std::sqrt(rho_g), 2.0);
-      const double update = adam_ ? flips * q.lr_over_rms : rho_g;
+      const double update = adam_ ? flips * q.lr_over_rms + (decoupled_ ? u_acc_ : 0.0)
+                                  : rho_g * momentum_gain(momentum_, s);
       next[p] = (resync_ ? u_acc_ : master[p]) + update;
       err[su][p] = next[p] + u_store_;  // the bf16 cast of the updated master, once
       mx[su] = std::max(mx[su], err[su][p]);

@@ -45,6 +45,17 @@ double sgd_update_error(double lr, double e, std::size_t n);
 // norm-wise bound of every tensor of the next step: each weight is read in forward and in
 // backward, and the chain's condition is allowed a factor 2 (tolerance.cpp).
 double carried_weight_error(std::span<const double> relative_weight_errors);
+// The optimizers beside Adam (tolerance.cpp, "AdamW, SGD with momentum, the schedule"):
+// SGD's momentum buffer's error bound after a step, μ·`previous` (the bound after the step
+// before) plus `grad_error`, this step's norm-wise error of g' (μ = 0: no buffer, the
+// gradient's error alone); the update's share is the step's lr times it.
+double momentum_buffer_error(double previous, double momentum, double grad_error);
+// The factor a weight's carried error passes through the step's weight decay with: AdamW's
+// w·(1 − lr·wd) scales it by |1 − lr·wd|; L2 decay acts through the gradient: 1.
+double decay_carry_factor(const AdamConfig& c, double lr);
+// bf16's a-priori form of the buffer's error: Σ_{k<t} μ^k, the gradient bound's gain at
+// step t (from 1) when every step's gradient has the same relative bound.
+double momentum_gain(double momentum, std::int64_t t);
 
 // Per-tensor bounds for a bf16 run, from the error model written out in tolerance.cpp:
 // each tensor's bound grows with its depth in the step (forward, then backward), with the
@@ -95,6 +106,8 @@ class ToleranceModel {
   double uniform_ = 0.0;  // the bound of a run without per-tensor bounds
   double u_store_ = 0.0, u_acc_ = 0.0, k_max_ = 0.0;
   bool adam_ = true, resync_ = false, clip_ = false;
+  bool decoupled_ = false;  // AdamW: the master is also scaled by 1 − lr·wd every step
+  double momentum_ = 0.0;   // SGD's momentum (adam_ false)
   int steps_ = 1, max_depth_ = 1, max_sums_ = 0;
   std::vector<int> tp_;  // the run's TP degrees
   std::unordered_map<std::string, int> depth_;      // tensor -> i

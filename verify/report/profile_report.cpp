@@ -321,7 +321,7 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
     for (std::size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
     if (names.empty()) os << "none";
     os << " = " << mib(bytes) << " MiB of parameters per rank (as much again for gradients and "
-       << "twice for Adam)\n";
+       << "twice for Adam's moments)\n";
   }
 
   // ---- activations per layer, measured vs predicted ----
@@ -426,7 +426,7 @@ void print_tp_profile(std::ostream& os, const RunOptions& o, const TpProfile& ru
   for (const auto& r : ranks) st.push_back(step_stats(r));
   const int counted = st.empty() ? 0 : st.front().steps;
   os << "\ntime per step, ms (mean over " << counted << " step" << (counted == 1 ? "" : "s")
-     << (o.steps > 1 ? ", step 1 left out: it warms up, and allocates Adam's state" : "")
+     << (o.steps > 1 ? ", step 1 left out: it warms up, and allocates the optimizer's state" : "")
      << ")\n";
   {
     std::vector<std::string> h = {"op class"};

@@ -109,6 +109,8 @@ GptMemoryQuery memory_query(const RunOptions& o, int tp, bool adam) {
   q.make_vocab_divisible_by = o.make_vocab_divisible_by;
   q.dtype = o.dtype;
   q.adam = adam;
+  q.optimizer = o.adam.kind;
+  q.momentum = o.adam.momentum;
   q.canonical_chunks = o.tp_invariant ? kCanonicalChunks : 0;
   q.recompute = o.recompute;
   q.recompute_layers = o.recompute_layers;

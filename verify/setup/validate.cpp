@@ -110,6 +110,7 @@ FaultTarget fault_target(const RunOptions& o) {
   run.shared_expert = g.moe() && g.moe_shared_ffn > 0;
   run.expert_bias = g.moe() && g.moe_expert_bias;
   run.aux_loss = g.moe() && g.moe_aux_coeff > 0;
+  run.decoupled_decay = o.adam.kind == OptimizerKind::AdamW && o.adam.weight_decay > 0;
   for (int t : o.tp) {
     run.max_tp = std::max(run.max_tp, t);
     run.padded = run.padded || padded_vocab(g, par, t) > g.vocab_size;
@@ -193,6 +194,40 @@ void check_moe_layout(const RunOptions& o) {
   }
 }
 
+// The optimizer and its learning-rate schedule (config.h): torch.optim's ranges and
+// Megatron's rules for the schedule.
+void check_optimizer(const RunOptions& o) {
+  const AdamConfig& a = o.adam;
+  const double below_one = std::nextafter(1.0, 0.0);
+  if (o.model == ModelKind::Mlp &&
+      (a.kind != OptimizerKind::Adam || a.momentum != 0.0 || !a.schedule.constant() ||
+       !a.decay_1d))
+    throw UsageError("--optimizer, --sgd-momentum, --weight-decay-params and the --lr-* "
+                     "schedule are the gpt's: the mlp trains with plain SGD at --lr");
+  check_float("--adam-beta1", a.beta1, 0, true, below_one);
+  check_float("--adam-beta2", a.beta2, 0, true, below_one);
+  check_float("--adam-eps", a.eps, 0, false, 1);
+  check_float("--sgd-momentum", a.momentum, 0, true, below_one);
+  if (a.momentum != 0.0 && a.kind != OptimizerKind::Sgd)
+    throw UsageError("--sgd-momentum " + num(a.momentum) + ": only with --optimizer sgd");
+  const LrSchedule& s = a.schedule;
+  check_int("--lr-warmup-iters", s.warmup_iters, 0, kMaxSteps);
+  check_int("--lr-decay-iters", s.decay_iters, 0, kMaxSteps);
+  // Megatron asserts warmup_init <= lr and min_lr <= lr: the peak is the largest rate.
+  check_float("--lr-warmup-init", s.warmup_init, 0, true, a.lr);
+  check_float("--min-lr", s.min_lr, 0, true, a.lr);
+  if (s.decay_style != LrDecayStyle::Constant && s.decay_iters <= s.warmup_iters)
+    throw UsageError("--lr-decay-iters " + std::to_string(s.decay_iters) +
+                     " must exceed --lr-warmup-iters " + std::to_string(s.warmup_iters) +
+                     " for a decaying --lr-decay-style (it defaults to --steps)");
+  if (s.per_step.empty()) return;
+  if (static_cast<std::int64_t>(s.per_step.size()) != o.steps)
+    throw UsageError("lr_per_step: " + std::to_string(s.per_step.size()) + " learning rates for " +
+                     std::to_string(o.steps) + " steps");
+  for (double lr : s.per_step)
+    check_float("lr_per_step", lr, 0, true, std::numeric_limits<double>::infinity());
+}
+
 
 }  // namespace
 
@@ -206,6 +241,7 @@ void validate_run_options(const RunOptions& o) {
   check_float("--lr", o.lr, 0, false, std::numeric_limits<double>::infinity());
   check_float("--weight-decay", o.adam.weight_decay, 0, true,
               std::numeric_limits<double>::infinity());
+  check_optimizer(o);
   check_float("--timeout", o.timeout_s, 0, false, kMaxTimeout);
   const auto model = describe_model(o);
   check_int("--batch-size", model->batch_rows(), 1, kMaxBatch);
