@@ -12,6 +12,7 @@ result recorded in docs/testing.md; --check (no build, a second) is cheap enough
   scripts/verifier_mutations.py                  # every mutation: CAUGHT or MISSED
   scripts/verifier_mutations.py --only nan,norm  # those whose names contain a word
   scripts/verifier_mutations.py --check          # every mutation still finds its code
+  scripts/verifier_mutations.py --only nan --tests '[compare]~[bounds]'  # other tests
 """
 import argparse
 import os
@@ -48,6 +49,9 @@ MUTATIONS = [
        "if (o.dtype == DType::F64) return 1000 * kF64Tolerance;"),
       ("verify/engine/tolerance.cpp", "uniform_ = largest_ = kF64Tolerance;",
        "uniform_ = largest_ = 1000 * kF64Tolerance;")], "[bounds]"),
+    ("a comparison passed at 1000x its bound",
+     [("verify/engine/compare.cpp", "c.pass = c.rel_err <= c.tolerance && ",
+       "c.pass = c.rel_err <= 1000 * c.tolerance && ")], "[bounds]"),
     ("float32 tolerance loosened tenfold",
      [("verify/engine/tolerance.cpp", "kCondition = 4.0", "kCondition = 40.0")], "[tolerance]"),
     ("a NaN treated as a pass",
@@ -114,6 +118,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated words; run the mutations "
                     "whose names contain one of them")
+    ap.add_argument("--tests", default="", help="a Catch2 test spec to run for every "
+                    "mutation instead of its own (e.g. to see what older tests catch)")
     ap.add_argument("--check", action="store_true",
                     help="only check that every mutation finds its code, once (no build)")
     args = ap.parse_args()
@@ -151,6 +157,7 @@ def main():
         if base.returncode != 0:
             sys.exit("HEAD does not build:\n" + base.stdout[-1500:])
         for name, edits, tests in chosen:
+            tests = args.tests or tests
             start = time.time()
             saved = {}
             for path, old, new in edits:
