@@ -117,7 +117,7 @@ def failed_cases(report):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated words; run the mutations "
-                    "whose names contain one of them")
+                    "whose names contain one of them (in any case)")
     ap.add_argument("--tests", default="", help="a Catch2 test spec to run for every "
                     "mutation instead of its own (e.g. to see what older tests catch)")
     ap.add_argument("--check", action="store_true",
@@ -125,8 +125,8 @@ def main():
     args = ap.parse_args()
     # The tree this script lies in (a copy of it too, as tests/repo_rules_test.sh makes).
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    words = [w for w in args.only.split(",") if w]
-    chosen = [m for m in MUTATIONS if not words or any(w in m[0] for w in words)]
+    words = [w.lower() for w in args.only.split(",") if w]
+    chosen = [m for m in MUTATIONS if not words or any(w in m[0].lower() for w in words)]
     if not chosen:
         sys.exit(f"no mutation's name contains any of {words}")
     stale = [(m[0], p) for m in chosen for p in missing(repo, m[1])]
