@@ -19,6 +19,14 @@ const std::vector<FaultInfo>& all_faults() {
        "MLP: skip f's backward all-reduce before fc1", kMlp},
       {Fault::MlpFc2SplitRows, "mlp-fc2-split-rows",
        "MLP: slice row-parallel fc2 by rows instead of columns", kMlp},
+      {Fault::MlpSumOffBy1e9, "mlp-sum-off-by-1e-9",
+       "MLP: g's sum scaled by 1 + 1e-9 (millions of ulp): 10x float64's "
+       "bound, under float32's",
+       {.mlp = true, .gpt = false, .f64_only = true}},
+      {Fault::MlpSumOffBy5e11, "mlp-sum-off-by-5e-11",
+       "a control, not a bug: the MLP's g's sum scaled by 1 + 5e-11, half float64's bound; "
+       "verify must pass it",
+       {.mlp = true, .gpt = false, .f64_only = true, .control = true}},
       {Fault::GptMissingF, "gpt-missing-f", "GPT: no f (copy_to_tp_region) before q/k/v",
        kGptNoSp},
       {Fault::GptMissingG, "gpt-missing-g",

@@ -13,6 +13,8 @@ enum class Fault {
   // MLP
   MlpDropFBackward,     // f's backward all-reduce skipped: the input gradient stays partial
   MlpFc2SplitRows,      // fc2 (row-parallel) sliced by rows instead of columns
+  MlpSumOffBy1e9,       // g's sum scaled by 1 + 1e-9: above float64's bound, under float32's
+  MlpSumOffBy5e11,      // a control, no bug: g's sum scaled by 1 + 5e-11, half float64's bound
   // GPT
   GptMissingF,          // no f before the attention's q/k/v: ln1's gradient stays partial
   GptMissingG,          // no g after the MLP's ffn2: the residual gets a partial sum
@@ -95,6 +97,9 @@ struct FaultScope {
   Needs sequence_parallel = Needs::Either;
   int min_tp = 2;          // below it the broken code path computes the right thing
   bool f64_only = false;   // its error is below float32's tolerance
+  // Not a bug but a control: a change within every bound, which verify must pass (a bound
+  // tighter than its documented value fails it). --list-faults, the bugs, leaves it out.
+  bool control = false;
   bool vocab_padding = false;  // acts on padded vocabulary rows: some must exist
   // The architecture it needs (a GPT of another shape has no such code path).
   bool linear_bias = false, norm_bias = false, swiglu = false, rope = false;

@@ -46,6 +46,10 @@ double ShardedMlp::forward_backward() {
   fc2_.forward(be_, y_, a_);
   comm_.set_label("fc2 g");
   reduce_from_tp_region_forward(comm_, y_);  // g
+  // The faults: a sum off by a relative 1e-9 (or 5e-11, a control) on every rank alike, as
+  // a reduction that rounds wrongly in one place would be; at tp 1 there is no sum.
+  if (comm_.world_size() > 1 && fault_ == Fault::MlpSumOffBy1e9) be_.scale_inplace(y_, 1.0 + 1e-9);
+  if (comm_.world_size() > 1 && fault_ == Fault::MlpSumOffBy5e11) be_.scale_inplace(y_, 1.0 + 5e-11);
   loss_ = be_.mse_forward(y_, target_);
   // backward
   be_.mse_backward(dy_, y_, target_);

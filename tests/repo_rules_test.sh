@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# ctest: the repository's own rules (scripts/check_layers.py, scripts/check_docs.py) hold
+# ctest: the repository's own rules (scripts/check_layers.py, scripts/check_docs.py, and
+# scripts/verifier_mutations.py --check: every mutation still finds the code it breaks) hold
 # on this tree, and each checker fails where its rule is broken on purpose, in a scratch
 # copy: an upward include, a broken link, an unreachable page, a flag the CLI lacks, an
-# oversized README.
+# oversized README, a mutation whose code has changed.
 #   tests/repo_rules_test.sh TPSIM_BINARY SOURCE_DIR
 set -euo pipefail
 tpsim=$1
 src=$2
 python3 "$src/scripts/check_layers.py" "$src"
 python3 "$src/scripts/check_docs.py" "$tpsim" "$src"
+python3 "$src/scripts/verifier_mutations.py" --check
 
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
@@ -56,3 +58,9 @@ fresh; head -c 13000 /dev/zero | tr '\0' 'x' >>"$dir/d/README.md"
 expect_fail "README size" "over 12500" python3 "$src/scripts/check_docs.py" "$tpsim" "$dir/d"
 fresh; sed -i 's/the [0-9]* bugs it knows how to plant/the 17 bugs it knows how to plant/' "$dir/d/README.md"
 expect_fail "stale fault count" "says '17 bugs it knows'" python3 "$src/scripts/check_docs.py" "$tpsim" "$dir/d"
+
+# Mutations: verify's code changed under one of them (the float32 pass mark's constant).
+mkdir -p "$dir/m/scripts" && cp "$src/scripts/verifier_mutations.py" "$dir/m/scripts/"
+cp -r "$src/verify" "$dir/m/"
+sed -i 's/kCondition = 4.0/kCondition = 4.5/' "$dir/m/verify/engine/tolerance.cpp"
+expect_fail "stale mutation" "the code it mutates has changed" python3 "$dir/m/scripts/verifier_mutations.py" --check

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -334,6 +335,25 @@ TEST_CASE("check fails on one corrupted element, naming its tensor and rank", "[
   CHECK(j["first_failure"]["tensor"] == "h.0.mlp.ffn1.weight.grad");
   CHECK(j["first_failure"]["rank"] == 1);
   CHECK(j["first_failure"]["step"] == 1);
+}
+
+TEST_CASE("check fails on a NaN or an infinity in a dump, naming its tensor, whatever the bound",
+          "[check][cli][bounds]") {
+  // f64's bound is 1e-10, f32's ~2e-4 (bf16 runs write no dumps yet): a non-finite value
+  // against a finite reference is infinitely far from it under either (compare.h).
+  for (const char* dtype : {"f64", "f32"})
+    for (const double bad : {std::numeric_limits<double>::quiet_NaN(),
+                             std::numeric_limits<double>::infinity()}) {
+      INFO(dtype << " " << bad);
+      const std::string dir =
+          make_dump(std::string("nonfinite-") + dtype, std::string("--tp 2 --dtype ") + dtype);
+      edit_values(dir, 1, "step1/h.0.mlp.ffn1.weight.grad",
+                  [&](std::vector<double>& v) { v[17] = bad; });
+      expect_first_failure(dir, "h.0.mlp.ffn1.weight.grad", 1, 1);
+      const auto first = read_json(dir + "/first.json")["first_failure"];
+      CHECK(first["rel_err"].is_null());  // infinite: JSON has no such number
+      CHECK(first["worst_index"] == nlohmann::json::array({144, 17}));
+    }
 }
 
 TEST_CASE("check refuses a bad dump with one line naming the tensor and rank", "[check][cli]") {

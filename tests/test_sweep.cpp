@@ -122,6 +122,8 @@ TEST_CASE("the default sweep catches every fault of --list-faults", "[cli][sweep
   const std::map<std::string, Caught> expect = {
       {"mlp-drop-f-backward", {"reference", "x.grad", "rank 0/2", 2}},  // the input grad stays partial
       {"mlp-fc2-split-rows", {"reference", "output", "", 2}},  // made before the loss
+      // g's sum 1e-9 off: ten times float64's bound, in g's own output (no sum at tp 1).
+      {"mlp-sum-off-by-1e-9", {"reference", "output", "", 2}},
       // ln1's input gradient, left partial by the missing all-reduce: the first activation
       // gradient backward produces after f.
       {"gpt-missing-f", {"reference", "act/h.1.ln1.out.grad", "", 2}},

@@ -83,6 +83,9 @@ class Scan {
   }
   double reference_norm() const { return ref_norm_; }
   double diff_norm() const { return std::sqrt(diff2_); }
+  // Whether some element was infinitely far from its reference (compare.h's non-finite
+  // pairings): a failure whatever the bound, an infinite one included.
+  bool infinite_distance() const { return infinite_; }
 
  private:
   // a[0..len) against ref[0..len) (or 0), flat indices k0.., all within one profile bin.
@@ -116,6 +119,7 @@ class Scan {
         ref2 += b * b;
       } else {
         d = distance(x, b);
+        infinite_ = infinite_ || d == INFINITY;
         if (std::isfinite(b)) ref2 += b * b;
         if (!std::isfinite(x)) c_.sharded_finite = false;
       }
@@ -139,6 +143,7 @@ class Scan {
   std::int64_t bin_ = 0, next_bin_ = 0;
   // Plain double sums: the norms need a few correct digits, not the last one.
   double diff2_ = 0, ref2_ = 0, best_ = -1, ref_norm_ = 0;
+  bool infinite_ = false;
   std::int64_t worst_local_ = -1;
 };
 
@@ -226,15 +231,17 @@ Comparison compare_view(const ObservationView& obs, const double* reference_full
     c.scaled = true;
   }
   c.tolerance = with_allowance(tolerance, allowance, norm);
-  // A bound that is not a finite number bounds nothing (+inf: the error model has no cap
-  // there; NaN: none could be formed) and is never compared: the comparison passes as no
-  // check (is_real_check), counted and reported as such, never as a failure of the code
-  // (issue 51: a NaN bound failed a correct 15,000-step run).
-  if (!std::isfinite(c.tolerance)) {
+  // A NaN or an infinity against a finite value is infinitely far from it: no bound, not
+  // even an infinite one, excuses that (issue 55). Otherwise a bound that is not a finite
+  // number bounds nothing (+inf: the error model has no cap there; NaN: none could be
+  // formed) and is never compared: the comparison passes as no check (is_real_check),
+  // counted and reported as such, never as a failure of the code (issue 51: a NaN bound
+  // failed a correct 15,000-step run).
+  if (!std::isfinite(c.tolerance) && !scan.infinite_distance()) {
     c.pass = true;
     return c;
   }
-  c.pass = c.rel_err <= c.tolerance;  // false for NaN
+  c.pass = c.rel_err <= c.tolerance && !scan.infinite_distance();  // false for NaN
   return c;
 }
 

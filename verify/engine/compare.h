@@ -61,9 +61,9 @@ struct Comparison {
 // Non-finite values: NaN against NaN, and an infinity against the same infinity, agree
 // (distance 0): both models computed the same overflow, so the sharding is not at fault,
 // though the run has diverged, which the ranks report (verify/engine/divergence.h, exit 3). Any
-// other pairing differs with distance infinity and fails: a finite value against a
-// non-finite one, NaN against an infinity, +inf against -inf. Only finite reference values
-// count in the norm of the reference.
+// other pairing differs with distance infinity and fails whatever the bound, an infinite
+// one too: a finite value against a non-finite one, NaN against an infinity, +inf against
+// -inf. Only finite reference values count in the norm of the reference.
 //
 // `allowance`: an absolute error norm allowed beside the relative tolerance (an updated
 // weight's error from the optimizer, verify/engine/tolerance.cpp): the block passes when
