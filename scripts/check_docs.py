@@ -89,7 +89,8 @@ def help_flags(binary, sub, cache):
 
 # Counts that prose states and the binary knows: "the 48 bugs it knows how to plant",
 # "the 17 built-in faults". Each must equal `tpsim verify --list-faults`'s line count.
-FAULT_COUNT = re.compile(r"\b(\d+) (?:built-in |planted )?(?:bugs it knows|faults)\b")
+FAULT_COUNT = re.compile(r"\b(\d+) (?:built-in |planted )?(?:bugs it knows|faults)\b|"
+                         r"--list-faults` names all (\d+)\b")
 
 
 def count_errors(binary, root, pages):
@@ -106,7 +107,7 @@ def count_errors(binary, root, pages):
         with open(page, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 for m in FAULT_COUNT.finditer(line):
-                    if int(m.group(1)) != faults:
+                    if int(m.group(1) or m.group(2)) != faults:
                         errors.append(f"{rel}:{n}: says {m.group(0)!r}, but `verify "
                                       f"--list-faults` lists {faults}")
     return errors
