@@ -60,7 +60,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   // Under MPI every process runs this; the process with rank 0 (the first) prepares and
   // writes what is written once, and prints.
   const bool lead = process_index(o.device) == 0;
-  if (dump && lead) prepare_dump_dir(o.dump_dir, tp);
+  if (dump && lead) prepare_dump_dir(o.dump_dir, tp, dump_disk_bytes(o, tp));
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
   std::ostream discard(nullptr);  // the other processes' copy of the printout

@@ -147,11 +147,29 @@ double dump_held_bytes(const RunOptions& o, int tp) {
   return held;
 }
 
-void prepare_dump_dir(const std::string& dir, int tp) {
+double dump_disk_bytes(const RunOptions& o, int tp) {
+  const DumpManifest m = manifest_of(o, tp);
+  const double elem = o.dtype == DType::F64 ? 8 : 4;
+  double bytes = 0;
+  for (int r = 0; r < tp; ++r)
+    bytes += static_cast<double>(o.steps) *
+             static_cast<double>(dump_step_size(m, o.batch_size * o.seq_len, r).f64_bytes) / 8 * elem;
+  return bytes;
+}
+
+void prepare_dump_dir(const std::string& dir, int tp, double bytes) {
   std::error_code ec;
   clear_old_dump(dir);
   std::filesystem::create_directories(dir, ec);
   if (ec) throw UsageError("--dump " + dir + ": cannot create the directory (" + ec.message() + ")");
+  // A dump is streamed to disk, so the disk bounds it: one that cannot fit is refused now,
+  // not after the run has filled the disk.
+  const auto space = std::filesystem::space(dir, ec);
+  if (!ec && bytes > static_cast<double>(space.available))
+    throw UsageError("--dump " + quote_text(dir) + ": the dump's tensors take " +
+                     std::to_string(static_cast<std::uint64_t>(std::min(bytes, 1e19))) +
+                     " bytes, more than the " + std::to_string(space.available) +
+                     " free on its file system; refused before the run");
   // (a range file's name is new in a cleared directory: the first rank file stands for them)
   for (int r = 0; r < tp; ++r) check_writable(rank_file(dir, r), "--dump");
   check_writable(manifest_file(dir), "--dump");

@@ -62,9 +62,14 @@ std::int64_t dump_steps_per_file(const RunOptions& o, int tp);
 // them, for the memory check.
 double dump_held_bytes(const RunOptions& o, int tp);
 
+// The bytes the whole dump's tensors take on disk at the run's dtype, headers not counted:
+// what the file system must hold at least.
+double dump_disk_bytes(const RunOptions& o, int tp);
+
 // Creates DIR (and its parents) and checks that every file of the dump can be written
-// there, before the run spends its time. UsageError naming --dump otherwise.
-void prepare_dump_dir(const std::string& dir, int tp);
+// there, and that its file system has `bytes` free (after an old dump there is removed),
+// before the run spends its time. UsageError naming --dump otherwise.
+void prepare_dump_dir(const std::string& dir, int tp, double bytes);
 void write_manifest(const std::string& dir, const DumpManifest& m);
 
 }  // namespace tpsim
