@@ -37,6 +37,11 @@ TEST_CASE("bad flags are one-line usage errors with exit 2", "[cli]") {
                      "--seq-len 16 --batch-size 2 --tp 2 --dtype f32 --steps 20000 "
                      "--dump-steps-per-file 20000 --dump " + temp_path("dump-20000"),
                      "--dump: 20000 steps per file make rank 0's file header at least");
+  expect_usage_error("train --model gpt --preset small --tp 2 --dump-steps-per-file 2",
+                     "--dump-steps-per-file: only with --dump");
+  expect_usage_error("train --model gpt --preset small --tp 2 --dump-steps-per-file 0 --dump " +
+                         temp_path("dump-0-per-file"),
+                     "--dump-steps-per-file");
   expect_usage_error("train --model mixtral --num-experts 1024 --layers 4096 --hidden 8 --heads 2",
                      "--num-experts 1024 x --layers 4096 = 4194304 experts in all (allowed at most 16384");
   expect_usage_error("verify --model mlp --tp 1,2,4,2", "--tp: degree 2 is listed twice");
