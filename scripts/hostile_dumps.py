@@ -253,6 +253,7 @@ def cases(s):
 
     round_two(s, m, good_manifest)
     behaviours(s)
+    step_ranges(s)
 
 
 def round_two(s, m, good_manifest):
@@ -417,6 +418,76 @@ def routing_swap(s):
     code, out, _, _ = run(s.check_args(d), s.work)
     report(s, "51.1 MoE .topk id 1e15 after a capacity swap: a mismatch, not a crash",
            code == 1 and b"mlp.router.topk" in out, out[-400:])
+
+
+def step_ranges(s):
+    """Issue 51, 8 and 9: a dump split into rank{r}.steps{a}-{b}.safetensors files must tile
+    each rank's steps exactly, with files held to the same rules as a whole rank file."""
+    base = os.path.join(s.work, "ranges")
+    shutil.rmtree(base, ignore_errors=True)
+    code, out, _, _ = run([s.tpsim, "train", "--model", "gpt", "--vocab-size", "101", "--hidden", "8",
+                           "--heads", "2", "--layers", "1", "--block-size", "16", "--seq-len", "16",
+                           "--batch-size", "2", "--tp", "2", "--steps", "4", "--dump-steps-per-file", "2",
+                           "--dump", base], s.work)
+    names = sorted(f for f in os.listdir(base) if f.startswith("rank"))
+    report(s, "51.8 train --dump of 4 steps at 2 a file: two range files per rank",
+           code == 0 and names == ["rank0.steps1-2.safetensors", "rank0.steps3-4.safetensors",
+                                   "rank1.steps1-2.safetensors", "rank1.steps3-4.safetensors"], out[-400:])
+    code, out, _, _ = run(s.check_args(base), s.work)
+    report(s, "51.9 check passes the range files", code == 0 and b"check: PASS" in out, out[-400:])
+
+    def copy(name):
+        d = os.path.join(s.work, name)
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(base, d, symlinks=True)
+        return d
+
+    def at(d, f):
+        return os.path.join(d, f)
+
+    # (case, the file moved or copied from -> to, None: removed; what the line must say)
+    files = [
+        ("a missing step range", os.remove, "rank1.steps3-4", None,
+         b"rank1.steps3-4.safetensors': missing: steps 3-4 are in no file of rank 1"),
+        ("a gap between step ranges", os.rename, "rank1.steps3-4", "rank1.steps4-4",
+         b"rank1.steps3-3.safetensors': missing: steps 3-3 are in no file of rank 1"),
+        ("overlapping step ranges", shutil.copy, "rank1.steps3-4", "rank1.steps2-3",
+         b"rank1.steps2-3.safetensors': steps 2-3 overlap"),
+        ("a step range past the manifest's steps", os.rename, "rank0.steps3-4", "rank0.steps3-5",
+         b"rank0.steps3-5.safetensors': step 5 is past the manifest's steps 4"),
+        ("a whole rank file beside range files", shutil.copy, "rank0.steps1-2", "rank0",
+         b"rank0.safetensors': rank 0 has both a whole file and step-range files"),
+        ("a range file holding other steps", shutil.copy, "rank1.steps1-2", "rank1.steps3-4",
+         b"rank1.steps3-4.safetensors': 'step1/act/embedding.out': step 1 in a file of steps 3-4"),
+    ]
+    for case, move, src, dst, says in files:
+        d = copy("range-case")
+        move(*(at(d, f + ".safetensors") for f in (src, dst) if f))
+        s.refused("51.9 " + case, d, says)
+    for stray in ("rank1.steps03-4.safetensors", "rank1.steps4-3.safetensors", "rank1.steps0-0.safetensors",
+                  "rank2.steps1-2.safetensors", "rank1.steps1-2-3.safetensors", "rank1.steps1-2.x.safetensors"):
+        d = copy("range-stray")
+        open(at(d, stray), "wb").close()
+        s.refused(f"51.9 stray file {stray}", d, stray.encode() + b"': a rank file the manifest does not know")
+    d = copy("range-passwd")
+    os.remove(at(d, "rank1.steps3-4.safetensors"))
+    os.symlink("/etc/passwd", at(d, "rank1.steps3-4.safetensors"))
+    s.refused("51.9 a range file links to /etc/passwd", d,
+              b"rank1.steps3-4.safetensors': a link to '/etc/passwd', outside the dump directory")
+    d = copy("range-outside")
+    outside = os.path.join(s.work, "outside-rank1.steps3-4.safetensors")
+    shutil.copy(at(d, "rank1.steps3-4.safetensors"), outside)
+    os.remove(at(d, "rank1.steps3-4.safetensors"))
+    os.symlink(outside, at(d, "rank1.steps3-4.safetensors"))
+    s.refused("51.9 a range file links to a valid file outside", d, b"outside the dump directory")
+    d = copy("range-fifo")
+    os.remove(at(d, "rank0.steps3-4.safetensors"))
+    os.mkfifo(at(d, "rank0.steps3-4.safetensors"))
+    s.refused("51.9 a range file is a FIFO", d, b"rank0.steps3-4.safetensors': a FIFO")
+    d = copy("range-sparse")
+    with open(at(d, "rank1.steps3-4.safetensors"), "r+b") as f:
+        f.truncate(6 << 30)
+    s.refused("51.9 a sparse range file of 6 GiB", d, b"rank1.steps3-4.safetensors': 6442450944 bytes")
 
 
 def report(s, case, ok, out):

@@ -29,12 +29,19 @@ TEST_CASE("bad flags are one-line usage errors with exit 2", "[cli]") {
   expect_usage_error("verify --model mlp --tp 2,2,2", "--tp: degree 2 is listed twice");  // issue 51
   // Issue 51: experts x layers bounded before the memory prediction builds anything per
   // expert (1024 x 4096 spent 17 s and 2.8 GB there).
-  // Issue 51, 8: a dump whose rank file header would pass the reader's 100 MB is refused
-  // before the run (it ran 70 s, then failed to write; ~19,500 steps of this model).
+  // Issue 51, 8: a dump file whose header would pass the reader's 100 MB is refused before
+  // the run (it ran 70 s, then failed to write; ~19,500 steps of this model in one file).
+  // A long dump is split into files of fewer steps; only a --dump-steps-per-file this
+  // large can ask for such a header.
   expect_usage_error("train --model gpt --vocab-size 101 --hidden 8 --heads 2 --layers 1 --block-size 16 "
-                     "--seq-len 16 --batch-size 2 --tp 2 --dtype f32 --steps 20000 --dump " +
-                         temp_path("dump-20000"),
-                     "--dump: 20000 steps make rank 0's file header at least");
+                     "--seq-len 16 --batch-size 2 --tp 2 --dtype f32 --steps 20000 "
+                     "--dump-steps-per-file 20000 --dump " + temp_path("dump-20000"),
+                     "--dump: 20000 steps per file make rank 0's file header at least");
+  expect_usage_error("train --model gpt --preset small --tp 2 --dump-steps-per-file 2",
+                     "--dump-steps-per-file: only with --dump");
+  expect_usage_error("train --model gpt --preset small --tp 2 --dump-steps-per-file 0 --dump " +
+                         temp_path("dump-0-per-file"),
+                     "--dump-steps-per-file");
   expect_usage_error("train --model mixtral --num-experts 1024 --layers 4096 --hidden 8 --heads 2",
                      "--num-experts 1024 x --layers 4096 = 4194304 experts in all (allowed at most 16384");
   expect_usage_error("verify --model mlp --tp 1,2,4,2", "--tp: degree 2 is listed twice");

@@ -3,7 +3,11 @@ never through a link, never half (a temporary file in the same directory, fsynce
 over the name), and deleting only what a manifest says a dump of ours holds. No torch."""
 import json
 import os
+import re
 import tempfile
+
+# A rank's file of steps a..b (docs/dump-format.md): `train --dump` splits a long run so.
+_RANGE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.steps([1-9][0-9]{0,8})-([1-9][0-9]{0,8})\.safetensors")
 
 
 def write_atomically(path, chunks):
@@ -31,7 +35,8 @@ def write_atomically(path, chunks):
 
 def dump_rank_files(out):
     """The rank files a dump in `out` holds by its manifest.json: rank0 ... rank{N-1} for its
-    world_size N. None when `out` holds no readable tpsim manifest."""
+    world_size N, and each rank{r}.steps{a}-{b}.safetensors there of such a rank (exactly
+    that name, a <= b). None when `out` holds no readable tpsim manifest."""
     p = os.path.join(out, "manifest.json")
     if os.path.islink(p) or not os.path.isfile(p):
         return None
@@ -43,4 +48,9 @@ def dump_rank_files(out):
         return None
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
         return None
-    return [f"rank{r}.safetensors" for r in range(n)]
+    ranges = []
+    for f in sorted(os.listdir(out)):
+        m = _RANGE.fullmatch(f)
+        if m and int(m.group(1)) < n and int(m.group(2)) <= int(m.group(3)):
+            ranges.append(f)
+    return [f"rank{r}.safetensors" for r in range(n)] + ranges

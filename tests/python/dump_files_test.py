@@ -114,6 +114,18 @@ dump.prepare_dir(out)
 case("prepare_dir removes a rank link, not its target",
      not os.path.lexists(os.path.join(out, "rank0.safetensors")) and open(victim).read() == "mine")
 
+# ...and the step-range files of a tpsim dump of that world size, by their exact names only.
+out = os.path.join(work, "ranges")
+manifest(out, world_size=2)
+for f in ("rank0.steps1-2.safetensors", "rank1.steps3-3.safetensors", "rank2.steps1-2.safetensors",
+          "rank0.steps01-2.safetensors", "rank0.steps2-1.safetensors", "rank0.steps1-2.safetensors.x"):
+    open(os.path.join(out, f), "w").write("x")
+dump.prepare_dir(out)
+left = sorted(os.listdir(out))
+case("prepare_dir deletes the manifest's ranks' step-range files and nothing else",
+     left == ["manifest.json", "rank0.steps01-2.safetensors", "rank0.steps1-2.safetensors.x",
+              "rank0.steps2-1.safetensors", "rank2.steps1-2.safetensors"], left)
+
 # Written whole, the library's files read back.
 out = os.path.join(work, "whole")
 manifest(out)

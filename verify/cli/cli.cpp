@@ -519,6 +519,10 @@ Examples:
                     "gpt: write a dump of every rank's shards, every step, to this directory "
                     "(docs/dump-format.md), with the initial weights and the batch, for "
                     "`tpsim check`");
+  train->add_option("--dump-steps-per-file", o.dump_steps_per_file,
+                    "with --dump: steps per rank file (default: as many as fit 64 MiB and "
+                    "16,384 tensors); a longer run is split into rank{r}.steps{a}-{b} files")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1'000'000'000}));
   train->footer(std::string(R"(
 Examples:
   tpsim train --model mlp --tp 1

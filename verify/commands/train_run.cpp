@@ -46,9 +46,10 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   check_tp_degree(o, tp);
   check_launch(o.device, tp * o.dp, o.dp);
   const bool dump = !o.dump_dir.empty();
-  // (the dumps are held in memory until the run ends: counted, and refused before the run
-  // if a rank file could not be written)
-  check_memory(o, "train", dump ? dump_held_bytes(o, tp) : 0.0, "the dumps held until written");
+  // (each rank holds one file's steps of its dump until it is written: counted, and refused
+  // before the run if such a file could not be read back)
+  check_memory(o, "train", dump ? dump_held_bytes(o, tp) : 0.0, "the dump files held until written");
+  const std::int64_t dump_per_file = dump ? dump_steps_per_file(o, tp) : 1;
   if (dump && o.gpt.dropout > 0)
     // tpsim's masks come from its own counter-based RNG, which a dump does not carry:
     // check could not draw them.
@@ -59,7 +60,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   // Under MPI every process runs this; the process with rank 0 (the first) prepares and
   // writes what is written once, and prints.
   const bool lead = process_index(o.device) == 0;
-  if (dump && lead) prepare_dump_dir(o.dump_dir, tp);
+  if (dump && lead) prepare_dump_dir(o.dump_dir, tp, dump_disk_bytes(o, tp));
   const RunInputs in = prepare_inputs(o);
   TrainResult result;
   std::ostream discard(nullptr);  // the other processes' copy of the printout
@@ -77,7 +78,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     auto model = make_sharded_model(o, in, be, comm,
                                     o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr);
     if (!in.loaded.empty()) model->load_params(in.loaded);
-    RankDump rank_dump(o.dtype);
+    RankDump rank_dump(o.dump_dir, at.tp_rank, o.dtype, o.steps, dump_per_file);
     if (dump) {
       // What `check --load/--data` start from: the full initial weights and the batch.
       model->record_activation_points(true);
@@ -90,6 +91,9 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     for (int step = 1; step <= o.steps; ++step) {
       // A step's time, as the PyTorch peer (bench/torch_peer.py) takes its own: rank 0's
       // wall clock between a barrier before the step and one after the optimizer's update.
+      // (train reads no collective records: kept, they grew its memory by ~2.7 KB a step)
+      comm.clear_records();
+      dp_comm.clear_records();
       comm.barrier();
       const auto t0 = std::chrono::steady_clock::now();
       const double loss = model->forward_backward();
@@ -121,10 +125,12 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
       if (rank == 0)
         result.step_seconds.push_back(
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      if (dump) rank_dump.add(step, model->observe_params());
+      if (dump) {
+        rank_dump.add(step, model->observe_params());
+        rank_dump.end_step(step);
+      }
     }
     if (dump) {
-      rank_dump.write(rank_file(o.dump_dir, at.tp_rank));
       comm.barrier();  // every rank file is written (in whichever process) before the manifest
     }
     if (!o.save_final.empty()) {
@@ -138,7 +144,8 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
   if (!lead) return result;
   if (dump) {
     write_manifest(o.dump_dir, manifest_of(o, tp));
-    print << "\ndump: " << o.dump_dir << " (" << tp << " rank files, manifest.json, "
+    const std::int64_t files = (o.steps + dump_per_file - 1) / dump_per_file;
+    print << "\ndump: " << o.dump_dir << " (" << tp * files << " rank files, manifest.json, "
        << "weights.safetensors, batch.safetensors)\n";
   }
   if (!o.json_path.empty()) {

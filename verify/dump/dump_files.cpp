@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string_view>
 #include <sys/stat.h>
 
 #include "core/errors.h"
@@ -141,6 +142,46 @@ void check_input_dir(const std::string& path, const std::string& dump_dir, std::
     if (!hold(file))
       throw UsageError(flag + " " + shown((fs::path(path) / file).string()) +
                        ": missing, though the index names it");
+}
+
+namespace {
+
+// A decimal number at the start of `s` (no sign, no leading zero, at most 9 digits),
+// and the rest of `s` after it.
+std::optional<std::int64_t> number(std::string_view& s) {
+  std::size_t n = 0;
+  while (n < s.size() && s[n] >= '0' && s[n] <= '9') ++n;
+  if (n == 0 || n > 9 || (n > 1 && s[0] == '0')) return std::nullopt;
+  std::int64_t v = 0;
+  for (std::size_t i = 0; i < n; ++i) v = v * 10 + (s[i] - '0');
+  s.remove_prefix(n);
+  return v;
+}
+
+}  // namespace
+
+std::optional<RankFileName> parse_rank_file_name(const std::string& name) {
+  std::string_view s = name;
+  constexpr std::string_view kExt = ".safetensors";
+  if (!s.starts_with("rank") || !s.ends_with(kExt)) return std::nullopt;
+  s.remove_prefix(4);
+  s.remove_suffix(kExt.size());
+  RankFileName f;
+  const auto r = number(s);
+  if (!r) return std::nullopt;
+  f.rank = static_cast<int>(*r);
+  if (s.empty()) return f;
+  if (!s.starts_with(".steps")) return std::nullopt;
+  s.remove_prefix(6);
+  const auto a = number(s);
+  if (!a || !s.starts_with("-")) return std::nullopt;
+  s.remove_prefix(1);
+  const auto b = number(s);
+  if (!b || !s.empty() || *a < 1 || *b < *a) return std::nullopt;
+  f.whole = false;
+  f.first = *a;
+  f.last = *b;
+  return f;
 }
 
 std::string read_dump_text(const std::string& dir, const std::string& name, std::uint64_t cap,

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace tpsim {
@@ -34,6 +35,16 @@ std::uint64_t check_input_file(const std::string& path, const std::string& dump_
 // it, a file may link elsewhere (the Hugging Face cache links to its blobs).
 void check_input_dir(const std::string& path, const std::string& dump_dir, std::uint64_t cap,
                      const std::string& flag);
+
+// A rank file's name, exactly: `rank{r}.safetensors` (every step of rank r) or
+// `rank{r}.steps{first}-{last}.safetensors` (steps first..last), each number in decimal
+// without a leading zero, at most 9 digits, 1 <= first <= last. nullopt for any other name.
+struct RankFileName {
+  int rank = 0;
+  bool whole = true;  // rank{r}.safetensors; else first..last
+  std::int64_t first = 0, last = 0;
+};
+std::optional<RankFileName> parse_rank_file_name(const std::string& name);
 
 // The whole file, after check_dump_file (at most `cap` bytes are read).
 std::string read_dump_text(const std::string& dir, const std::string& name, std::uint64_t cap,

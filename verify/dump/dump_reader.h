@@ -35,9 +35,10 @@ struct DumpStepSize {
 DumpStepSize dump_step_size(const DumpManifest& m, std::int64_t tokens, int rank);
 
 // A dump's rank files, checked whole when the reader is made (every file and its size,
-// every header entry's name, dtype and shape against its shard, every required tensor of
-// every step), then read one step of one rank at a time: check holds one step of every
-// rank in memory, whatever the number of steps.
+// the step ranges' tiling, every header entry's name, dtype and shape against its shard,
+// every required tensor of every step), then read one step of one rank at a time: check
+// holds one step of every rank in memory, and one file's header per rank (a dump split
+// into step ranges, docs/dump-format.md), whatever the number of steps.
 class DumpReader {
  public:
   // `tokens` is the batch's B*T (the activation points' rows); `m` must outlive the reader.
@@ -50,7 +51,12 @@ class DumpReader {
   RankStep read(std::int64_t step, int rank);
 
  private:
+  struct Chunk;
   struct Rank;
+  std::unique_ptr<Chunk> open_piece(int rank, std::size_t piece) const;
+  std::string dir_;
+  const DumpManifest& m_;
+  std::int64_t tokens_;
   std::map<std::string, DumpLayout> layouts_;  // in tpsim's names
   std::vector<std::unique_ptr<Rank>> ranks_;
 };

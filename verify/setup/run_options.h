@@ -44,6 +44,7 @@ struct RunOptions {
   std::string data_path;   // --data D.safetensors
   std::string save_final;  // --save-final F.safetensors
   std::string dump_dir;    // train --dump DIR (docs/dump-format.md)
+  std::int64_t dump_steps_per_file = 0;  // train --dump-steps-per-file (0: sized by the writer)
   std::string json_path;   // --json FILE
   std::string html_path;   // verify --html FILE
   bool resync = false;

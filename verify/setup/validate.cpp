@@ -293,6 +293,8 @@ void validate_run_options(const RunOptions& o) {
   if (!o.dump_dir.empty() && o.dp > 1)
     throw UsageError("--dump: not yet with --dp (docs/dump-format.md has no data-parallel "
                      "layout); dump one replica's run with --dp 1");
+  if (o.dump_steps_per_file > 0 && o.dump_dir.empty())
+    throw UsageError("--dump-steps-per-file: only with --dump (it sizes the dump's files)");
 
   if (o.tp_invariant) check_tp_invariant(o);
   check_moe_layout(o);
