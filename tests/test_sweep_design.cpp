@@ -116,7 +116,7 @@ TEST_CASE("every row of the table reads back from its run options", "[sweep][des
   }
 }
 
-TEST_CASE("--sweep full covers every triple of the collectives' axes", "[sweep][design]") {
+TEST_CASE("the full sweep (--sweep full) covers every triple of the collectives' axes", "[sweep][design]") {
   const SweepDesignGoal full = full_sweep_goal();
   const std::vector<SweepCase> cases = default_sweep(sweep_base(), 3);
   CHECK(cases.size() > default_sweep(sweep_base()).size());

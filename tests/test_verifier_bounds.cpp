@@ -91,7 +91,7 @@ TEST_CASE("verify's bf16 bound of the MLP's output is the error model's, per TP 
         Approx(0.0259113).epsilon(1e-5));
 }
 
-TEST_CASE("a sum off by 1e-9 fails float64; one off by 5e-11, half its bound, passes",
+TEST_CASE("a sum off by 1e-9 fails float64, and one off by 5e-11 (half its bound) passes",
           "[bounds][faults]") {
   // The planted faults scale g's sum by 1 + 1e-9 or 1 + 5e-11 on every rank: the output's
   // relative error is that factor (to ~1e-7 of itself: 1 + 1e-9 rounded to float64), and
