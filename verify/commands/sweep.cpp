@@ -215,6 +215,10 @@ SweepReport run_sweep(const std::vector<SweepCase>& cases) {
   const std::int64_t t0 = steady_now_ns();
   SweepReport rep;
   for (const auto& c : cases) {
+    if (c.options.tp_invariant && process_count(c.options.device) > 1) {
+      rep.left_out.push_back(c.name);  // (verify_run.cpp refuses it across processes)
+      continue;
+    }
     const std::int64_t c0 = steady_now_ns();
     SweepResult res{c, {}, 0.0, {}};
     // A case that throws is that case's failure, not the sweep's: the cases after it still

@@ -266,20 +266,30 @@ double TermScale::block_norm(const ShardSpec& spec) const {
   return std::sqrt(s2);
 }
 
+namespace {
+
+// A tensor whose size differs from what it is compared with (an MoE expert's rows, counted
+// by each side's own routing) fails that tensor; it is not an error of the run: no element
+// is compared, and the shard names both sizes.
+Comparison size_mismatch(const Observation& obs, const ShardSpec& spec, std::size_t other,
+                         const char* whose) {
+  Comparison c = header({obs.name, spec, obs.values});
+  c.shard += " (" + shape_str(obs.spec.full_shape) + " against " + whose + " " +
+             std::to_string(other) + " values)";
+  c.rel_err = INFINITY;
+  c.max_abs = INFINITY;
+  c.pass = false;
+  return c;
+}
+
+}  // namespace
+
 Comparison compare_to_reference(const Observation& obs, std::span<const double> reference_full,
                                 double tolerance, double allowance, const TermScale* terms,
                                 const ErrorFactors* factors) {
-  // A global shape that differs from the reference's (an MoE expert's rows, counted by
-  // each side's own routing) is a failure of this tensor, not an error of the run: no
-  // element is compared, and the shard names both sizes.
   if (static_cast<std::int64_t>(reference_full.size()) != shape_numel(obs.spec.full_shape)) {
-    Comparison c = header({obs.name, obs.spec, obs.values});
+    Comparison c = size_mismatch(obs, obs.spec, reference_full.size(), "the reference's");
     c.tolerance = tolerance;
-    c.shard += " (" + shape_str(obs.spec.full_shape) + " against the reference's " +
-               std::to_string(reference_full.size()) + " values)";
-    c.rel_err = INFINITY;
-    c.max_abs = INFINITY;
-    c.pass = false;
     return c;
   }
   return compare_view({obs.name, obs.spec, obs.values}, reference_full.data(),
@@ -308,6 +318,14 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0) {
   whole.world = 1;  // compare the whole tensor, index for index
   whole.split_dim = -1;
   const std::size_t n = obs.values.size();
+  if (static_cast<std::int64_t>(rank0.values.size()) != shape_numel(whole.full_shape)) {
+    Comparison c = size_mismatch(obs, whole, rank0.values.size(), "rank 0's");
+    c.shard = obs.spec.shard_str() + c.shard.substr(whole.shard_str().size());
+    c.rank = obs.spec.rank;
+    c.tp = obs.spec.world;
+    c.what = kReplicaCheck;
+    return c;
+  }
   const bool identical = n == rank0.values.size() &&
                          std::memcmp(obs.values.data(), rank0.values.data(), n * sizeof(double)) == 0;
   Comparison c;
@@ -333,6 +351,11 @@ Comparison compare_replica(const Observation& obs, const Observation& rank0) {
 }
 
 Comparison compare_bitwise(const Observation& obs, const std::vector<double>& tp1_full) {
+  if (static_cast<std::int64_t>(tp1_full.size()) != shape_numel(obs.spec.full_shape)) {
+    Comparison c = size_mismatch(obs, obs.spec, tp1_full.size(), "tp 1's");
+    c.what = kInvariantCheck;
+    return c;
+  }
   Comparison c = compare_view({obs.name, obs.spec, obs.values}, tp1_full.data(), tp1_full.size(), 0.0, 0.0);
   c.what = kInvariantCheck;
   c.pass = true;
@@ -361,6 +384,15 @@ Comparison compare_recomputed(const Observation& obs, const Observation& baselin
   local.split_dim = -1;
   local.world = 1;
   local.offset = 0;
+  if (baseline.values.size() != obs.values.size()) {
+    Comparison c = size_mismatch(obs, local, baseline.values.size(), "the first forward's");
+    c.shard = obs.spec.shard_str() + c.shard.substr(local.shard_str().size());
+    c.rank = obs.spec.rank;
+    c.tp = obs.spec.world;
+    c.full_shape = obs.spec.full_shape;
+    c.what = kRecomputeCheck;
+    return c;
+  }
   Comparison c = compare_view({obs.name, local, obs.values}, baseline.values.data(),
                               baseline.values.size(), 0.0, 0.0);
   c.shard = obs.spec.shard_str();

@@ -114,6 +114,9 @@ struct SweepReport {
   std::vector<SweepResult> cases;
   bool pass = true;  // every case ran and passed
   double seconds = 0.0;
+  // Cases not run because they cannot run across MPI processes yet (--tp-invariant), named
+  // in the report so that nothing is left out silently.
+  std::vector<std::string> left_out;
   // The first case that ran and found a mismatch, or null.
   const SweepResult* first_failure() const {
     for (const auto& c : cases)

@@ -430,6 +430,9 @@ void print_sweep_report(std::ostream& os, const RunOptions& base, const SweepRep
                   fmt("%.2e", t.max_rel_err).c_str(), c.seconds, c.report.pass ? "PASS" : "FAIL");
     os << line;
   }
+  if (!r.left_out.empty())
+    os << "\nleft out: " << r.left_out.size() << " --tp-invariant case(s), which do not run "
+       << "across MPI processes yet (run the sweep in one process for them)\n";
   const SweepResult* first = r.first_failure();
   const int errors = r.errors();
   const std::string also_errors =
@@ -475,6 +478,7 @@ nlohmann::json sweep_json(const RunOptions& base, const SweepReport& r) {
   j["seconds"] = r.seconds;
   j["cases"] = nlohmann::json::array();
   j["errors"] = r.errors();
+  if (!r.left_out.empty()) j["left_out"] = r.left_out;
   for (const auto& c : r.cases) {
     if (!c.error.empty()) {
       j["cases"].push_back({{"case", c.c.name},
