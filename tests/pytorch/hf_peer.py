@@ -116,7 +116,7 @@ def in_float64(config):
     torch.Tensor.float = lambda self, *a, **k: self.to(torch.float64)
 
 
-def hf_names(tensors, family, names):
+def hf_names(tensors, family, names, experts):
     """tpsim's final weights under transformers' parameter names: python/tpsim_dump's
     conventions for the dense part; Mixtral's router as mlp.gate, and its experts stacked
     as transformers 5 holds them (gate_up_proj [E, 2F, H] = each expert's [gate; up],
@@ -129,18 +129,14 @@ def hf_names(tensors, family, names):
     for i in range(L):
         if f"h.{i}.mlp.router.weight" not in moe:
             continue
-        p, E = f"h.{i}.mlp.", config_experts(moe, i)
+        p = f"h.{i}.mlp."
         out[f"model.layers.{i}.mlp.gate.weight"] = moe[p + "router.weight"]
         out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
             [torch.cat([moe[f"{p}experts.{e}.gate_proj.weight"], moe[f"{p}experts.{e}.up_proj.weight"]])
-             for e in range(E)])
+             for e in range(experts)])
         out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(
-            [moe[f"{p}experts.{e}.down_proj.weight"] for e in range(E)])
+            [moe[f"{p}experts.{e}.down_proj.weight"] for e in range(experts)])
     return out
-
-
-def config_experts(moe, layer):
-    return sum(1 for n in moe if n.startswith(f"h.{layer}.mlp.experts.") and n.endswith("down_proj.weight"))
 
 
 def main():
@@ -199,7 +195,8 @@ def main():
                       if l.strip().startswith("loss:")]
             loss_err = (max(abs(a - b) for a, b in zip(losses, theirs))
                         if len(theirs) == len(losses) else float("inf"))
-            got = hf_names(safetensors.load(out), family, names)
+            got = hf_names(safetensors.load(out), family, names,
+                           getattr(config, "num_local_experts", 0))
             worst, where = 0.0, ""
             missing = sorted(set(final) ^ set(got))
             for n, t in final.items():
