@@ -24,8 +24,10 @@ class LoggingBackend final : public Backend {
   Allocator& allocator() override { return cpu_->allocator(); }
   void synchronize() override { log_.push_back("synchronize"); }
 
+  // The inner backend's entries check and widen.
+  Bf16Widening bf16_widening() override { return {}; }
 #define TPSIM_FORWARD(ret, op, params, args) \
-  ret op params override {                   \
+  ret do_##op params override {              \
     log_.push_back(#op);                     \
     return cpu_->op args;                    \
   }

@@ -1,10 +1,10 @@
-// The CPU backend: argument checks (op_checks.h), a dtype dispatch, and one templated
-// kernel per op on raw row-major buffers. Kernels come in forward/backward pairs, side by
-// side, with the buffers' shapes in comments. Float math stays in T (float or double), as
-// a float32 device would do it; a call touching bf16 runs the f32 kernel on widened
-// shadows and rounds its bf16 outputs once (backend/bf16_widen.h). OpenBLAS does the GEMMs
-// (the per-head attention products included), Eigen the row math (expression templates,
-// which never allocate).
+// The CPU backend's do_ ops (Backend's entries have checked their arguments): a dtype
+// dispatch and one templated kernel per op on raw row-major buffers. Kernels come in
+// forward/backward pairs, side by side, with the buffers' shapes in comments. Float math
+// stays in T (float or double), as a float32 device would do it; a call touching bf16 comes
+// here as f32 shadows, which Backend's entry rounds back once (backend/bf16_widen.h), except
+// for the MoE ops, which read bf16 as it is. OpenBLAS does the GEMMs (the per-head attention
+// products included), Eigen the row math (expression templates, which never allocate).
 #include "backend/cpu_backend.h"
 
 #include <Eigen/Core>
@@ -507,13 +507,8 @@ void adam_kernel(T* param, const T* grad, T* m, T* v, i64 n, double lr, double b
 
 // ---- data movement --------------------------------------------------------------------
 
-void CpuBackend::fill(Tensor& t, double value) {
-  OpCheck c("fill", device());
-  c.arg("t", t);
-  if (t.dtype() == DType::I64) {
-    // (casting a NaN or an out-of-range double to i64 is undefined: test first)
-    if (!(std::trunc(value) == value && std::abs(value) < 0x1p63))
-      c.fail("t '" + t.tag() + "' is i64 and " + std::to_string(value) + " is not an i64 value");
+void CpuBackend::do_fill(Tensor& t, double value) {
+  if (t.dtype() == DType::I64) {  // value is an i64 value (checked)
     std::fill_n(t.data<i64>(), t.numel(), static_cast<i64>(value));
     return;
   }
@@ -527,8 +522,7 @@ void CpuBackend::fill(Tensor& t, double value) {
   });
 }
 
-void CpuBackend::copy(Tensor& dst, const Tensor& src) {
-  check_copy(device(), dst, src);
+void CpuBackend::do_copy(Tensor& dst, const Tensor& src) {
   if (dst.dtype() == DType::BF16 && src.dtype() == DType::F32)
     return round_to_bf16(dst.data<bf16>(), src.data<float>(), dst.numel());
   if (dst.dtype() == DType::F32 && src.dtype() == DType::BF16)
@@ -536,8 +530,7 @@ void CpuBackend::copy(Tensor& dst, const Tensor& src) {
   if (dst.nbytes() > 0) std::memmove(dst.raw(), src.raw(), dst.nbytes());
 }
 
-void CpuBackend::from_host(Tensor& dst, const double* src) {
-  OpCheck("from_host", device()).float_arg("dst", dst);
+void CpuBackend::do_from_host(Tensor& dst, const double* src) {
   if (dst.dtype() == DType::BF16) {
     // through f32, as a bf16 model's weights are made from its f32 master weights: a
     // direct f64 -> bf16 rounding could differ from bf16(f32(x)) where f32 rounds to a tie
@@ -552,26 +545,23 @@ void CpuBackend::from_host(Tensor& dst, const double* src) {
   });
 }
 
-void CpuBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
-  OpCheck("from_host_i64", device()).dtype("dst", dst, DType::I64);
+void CpuBackend::do_from_host_i64(Tensor& dst, const std::int64_t* src) {
   if (dst.nbytes() > 0) std::memcpy(dst.raw(), src, dst.nbytes());
 }
 
-std::vector<std::int64_t> CpuBackend::to_host_i64(const Tensor& src) {
-  OpCheck("to_host_i64", device()).dtype("src", src, DType::I64);
+std::vector<std::int64_t> CpuBackend::do_to_host_i64(const Tensor& src) {
   std::vector<std::int64_t> out(static_cast<std::size_t>(src.numel()));
   if (src.nbytes() > 0) std::memcpy(out.data(), src.raw(), src.nbytes());
   return out;
 }
 
-std::vector<double> CpuBackend::to_host(const Tensor& src) {
+std::vector<double> CpuBackend::do_to_host(const Tensor& src) {
   std::vector<double> out;
-  to_host_into(src, out);
+  do_to_host_into(src, out);
   return out;
 }
 
-void CpuBackend::to_host_into(const Tensor& src, std::vector<double>& dst) {
-  OpCheck("to_host", device()).float_arg("src", src);
+void CpuBackend::do_to_host_into(const Tensor& src, std::vector<double>& dst) {
   if (src.dtype() == DType::BF16) {
     const bf16* p = src.data<bf16>();
     dst.resize(static_cast<std::size_t>(src.numel()));
@@ -585,8 +575,7 @@ void CpuBackend::to_host_into(const Tensor& src, std::vector<double>& dst) {
   });
 }
 
-void CpuBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
-  check_columns("copy_columns", device(), src, "src", dst, "dst", col0);
+void CpuBackend::do_copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   const i64 M = dst.dim(0), n = dst.dim(1), N = src.dim(1);
   const std::size_t row_bytes = static_cast<std::size_t>(n) * dtype_size(dst.dtype());
   auto* d = static_cast<char*>(dst.raw());
@@ -597,8 +586,7 @@ void CpuBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0)
                 s + static_cast<std::size_t>(r * N + col0) * esz, row_bytes);
 }
 
-void CpuBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
-  check_columns("set_columns", device(), dst, "dst", src, "src", col0);
+void CpuBackend::do_set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   const i64 M = src.dim(0), n = src.dim(1), N = dst.dim(1);
   const std::size_t row_bytes = static_cast<std::size_t>(n) * dtype_size(src.dtype());
   auto* d = static_cast<char*>(dst.raw());
@@ -609,28 +597,14 @@ void CpuBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) 
                 s + static_cast<std::size_t>(r) * row_bytes, row_bytes);
 }
 
-void CpuBackend::add_inplace(Tensor& dst, const Tensor& src) {
-  check_same_float("add_inplace", device(), "dst", dst, "src", src);
-  if (any_bf16({&dst, &src})) {
-    Bf16Widened w(scratch_);
-    Tensor d = w.inout(dst);
-    add_inplace(d, w.in(src));
-    return w.store();
-  }
+void CpuBackend::do_add_inplace(Tensor& dst, const Tensor& src) {
   on_float(dst, [&](auto z) {
     using T = decltype(z);
     Vec<T>(dst.data<T>(), dst.numel()) += ConstVec<T>(src.data<T>(), src.numel());
   });
 }
 
-void CpuBackend::scale_inplace(Tensor& t, double s) {
-  OpCheck("scale_inplace", device()).float_arg("t", t);
-  if (any_bf16({&t})) {
-    Bf16Widened w(scratch_);
-    Tensor x = w.inout(t);
-    scale_inplace(x, s);
-    return w.store();
-  }
+void CpuBackend::do_scale_inplace(Tensor& t, double s) {
   on_float(t, [&](auto z) {
     using T = decltype(z);
     Vec<T>(t.data<T>(), t.numel()) *= T(s);
@@ -639,137 +613,70 @@ void CpuBackend::scale_inplace(Tensor& t, double s) {
 
 // ---- GEMM -------------------------------------------------------------------------------
 
-void CpuBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
-                      double alpha, double beta) {
-  const GemmDims g = check_gemm(device(), out, a, trans_a, b, trans_b);
-  if (any_bf16({&out, &a, &b})) {
-    // cuBLAS's bf16 GEMM with CUBLAS_COMPUTE_32F, up to the order of its additions: a
-    // bf16 operand widens to f32 exactly, and a product of two bf16 values (8 significant
-    // bits each) is exact in f32's 24, so the only roundings are those of the f32
-    // accumulation, which sgemm does too (in its own order: a tensor core sums in another
-    // tree), and the one rounding of each output to bf16 (when out is bf16; an f32 out,
-    // the main gradient, keeps the f32 sum). beta != 0 reads out widened and rounds
-    // alpha·op(a)·op(b) + beta·out once, as cublasGemmEx does.
-    Bf16Widened w(scratch_);
-    Tensor o = beta != 0.0 ? w.inout(out) : w.out(out);
-    gemm(o, w.in(a), trans_a, w.in(b), trans_b, alpha, beta);
-    return w.store();
-  }
+void CpuBackend::do_gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+                         double alpha, double beta) {
+  const i64 M = out.dim(0), N = out.dim(1), K = trans_a ? a.dim(0) : a.dim(1);
   on_float(a, [&](auto z) {
     using T = decltype(z);
-    gemm_kernel<T>(out.data<T>(), a.data<T>(), trans_a, b.data<T>(), trans_b, g.M, g.N, g.K,
-                   T(alpha), T(beta));
+    gemm_kernel<T>(out.data<T>(), a.data<T>(), trans_a, b.data<T>(), trans_b, M, N, K, T(alpha),
+                   T(beta));
   });
 }
 
 // ---- activations --------------------------------------------------------------------------
 
-void CpuBackend::relu_forward(Tensor& out, const Tensor& inp) {
-  check_same_float("relu_forward", device(), "out", out, "inp", inp);
-  if (any_bf16({&out, &inp})) {
-    Bf16Widened w(scratch_);
-    Tensor o = w.out(out);
-    relu_forward(o, w.in(inp));
-    return w.store();
-  }
+void CpuBackend::do_relu_forward(Tensor& out, const Tensor& inp) {
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     relu_forward_kernel<T>(out.data<T>(), inp.data<T>(), inp.numel());
   });
 }
 
-void CpuBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
-  check_act_backward("relu_backward", device(), dinp, dout, inp);
-  if (any_bf16({&dinp, &dout, &inp})) {
-    Bf16Widened w(scratch_);
-    Tensor d = w.out(dinp);
-    relu_backward(d, w.in(dout), w.in(inp));
-    return w.store();
-  }
+void CpuBackend::do_relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     relu_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
   });
 }
 
-void CpuBackend::gelu_forward(Tensor& out, const Tensor& inp) {
-  check_same_float("gelu_forward", device(), "out", out, "inp", inp);
-  if (any_bf16({&out, &inp})) {
-    Bf16Widened w(scratch_);
-    Tensor o = w.out(out);
-    gelu_forward(o, w.in(inp));
-    return w.store();
-  }
+void CpuBackend::do_gelu_forward(Tensor& out, const Tensor& inp) {
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     gelu_forward_kernel<T>(out.data<T>(), inp.data<T>(), inp.numel());
   });
 }
 
-void CpuBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
-  check_act_backward("gelu_backward", device(), dinp, dout, inp);
-  if (any_bf16({&dinp, &dout, &inp})) {
-    Bf16Widened w(scratch_);
-    Tensor d = w.out(dinp);
-    gelu_backward(d, w.in(dout), w.in(inp));
-    return w.store();
-  }
+void CpuBackend::do_gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     gelu_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
   });
 }
 
-void CpuBackend::gelu_tanh_forward(Tensor& out, const Tensor& inp) {
-  check_same_float("gelu_tanh_forward", device(), "out", out, "inp", inp);
-  if (any_bf16({&out, &inp})) {
-    Bf16Widened w(scratch_);
-    Tensor o = w.out(out);
-    gelu_tanh_forward(o, w.in(inp));
-    return w.store();
-  }
+void CpuBackend::do_gelu_tanh_forward(Tensor& out, const Tensor& inp) {
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     gelu_tanh_forward_kernel<T>(out.data<T>(), inp.data<T>(), inp.numel());
   });
 }
 
-void CpuBackend::gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
-  check_act_backward("gelu_tanh_backward", device(), dinp, dout, inp);
-  if (any_bf16({&dinp, &dout, &inp})) {
-    Bf16Widened w(scratch_);
-    Tensor d = w.out(dinp);
-    gelu_tanh_backward(d, w.in(dout), w.in(inp));
-    return w.store();
-  }
+void CpuBackend::do_gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     gelu_tanh_backward_kernel<T>(dinp.data<T>(), dout.data<T>(), inp.data<T>(), inp.numel());
   });
 }
 
-void CpuBackend::swiglu_forward(Tensor& out, const Tensor& gate_up) {
-  const RowsCols s = check_swiglu_forward(device(), out, gate_up);
-  if (any_bf16({&out, &gate_up})) {
-    Bf16Widened w(scratch_);
-    Tensor o = w.out(out);
-    swiglu_forward(o, w.in(gate_up));
-    return w.store();
-  }
+void CpuBackend::do_swiglu_forward(Tensor& out, const Tensor& gate_up) {
+  const RowsCols s{out.dim(0), out.dim(1)};  // [N,F]
   on_float(gate_up, [&](auto z) {
     using T = decltype(z);
     swiglu_forward_kernel<T>(out.data<T>(), gate_up.data<T>(), s.N, s.C);
   });
 }
 
-void CpuBackend::swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
-  const RowsCols s = check_swiglu_backward(device(), dgate_up, dout, gate_up);
-  if (any_bf16({&dgate_up, &dout, &gate_up})) {
-    Bf16Widened w(scratch_);
-    Tensor d = w.out(dgate_up);
-    swiglu_backward(d, w.in(dout), w.in(gate_up));
-    return w.store();
-  }
+void CpuBackend::do_swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+  const RowsCols s{dout.dim(0), dout.dim(1)};  // [N,F]
   on_float(gate_up, [&](auto z) {
     using T = decltype(z);
     swiglu_backward_kernel<T>(dgate_up.data<T>(), dout.data<T>(), gate_up.data<T>(), s.N, s.C);
@@ -778,28 +685,16 @@ void CpuBackend::swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Ten
 
 // ---- biases -------------------------------------------------------------------------------
 
-void CpuBackend::add_bias(Tensor& out, const Tensor& bias) {
-  const RowsCols s = check_bias("add_bias", device(), "out", out, "bias", bias);
-  if (any_bf16({&out, &bias})) {
-    Bf16Widened w(scratch_);
-    Tensor o = w.inout(out);
-    add_bias(o, w.in(bias));
-    return w.store();
-  }
+void CpuBackend::do_add_bias(Tensor& out, const Tensor& bias) {
+  const RowsCols s{out.dim(0), out.dim(1)};
   on_float(out, [&](auto z) {
     using T = decltype(z);
     add_bias_kernel<T>(out.data<T>(), bias.data<T>(), s.N, s.C);
   });
 }
 
-void CpuBackend::bias_backward(Tensor& dbias, const Tensor& dout) {
-  const RowsCols s = check_bias("bias_backward", device(), "dout", dout, "dbias", dbias);
-  if (any_bf16({&dbias, &dout})) {
-    Bf16Widened w(scratch_);
-    Tensor db = w.inout(dbias);
-    bias_backward(db, w.in(dout));
-    return w.store();
-  }
+void CpuBackend::do_bias_backward(Tensor& dbias, const Tensor& dout) {
+  const RowsCols s{dout.dim(0), dout.dim(1)};
   on_float(dout, [&](auto z) {
     using T = decltype(z);
     bias_backward_kernel<T>(dbias.data<T>(), dout.data<T>(), s.N, s.C);
@@ -808,15 +703,9 @@ void CpuBackend::bias_backward(Tensor& dbias, const Tensor& dout) {
 
 // ---- RMSNorm ------------------------------------------------------------------------------
 
-void CpuBackend::rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
-                                 const Tensor& weight, double eps) {
-  const RowsCols s = check_rmsnorm_forward(device(), out, rstd, inp, weight);
-  if (any_bf16({&out, &rstd, &inp, &weight})) {
-    Bf16Widened w(scratch_);
-    Tensor o = w.out(out), r = w.out(rstd);
-    rmsnorm_forward(o, r, w.in(inp), w.in(weight), eps);
-    return w.store();
-  }
+void CpuBackend::do_rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
+                                    const Tensor& weight, double eps) {
+  const RowsCols s{inp.dim(0), inp.dim(1)};
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     rmsnorm_forward_kernel<T>(out.data<T>(), rstd.data<T>(), inp.data<T>(), weight.data<T>(), s.N,
@@ -824,15 +713,9 @@ void CpuBackend::rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
   });
 }
 
-void CpuBackend::rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
-                                  const Tensor& inp, const Tensor& weight, const Tensor& rstd) {
-  const RowsCols s = check_rmsnorm_backward(device(), dinp, dweight, dout, inp, weight, rstd);
-  if (any_bf16({&dinp, &dweight, &dout, &inp, &weight, &rstd})) {
-    Bf16Widened w(scratch_);
-    Tensor di = w.inout(dinp), dw = w.inout(dweight);
-    rmsnorm_backward(di, dw, w.in(dout), w.in(inp), w.in(weight), w.in(rstd));
-    return w.store();
-  }
+void CpuBackend::do_rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                     const Tensor& inp, const Tensor& weight, const Tensor& rstd) {
+  const RowsCols s{inp.dim(0), inp.dim(1)};
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     rmsnorm_backward_kernel<T>(dinp.data<T>(), dweight.data<T>(), dout.data<T>(), inp.data<T>(),
@@ -842,25 +725,19 @@ void CpuBackend::rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& d
 
 // ---- rotary position embedding ------------------------------------------------------------
 
-void CpuBackend::rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
-                              bool interleaved) {
-  rope(x, pos, h, theta, interleaved, "rope_forward", 1.0);
+void CpuBackend::do_rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                                 bool interleaved) {
+  rope(x, pos, h, theta, interleaved, 1.0);
 }
 
-void CpuBackend::rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
-                               bool interleaved) {
-  rope(dx, pos, h, theta, interleaved, "rope_backward", -1.0);
+void CpuBackend::do_rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                                  bool interleaved) {
+  rope(dx, pos, h, theta, interleaved, -1.0);
 }
 
-void CpuBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
-                      bool interleaved, const char* op, double sign) {
-  const RowsCols s = check_rope(op, device(), x, pos, h, theta);
-  if (any_bf16({&x})) {
-    Bf16Widened w(scratch_);
-    Tensor xi = w.inout(x);
-    rope(xi, pos, h, theta, interleaved, op, sign);
-    return w.store();
-  }
+void CpuBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta, bool interleaved,
+                      double sign) {
+  const RowsCols s{x.dim(0), x.dim(1) / h};  // [N, h·d]: {N, d}
   on_float(x, [&](auto z) {
     using T = decltype(z);
     rope_kernel<T>(x.data<T>(), pos.data<i64>(), s.N, h, s.C, theta, interleaved, sign);
@@ -869,15 +746,9 @@ void CpuBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta
 
 // ---- LayerNorm ----------------------------------------------------------------------------
 
-void CpuBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
-                                   const Tensor& weight, double eps) {
-  const RowsCols s = check_layernorm_forward(device(), out, mean, rstd, inp, weight);
-  if (any_bf16({&out, &mean, &rstd, &inp, &weight})) {
-    Bf16Widened w(scratch_);
-    Tensor o = w.out(out), m = w.out(mean), r = w.out(rstd);
-    layernorm_forward(o, m, r, w.in(inp), w.in(weight), eps);
-    return w.store();
-  }
+void CpuBackend::do_layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                                      const Tensor& weight, double eps) {
+  const RowsCols s{inp.dim(0), inp.dim(1)};
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     layernorm_forward_kernel<T>(out.data<T>(), mean.data<T>(), rstd.data<T>(), inp.data<T>(),
@@ -885,17 +756,10 @@ void CpuBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, cons
   });
 }
 
-void CpuBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
-                                    const Tensor& inp, const Tensor& weight, const Tensor& mean,
-                                    const Tensor& rstd) {
-  const RowsCols s =
-      check_layernorm_backward(device(), dinp, dweight, dout, inp, weight, mean, rstd);
-  if (any_bf16({&dinp, &dweight, &dout, &inp, &weight, &mean, &rstd})) {
-    Bf16Widened w(scratch_);
-    Tensor di = w.inout(dinp), dw = w.inout(dweight);
-    layernorm_backward(di, dw, w.in(dout), w.in(inp), w.in(weight), w.in(mean), w.in(rstd));
-    return w.store();
-  }
+void CpuBackend::do_layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                       const Tensor& inp, const Tensor& weight, const Tensor& mean,
+                                       const Tensor& rstd) {
+  const RowsCols s{inp.dim(0), inp.dim(1)};
   on_float(inp, [&](auto z) {
     using T = decltype(z);
     layernorm_backward_kernel<T>(dinp.data<T>(), dweight.data<T>(), dout.data<T>(), inp.data<T>(),
@@ -905,34 +769,20 @@ void CpuBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor&
 
 // ---- attention ----------------------------------------------------------------------------
 
-void CpuBackend::dropout(Tensor& x, const DropoutMask& mask) {
-  const RowsCols s = check_dropout(device(), x, mask);
+void CpuBackend::do_dropout(Tensor& x, const DropoutMask& mask) {
   if (!mask.active()) return;
-  if (any_bf16({&x})) {
-    Bf16Widened w(scratch_);
-    Tensor f = w.inout(x);
-    dropout(f, mask);
-    return w.store();
-  }
+  const RowsCols s{x.dim(0), x.dim(1)};
   on_float(x, [&](auto z) {
     using T = decltype(z);
     for (i64 r = 0; r < s.N; ++r) dropout_row<T>(x.data<T>() + r * s.C, r, s.C, mask);
   });
 }
 
-void CpuBackend::attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
-                                   const Tensor& k, const Tensor& v, std::int64_t B, std::int64_t T,
-                                   std::int64_t h, double scale, const DropoutMask& mask) {
-  const i64 d = check_attention_forward(device(), out, probs, dropped, q, k, v, B, T, h, mask);
-  if (any_bf16({&out, &probs, &q, &k, &v})) {
-    // One fused kernel: the scores and probabilities stay f32 inside it (probs·v reads the
-    // f32 probabilities, dropped or not); probs and dropped are rounded to bf16 only where
-    // they are saved for backward.
-    Bf16Widened w(scratch_);
-    Tensor o = w.out(out), p = w.out(probs), pd = mask.active() ? w.out(dropped) : Tensor{};
-    attention_forward(o, p, pd, w.in(q), w.in(k), w.in(v), B, T, h, scale, mask);
-    return w.store();
-  }
+void CpuBackend::do_attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
+                                      const Tensor& k, const Tensor& v, std::int64_t B,
+                                      std::int64_t T, std::int64_t h, double scale,
+                                      const DropoutMask& mask) {
+  const i64 d = q.dim(1) / h;
   on_float(q, [&](auto z) {
     using F = decltype(z);
     attention_forward_kernel<F>(out.data<F>(), probs.data<F>(),
@@ -941,20 +791,12 @@ void CpuBackend::attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, 
   });
 }
 
-void CpuBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
-                                    const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const Tensor& probs, const Tensor& dropped, std::int64_t B,
-                                    std::int64_t T, std::int64_t h, double scale,
-                                    const DropoutMask& mask) {
-  const i64 d =
-      check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, dropped, B, T, h, mask);
-  if (any_bf16({&dq, &dk, &dv, &dout, &q, &k, &v, &probs})) {
-    Bf16Widened w(scratch_);
-    Tensor gq = w.out(dq), gk = w.out(dk), gv = w.out(dv);
-    attention_backward(gq, gk, gv, w.in(dout), w.in(q), w.in(k), w.in(v), w.in(probs),
-                       mask.active() ? w.in(dropped) : Tensor{}, B, T, h, scale, mask);
-    return w.store();
-  }
+void CpuBackend::do_attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
+                                       const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& probs, const Tensor& dropped, std::int64_t B,
+                                       std::int64_t T, std::int64_t h, double scale,
+                                       const DropoutMask& mask) {
+  const i64 d = q.dim(1) / h;
   // A device kernel would need this scratch too, so it goes through the ledger.
   Tensor dscores = empty({T, T}, q.dtype(), MemCategory::Temporary, "attention.dscores");
   on_float(q, [&](auto z) {
@@ -968,15 +810,9 @@ void CpuBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Te
 
 // ---- embedding ----------------------------------------------------------------------------
 
-void CpuBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
-                                   std::int64_t row0) {
-  const EmbeddingDims s = check_embedding_forward(device(), out, ids, table, row0);
-  if (any_bf16({&out, &table})) {
-    Bf16Widened w(scratch_);
-    Tensor o = w.out(out);
-    embedding_forward(o, ids, w.in(table), row0);
-    return w.store();
-  }
+void CpuBackend::do_embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                                      std::int64_t row0) {
+  const EmbeddingDims s{ids.dim(0), table.dim(0), table.dim(1)};
   on_float(table, [&](auto z) {
     using T = decltype(z);
     embedding_forward_kernel<T>(out.data<T>(), ids.data<i64>(), table.data<T>(), row0, s.N, s.R,
@@ -984,15 +820,9 @@ void CpuBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor&
   });
 }
 
-void CpuBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
-                                    std::int64_t row0) {
-  const EmbeddingDims s = check_embedding_backward(device(), dtable, dout, ids, row0);
-  if (any_bf16({&dtable, &dout})) {
-    Bf16Widened w(scratch_);
-    Tensor dt = w.inout(dtable);
-    embedding_backward(dt, w.in(dout), ids, row0);
-    return w.store();
-  }
+void CpuBackend::do_embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                                       std::int64_t row0) {
+  const EmbeddingDims s{ids.dim(0), dtable.dim(0), dtable.dim(1)};
   on_float(dtable, [&](auto z) {
     using T = decltype(z);
     embedding_backward_kernel<T>(dtable.data<T>(), dout.data<T>(), ids.data<i64>(), row0, s.N, s.R,
@@ -1002,29 +832,17 @@ void CpuBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Te
 
 // ---- cross-entropy ------------------------------------------------------------------------
 
-void CpuBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
-  const CeDims s = check_ce_row_max(device(), rowmax, logits, valid);
-  if (any_bf16({&rowmax, &logits})) {
-    Bf16Widened w(scratch_);
-    Tensor m = w.out(rowmax);
-    ce_row_max(m, w.in(logits), valid);
-    return w.store();
-  }
+void CpuBackend::do_ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
+  const CeDims s{logits.dim(0), logits.dim(1)};
   on_float(logits, [&](auto z) {
     using T = decltype(z);
     ce_row_max_kernel<T>(rowmax.data<T>(), logits.data<T>(), s.N, s.Vl, valid);
   });
 }
 
-void CpuBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits, const Tensor& targets,
-                                 std::int64_t col0, std::int64_t valid) {
-  const CeDims s = check_ce_target_logit(device(), target_logit, logits, targets, col0, valid);
-  if (any_bf16({&target_logit, &logits})) {
-    Bf16Widened w(scratch_);
-    Tensor tl = w.out(target_logit);
-    ce_target_logit(tl, w.in(logits), targets, col0, valid);
-    return w.store();
-  }
+void CpuBackend::do_ce_target_logit(Tensor& target_logit, const Tensor& logits,
+                                    const Tensor& targets, std::int64_t col0, std::int64_t valid) {
+  const CeDims s{logits.dim(0), logits.dim(1)};
   const i64* tg = targets.data<i64>();
   on_float(logits, [&](auto z) {
     using T = decltype(z);
@@ -1037,30 +855,18 @@ void CpuBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits, con
   });
 }
 
-void CpuBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
-                            std::int64_t valid) {
-  const CeDims s = check_ce_sum_exp(device(), sumexp, logits, rowmax, valid);
-  if (any_bf16({&sumexp, &logits, &rowmax})) {
-    Bf16Widened w(scratch_);
-    Tensor se = w.out(sumexp);
-    ce_sum_exp(se, w.in(logits), w.in(rowmax), valid);
-    return w.store();
-  }
+void CpuBackend::do_ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                               std::int64_t valid) {
+  const CeDims s{logits.dim(0), logits.dim(1)};
   on_float(logits, [&](auto z) {
     using T = decltype(z);
     ce_sum_exp_kernel<T>(sumexp.data<T>(), logits.data<T>(), rowmax.data<T>(), s.N, s.Vl, valid);
   });
 }
 
-void CpuBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
-                         const Tensor& target_logit, const Tensor& targets) {
-  const i64 N = check_ce_loss(device(), loss, rowmax, sumexp, target_logit, targets);
-  if (any_bf16({&loss, &rowmax, &sumexp, &target_logit})) {
-    Bf16Widened w(scratch_);
-    Tensor l = w.out(loss);
-    ce_loss(l, w.in(rowmax), w.in(sumexp), w.in(target_logit), targets);
-    return w.store();
-  }
+void CpuBackend::do_ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
+                            const Tensor& target_logit, const Tensor& targets) {
+  const i64 N = loss.dim(0);
   on_float(loss, [&](auto z) {
     using T = decltype(z);
     ce_loss_kernel<T>(loss.data<T>(), rowmax.data<T>(), sumexp.data<T>(), target_logit.data<T>(),
@@ -1068,17 +874,10 @@ void CpuBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumex
   });
 }
 
-void CpuBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
-                             const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
-                             std::int64_t valid, double scale) {
-  const CeDims s =
-      check_ce_backward(device(), dlogits, logits, rowmax, sumexp, targets, col0, valid);
-  if (any_bf16({&dlogits, &logits, &rowmax, &sumexp})) {
-    Bf16Widened w(scratch_);
-    Tensor d = w.out(dlogits);
-    ce_backward(d, w.in(logits), w.in(rowmax), w.in(sumexp), targets, col0, valid, scale);
-    return w.store();
-  }
+void CpuBackend::do_ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                                const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                                std::int64_t valid, double scale) {
+  const CeDims s{logits.dim(0), logits.dim(1)};
   // Validate every target before writing anything; N i64s of host scratch.
   const i64* tg = targets.data<i64>();
   std::vector<i64> local(static_cast<std::size_t>(s.N));
@@ -1116,44 +915,27 @@ double lane_sum(const Tensor& t, Term term) {
 }
 }  // namespace
 
-double CpuBackend::sum(const Tensor& t) {
-  OpCheck("sum", device()).float_arg("t", t);
-  if (any_bf16({&t})) {
-    Bf16Widened w(scratch_);
-    return sum(w.in(t));
-  }
+double CpuBackend::do_sum(const Tensor& t) {
   return lane_sum(t, [](double v) { return v; });
 }
 
-double CpuBackend::sum_squares(const Tensor& t) {
-  OpCheck("sum_squares", device()).float_arg("t", t);
-  if (any_bf16({&t})) {
-    Bf16Widened w(scratch_);
-    return sum_squares(w.in(t));
-  }
+double CpuBackend::do_sum_squares(const Tensor& t) {
   return lane_sum(t, [](double v) { return v * v; });
 }
 
-bool CpuBackend::all_finite(const Tensor& t) {
-  OpCheck("all_finite", device()).float_arg("t", t);
+bool CpuBackend::do_all_finite(const Tensor& t) {
   switch (t.dtype()) {
     case DType::F32: return all_finite_f32(t.data<float>(), t.numel());
     case DType::F64: return all_finite_f64(t.data<double>(), t.numel());
     case DType::BF16: return all_finite_bf16(t.data<bf16>(), t.numel());
-    default: return Backend::all_finite(t);  // (float_arg has refused the rest)
+    default:
+      return all_finite_by_sum(*this, t);  // (all_finite has refused the rest)
   }
 }
 
 // ---- MSE ----------------------------------------------------------------------------------
 
-double CpuBackend::mse_forward(const Tensor& y, const Tensor& target) {
-  check_same_float("mse_forward", device(), "target", target, "y", y);
-  if (y.numel() == 0)
-    OpCheck("mse_forward", device()).fail("y '" + y.tag() + "' is empty; its mean is 0/0");
-  if (any_bf16({&y, &target})) {
-    Bf16Widened w(scratch_);
-    return mse_forward(w.in(y), w.in(target));
-  }
+double CpuBackend::do_mse_forward(const Tensor& y, const Tensor& target) {
   double acc = 0.0;
   on_float(y, [&](auto z) {
     using T = decltype(z);
@@ -1168,14 +950,7 @@ double CpuBackend::mse_forward(const Tensor& y, const Tensor& target) {
   return acc / static_cast<double>(y.numel());
 }
 
-void CpuBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
-  check_mse_backward(device(), dy, y, target);
-  if (any_bf16({&dy, &y, &target})) {
-    Bf16Widened w(scratch_);
-    Tensor d = w.out(dy);
-    mse_backward(d, w.in(y), w.in(target));
-    return w.store();
-  }
+void CpuBackend::do_mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
   on_float(y, [&](auto z) {
     using T = decltype(z);
     const T c = T(2.0 / static_cast<double>(y.numel()));
@@ -1186,30 +961,16 @@ void CpuBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target)
 
 // ---- optimizers ---------------------------------------------------------------------------
 
-void CpuBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
-  check_same_float("sgd_update", device(), "grad", grad, "param", param);
-  if (any_bf16({&param, &grad})) {
-    Bf16Widened w(scratch_);
-    Tensor p = w.inout(param);
-    sgd_update(p, w.in(grad), lr);
-    return w.store();
-  }
+void CpuBackend::do_sgd_update(Tensor& param, const Tensor& grad, double lr) {
   on_float(param, [&](auto z) {
     using T = decltype(z);
     Vec<T>(param.data<T>(), param.numel()) -= T(lr) * ConstVec<T>(grad.data<T>(), grad.numel());
   });
 }
 
-void CpuBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
-                             double beta1, double beta2, double eps, double weight_decay,
-                             std::int64_t step) {
-  check_adam(device(), param, grad, m, v, step);
-  if (any_bf16({&param, &grad, &m, &v})) {
-    Bf16Widened w(scratch_);
-    Tensor p = w.inout(param), mm = w.inout(m), vv = w.inout(v);
-    adam_update(p, w.in(grad), mm, vv, lr, beta1, beta2, eps, weight_decay, step);
-    return w.store();
-  }
+void CpuBackend::do_adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
+                                double beta1, double beta2, double eps, double weight_decay,
+                                std::int64_t step) {
   on_float(param, [&](auto z) {
     using T = decltype(z);
     adam_kernel<T>(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(), lr,
@@ -1240,10 +1001,10 @@ void with_f64_loader(const Tensor& t, F&& f) {
 }
 }  // namespace
 
-void CpuBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
-                          const Tensor& logits, const Tensor& bias, std::int64_t K, bool sigmoid,
-                          bool renorm) {
-  const MoeTopkDims d = check_moe_topk(device(), scores, expert, gate, lse, logits, bias, K);
+void CpuBackend::do_moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
+                             const Tensor& logits, const Tensor& bias, std::int64_t K, bool sigmoid,
+                             bool renorm) {
+  const MoeTopkDims d{logits.dim(0), logits.dim(1)};
   // Each logit widened exactly to f64 (bf16 through its exact f32 value).
   auto rows = [&](auto load) {
     for (i64 t = 0; t < d.n; ++t) {
@@ -1256,9 +1017,9 @@ void CpuBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& 
   with_f64_loader(logits, rows);
 }
 
-void CpuBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
-                             const Tensor& weight) {
-  const CombineDims d = check_moe_combine(device(), out, rows, token, weight);
+void CpuBackend::do_moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                                const Tensor& weight) {
+  const CombineDims d{out.dim(0), rows.dim(0), rows.dim(1)};
   const i64* tok = token.data<i64>();
   check_combine_tokens(tok, d, token, out);
   // [n,H] f64 accumulators: each token's rows added in row order, rounded once at the end.

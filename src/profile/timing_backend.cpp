@@ -59,242 +59,246 @@ void TimingBackend::set_phase(std::string phase) {
 
 using C = OpClass;
 
-void TimingBackend::fill(Tensor& t, double value) {
+void TimingBackend::do_fill(Tensor& t, double value) {
   Scope s(*this, "fill", C::Memory);
   inner_->fill(t, value);
 }
-void TimingBackend::copy(Tensor& dst, const Tensor& src) {
+void TimingBackend::do_copy(Tensor& dst, const Tensor& src) {
   Scope s(*this, "copy", C::Memory);
   inner_->copy(dst, src);
 }
-void TimingBackend::from_host(Tensor& dst, const double* src) {
+void TimingBackend::do_from_host(Tensor& dst, const double* src) {
   Scope s(*this, "from_host", C::Memory);
   inner_->from_host(dst, src);
 }
-void TimingBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
+void TimingBackend::do_from_host_i64(Tensor& dst, const std::int64_t* src) {
   Scope s(*this, "from_host_i64", C::Memory);
   inner_->from_host_i64(dst, src);
 }
-std::vector<std::int64_t> TimingBackend::to_host_i64(const Tensor& src) {
+std::vector<std::int64_t> TimingBackend::do_to_host_i64(const Tensor& src) {
   Scope s(*this, "to_host_i64", C::Memory);
   return inner_->to_host_i64(src);
 }
-std::vector<double> TimingBackend::to_host(const Tensor& src) {
+std::vector<double> TimingBackend::do_to_host(const Tensor& src) {
   Scope s(*this, "to_host", C::Memory);
   return inner_->to_host(src);
 }
-void TimingBackend::to_host_into(const Tensor& src, std::vector<double>& dst) {
+void TimingBackend::do_to_host_into(const Tensor& src, std::vector<double>& dst) {
   Scope s(*this, "to_host", C::Memory);
   inner_->to_host_into(src, dst);
 }
-void TimingBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
+void TimingBackend::do_copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   Scope s(*this, "copy_columns", C::Memory);
   inner_->copy_columns(dst, src, col0);
 }
-void TimingBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
+void TimingBackend::do_set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   Scope s(*this, "set_columns", C::Memory);
   inner_->set_columns(dst, src, col0);
 }
-void TimingBackend::add_inplace(Tensor& dst, const Tensor& src) {
+void TimingBackend::do_add_inplace(Tensor& dst, const Tensor& src) {
   Scope s(*this, "add_inplace", C::Memory);
   inner_->add_inplace(dst, src);
 }
-void TimingBackend::scale_inplace(Tensor& t, double sc) {
+void TimingBackend::do_scale_inplace(Tensor& t, double sc) {
   Scope s(*this, "scale_inplace", C::Memory);
   inner_->scale_inplace(t, sc);
 }
-void TimingBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b,
-                         bool trans_b, double alpha, double beta) {
+void TimingBackend::do_gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b,
+                            bool trans_b, double alpha, double beta) {
   // op(a) is [M,K]: K is a's column count, or its row count when transposed.
   const double K = static_cast<double>(trans_a ? a.dim(0) : a.dim(1));
   const double flops = 2.0 * static_cast<double>(out.numel()) * K;
   Scope s(*this, "gemm", C::Gemm, flops);
   inner_->gemm(out, a, trans_a, b, trans_b, alpha, beta);
 }
-void TimingBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
-                             const Tensor& logits, const Tensor& bias, std::int64_t K,
-                             bool sigmoid, bool renorm) {
+void TimingBackend::do_moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
+                                const Tensor& logits, const Tensor& bias, std::int64_t K,
+                                bool sigmoid, bool renorm) {
   Scope s(*this, "moe_topk", C::Activation);
   inner_->moe_topk(scores, expert, gate, lse, logits, bias, K, sigmoid, renorm);
 }
-void TimingBackend::grouped_gemm(Tensor& out, const Tensor& a, const std::vector<const Tensor*>& b,
-                                 bool trans_b, const std::vector<std::int64_t>& offsets,
-                                 double alpha, double beta) {
+void TimingBackend::do_grouped_gemm(Tensor& out, const Tensor& a,
+                                    const std::vector<const Tensor*>& b, bool trans_b,
+                                    const std::vector<std::int64_t>& offsets, double alpha,
+                                    double beta) {
   // every group's 2·M_g·N·K together: 2·numel(out)·K
   const double flops = 2.0 * static_cast<double>(out.numel()) * static_cast<double>(a.dim(1));
   Scope s(*this, "grouped_gemm", C::Gemm, flops);
   inner_->grouped_gemm(out, a, b, trans_b, offsets, alpha, beta);
 }
-void TimingBackend::grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a,
-                                       const Tensor& b, const std::vector<std::int64_t>& offsets,
-                                       double alpha, double beta) {
+void TimingBackend::do_grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a,
+                                          const Tensor& b, const std::vector<std::int64_t>& offsets,
+                                          double alpha, double beta) {
   // Σ_g 2·M·N·m_g = 2·M·N·R
   const double flops = 2.0 * static_cast<double>(a.numel()) * static_cast<double>(b.dim(1));
   Scope s(*this, "grouped_gemm_wgrad", C::Gemm, flops);
   inner_->grouped_gemm_wgrad(out, a, b, offsets, alpha, beta);
 }
-void TimingBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
-                                const Tensor& weight) {
+void TimingBackend::do_moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                                   const Tensor& weight) {
   Scope s(*this, "moe_combine", C::Memory);
   inner_->moe_combine(out, rows, token, weight);
 }
-void TimingBackend::relu_forward(Tensor& out, const Tensor& inp) {
+void TimingBackend::do_relu_forward(Tensor& out, const Tensor& inp) {
   Scope s(*this, "relu_forward", C::Activation);
   inner_->relu_forward(out, inp);
 }
-void TimingBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+void TimingBackend::do_relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   Scope s(*this, "relu_backward", C::Activation);
   inner_->relu_backward(dinp, dout, inp);
 }
-void TimingBackend::gelu_forward(Tensor& out, const Tensor& inp) {
+void TimingBackend::do_gelu_forward(Tensor& out, const Tensor& inp) {
   Scope s(*this, "gelu_forward", C::Activation);
   inner_->gelu_forward(out, inp);
 }
-void TimingBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+void TimingBackend::do_gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   Scope s(*this, "gelu_backward", C::Activation);
   inner_->gelu_backward(dinp, dout, inp);
 }
-void TimingBackend::gelu_tanh_forward(Tensor& out, const Tensor& inp) {
+void TimingBackend::do_gelu_tanh_forward(Tensor& out, const Tensor& inp) {
   Scope s(*this, "gelu_tanh_forward", C::Activation);
   inner_->gelu_tanh_forward(out, inp);
 }
-void TimingBackend::gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+void TimingBackend::do_gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   Scope s(*this, "gelu_tanh_backward", C::Activation);
   inner_->gelu_tanh_backward(dinp, dout, inp);
 }
-void TimingBackend::swiglu_forward(Tensor& out, const Tensor& gate_up) {
+void TimingBackend::do_swiglu_forward(Tensor& out, const Tensor& gate_up) {
   Scope s(*this, "swiglu_forward", C::Activation);
   inner_->swiglu_forward(out, gate_up);
 }
-void TimingBackend::swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+void TimingBackend::do_swiglu_backward(Tensor& dgate_up, const Tensor& dout,
+                                       const Tensor& gate_up) {
   Scope s(*this, "swiglu_backward", C::Activation);
   inner_->swiglu_backward(dgate_up, dout, gate_up);
 }
-void TimingBackend::add_bias(Tensor& out, const Tensor& bias) {
+void TimingBackend::do_add_bias(Tensor& out, const Tensor& bias) {
   Scope s(*this, "add_bias", C::Activation);
   inner_->add_bias(out, bias);
 }
-void TimingBackend::bias_backward(Tensor& dbias, const Tensor& dout) {
+void TimingBackend::do_bias_backward(Tensor& dbias, const Tensor& dout) {
   Scope s(*this, "bias_backward", C::Activation);
   inner_->bias_backward(dbias, dout);
 }
-void TimingBackend::rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
-                                    const Tensor& weight, double eps) {
+void TimingBackend::do_rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
+                                       const Tensor& weight, double eps) {
   Scope s(*this, "rmsnorm_forward", C::LayerNorm);
   inner_->rmsnorm_forward(out, rstd, inp, weight, eps);
 }
-void TimingBackend::rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
-                                     const Tensor& inp, const Tensor& weight, const Tensor& rstd) {
+void TimingBackend::do_rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                        const Tensor& inp, const Tensor& weight,
+                                        const Tensor& rstd) {
   Scope s(*this, "rmsnorm_backward", C::LayerNorm);
   inner_->rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd);
 }
-void TimingBackend::rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
-                                 bool interleaved) {
+void TimingBackend::do_rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                                    bool interleaved) {
   Scope s(*this, "rope_forward", C::Attention);
   inner_->rope_forward(x, pos, h, theta, interleaved);
 }
-void TimingBackend::rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
-                                  bool interleaved) {
+void TimingBackend::do_rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                                     bool interleaved) {
   Scope s(*this, "rope_backward", C::Attention);
   inner_->rope_backward(dx, pos, h, theta, interleaved);
 }
-void TimingBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
-                                      const Tensor& weight, double eps) {
+void TimingBackend::do_layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                                         const Tensor& weight, double eps) {
   Scope s(*this, "layernorm_forward", C::LayerNorm);
   inner_->layernorm_forward(out, mean, rstd, inp, weight, eps);
 }
-void TimingBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
-                                       const Tensor& inp, const Tensor& weight, const Tensor& mean,
-                                       const Tensor& rstd) {
+void TimingBackend::do_layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                          const Tensor& inp, const Tensor& weight,
+                                          const Tensor& mean, const Tensor& rstd) {
   Scope s(*this, "layernorm_backward", C::LayerNorm);
   inner_->layernorm_backward(dinp, dweight, dout, inp, weight, mean, rstd);
 }
 // Attention's two batched products (q·kᵀ and probs·v) are 2·B·h·T·T·d each forward, the
 // full T×T as in the model's FLOP formula (the causal half is not subtracted).
-void TimingBackend::dropout(Tensor& x, const DropoutMask& mask) {
+void TimingBackend::do_dropout(Tensor& x, const DropoutMask& mask) {
   Scope s(*this, "dropout", C::Activation);
   inner_->dropout(x, mask);
 }
-void TimingBackend::attention_forward(Tensor& out, Tensor& probs, Tensor& dropped,
-                                      const Tensor& q, const Tensor& k, const Tensor& v,
-                                      std::int64_t B, std::int64_t T, std::int64_t h, double scale,
-                                      const DropoutMask& mask) {
+void TimingBackend::do_attention_forward(Tensor& out, Tensor& probs, Tensor& dropped,
+                                         const Tensor& q, const Tensor& k, const Tensor& v,
+                                         std::int64_t B, std::int64_t T, std::int64_t h,
+                                         double scale, const DropoutMask& mask) {
   const double flops = 4.0 * static_cast<double>(q.numel()) * static_cast<double>(T);
   Scope s(*this, "attention_forward", C::Attention, flops);
   inner_->attention_forward(out, probs, dropped, q, k, v, B, T, h, scale, mask);
 }
-void TimingBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
-                                       const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const Tensor& probs, const Tensor& dropped, std::int64_t B,
-                                       std::int64_t T, std::int64_t h, double scale,
-                                       const DropoutMask& mask) {
+void TimingBackend::do_attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
+                                          const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& probs, const Tensor& dropped,
+                                          std::int64_t B, std::int64_t T, std::int64_t h,
+                                          double scale, const DropoutMask& mask) {
   const double flops = 8.0 * static_cast<double>(q.numel()) * static_cast<double>(T);
   Scope s(*this, "attention_backward", C::Attention, flops);
   inner_->attention_backward(dq, dk, dv, dout, q, k, v, probs, dropped, B, T, h, scale, mask);
 }
-void TimingBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
-                                      std::int64_t row0) {
+void TimingBackend::do_embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                                         std::int64_t row0) {
   Scope s(*this, "embedding_forward", C::Embedding);
   inner_->embedding_forward(out, ids, table, row0);
 }
-void TimingBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
-                                       std::int64_t row0) {
+void TimingBackend::do_embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                                          std::int64_t row0) {
   Scope s(*this, "embedding_backward", C::Embedding);
   inner_->embedding_backward(dtable, dout, ids, row0);
 }
-void TimingBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
+void TimingBackend::do_ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
   Scope s(*this, "ce_row_max", C::CrossEntropy);
   inner_->ce_row_max(rowmax, logits, valid);
 }
-void TimingBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits,
-                                    const Tensor& targets, std::int64_t col0, std::int64_t valid) {
+void TimingBackend::do_ce_target_logit(Tensor& target_logit, const Tensor& logits,
+                                       const Tensor& targets, std::int64_t col0,
+                                       std::int64_t valid) {
   Scope s(*this, "ce_target_logit", C::CrossEntropy);
   inner_->ce_target_logit(target_logit, logits, targets, col0, valid);
 }
-void TimingBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
-                               std::int64_t valid) {
+void TimingBackend::do_ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                                  std::int64_t valid) {
   Scope s(*this, "ce_sum_exp", C::CrossEntropy);
   inner_->ce_sum_exp(sumexp, logits, rowmax, valid);
 }
-void TimingBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
-                            const Tensor& target_logit, const Tensor& targets) {
+void TimingBackend::do_ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
+                               const Tensor& target_logit, const Tensor& targets) {
   Scope s(*this, "ce_loss", C::CrossEntropy);
   inner_->ce_loss(loss, rowmax, sumexp, target_logit, targets);
 }
-void TimingBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
-                                const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
-                                std::int64_t valid, double scale) {
+void TimingBackend::do_ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                                   const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                                   std::int64_t valid, double scale) {
   Scope s(*this, "ce_backward", C::CrossEntropy);
   inner_->ce_backward(dlogits, logits, rowmax, sumexp, targets, col0, valid, scale);
 }
-double TimingBackend::sum(const Tensor& t) {
+double TimingBackend::do_sum(const Tensor& t) {
   Scope s(*this, "sum", C::CrossEntropy);
   return inner_->sum(t);
 }
-double TimingBackend::sum_squares(const Tensor& t) {
+double TimingBackend::do_sum_squares(const Tensor& t) {
   Scope s(*this, "sum_squares", C::Optimizer);
   return inner_->sum_squares(t);
 }
 // Forwarded, not left to the default: the inner backend's test reads t once, exactly.
-bool TimingBackend::all_finite(const Tensor& t) {
+bool TimingBackend::do_all_finite(const Tensor& t) {
   Scope s(*this, "all_finite", C::Memory);
   return inner_->all_finite(t);
 }
-double TimingBackend::mse_forward(const Tensor& y, const Tensor& target) {
+double TimingBackend::do_mse_forward(const Tensor& y, const Tensor& target) {
   Scope s(*this, "mse_forward", C::CrossEntropy);
   return inner_->mse_forward(y, target);
 }
-void TimingBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
+void TimingBackend::do_mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
   Scope s(*this, "mse_backward", C::CrossEntropy);
   inner_->mse_backward(dy, y, target);
 }
-void TimingBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
+void TimingBackend::do_sgd_update(Tensor& param, const Tensor& grad, double lr) {
   Scope s(*this, "sgd_update", C::Optimizer);
   inner_->sgd_update(param, grad, lr);
 }
-void TimingBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
-                                double lr, double beta1, double beta2, double eps,
-                                double weight_decay, std::int64_t step) {
+void TimingBackend::do_adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                                   double lr, double beta1, double beta2, double eps,
+                                   double weight_decay, std::int64_t step) {
   Scope s(*this, "adam_update", C::Optimizer);
   inner_->adam_update(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step);
 }

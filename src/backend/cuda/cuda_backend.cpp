@@ -1,6 +1,7 @@
-// The CUDA backend's host side: the same argument checks as the CPU backend
-// (op_checks.h), then a dtype dispatch onto the kernels of kernels.h or onto cuBLAS; a
-// bf16 call other than gemm runs the f32 path on device shadows (bf16_widen.h).
+// The CUDA backend's host side, its do_ ops (Backend's entries have checked their
+// arguments, as for every backend): a dtype dispatch onto the kernels of kernels.h or onto
+// cuBLAS. A bf16 call comes as f32 device shadows (bf16_widen.h), except the GEMMs' (cuBLAS
+// takes bf16) and the MoE ops' (their kernels widen it).
 // Built by the host compiler, so it gets the project's full warning set.
 #include "backend/cuda/cuda_backend.h"
 
@@ -177,13 +178,9 @@ void CudaBackend::copy_from_host(void* dst, const void* src, std::size_t bytes, 
 
 // ---- data movement --------------------------------------------------------------------
 
-void CudaBackend::fill(Tensor& t, double value) {
-  OpCheck c("fill", device());
-  c.arg("t", t);
+void CudaBackend::do_fill(Tensor& t, double value) {
   CudaDeviceGuard guard(device_);
-  if (t.dtype() == DType::I64) {
-    if (!(std::trunc(value) == value && std::abs(value) < 0x1p63))
-      c.fail("t '" + t.tag() + "' is i64 and " + std::to_string(value) + " is not an i64 value");
+  if (t.dtype() == DType::I64) {  // value is an i64 value (checked)
     K::fill_i64(t.data<i64>(), t.numel(), static_cast<i64>(value), stream_);
     return;
   }
@@ -197,8 +194,7 @@ void CudaBackend::fill(Tensor& t, double value) {
   });
 }
 
-void CudaBackend::copy(Tensor& dst, const Tensor& src) {
-  check_copy(device(), dst, src);
+void CudaBackend::do_copy(Tensor& dst, const Tensor& src) {
   CudaDeviceGuard guard(device_);
   if (dst.dtype() == DType::BF16 && src.dtype() == DType::F32)
     return K::round_to_bf16(bits(dst), src.data<float>(), dst.numel(), stream_);
@@ -209,8 +205,7 @@ void CudaBackend::copy(Tensor& dst, const Tensor& src) {
         cudaMemcpyAsync(dst.raw(), src.raw(), dst.nbytes(), cudaMemcpyDeviceToDevice, stream_));
 }
 
-void CudaBackend::from_host(Tensor& dst, const double* src) {
-  OpCheck("from_host", device()).float_arg("dst", dst);
+void CudaBackend::do_from_host(Tensor& dst, const double* src) {
   if (dst.numel() == 0) return;
   CudaDeviceGuard guard(device_);
   if (dst.dtype() == DType::F64) {
@@ -225,15 +220,13 @@ void CudaBackend::from_host(Tensor& dst, const double* src) {
   K::convert_from_f64<float>(dst.data<float>(), staging.data<double>(), dst.numel(), stream_);
 }
 
-void CudaBackend::from_host_i64(Tensor& dst, const std::int64_t* src) {
-  OpCheck("from_host_i64", device()).dtype("dst", dst, DType::I64);
+void CudaBackend::do_from_host_i64(Tensor& dst, const std::int64_t* src) {
   if (dst.nbytes() == 0) return;
   CudaDeviceGuard guard(device_);
   copy_from_host(dst.raw(), src, dst.nbytes(), "from_host_i64");
 }
 
-std::vector<std::int64_t> CudaBackend::to_host_i64(const Tensor& src) {
-  OpCheck("to_host_i64", device()).dtype("src", src, DType::I64);
+std::vector<std::int64_t> CudaBackend::do_to_host_i64(const Tensor& src) {
   std::vector<std::int64_t> out(static_cast<std::size_t>(src.numel()));
   if (src.nbytes() == 0) return out;
   CudaDeviceGuard guard(device_);
@@ -241,8 +234,7 @@ std::vector<std::int64_t> CudaBackend::to_host_i64(const Tensor& src) {
   return out;
 }
 
-std::vector<double> CudaBackend::to_host(const Tensor& src) {
-  OpCheck("to_host", device()).float_arg("src", src);
+std::vector<double> CudaBackend::do_to_host(const Tensor& src) {
   std::vector<double> out(static_cast<std::size_t>(src.numel()));
   if (src.numel() == 0) return out;
   CudaDeviceGuard guard(device_);
@@ -260,8 +252,7 @@ std::vector<double> CudaBackend::to_host(const Tensor& src) {
   return out;
 }
 
-void CudaBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
-  check_columns("copy_columns", device(), src, "src", dst, "dst", col0);
+void CudaBackend::do_copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   const i64 M = dst.dim(0), n = dst.dim(1), N = src.dim(1);
   if (M == 0 || n == 0) return;
   const std::size_t esz = dtype_size(src.dtype());
@@ -273,8 +264,7 @@ void CudaBackend::copy_columns(Tensor& dst, const Tensor& src, std::int64_t col0
       static_cast<std::size_t>(M), cudaMemcpyDeviceToDevice, stream_));
 }
 
-void CudaBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
-  check_columns("set_columns", device(), dst, "dst", src, "src", col0);
+void CudaBackend::do_set_columns(Tensor& dst, const Tensor& src, std::int64_t col0) {
   const i64 M = src.dim(0), n = src.dim(1), N = dst.dim(1);
   if (M == 0 || n == 0) return;
   const std::size_t esz = dtype_size(dst.dtype());
@@ -286,14 +276,7 @@ void CudaBackend::set_columns(Tensor& dst, const Tensor& src, std::int64_t col0)
       stream_));
 }
 
-void CudaBackend::add_inplace(Tensor& dst, const Tensor& src) {
-  check_same_float("add_inplace", device(), "dst", dst, "src", src);
-  if (any_bf16({&dst, &src})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor d = w.inout(dst);
-    add_inplace(d, w.in(src));
-    return w.store();
-  }
+void CudaBackend::do_add_inplace(Tensor& dst, const Tensor& src) {
   CudaDeviceGuard guard(device_);
   on_float(dst, [&](auto z) {
     using T = decltype(z);
@@ -301,14 +284,7 @@ void CudaBackend::add_inplace(Tensor& dst, const Tensor& src) {
   });
 }
 
-void CudaBackend::scale_inplace(Tensor& t, double s) {
-  OpCheck("scale_inplace", device()).float_arg("t", t);
-  if (any_bf16({&t})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor x = w.inout(t);
-    scale_inplace(x, s);
-    return w.store();
-  }
+void CudaBackend::do_scale_inplace(Tensor& t, double s) {
   CudaDeviceGuard guard(device_);
   on_float(t, [&](auto z) {
     using T = decltype(z);
@@ -318,9 +294,9 @@ void CudaBackend::scale_inplace(Tensor& t, double s) {
 
 // ---- GEMM -------------------------------------------------------------------------------
 
-void CudaBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
-                       double alpha, double beta) {
-  const GemmDims g = check_gemm(device(), out, a, trans_a, b, trans_b);
+void CudaBackend::do_gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
+                          double alpha, double beta) {
+  const GemmDims g{out.dim(0), out.dim(1), trans_a ? a.dim(0) : a.dim(1)};
   CudaDeviceGuard guard(device_);
   if (a.dtype() == DType::BF16 || b.dtype() == DType::BF16 || out.dtype() == DType::BF16) {
     // bf16 operands, f32 compute (Megatron's recipe): out bf16, or f32 for a main gradient.
@@ -353,14 +329,7 @@ void CudaBackend::gemm(Tensor& out, const Tensor& a, bool trans_a, const Tensor&
 
 // ---- activations --------------------------------------------------------------------------
 
-void CudaBackend::relu_forward(Tensor& out, const Tensor& inp) {
-  check_same_float("relu_forward", device(), "out", out, "inp", inp);
-  if (any_bf16({&out, &inp})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out);
-    relu_forward(o, w.in(inp));
-    return w.store();
-  }
+void CudaBackend::do_relu_forward(Tensor& out, const Tensor& inp) {
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -368,14 +337,7 @@ void CudaBackend::relu_forward(Tensor& out, const Tensor& inp) {
   });
 }
 
-void CudaBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
-  check_act_backward("relu_backward", device(), dinp, dout, inp);
-  if (any_bf16({&dinp, &dout, &inp})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor d = w.out(dinp);
-    relu_backward(d, w.in(dout), w.in(inp));
-    return w.store();
-  }
+void CudaBackend::do_relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -383,14 +345,7 @@ void CudaBackend::relu_backward(Tensor& dinp, const Tensor& dout, const Tensor& 
   });
 }
 
-void CudaBackend::gelu_forward(Tensor& out, const Tensor& inp) {
-  check_same_float("gelu_forward", device(), "out", out, "inp", inp);
-  if (any_bf16({&out, &inp})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out);
-    gelu_forward(o, w.in(inp));
-    return w.store();
-  }
+void CudaBackend::do_gelu_forward(Tensor& out, const Tensor& inp) {
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -398,14 +353,7 @@ void CudaBackend::gelu_forward(Tensor& out, const Tensor& inp) {
   });
 }
 
-void CudaBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
-  check_act_backward("gelu_backward", device(), dinp, dout, inp);
-  if (any_bf16({&dinp, &dout, &inp})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor d = w.out(dinp);
-    gelu_backward(d, w.in(dout), w.in(inp));
-    return w.store();
-  }
+void CudaBackend::do_gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -413,14 +361,7 @@ void CudaBackend::gelu_backward(Tensor& dinp, const Tensor& dout, const Tensor& 
   });
 }
 
-void CudaBackend::gelu_tanh_forward(Tensor& out, const Tensor& inp) {
-  check_same_float("gelu_tanh_forward", device(), "out", out, "inp", inp);
-  if (any_bf16({&out, &inp})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out);
-    gelu_tanh_forward(o, w.in(inp));
-    return w.store();
-  }
+void CudaBackend::do_gelu_tanh_forward(Tensor& out, const Tensor& inp) {
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -428,14 +369,7 @@ void CudaBackend::gelu_tanh_forward(Tensor& out, const Tensor& inp) {
   });
 }
 
-void CudaBackend::gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
-  check_act_backward("gelu_tanh_backward", device(), dinp, dout, inp);
-  if (any_bf16({&dinp, &dout, &inp})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor d = w.out(dinp);
-    gelu_tanh_backward(d, w.in(dout), w.in(inp));
-    return w.store();
-  }
+void CudaBackend::do_gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Tensor& inp) {
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -443,14 +377,8 @@ void CudaBackend::gelu_tanh_backward(Tensor& dinp, const Tensor& dout, const Ten
   });
 }
 
-void CudaBackend::swiglu_forward(Tensor& out, const Tensor& gate_up) {
-  const RowsCols s = check_swiglu_forward(device(), out, gate_up);
-  if (any_bf16({&out, &gate_up})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out);
-    swiglu_forward(o, w.in(gate_up));
-    return w.store();
-  }
+void CudaBackend::do_swiglu_forward(Tensor& out, const Tensor& gate_up) {
+  const RowsCols s{out.dim(0), out.dim(1)};  // [N,F]
   CudaDeviceGuard guard(device_);
   on_float(gate_up, [&](auto z) {
     using T = decltype(z);
@@ -458,14 +386,8 @@ void CudaBackend::swiglu_forward(Tensor& out, const Tensor& gate_up) {
   });
 }
 
-void CudaBackend::swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
-  const RowsCols s = check_swiglu_backward(device(), dgate_up, dout, gate_up);
-  if (any_bf16({&dgate_up, &dout, &gate_up})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor d = w.out(dgate_up);
-    swiglu_backward(d, w.in(dout), w.in(gate_up));
-    return w.store();
-  }
+void CudaBackend::do_swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+  const RowsCols s{dout.dim(0), dout.dim(1)};  // [N,F]
   CudaDeviceGuard guard(device_);
   on_float(gate_up, [&](auto z) {
     using T = decltype(z);
@@ -476,14 +398,8 @@ void CudaBackend::swiglu_backward(Tensor& dgate_up, const Tensor& dout, const Te
 
 // ---- biases -------------------------------------------------------------------------------
 
-void CudaBackend::add_bias(Tensor& out, const Tensor& bias) {
-  const RowsCols s = check_bias("add_bias", device(), "out", out, "bias", bias);
-  if (any_bf16({&out, &bias})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.inout(out);
-    add_bias(o, w.in(bias));
-    return w.store();
-  }
+void CudaBackend::do_add_bias(Tensor& out, const Tensor& bias) {
+  const RowsCols s{out.dim(0), out.dim(1)};
   CudaDeviceGuard guard(device_);
   on_float(out, [&](auto z) {
     using T = decltype(z);
@@ -491,15 +407,8 @@ void CudaBackend::add_bias(Tensor& out, const Tensor& bias) {
   });
 }
 
-void CudaBackend::bias_backward(Tensor& dbias, const Tensor& dout) {
-  const RowsCols s = check_bias("bias_backward", device(), "dout", dout, "dbias", dbias);
-  if (any_bf16({&dbias, &dout})) {
-    // an f32 dbias (the main gradient) accumulates as it is; a bf16 one through its shadow
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor db = w.inout(dbias);
-    bias_backward(db, w.in(dout));
-    return w.store();
-  }
+void CudaBackend::do_bias_backward(Tensor& dbias, const Tensor& dout) {
+  const RowsCols s{dout.dim(0), dout.dim(1)};
   CudaDeviceGuard guard(device_);
   on_float(dout, [&](auto z) {
     using T = decltype(z);
@@ -509,15 +418,9 @@ void CudaBackend::bias_backward(Tensor& dbias, const Tensor& dout) {
 
 // ---- LayerNorm ----------------------------------------------------------------------------
 
-void CudaBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
-                                    const Tensor& weight, double eps) {
-  const RowsCols s = check_layernorm_forward(device(), out, mean, rstd, inp, weight);
-  if (any_bf16({&out, &mean, &rstd, &inp, &weight})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out), m = w.out(mean), r = w.out(rstd);
-    layernorm_forward(o, m, r, w.in(inp), w.in(weight), eps);
-    return w.store();
-  }
+void CudaBackend::do_layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
+                                       const Tensor& weight, double eps) {
+  const RowsCols s{inp.dim(0), inp.dim(1)};
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -526,17 +429,10 @@ void CudaBackend::layernorm_forward(Tensor& out, Tensor& mean, Tensor& rstd, con
   });
 }
 
-void CudaBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
-                                     const Tensor& inp, const Tensor& weight, const Tensor& mean,
-                                     const Tensor& rstd) {
-  const RowsCols s =
-      check_layernorm_backward(device(), dinp, dweight, dout, inp, weight, mean, rstd);
-  if (any_bf16({&dinp, &dweight, &dout, &inp, &weight, &mean, &rstd})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor di = w.inout(dinp), dw = w.inout(dweight);
-    layernorm_backward(di, dw, w.in(dout), w.in(inp), w.in(weight), w.in(mean), w.in(rstd));
-    return w.store();
-  }
+void CudaBackend::do_layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                        const Tensor& inp, const Tensor& weight, const Tensor& mean,
+                                        const Tensor& rstd) {
+  const RowsCols s{inp.dim(0), inp.dim(1)};
   CudaDeviceGuard guard(device_);
   // [chunks, C] per-chunk column sums of dout·xhat, added in order into dweight
   Tensor partial = empty({K::layernorm_dweight_chunks(s.N), s.C}, inp.dtype(),
@@ -551,15 +447,9 @@ void CudaBackend::layernorm_backward(Tensor& dinp, Tensor& dweight, const Tensor
 
 // ---- RMSNorm ------------------------------------------------------------------------------
 
-void CudaBackend::rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
-                                  const Tensor& weight, double eps) {
-  const RowsCols s = check_rmsnorm_forward(device(), out, rstd, inp, weight);
-  if (any_bf16({&out, &rstd, &inp, &weight})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out), r = w.out(rstd);
-    rmsnorm_forward(o, r, w.in(inp), w.in(weight), eps);
-    return w.store();
-  }
+void CudaBackend::do_rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
+                                     const Tensor& weight, double eps) {
+  const RowsCols s{inp.dim(0), inp.dim(1)};
   CudaDeviceGuard guard(device_);
   on_float(inp, [&](auto z) {
     using T = decltype(z);
@@ -568,15 +458,9 @@ void CudaBackend::rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& inp,
   });
 }
 
-void CudaBackend::rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
-                                   const Tensor& inp, const Tensor& weight, const Tensor& rstd) {
-  const RowsCols s = check_rmsnorm_backward(device(), dinp, dweight, dout, inp, weight, rstd);
-  if (any_bf16({&dinp, &dweight, &dout, &inp, &weight, &rstd})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor di = w.inout(dinp), dw = w.inout(dweight);
-    rmsnorm_backward(di, dw, w.in(dout), w.in(inp), w.in(weight), w.in(rstd));
-    return w.store();
-  }
+void CudaBackend::do_rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& dout,
+                                      const Tensor& inp, const Tensor& weight, const Tensor& rstd) {
+  const RowsCols s{inp.dim(0), inp.dim(1)};
   CudaDeviceGuard guard(device_);
   // [chunks, C] per-chunk column sums of dout·xhat, added in order into dweight
   Tensor partial = empty({K::layernorm_dweight_chunks(s.N), s.C}, inp.dtype(),
@@ -590,25 +474,19 @@ void CudaBackend::rmsnorm_backward(Tensor& dinp, Tensor& dweight, const Tensor& 
 
 // ---- rotary position embedding ------------------------------------------------------------
 
-void CudaBackend::rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
-                               bool interleaved) {
-  rope(x, pos, h, theta, interleaved, "rope_forward", 1.0);
+void CudaBackend::do_rope_forward(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
+                                  bool interleaved) {
+  rope(x, pos, h, theta, interleaved, 1.0);
 }
 
-void CudaBackend::rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
-                                bool interleaved) {
-  rope(dx, pos, h, theta, interleaved, "rope_backward", -1.0);
+void CudaBackend::do_rope_backward(Tensor& dx, const Tensor& pos, std::int64_t h, double theta,
+                                   bool interleaved) {
+  rope(dx, pos, h, theta, interleaved, -1.0);
 }
 
-void CudaBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta,
-                       bool interleaved, const char* op, double sign) {
-  const RowsCols s = check_rope(op, device(), x, pos, h, theta);
-  if (any_bf16({&x})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor xi = w.inout(x);
-    rope(xi, pos, h, theta, interleaved, op, sign);
-    return w.store();
-  }
+void CudaBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta, bool interleaved,
+                       double sign) {
+  const RowsCols s{x.dim(0), x.dim(1) / h};  // [N, h·d]: {N, d}
   CudaDeviceGuard guard(device_);
   on_float(x, [&](auto z) {
     using T = decltype(z);
@@ -621,15 +499,9 @@ void CudaBackend::rope(Tensor& x, const Tensor& pos, std::int64_t h, double thet
 // b·T·ld + j·d (row stride ld = h·d), and its probabilities the [T,T] block
 // probs[b,j] at (b·h + j)·T·T.
 
-void CudaBackend::dropout(Tensor& x, const DropoutMask& mask) {
-  const RowsCols s = check_dropout(device(), x, mask);
+void CudaBackend::do_dropout(Tensor& x, const DropoutMask& mask) {
   if (!mask.active()) return;
-  if (any_bf16({&x})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor f = w.inout(x);
-    dropout(f, mask);
-    return w.store();
-  }
+  const RowsCols s{x.dim(0), x.dim(1)};
   CudaDeviceGuard guard(device_);
   on_float(x, [&](auto z) {
     using T = decltype(z);
@@ -637,20 +509,11 @@ void CudaBackend::dropout(Tensor& x, const DropoutMask& mask) {
   });
 }
 
-void CudaBackend::attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
-                                    const Tensor& k, const Tensor& v, std::int64_t B,
-                                    std::int64_t T, std::int64_t h, double scale,
-                                    const DropoutMask& mask) {
-  const i64 d = check_attention_forward(device(), out, probs, dropped, q, k, v, B, T, h, mask);
-  if (any_bf16({&out, &probs, &q, &k, &v})) {
-    // as on the CPU: scores and probabilities stay f32 inside the call (probs·v reads the
-    // f32 probabilities, dropped or not); probs and dropped are rounded to bf16 only where
-    // they are saved for backward
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out), p = w.out(probs), pd = mask.active() ? w.out(dropped) : Tensor{};
-    attention_forward(o, p, pd, w.in(q), w.in(k), w.in(v), B, T, h, scale, mask);
-    return w.store();
-  }
+void CudaBackend::do_attention_forward(Tensor& out, Tensor& probs, Tensor& dropped, const Tensor& q,
+                                       const Tensor& k, const Tensor& v, std::int64_t B,
+                                       std::int64_t T, std::int64_t h, double scale,
+                                       const DropoutMask& mask) {
+  const i64 d = q.dim(1) / h;
   CudaDeviceGuard guard(device_);
   const i64 ld = h * d;
   on_float(q, [&](auto z) {
@@ -673,20 +536,12 @@ void CudaBackend::attention_forward(Tensor& out, Tensor& probs, Tensor& dropped,
   });
 }
 
-void CudaBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
-                                     const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const Tensor& probs, const Tensor& dropped, std::int64_t B,
-                                     std::int64_t T, std::int64_t h, double scale,
-                                     const DropoutMask& mask) {
-  const i64 d =
-      check_attention_backward(device(), dq, dk, dv, dout, q, k, v, probs, dropped, B, T, h, mask);
-  if (any_bf16({&dq, &dk, &dv, &dout, &q, &k, &v, &probs})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor gq = w.out(dq), gk = w.out(dk), gv = w.out(dv);
-    attention_backward(gq, gk, gv, w.in(dout), w.in(q), w.in(k), w.in(v), w.in(probs),
-                       mask.active() ? w.in(dropped) : Tensor{}, B, T, h, scale, mask);
-    return w.store();
-  }
+void CudaBackend::do_attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& dout,
+                                        const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& probs, const Tensor& dropped, std::int64_t B,
+                                        std::int64_t T, std::int64_t h, double scale,
+                                        const DropoutMask& mask) {
+  const i64 d = q.dim(1) / h;
   CudaDeviceGuard guard(device_);
   const i64 ld = h * d;
   // [B,h,T,T]: dP, then dS in place; as large as probs (the CPU needs only [T,T], but a
@@ -722,15 +577,9 @@ void CudaBackend::attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const T
 
 // ---- embedding ----------------------------------------------------------------------------
 
-void CudaBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
-                                    std::int64_t row0) {
-  const EmbeddingDims s = check_embedding_forward(device(), out, ids, table, row0);
-  if (any_bf16({&out, &table})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor o = w.out(out);
-    embedding_forward(o, ids, w.in(table), row0);
-    return w.store();
-  }
+void CudaBackend::do_embedding_forward(Tensor& out, const Tensor& ids, const Tensor& table,
+                                       std::int64_t row0) {
+  const EmbeddingDims s{ids.dim(0), table.dim(0), table.dim(1)};
   CudaDeviceGuard guard(device_);
   on_float(table, [&](auto z) {
     using T = decltype(z);
@@ -739,15 +588,9 @@ void CudaBackend::embedding_forward(Tensor& out, const Tensor& ids, const Tensor
   });
 }
 
-void CudaBackend::embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
-                                     std::int64_t row0) {
-  const EmbeddingDims s = check_embedding_backward(device(), dtable, dout, ids, row0);
-  if (any_bf16({&dtable, &dout})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor dt = w.inout(dtable);
-    embedding_backward(dt, w.in(dout), ids, row0);
-    return w.store();
-  }
+void CudaBackend::do_embedding_backward(Tensor& dtable, const Tensor& dout, const Tensor& ids,
+                                        std::int64_t row0) {
+  const EmbeddingDims s{ids.dim(0), dtable.dim(0), dtable.dim(1)};
   if (s.N == 0 || s.C == 0) return;
   CudaDeviceGuard guard(device_);
   // The ids come to the host (N i64s, one wait) to plan the scatter-add there.
@@ -787,14 +630,8 @@ void CudaBackend::check_targets(const char* op, const Tensor& targets, const Ten
                               std::to_string(col0 + Vl) + ") of logits '" + logits.tag() + "'"));
 }
 
-void CudaBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
-  const CeDims s = check_ce_row_max(device(), rowmax, logits, valid);
-  if (any_bf16({&rowmax, &logits})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor m = w.out(rowmax);
-    ce_row_max(m, w.in(logits), valid);
-    return w.store();
-  }
+void CudaBackend::do_ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t valid) {
+  const CeDims s{logits.dim(0), logits.dim(1)};
   CudaDeviceGuard guard(device_);
   on_float(logits, [&](auto z) {
     using T = decltype(z);
@@ -802,15 +639,9 @@ void CudaBackend::ce_row_max(Tensor& rowmax, const Tensor& logits, std::int64_t 
   });
 }
 
-void CudaBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits,
-                                  const Tensor& targets, std::int64_t col0, std::int64_t valid) {
-  const CeDims s = check_ce_target_logit(device(), target_logit, logits, targets, col0, valid);
-  if (any_bf16({&target_logit, &logits})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor tl = w.out(target_logit);
-    ce_target_logit(tl, w.in(logits), targets, col0, valid);
-    return w.store();
-  }
+void CudaBackend::do_ce_target_logit(Tensor& target_logit, const Tensor& logits,
+                                     const Tensor& targets, std::int64_t col0, std::int64_t valid) {
+  const CeDims s{logits.dim(0), logits.dim(1)};
   CudaDeviceGuard guard(device_);
   check_targets("ce_target_logit", targets, logits, col0, valid);
   on_float(logits, [&](auto z) {
@@ -820,15 +651,9 @@ void CudaBackend::ce_target_logit(Tensor& target_logit, const Tensor& logits,
   });
 }
 
-void CudaBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
-                             std::int64_t valid) {
-  const CeDims s = check_ce_sum_exp(device(), sumexp, logits, rowmax, valid);
-  if (any_bf16({&sumexp, &logits, &rowmax})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor se = w.out(sumexp);
-    ce_sum_exp(se, w.in(logits), w.in(rowmax), valid);
-    return w.store();
-  }
+void CudaBackend::do_ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor& rowmax,
+                                std::int64_t valid) {
+  const CeDims s{logits.dim(0), logits.dim(1)};
   CudaDeviceGuard guard(device_);
   on_float(logits, [&](auto z) {
     using T = decltype(z);
@@ -837,15 +662,9 @@ void CudaBackend::ce_sum_exp(Tensor& sumexp, const Tensor& logits, const Tensor&
   });
 }
 
-void CudaBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
-                          const Tensor& target_logit, const Tensor& targets) {
-  const i64 N = check_ce_loss(device(), loss, rowmax, sumexp, target_logit, targets);
-  if (any_bf16({&loss, &rowmax, &sumexp, &target_logit})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor l = w.out(loss);
-    ce_loss(l, w.in(rowmax), w.in(sumexp), w.in(target_logit), targets);
-    return w.store();
-  }
+void CudaBackend::do_ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sumexp,
+                             const Tensor& target_logit, const Tensor& targets) {
+  const i64 N = loss.dim(0);
   CudaDeviceGuard guard(device_);
   on_float(loss, [&](auto z) {
     using T = decltype(z);
@@ -854,17 +673,10 @@ void CudaBackend::ce_loss(Tensor& loss, const Tensor& rowmax, const Tensor& sume
   });
 }
 
-void CudaBackend::ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
-                              const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
-                              std::int64_t valid, double scale) {
-  const CeDims s =
-      check_ce_backward(device(), dlogits, logits, rowmax, sumexp, targets, col0, valid);
-  if (any_bf16({&dlogits, &logits, &rowmax, &sumexp})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor d = w.out(dlogits);
-    ce_backward(d, w.in(logits), w.in(rowmax), w.in(sumexp), targets, col0, valid, scale);
-    return w.store();
-  }
+void CudaBackend::do_ce_backward(Tensor& dlogits, const Tensor& logits, const Tensor& rowmax,
+                                 const Tensor& sumexp, const Tensor& targets, std::int64_t col0,
+                                 std::int64_t valid, double scale) {
+  const CeDims s{logits.dim(0), logits.dim(1)};
   CudaDeviceGuard guard(device_);
   check_targets("ce_backward", targets, logits, col0, valid);
   on_float(logits, [&](auto z) {
@@ -880,12 +692,7 @@ double CudaBackend::read_sum() {
   return r;
 }
 
-double CudaBackend::sum(const Tensor& t) {
-  OpCheck("sum", device()).float_arg("t", t);
-  if (any_bf16({&t})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    return sum(w.in(t));
-  }
+double CudaBackend::do_sum(const Tensor& t) {
   if (t.numel() == 0) return 0.0;
   CudaDeviceGuard guard(device_);
   on_float(t, [&](auto z) {
@@ -895,12 +702,7 @@ double CudaBackend::sum(const Tensor& t) {
   return read_sum();
 }
 
-double CudaBackend::sum_squares(const Tensor& t) {
-  OpCheck("sum_squares", device()).float_arg("t", t);
-  if (any_bf16({&t})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    return sum_squares(w.in(t));
-  }
+double CudaBackend::do_sum_squares(const Tensor& t) {
   if (t.numel() == 0) return 0.0;
   CudaDeviceGuard guard(device_);
   on_float(t, [&](auto z) {
@@ -912,14 +714,7 @@ double CudaBackend::sum_squares(const Tensor& t) {
 
 // ---- MSE ----------------------------------------------------------------------------------
 
-double CudaBackend::mse_forward(const Tensor& y, const Tensor& target) {
-  check_same_float("mse_forward", device(), "target", target, "y", y);
-  if (y.numel() == 0)
-    OpCheck("mse_forward", device()).fail("y '" + y.tag() + "' is empty; its mean is 0/0");
-  if (any_bf16({&y, &target})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    return mse_forward(w.in(y), w.in(target));
-  }
+double CudaBackend::do_mse_forward(const Tensor& y, const Tensor& target) {
   CudaDeviceGuard guard(device_);
   on_float(y, [&](auto z) {
     using T = decltype(z);
@@ -929,14 +724,7 @@ double CudaBackend::mse_forward(const Tensor& y, const Tensor& target) {
   return read_sum() / static_cast<double>(y.numel());
 }
 
-void CudaBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
-  check_mse_backward(device(), dy, y, target);
-  if (any_bf16({&dy, &y, &target})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor d = w.out(dy);
-    mse_backward(d, w.in(y), w.in(target));
-    return w.store();
-  }
+void CudaBackend::do_mse_backward(Tensor& dy, const Tensor& y, const Tensor& target) {
   CudaDeviceGuard guard(device_);
   on_float(y, [&](auto z) {
     using T = decltype(z);
@@ -947,14 +735,7 @@ void CudaBackend::mse_backward(Tensor& dy, const Tensor& y, const Tensor& target
 
 // ---- optimizers ---------------------------------------------------------------------------
 
-void CudaBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
-  check_same_float("sgd_update", device(), "grad", grad, "param", param);
-  if (any_bf16({&param, &grad})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor p = w.inout(param);
-    sgd_update(p, w.in(grad), lr);
-    return w.store();
-  }
+void CudaBackend::do_sgd_update(Tensor& param, const Tensor& grad, double lr) {
   CudaDeviceGuard guard(device_);
   on_float(param, [&](auto z) {
     using T = decltype(z);
@@ -962,16 +743,9 @@ void CudaBackend::sgd_update(Tensor& param, const Tensor& grad, double lr) {
   });
 }
 
-void CudaBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
-                              double beta1, double beta2, double eps, double weight_decay,
-                              std::int64_t step) {
-  check_adam(device(), param, grad, m, v, step);
-  if (any_bf16({&param, &grad, &m, &v})) {
-    Bf16Widened w(*shadow_alloc_, &bf16_convert_);
-    Tensor p = w.inout(param), mm = w.inout(m), vv = w.inout(v);
-    adam_update(p, w.in(grad), mm, vv, lr, beta1, beta2, eps, weight_decay, step);
-    return w.store();
-  }
+void CudaBackend::do_adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr,
+                                 double beta1, double beta2, double eps, double weight_decay,
+                                 std::int64_t step) {
   CudaDeviceGuard guard(device_);
   on_float(param, [&](auto z) {
     using T = decltype(z);
@@ -983,10 +757,10 @@ void CudaBackend::adam_update(Tensor& param, const Tensor& grad, Tensor& m, Tens
 
 // ---- mixture of experts -------------------------------------------------------------------
 
-void CudaBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
-                           const Tensor& logits, const Tensor& bias, std::int64_t K, bool sigmoid,
-                           bool renorm) {
-  const MoeTopkDims d = check_moe_topk(device(), scores, expert, gate, lse, logits, bias, K);
+void CudaBackend::do_moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor& lse,
+                              const Tensor& logits, const Tensor& bias, std::int64_t K,
+                              bool sigmoid, bool renorm) {
+  const MoeTopkDims d{logits.dim(0), logits.dim(1)};
   CudaDeviceGuard guard(device_);
   auto run = [&](const auto* z) {
     K::moe_topk(scores.data<double>(), expert.data<i64>(), gate.data<double>(), lse.data<double>(),
@@ -999,10 +773,10 @@ void CudaBackend::moe_topk(Tensor& scores, Tensor& expert, Tensor& gate, Tensor&
   });
 }
 
-void CudaBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
-                              const Tensor& weight) {
+void CudaBackend::do_moe_combine(Tensor& out, const Tensor& rows, const Tensor& token,
+                                 const Tensor& weight) {
   const char* op = "moe_combine";
-  const CombineDims d = check_moe_combine(device(), out, rows, token, weight);
+  const CombineDims d{out.dim(0), rows.dim(0), rows.dim(1)};
   CudaDeviceGuard guard(device_);
   // The token ids come to the host (S i64s, one wait) to be checked, as the CPU checks
   // them, and to plan each token's rows in row order.
@@ -1030,10 +804,9 @@ void CudaBackend::moe_combine(Tensor& out, const Tensor& rows, const Tensor& tok
   });
 }
 
-void CudaBackend::grouped_gemm(Tensor& out, const Tensor& a, const std::vector<const Tensor*>& b,
-                               bool trans_b, const std::vector<std::int64_t>& offsets,
-                               double alpha, double beta) {
-  check_grouped_gemm(device(), out, a, b, trans_b, offsets);
+void CudaBackend::do_grouped_gemm(Tensor& out, const Tensor& a, const std::vector<const Tensor*>& b,
+                                  bool trans_b, const std::vector<std::int64_t>& offsets,
+                                  double alpha, double beta) {
   const i64 N = out.dim(1), Kd = a.dim(1);
   std::vector<RowMajorGemm> problems;  // the non-empty groups
   for (std::size_t g = 0; g < b.size(); ++g) {
@@ -1049,10 +822,9 @@ void CudaBackend::grouped_gemm(Tensor& out, const Tensor& a, const std::vector<c
   grouped_call("grouped_gemm", problems, a.dtype(), bd, out.dtype(), alpha, beta);
 }
 
-void CudaBackend::grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a,
-                                     const Tensor& b, const std::vector<std::int64_t>& offsets,
-                                     double alpha, double beta) {
-  check_grouped_gemm_wgrad(device(), out, a, b, offsets);
+void CudaBackend::do_grouped_gemm_wgrad(const std::vector<Tensor*>& out, const Tensor& a,
+                                        const Tensor& b, const std::vector<std::int64_t>& offsets,
+                                        double alpha, double beta) {
   const i64 M = a.dim(1), N = b.dim(1);
   std::vector<RowMajorGemm> problems;  // the non-empty groups
   DType cd = out.empty() ? a.dtype() : out[0]->dtype();
