@@ -115,7 +115,6 @@ class CpuBackend final : public Backend {
                       std::int64_t step) override;
 
  private:
-  Device device() const { return alloc_.device(); }
   // rope_forward (sign 1) and rope_backward (sign -1, the inverse rotation).
   void rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta, bool interleaved,
             double sign);

@@ -179,7 +179,6 @@ class CudaBackend final : public Backend {
                       std::int64_t step) override;
 
  private:
-  Device device() const { return {DeviceKind::Cuda, device_}; }
   // rope_forward (sign 1) and rope_backward (sign -1, the rotation by minus the angle).
   void rope(Tensor& x, const Tensor& pos, std::int64_t h, double theta, bool interleaved,
             double sign);
