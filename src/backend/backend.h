@@ -247,10 +247,10 @@ class Backend {
   virtual Bf16Widening bf16_widening() = 0;
 
   // ---- the kernels, one per op above ---------------------------------------------------
-  // Called by the op's entry once its checks have passed, with the sizes as checked. On a
-  // widening backend the float tensors of the ops from add_inplace to adam_update are f32
-  // or f64 only (gemm's too unless Bf16Widening::gemm is false); the other ops (data
-  // movement, all_finite, the MoE ops) take bf16 tensors as they are.
+  // Called by the op's entry once its checks have passed, so that a kernel reads its sizes
+  // off the shapes unchecked. On a widening backend a kernel sees f32 and f64 tensors only,
+  // except where bf16 comes as it is: data movement, all_finite, the MoE ops, gemm when
+  // Bf16Widening::gemm is false, dropout with an inactive mask.
   virtual void do_fill(Tensor& t, double value) = 0;
   virtual void do_copy(Tensor& dst, const Tensor& src) = 0;
   virtual void do_from_host(Tensor& dst, const double* src) = 0;
