@@ -11,6 +11,10 @@ names on both sides, and the same rows of linear_qkv (per query group) and linea
 ([gate; up]).
   llama      GQA (4 heads, 2 kv heads), untied head
   llama-mha  4 kv heads, tied head
+  llama-tp2  GQA at TP 2 (two gloo processes): each rank's shard of linear_qkv and linear_fc1,
+             split by tpsim's runs for one of 2 shards, against the bridge's own mappings
+             (its tasks run for the fused tensors alone: at TP > 1 its replicated mapping
+             moves tensors to CUDA)
   qwen3-moe  Qwen3MoeForCausalLM against the bridge's Qwen3MoEBridge: Hugging Face's side
              only (tpsim's megatron names cover dense models; it names no Megatron expert):
              every tensor the bridge converts is a tpsim tensor of the same layer, expert and
@@ -73,7 +77,7 @@ except ImportError as e:
     print(f"SKIP: no megatron-bridge ({e}); scripts/setup.sh --test-deps builds its environment")
     sys.exit(77)
 
-V, H, HEADS, F, LAYERS, T = 61, 32, 4, 48, 2, 16
+V, H, HEADS, F, LAYERS, T = 64, 32, 4, 48, 2, 16  # V: Megatron splits it over TP
 QWEN_EXPERTS, QWEN_FFN = 4, 24
 
 
@@ -84,10 +88,10 @@ def tpsim_names(tool, convention, *args):
     return json.loads(r.stdout)
 
 
-def megatron_model(kv_heads, tied, experts=0):
+def megatron_model(kv_heads, tied, experts=0, tp=1):
     """megatron-core's GPTModel for the case, local spec, on the CPU."""
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, num_query_groups=kv_heads,
+        tensor_model_parallel_size=tp, num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, num_query_groups=kv_heads,
         kv_channels=H // HEADS, ffn_hidden_size=F, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, normalization="RMSNorm",
         add_bias_linear=False, use_cpu_initialization=True, qk_layernorm=experts > 0,
@@ -152,19 +156,15 @@ def perturb_dense(meg, kv_heads):
 
 def dense_case(tool, kv_heads, tied, twin):
     torch.manual_seed(kv_heads)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=T,
-        tie_word_embeddings=tied)
     with tempfile.TemporaryDirectory() as d:
-        hf_weights = saved(transformers.LlamaForCausalLM(hf_config), d)
+        hf_weights = saved(transformers.LlamaForCausalLM(llama_config(kv_heads, tied)), d)
         hf = tpsim_names(tool, "hf-llama", "hf=" + d)
         meg = tpsim_names(tool, "megatron", "hf=" + d)
         if twin:
             perturb_dense(meg, kv_heads)
         for names in (hf, meg):
             if names["misfit"]:
-                return [f"tpsim refuses its own {names['convention']} names here: {names['misfit']}"], ""
+                raise RuntimeError(f"tpsim refuses its own {names['convention']} names here: {names['misfit']}")
         model = megatron_model(kv_heads, tied)
         pretrained = PreTrainedCausalLM.from_pretrained(d)
         bridge = LlamaBridge()
@@ -207,6 +207,79 @@ def dense_case(tool, kv_heads, tied, twin):
         return bad, f"{len(params)} Megatron tensors ({fused} fused), {len(exported)} Hugging Face tensors"
 
 
+def llama_config(kv_heads, tied):
+    return transformers.LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=T,
+        tie_word_embeddings=tied)
+
+
+def tp_rank_check(rank, tp, tool, d, twin, port, out):
+    """One of `tp` ranks (gloo): the fused tensors' shards the bridge gives this rank, against
+    tpsim's runs for one of `tp` shards applied to this rank's block of each part, and back."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=tp)
+    parallel_state.initialize_model_parallel(tp, 1)
+    hf = tpsim_names(tool, "hf-llama", "hf=" + d)
+    meg = tpsim_names(tool, "megatron", "hf=" + d, f"shards={tp}")
+    if twin:  # layer 0's shard of linear_qkv read with k and v exchanged
+        qkv = meg["fused"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+        qkv[1][1], qkv[2][1] = qkv[2][1], qkv[1][1]
+    from safetensors.torch import load_file
+    full = {hf["to_tpsim"][n]: t for n, t in load_file(os.path.join(d, "model.safetensors")).items()}
+    model = megatron_model(2, False, tp=tp)
+    pretrained = PreTrainedCausalLM.from_pretrained(d)
+    bridge = LlamaBridge()
+    # The bridge's own tasks and mappings, run (as its load and export loops run them) for the
+    # fused tensors only: at TP > 1 its replicated mapping moves tensors to CUDA.
+    tasks = [t for t in bridge.build_conversion_tasks(pretrained, [model])
+             if t is not None and t.megatron_module is not None and t.param_name in meg["fused"]]
+    if sorted(t.param_name for t in tasks) != sorted(meg["fused"]):
+        raise RuntimeError(f"rank {rank}: the bridge's fused tasks {[t.param_name for t in tasks]} "
+                           f"are not tpsim's fused tensors {sorted(meg['fused'])}")
+    bad, theirs, ours = [], {}, {}
+    for t in tasks:
+        hf_weights = bridge.maybe_modify_loaded_hf_weight(t.mapping.hf_param, pretrained.state)
+        theirs[t.param_name] = t.mapping.hf_to_megatron(hf_weights, t.megatron_module)
+        parts = meg["fused"][t.param_name]
+        ours[t.param_name] = assemble(parts, {n: torch.chunk(full[n], tp)[rank] for n, _ in parts})
+    bad += compare(f"hf->megatron rank {rank}", ours, theirs)
+    to_hf, back, exported = {v: k for k, v in hf["to_tpsim"].items()}, {}, {}
+    torch.manual_seed(100 + rank)
+    for t in tasks:
+        shard = torch.randn_like(t.param_weight)
+        exported.update(t.mapping.megatron_to_hf(shard, t.megatron_module))
+        for n, block in split(meg["fused"][t.param_name], shard).items():
+            blocks = [torch.empty_like(block) for _ in range(tp)]
+            torch.distributed.all_gather(blocks, block.contiguous())
+            back[to_hf[n]] = torch.cat(blocks)
+    bad += compare(f"megatron->hf rank {rank}", back, exported)
+    fused = list(theirs)
+    with open(out, "w") as f:
+        json.dump({"bad": bad, "fused": len(fused)}, f)
+    torch.distributed.destroy_process_group()
+
+
+def tp_case(tool, tp, twin):
+    """Llama with GQA at TP `tp`: each rank's shards of linear_qkv and linear_fc1."""
+    torch.manual_seed(11)
+    with tempfile.TemporaryDirectory() as d:
+        saved(transformers.LlamaForCausalLM(llama_config(2, False)), d)
+        outs = [os.path.join(d, f"rank{r}.json") for r in range(tp)]
+        procs = [torch.multiprocessing.get_context("spawn").Process(
+            target=tp_rank_check, args=(r, tp, tool, d, twin, 29500 + os.getpid() % 400, outs[r]))
+            for r in range(tp)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode != 0 for p in procs) or not all(os.path.exists(o) for o in outs):
+            raise RuntimeError(f"tp {tp}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+        results = [json.load(open(o)) for o in outs]
+    bad = [line for r in results for line in r["bad"]]
+    return bad, f"{sum(r['fused'] for r in results)} fused shards on {tp} ranks"
+
+
 _EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
 
 
@@ -224,7 +297,7 @@ def moe_case(tool, twin):
                         "kv_heads=2", f"layers={LAYERS}", f"experts={QWEN_EXPERTS}", "topk=2",
                         f"moe_ffn={QWEN_FFN}", "tied=0")
     if names["misfit"]:
-        return [f"tpsim refuses its own hf-qwen-moe names here: {names['misfit']}"], ""
+        raise RuntimeError(f"tpsim refuses its own hf-qwen-moe names here: {names['misfit']}")
     to_tpsim = names["to_tpsim"]
     if twin:  # layer 0, expert 1: up and gate exchanged
         a, b = "model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.mlp.experts.1.up_proj.weight"
@@ -278,6 +351,7 @@ def main():
     parallel_state.initialize_model_parallel(1, 1)
     cases = {"llama": lambda: dense_case(tool, 2, False, twin),
              "llama-mha": lambda: dense_case(tool, HEADS, True, twin),
+             "llama-tp2": lambda: tp_case(tool, 2, twin),
              "qwen3-moe": lambda: moe_case(tool, twin)}
     failed = False
     for name, run in cases.items():
