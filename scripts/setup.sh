@@ -4,7 +4,8 @@
 #   --test-deps: also what only scripts/test.sh needs: chromium renders the --html page;
 #   Open MPI builds MpiComm and runs the tests under mpirun; and a Python virtual
 #   environment from python/requirements-test.txt (PyPI's torch, transformers, numpy,
-#   safetensors, pinned exactly) for the PyTorch and Hugging Face peers.
+#   safetensors, pinned exactly) for the PyTorch and Hugging Face peers, and beside it one
+#   for megatron-bridge (python/requirements-bridge.txt) that the name-map test uses.
 # The environment lives outside the clone, in $TPSIM_VENV_CACHE (default
 # ~/.cache/tpsim), in a folder named for the requirements file's hash, so that a fresh
 # clone on the same machine (CI's) reuses it; scripts/test_python.sh prints its python.
@@ -47,5 +48,23 @@ if ((test_deps)); then
     "$venv/bin/pip" install --quiet --disable-pip-version-check -r python/requirements-test.txt
     touch "$venv/.complete"
     echo "setup: Python environment ready in $((SECONDS - start)) s"
+  fi
+  # megatron-bridge and megatron-core for tests/pytorch/bridge_names.py: they declare Python
+  # >= 3.12 and a training stack the name maps do not use, so exactly the pinned files are
+  # installed (--ignore-requires-python --no-deps) into their own environment, which sees
+  # the test environment's torch and transformers through a .pth file (a few MB, seconds).
+  bpy=$(scripts/test_python.sh --bridge --path)
+  bvenv=$(dirname "$(dirname "$bpy")")
+  if [ ! -f "$bvenv/.complete" ]; then
+    echo "setup: creating $bvenv from python/requirements-bridge.txt"
+    start=$SECONDS
+    rm -rf "$bvenv"
+    /usr/bin/python3 -m venv "$bvenv"
+    "$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])' \
+      > "$("$bvenv/bin/python" -c 'import site; print(site.getsitepackages()[0])')/tpsim-test-env.pth"
+    "$bvenv/bin/pip" install --quiet --disable-pip-version-check --ignore-requires-python \
+      --no-deps -r python/requirements-bridge.txt
+    touch "$bvenv/.complete"
+    echo "setup: megatron-bridge environment ready in $((SECONDS - start)) s"
   fi
 fi

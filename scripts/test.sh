@@ -19,6 +19,7 @@ if ! grep -q '^TPSIM_WITH_MPI:INTERNAL=ON' build/CMakeCache.txt; then
 fi
 TPSIM_TEST_PYTHON=$(scripts/test_python.sh)
 export TPSIM_TEST_PYTHON
+scripts/test_python.sh --bridge >/dev/null  # megatron-bridge's, for bridge_names
 
 echo "== ctest (Release)"
 ctest --test-dir build --output-on-failure -j "$jobs"
