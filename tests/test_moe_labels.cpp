@@ -65,7 +65,8 @@ class BreakingComm final : public Communicator {
 };
 
 // DeepSeek-MoE, the sweep's small GPT, at tp 2 as ep 2 with every MoE collective on:
-// the aux loss's statistics, the capacity's pairs, and (recording) the kept counts.
+// the aux loss's statistics, the capacity's pairs (gathered under the global capacity),
+// and (recording) the kept counts.
 RunOptions moe_run() {
   RunOptions o;
   o.model = ModelKind::Gpt;
@@ -75,6 +76,7 @@ RunOptions moe_run() {
   o.gpt.moe_aux_coeff = 0.01;
   o.gpt.moe_z_coeff = 0.001;
   o.gpt.moe_capacity_factor = 1.0;
+  o.gpt.moe_global_capacity = true;
   o.batch_size = kSmallGptBatch;
   o.seq_len = kSmallGptSeqLen;
   o.batch = BatchKind::Boundary;

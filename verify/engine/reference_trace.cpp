@@ -333,6 +333,7 @@ void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
           storage, slot, published, rebase, follow);
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params), o.seed);
+    g.load_buffers(in.loaded_buffers);
     g.record_points(true);
     trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.optimizer_step(o.adam); },
           bounds, storage, slot, published, rebase, follow);
