@@ -217,18 +217,16 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
     // Megatron-core's loads for this loss are a top-k of its own, of the probabilities p
     // without the expert bias (ties to the lower id); without a bias, the routing's own
     // (the same choice, and the one the sharded run's ties may have set).
+    const bool softmax = c.moe_score == MoeScore::Softmax;
     Matrix<S> p(N, E);  // [N,E]
     for (Index n = 0; n < N; ++n)
-      p.row(n) = c.moe_score == MoeScore::Softmax ? Matrix<S>(s_.row(n)) : Matrix<S>(s_.row(n) / s_.row(n).sum());
+      p.row(n) = softmax ? Matrix<S>(s_.row(n)) : Matrix<S>(s_.row(n) / s_.row(n).sum());
     for (Index n = 0; n < N; ++n) {
-      if (c.moe_expert_bias) {
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(),
-                         [&](std::int64_t a, std::int64_t b) { return p(n, a) > p(n, b); });
-      } else {
-        std::copy_n(r.expert.begin() + n * K, K, order.begin());
-      }
-      for (Index k = 0; k < K; ++k) aux_load_[static_cast<std::size_t>(n / Ng * E + order[static_cast<std::size_t>(k)])] += 1;
+      if (c.moe_expert_bias)
+        aux_topk(mine, n, p, follow, K, softmax);
+      else
+        mine.assign(r.expert.begin() + n * K, r.expert.begin() + (n + 1) * K);
+      for (auto e : mine) aux_load_[static_cast<std::size_t>(n / Ng * E + e)] += 1;
     }
     S total = 0;
     for (Index g = 0; g < G; ++g)
@@ -238,6 +236,47 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   }
   if (c.moe_z_coeff > 0) zloss_ = static_cast<S>(c.moe_z_coeff) * lse_.squaredNorm() / static_cast<S>(N);
   return aux_ + zloss_;
+}
+
+template <class S>
+void Moe<S>::aux_topk(std::vector<std::int64_t>& set, Index n, const Matrix<S>& p,
+                      const FollowRouting* follow, Index K, bool softmax) {
+  const Index E = p.cols();
+  const auto top = [&](const auto& value) {  // the K largest, ties to the lower id; id order
+    std::vector<std::int64_t> o(static_cast<std::size_t>(E));
+    std::iota(o.begin(), o.end(), 0);
+    std::stable_sort(o.begin(), o.end(), [&](std::int64_t a, std::int64_t b) { return value(a) > value(b); });
+    o.resize(static_cast<std::size_t>(K));
+    std::sort(o.begin(), o.end());
+    return o;
+  };
+  set = top([&](std::int64_t e) { return static_cast<double>(p(n, e)); });
+  if (!follow || !follow->scores) return;  // (whole_parts: finite, >= 0)
+  const double* their = &(*follow->scores)[static_cast<std::size_t>(n * E)];
+  double sum = 0;
+  for (Index e = 0; e < E; ++e) sum += their[e];
+  if (!softmax && !(sum > 0)) return;
+  const auto theirs = top([&](std::int64_t e) { return softmax ? their[e] : their[e] / sum; });
+  if (theirs == set) return;
+  // p's error: the scores' tau, and for sigmoid's s/Σs their sum's too
+  const double tol = (softmax ? 1.0 : 2.0) * follow->tau;
+  double gap = -std::numeric_limits<double>::infinity(), bound = 0;
+  for (auto a : set)
+    if (!std::binary_search(theirs.begin(), theirs.end(), a))
+      for (auto b : theirs)
+        if (!std::binary_search(set.begin(), set.end(), b)) {
+          const double lead = static_cast<double>(p(n, a) - p(n, b));
+          const double err = tol * static_cast<double>(p(n, a) + p(n, b));
+          if (lead > err) return;  // above p's error: not a tie; the aux loss's check decides
+          if (lead - err > gap - bound) {
+            gap = lead;
+            bound = err;
+          }
+        }
+  RoutingTie t{false, n, -1, set, theirs, gap, bound};
+  t.aux = true;
+  ties_.push_back(std::move(t));
+  set = theirs;
 }
 
 template <class S>

@@ -46,6 +46,7 @@ struct RoutingTie {
   std::int64_t expert = -1; // capacity: the expert
   std::vector<std::int64_t> reference, sharded;  // experts (routing) or tokens (capacity)
   double gap = 0, bound = 0;
+  bool aux = false;  // a token's experts in the aux loss's own top k (without the bias)
 };
 
 template <class S>
@@ -116,6 +117,11 @@ class Moe {
   // Capacity ties: `keep` (expert e's kept pairs, of `pairs` routed to it) becomes the
   // sharded run's where that is what its own gates imply and every swap is within the
   // gates' error.
+  // Token n's own top k of p [N,E] (the aux loss's probabilities, without the bias), in id
+  // order; the sharded run's (from its posted scores) where that differs and every swap is
+  // within p's error, recorded as a tie.
+  void aux_topk(std::vector<std::int64_t>& set, Eigen::Index n, const Matrix<S>& p,
+                const FollowRouting* follow, Eigen::Index K, bool softmax);
   void follow_capacity(std::vector<std::int64_t>& keep, const std::vector<std::int64_t>& pairs,
                        std::int64_t e, const FollowRouting* follow, Eigen::Index N, Eigen::Index K,
                        Eigen::Index E, bool renorm);

@@ -109,10 +109,16 @@ TEST_CASE("a capacity choice one renormalisation's rounding from the recomputed 
       "--kv-heads 2 --batch boundary --json " + json);
   INFO(r.out);
   CHECK(r.exit_code == 0);
+  // Step 1's tie at expert 12; since the expert bias moves by the loads after dropping
+  // (Megatron's), step 3 meets the same pair of tokens tied again, at expert 11: every
+  // tie is those two tokens' bit-equal gates.
   const auto ties = read_json(json)["tp"][0]["ties"];
-  REQUIRE(ties.size() == 1);
-  CHECK(ties[0].get<std::string>().find("token 12: expert 12 kept tokens") != std::string::npos);
-  CHECK(ties[0].get<std::string>().find("gap 0.00e+00") != std::string::npos);
+  REQUIRE(!ties.empty());
+  CHECK(ties[0].get<std::string>().find("step 1, layer 0, token 12: expert 12 kept tokens") != std::string::npos);
+  for (const auto& t : ties) {
+    CHECK(t.get<std::string>().find("token 12: expert ") != std::string::npos);
+    CHECK(t.get<std::string>().find("gap 0.00e+00") != std::string::npos);
+  }
 }
 
 TEST_CASE("two identical sequences: capacity cuts between bit-equal twins keep the first at every folding",

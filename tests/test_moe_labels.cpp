@@ -134,8 +134,9 @@ TEST_CASE("each collective's error names its own label, and the MoE layer's say 
       moe.push_back(c.label + " " + collective_name(c.kind));
   std::vector<std::string> expect;
   for (const char* l : {"h.0.", "h.1."})
-    for (const char* what : {"moe.router all_reduce",     // the aux and z losses' statistics
-                             "moe.capacity all_gather",   // every rank's (expert, gate) pairs
+    for (const char* what : {"moe.capacity all_gather",   // every rank's (expert, gate) pairs
+                             "moe.router all_reduce",     // the losses' and the bias's statistics
+                                                          // (its loads after dropping)
                              "moe.dispatch all_to_all",   // rows per expert, to each rank
                              "moe.kept_counts all_gather",  // recording: each expert's rows
                              "moe.dispatch all_to_all",   // the rows themselves

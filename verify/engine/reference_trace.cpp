@@ -234,7 +234,8 @@ std::string describe_tie(std::int64_t layer, const ref::RoutingTie& t) {
   if (t.capacity)
     return where + ": expert " + std::to_string(t.expert) + " kept tokens " + set(t.sharded) +
            " (sharded) for " + set(t.reference) + gap;
-  return where + ": experts " + set(t.sharded) + " (sharded) for " + set(t.reference) + gap;
+  return where + ": " + (t.aux ? "the aux loss's experts " : "experts ") + set(t.sharded) +
+         " (sharded) for " + set(t.reference) + gap;
 }
 
 template <class Model, class Batch, class Update>
