@@ -496,6 +496,18 @@ void Gpt<S>::set_params(ParamSet<S> params) {
 }
 
 template <class S>
+void Gpt<S>::load_buffers(const std::map<std::string, std::vector<double>>& full) {
+  for (const auto& [name, v] : full) {
+    Index l = 0;
+    while (l < config_.layers && !(config_.moe_layer(l) && moe_bias_name(l) == name)) ++l;
+    if (l == config_.layers || static_cast<Index>(v.size()) != config_.num_experts)
+      throw Error("reference Gpt: no buffer " + name + " of " + std::to_string(v.size()) + " values");
+    for (Index e = 0; e < config_.num_experts; ++e)
+      expert_bias_[static_cast<std::size_t>(l)](e) = static_cast<S>(v[static_cast<std::size_t>(e)]);
+  }
+}
+
+template <class S>
 double Gpt<S>::clip_gradients(double max_norm) {
   double coef = 1.0;
   const double norm = clip_grad_norm(grads_, max_norm, &coef);

@@ -91,6 +91,9 @@ class Gpt {
   const Optimizer<S>& optimizer() const { return optimizer_; }
   // Replaces the parameters (checked against gpt_param_specs); keeps the Adam state.
   void set_params(ParamSet<S> params);
+  // The state beside the parameters (gpt_buffer_specs: each MoE layer's expert bias), from
+  // a checkpoint; a name the model has not is refused.
+  void load_buffers(const std::map<std::string, std::vector<double>>& full);
 
  private:
   // What one block's backward needs from its forward. N = B*T rows, H hidden, A heads,

@@ -83,6 +83,7 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   r.gate.assign(static_cast<std::size_t>(N * K), S(0));
   r.kept.assign(static_cast<std::size_t>(N * K), 1);
   r.load.assign(static_cast<std::size_t>(E), 0);
+  r.kept_load.assign(static_cast<std::size_t>(E), 0);
   std::vector<std::int64_t> order(static_cast<std::size_t>(E)), mine, theirs;
   // The sharded run's row n (whole_parts: a set of K distinct expert ids), sorted.
   const auto sharded_row = [&](Index n, std::vector<std::int64_t>& into) {
@@ -151,22 +152,35 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
       for (Index k = 0; k < K; ++k) r.gate[n * K + k] /= sum;
   }
 
-  // ---- capacity: each expert's largest gates, then the lowest token index ----
+  // ---- capacity, over each group of tokens routed together (a rank's, as Megatron-core;
+  // or the global batch): each expert's largest gates of the group, then the lowest token
+  // index ----
   experts_.assign(static_cast<std::size_t>(E), Expert{});
-  for (Index i = 0; i < N * K; ++i) experts_[r.expert[i]].pair.push_back(i);
-  const std::int64_t cap = c.moe_capacity(N);
-  for (Index e = 0; e < E; ++e) {
-    auto& pairs = experts_[static_cast<std::size_t>(e)].pair;
-    std::stable_sort(pairs.begin(), pairs.end(), [&](std::int64_t a, std::int64_t b) {
-      return r.gate[a] > r.gate[b];  // stable: equal gates keep token order
-    });
-    if (static_cast<std::int64_t>(pairs.size()) <= cap) continue;
-    std::vector<std::int64_t> keep(pairs.begin(), pairs.begin() + cap);
-    follow_capacity(keep, pairs, e, follow, N, K, E, c.moe_topk_renorm);
-    for (auto i : pairs) r.kept[i] = 0;
-    for (auto i : keep) r.kept[i] = 1;
-    pairs = keep;
-  }
+  const Index Nc = static_cast<Index>(c.moe_capacity_tokens(N));
+  if (Nc < 1 || N % Nc != 0)
+    throw UsageError("reference MoE: capacity over groups of " + std::to_string(Nc) + " of " +
+                     std::to_string(N) + " tokens");
+  const std::int64_t cap = c.moe_capacity(Nc);
+  std::vector<std::int64_t> pairs;
+  for (Index g0 = 0; g0 < N; g0 += Nc)
+    for (Index e = 0; e < E; ++e) {
+      pairs.clear();
+      for (Index i = g0 * K; i < (g0 + Nc) * K; ++i)
+        if (r.expert[i] == e) pairs.push_back(i);
+      std::stable_sort(pairs.begin(), pairs.end(), [&](std::int64_t a, std::int64_t b) {
+        return r.gate[a] > r.gate[b];  // stable: equal gates keep token order
+      });
+      if (static_cast<std::int64_t>(pairs.size()) > cap) {
+        std::vector<std::int64_t> keep(pairs.begin(), pairs.begin() + cap);
+        follow_capacity(keep, pairs, e, follow, N, K, E, c.moe_topk_renorm);
+        for (auto i : pairs) r.kept[i] = 0;
+        for (auto i : keep) r.kept[i] = 1;
+        pairs = keep;
+      }
+      auto& served = experts_[static_cast<std::size_t>(e)].pair;
+      served.insert(served.end(), pairs.begin(), pairs.end());
+    }
+  for (Index i = 0; i < N * K; ++i) r.kept_load[r.expert[i]] += r.kept[i];
   for (auto& ex : experts_) std::sort(ex.pair.begin(), ex.pair.end());  // token order for the GEMMs
 
   // ---- the experts, each on its kept tokens; y = Σ gate · output ----
@@ -197,23 +211,72 @@ S Moe<S>::forward(Matrix<S>& y, const Matrix<S>& x, const ParamSet<S>& params,
   aux_scale_ = static_cast<S>(c.moe_aux_coeff * static_cast<double>(E) /
                               (static_cast<double>(K) * static_cast<double>(Ng) *
                                static_cast<double>(Ng) * static_cast<double>(G)));
-  aux_load_.assign(static_cast<std::size_t>(G * E), 0);
-  for (Index n = 0; n < N; ++n)
-    for (Index k = 0; k < K; ++k) aux_load_[static_cast<std::size_t>(n / Ng * E + r.expert[n * K + k])] += 1;
   aux_groups_ = G;
+  aux_load_.assign(static_cast<std::size_t>(G * E), 0);
   if (c.moe_aux_coeff > 0) {
+    // Megatron-core's loads for this loss are a top-k of its own, of the probabilities p
+    // without the expert bias (ties to the lower id); without a bias, the routing's own
+    // (the same choice, and the one the sharded run's ties may have set).
+    const bool softmax = c.moe_score == MoeScore::Softmax;
+    Matrix<S> p(N, E);  // [N,E]
+    for (Index n = 0; n < N; ++n)
+      p.row(n) = softmax ? Matrix<S>(s_.row(n)) : Matrix<S>(s_.row(n) / s_.row(n).sum());
+    for (Index n = 0; n < N; ++n) {
+      if (c.moe_expert_bias)
+        aux_topk(mine, n, p, follow, K, softmax);
+      else
+        mine.assign(r.expert.begin() + n * K, r.expert.begin() + (n + 1) * K);
+      for (auto e : mine) aux_load_[static_cast<std::size_t>(n / Ng * E + e)] += 1;
+    }
     S total = 0;
     for (Index g = 0; g < G; ++g)
-      for (Index e = 0; e < E; ++e) {
-        S p = 0;
-        for (Index n = g * Ng; n < (g + 1) * Ng; ++n)
-          p += c.moe_score == MoeScore::Softmax ? s_(n, e) : s_(n, e) / s_.row(n).sum();
-        total += static_cast<S>(aux_load_[static_cast<std::size_t>(g * E + e)]) * p;
-      }
+      for (Index e = 0; e < E; ++e)
+        total += static_cast<S>(aux_load_[static_cast<std::size_t>(g * E + e)]) * p.col(e).segment(g * Ng, Ng).sum();
     aux_ = aux_scale_ * total;
   }
   if (c.moe_z_coeff > 0) zloss_ = static_cast<S>(c.moe_z_coeff) * lse_.squaredNorm() / static_cast<S>(N);
   return aux_ + zloss_;
+}
+
+template <class S>
+void Moe<S>::aux_topk(std::vector<std::int64_t>& set, Index n, const Matrix<S>& p,
+                      const FollowRouting* follow, Index K, bool softmax) {
+  const Index E = p.cols();
+  const auto top = [&](const auto& value) {  // the K largest, ties to the lower id; id order
+    std::vector<std::int64_t> o(static_cast<std::size_t>(E));
+    std::iota(o.begin(), o.end(), 0);
+    std::stable_sort(o.begin(), o.end(), [&](std::int64_t a, std::int64_t b) { return value(a) > value(b); });
+    o.resize(static_cast<std::size_t>(K));
+    std::sort(o.begin(), o.end());
+    return o;
+  };
+  set = top([&](std::int64_t e) { return static_cast<double>(p(n, e)); });
+  if (!follow || !follow->scores) return;  // (whole_parts: finite, >= 0)
+  const double* their = &(*follow->scores)[static_cast<std::size_t>(n * E)];
+  double sum = 0;
+  for (Index e = 0; e < E; ++e) sum += their[e];
+  if (!softmax && !(sum > 0)) return;
+  const auto theirs = top([&](std::int64_t e) { return softmax ? their[e] : their[e] / sum; });
+  if (theirs == set) return;
+  // p's error: the scores' tau, and for sigmoid's s/Σs their sum's too
+  const double tol = (softmax ? 1.0 : 2.0) * follow->tau;
+  double gap = -std::numeric_limits<double>::infinity(), bound = 0;
+  for (auto a : set)
+    if (!std::binary_search(theirs.begin(), theirs.end(), a))
+      for (auto b : theirs)
+        if (!std::binary_search(set.begin(), set.end(), b)) {
+          const double lead = static_cast<double>(p(n, a) - p(n, b));
+          const double err = tol * static_cast<double>(p(n, a) + p(n, b));
+          if (lead > err) return;  // above p's error: not a tie; the aux loss's check decides
+          if (lead - err > gap - bound) {
+            gap = lead;
+            bound = err;
+          }
+        }
+  RoutingTie t{false, n, -1, set, theirs, gap, bound};
+  t.aux = true;
+  ties_.push_back(std::move(t));
+  set = theirs;
 }
 
 template <class S>
@@ -381,11 +444,14 @@ void Moe<S>::backward(Matrix<S>& dx, ParamSet<S>& grads, const Matrix<S>& dy,
 template <class S>
 void Moe<S>::update_bias(Vector<S>& bias, const GptConfig& c) const {
   const Index E = c.num_experts;
+  // The loads after capacity dropping, as Megatron-core counts them (the tokens each
+  // expert served).
+  const auto& load = route_.kept_load;
   std::int64_t total = 0;
-  for (auto l : route_.load) total += l;
+  for (auto l : load) total += l;
   // mean − load_e, in units of 1/E tokens: exact integers, so the sign is too
   for (Index e = 0; e < E; ++e) {
-    const std::int64_t d = total - E * route_.load[static_cast<std::size_t>(e)];
+    const std::int64_t d = total - E * load[static_cast<std::size_t>(e)];
     bias(e) += static_cast<S>(c.moe_bias_rate) * static_cast<S>((d > 0) - (d < 0));
   }
 }

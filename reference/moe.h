@@ -1,17 +1,21 @@
 // The reference Mixture-of-Experts layer, unsharded: every token of the global batch routed
-// by this file's own code (docs/moe.md, "The layer"):
+// by this file's own code, with Megatron-core's semantics (docs/moe.md, "The layer"):
 //   z = x Wrᵀ                      router logits [N,E]
 //   s = softmax(z) or sigmoid(z)   scores [N,E]
 //   experts of n: the k largest s_n + b (b the expert bias, else 0), ties to the lower id
 //   gates g_nk = s_{n,e_k}, divided by their sum over the k when renormalised
-//   capacity: expert e keeps ceil(f·N·K/E) of its tokens, the largest gates first, then
-//             the lowest token index; a dropped pair's expert output is 0
+//   capacity, over each group of Nc tokens routed together (a rank's N/ranks consecutive
+//             tokens; the global batch with moe_global_capacity): expert e keeps
+//             ceil((Nc·K/E)·f) of the group's tokens, the largest gates first, then the
+//             lowest token index; a dropped pair's expert output is 0
 //   y_n = Σ_k g_nk · expert_{e_k}(x_n),  expert(x) = down(silu(gate(x)) · up(x))
 //   aux = c_aux·E/(K·N²) Σ_e load_e Σ_n p_ne  (p = s for softmax, s/Σs for sigmoid; load_e
-//         the tokens routed to e before dropping) over the global batch, or with
-//         MoeAuxScope::MicroBatch the mean over its G micro-batches (N/G consecutive
-//         tokens each) of the same loss of each
+//         the tokens whose own top k of p, without the bias, holds e) over the global
+//         batch, or with MoeAuxScope::MicroBatch the mean over its G micro-batches (N/G
+//         consecutive tokens each) of the same loss of each
 //   zloss = c_z/N Σ_n logsumexp(z_n)²
+//   after the step, b_e += rate·sign(mean − kept_e), kept_e the tokens e served (after
+//         dropping)
 // and its own backward through the gates, the scores and both losses.
 #pragma once
 
@@ -42,6 +46,7 @@ struct RoutingTie {
   std::int64_t expert = -1; // capacity: the expert
   std::vector<std::int64_t> reference, sharded;  // experts (routing) or tokens (capacity)
   double gap = 0, bound = 0;
+  bool aux = false;  // a token's experts in the aux loss's own top k (without the bias)
 };
 
 template <class S>
@@ -53,6 +58,7 @@ class Moe {
     std::vector<S> gate;               // [N·K]
     std::vector<char> kept;            // [N·K] 0: dropped by the capacity
     std::vector<std::int64_t> load;    // [E]   tokens routed to each expert, before dropping
+    std::vector<std::int64_t> kept_load;  // [E] the tokens each served, after dropping
   };
 
   // y [N,H] from x [N,H] with the parameters of layer `prefix` ("h.0."); `bias` [E] (zeros
@@ -69,7 +75,8 @@ class Moe {
   // dx [N,H] (written) and the router's and experts' gradients (written) from dy [N,H].
   void backward(Matrix<S>& dx, ParamSet<S>& grads, const Matrix<S>& dy, const ParamSet<S>& params,
                 const std::string& prefix, const GptConfig& c);
-  // DeepSeek-V3's update after a step: b_e += rate · sign(mean load − load_e).
+  // DeepSeek-V3's update after a step: b_e += rate · sign(mean load − load_e), from the
+  // loads after dropping (Megatron-core's).
   void update_bias(Vector<S>& bias, const GptConfig& c) const;
 
   const Routing& routing() const { return route_; }
@@ -110,6 +117,11 @@ class Moe {
   // Capacity ties: `keep` (expert e's kept pairs, of `pairs` routed to it) becomes the
   // sharded run's where that is what its own gates imply and every swap is within the
   // gates' error.
+  // Token n's own top k of p [N,E] (the aux loss's probabilities, without the bias), in id
+  // order; the sharded run's (from its posted scores) where that differs and every swap is
+  // within p's error, recorded as a tie.
+  void aux_topk(std::vector<std::int64_t>& set, Eigen::Index n, const Matrix<S>& p,
+                const FollowRouting* follow, Eigen::Index K, bool softmax);
   void follow_capacity(std::vector<std::int64_t>& keep, const std::vector<std::int64_t>& pairs,
                        std::int64_t e, const FollowRouting* follow, Eigen::Index N, Eigen::Index K,
                        Eigen::Index E, bool renorm);

@@ -61,6 +61,11 @@ class DataParallelModel final : public ShardedModel {
   std::vector<Observation> observe_activation_grads() override;
   std::vector<Parameter>& params() override { return inner_->params(); }
   void record_activation_points(bool on) override { inner_->record_activation_points(on); }
+  std::map<std::string, std::vector<double>> buffers() const override { return inner_->buffers(); }
+  void load_buffers(const std::map<std::string, std::vector<double>>& full) override {
+    inner_->load_buffers(full);
+  }
+  std::vector<RouterLosses> router_losses() const override { return inner_->router_losses(); }
 
  private:
   class Misrouted;

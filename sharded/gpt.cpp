@@ -906,6 +906,29 @@ void ShardedGpt::optimizer_step() {
     if (b->moe) b->moe->update_expert_bias();
 }
 
+std::map<std::string, std::vector<double>> ShardedGpt::buffers() const {
+  std::map<std::string, std::vector<double>> out;
+  if (!cfg_.moe_expert_bias) return out;
+  for (std::size_t l = 0; l < blocks_.size(); ++l)
+    if (blocks_[l]->moe) out[moe_bias_name(static_cast<std::int64_t>(l))] = blocks_[l]->moe->expert_bias();
+  return out;
+}
+
+void ShardedGpt::load_buffers(const std::map<std::string, std::vector<double>>& full) {
+  for (std::size_t l = 0; l < blocks_.size(); ++l) {
+    const auto it = full.find(moe_bias_name(static_cast<std::int64_t>(l)));
+    if (blocks_[l]->moe && it != full.end()) blocks_[l]->moe->set_expert_bias(it->second);
+  }
+}
+
+std::vector<ShardedModel::RouterLosses> ShardedGpt::router_losses() const {
+  std::vector<RouterLosses> out;
+  for (std::size_t l = 0; l < blocks_.size(); ++l)
+    if (blocks_[l]->moe)
+      out.push_back({static_cast<std::int64_t>(l), blocks_[l]->moe->aux_loss(), blocks_[l]->moe->z_loss()});
+  return out;
+}
+
 double ShardedGpt::softmax_scale() const {
   // 1/sqrt(head dim); the fault takes the local width of all this rank's heads instead.
   const auto width = fault_ == Fault::GptLocalSoftmaxScale ? cfg_.hidden / world_

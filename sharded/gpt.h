@@ -94,6 +94,9 @@ class ShardedGpt final : public ShardedModel {
   std::vector<Observation> observe_activation_grads() override;
   std::vector<Parameter>& params() override { return params_; }
   void record_activation_points(bool on) override { record_ = on; }
+  std::map<std::string, std::vector<double>> buffers() const override;
+  void load_buffers(const std::map<std::string, std::vector<double>>& full) override;
+  std::vector<RouterLosses> router_losses() const override;
 
  private:
   struct Block;

@@ -53,7 +53,8 @@ MoeWorkspace::MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64
   const std::int64_t El = E / x.ep, Fel = c.moe_ffn() / x.etp, P = x.ep * x.etp;
   S = n * K * x.etp;
   R = P * n * std::min(K, El);
-  if (c.moe_capacity_factor > 0) R = std::min(R, El * c.moe_capacity(tokens));
+  if (c.moe_capacity_factor > 0)  // cap per expert over the global batch, or of each source's n
+    R = std::min(R, c.moe_global_capacity ? El * c.moe_capacity(tokens) : P * El * c.moe_capacity(n));
   auto buf = [&](Shape sh, DType dt, MemCategory cat, const char* tag) {
     return be.empty(sh, dt, cat, tag);
   };
@@ -72,12 +73,12 @@ MoeWorkspace::MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64
   rows = buf({R, H}, dtype, Tm, "moe.experts.rows");
   act_grad = buf({R, Fel}, dtype, Tm, "moe.experts.act.grad");
   gate_up_grad = buf({R, 2 * Fel}, dtype, Tm, "moe.experts.gate_up.grad");
-  stats = buf({2 * E + 1}, DType::F64, Cm, "moe.stats");
+  stats = buf({4 * E + 1}, DType::F64, Cm, "moe.stats");
   if (c.moe_aux_coeff > 0 && c.moe_aux_scope == MoeAuxScope::MicroBatch && c.moe_micro_batches > 1)
-    stats_all = buf({x.world * (2 * E + 1)}, DType::F64, Cm, "moe.stats.all");  // per micro-batch
+    stats_all = buf({x.world * (4 * E + 1)}, DType::F64, Cm, "moe.stats.all");  // per micro-batch
   counts = buf({P * El, 1}, DType::F64, Cm, "moe.counts");
   counts_in = buf({P * El, 1}, DType::F64, Cm, "moe.counts.in");
-  if (c.moe_capacity_factor > 0) {
+  if (c.moe_capacity_factor > 0 && c.moe_global_capacity) {
     pairs = buf({2 * n * K}, DType::F64, Cm, "moe.pairs");
     pairs_all = buf({x.world * 2 * n * K}, DType::F64, Cm, "moe.pairs.all");
   }
@@ -115,9 +116,11 @@ struct MoeLayer::State {
   std::vector<std::int64_t> expert; // [n,K]
   std::vector<double> gate;         // [n,K]
   std::vector<char> kept;           // [n,K]
-  std::vector<double> load, load_local;  // [E] tokens routed per expert: global, this rank's
-  std::vector<double> aux_load;     // [E] the loads this rank's aux-loss gradient uses: the
-  double aux_scale = 0;             // global batch's or its micro-batch's, and their scale
+  std::vector<double> load;         // [E] tokens routed per expert (before dropping), global
+  std::vector<double> kept_load, kept_local;  // [E] tokens served (after dropping): global, this rank's
+  std::vector<double> aux_load;     // [E] the loads this rank's aux-loss gradient uses (each
+  double aux_scale = 0;             // token's unbiased top k): the global batch's or its
+                                    // micro-batch's, and their scale
   std::vector<double> pair_out;     // [n·K,H] each pair's expert output (0 when dropped)
   std::vector<double> pair_in_grad; // [n·K,H] (recording) each pair's input gradient, ETP shares summed
   std::vector<std::vector<double>> de_host;  // [El][m,H] (recording) each local expert's output gradient
@@ -354,21 +357,62 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
   s.be.to_host_into(ws.gate, s.gate);
   s.expert = s.be.to_host_i64(ws.expert);
   s.kept.assign(static_cast<std::size_t>(n * K), 1);
-  s.load_local.assign(static_cast<std::size_t>(E), 0.0);
-  std::vector<double> stats(static_cast<std::size_t>(2 * E + 1), 0.0);  // load, Σp, Σ lse²
+
+  // ---- capacity, as Megatron-core: over this rank's own tokens; or, with global capacity,
+  // over the global batch, every rank ranking every pair the same way ----
+  if (c.moe_capacity_factor > 0) {
+    std::vector<double> mine(static_cast<std::size_t>(2 * n * K));  // [n·K,2] (expert, gate)
+    for (std::int64_t i = 0; i < n * K; ++i) {
+      mine[2 * i] = static_cast<double>(s.expert[i]);
+      mine[2 * i + 1] = s.gate[i];
+    }
+    if (c.moe_global_capacity) {
+      Tensor& in = s.ws.pairs;
+      Tensor& all = s.ws.pairs_all;
+      s.be.from_host(in, mine.data());
+      s.comm.set_label(s.prefix + "moe.capacity");
+      s.comm.all_gather(in, all);
+      const std::vector<double> every = s.be.to_host(all);  // [world·n·K, 2], global pair order
+      s.kept = moe_capacity_kept(every, E, c.moe_capacity(s.N), s.tok0 * K, n * K);
+    } else {
+      s.kept = moe_capacity_kept(mine, E, c.moe_capacity(n), 0, n * K);
+    }
+  }
+
+  // ---- the router's statistics, summed over the world: the aux loss's loads (each token's
+  // own top k of p, without the bias, as Megatron-core counts them), Σ p, Σ lse², the
+  // routed loads and the loads after dropping (the expert bias's) ----
+  const std::int64_t W = 4 * E + 1, G = c.moe_micro_batches;
+  std::vector<double> stats(static_cast<std::size_t>(W), 0.0);  // [4E+1]
+  double* aux_l = &stats[0];
+  double* psum = &stats[E];
+  double* routed = &stats[2 * E + 1];
+  double* served = &stats[3 * E + 1];
+  std::vector<double> p(static_cast<std::size_t>(E));
+  std::vector<std::int64_t> order(static_cast<std::size_t>(E));
   for (std::int64_t t = 0; t < n; ++t) {
     const double* sr = &s.s[static_cast<std::size_t>(t * E)];
-    for (std::int64_t k = 0; k < K; ++k) s.load_local[s.expert[t * K + k]] += 1;
     double ssum = 0;
     for (std::int64_t e = 0; e < E; ++e) ssum += sr[e];
-    for (std::int64_t e = 0; e < E; ++e)
-      stats[E + e] += c.moe_score == MoeScore::Softmax ? sr[e] : sr[e] / ssum;
+    for (std::int64_t e = 0; e < E; ++e) p[e] = c.moe_score == MoeScore::Softmax ? sr[e] : sr[e] / ssum;
+    for (std::int64_t e = 0; e < E; ++e) psum[e] += p[e];
+    for (std::int64_t k = 0; k < K; ++k) {
+      routed[s.expert[t * K + k]] += 1;
+      served[s.expert[t * K + k]] += s.kept[t * K + k];
+    }
+    if (c.moe_expert_bias) {  // (without a bias, the routing's own top k is this one)
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) { return p[x] > p[y]; });
+      for (std::int64_t k = 0; k < K; ++k) aux_l[order[k]] += 1;
+    } else {
+      for (std::int64_t k = 0; k < K; ++k) aux_l[s.expert[t * K + k]] += 1;
+    }
     stats[2 * E] += s.lse[t] * s.lse[t];
   }
-  std::copy(s.load_local.begin(), s.load_local.end(), stats.begin());
+  s.kept_local.assign(served, served + E);
   Tensor& st = s.ws.stats;
   s.be.from_host(st, stats.data());
-  const std::int64_t W = 2 * E + 1, G = c.moe_micro_batches;
+  s.comm.set_label(s.prefix + "moe.router");
   std::vector<double> per_rank;  // [world,W] per_rank rank's, when each micro-batch's sums count
   if (s.ws.stats_all.defined()) {
     s.comm.all_gather(st, s.ws.stats_all);
@@ -377,28 +421,29 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
     for (int q = 0; q < world; ++q)
       for (std::int64_t j = 0; j < W; ++j) stats[j] += per_rank[static_cast<std::size_t>(q * W + j)];
   } else {
-    s.comm.all_reduce(st, ReduceOp::Sum);  // over per_rank rank's tokens: the global batch's
+    s.comm.all_reduce(st, ReduceOp::Sum);  // over every rank's tokens: the global batch's
     stats = s.be.to_host(st);
   }
-  s.load.assign(stats.begin(), stats.begin() + E);
+  s.load.assign(stats.begin() + 2 * E + 1, stats.begin() + 3 * E + 1);
+  s.kept_load.assign(stats.begin() + 3 * E + 1, stats.end());
   const double Nd = static_cast<double>(s.N);
   // The aux loss over the global batch, or the mean of each micro-batch's (a replica's:
   // mesh ranks [g·world/G, (g+1)·world/G)); backward needs this rank's loads and scale.
-  auto switch_loss = [&](const double* load, const double* p, double n_tokens) {
+  auto switch_loss = [&](const double* load, const double* psums, double n_tokens) {
     double total = 0;
-    for (std::int64_t e = 0; e < E; ++e) total += load[e] * p[e];
+    for (std::int64_t e = 0; e < E; ++e) total += load[e] * psums[e];
     return c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * n_tokens * n_tokens) * total;
   };
   s.aux = 0;
-  s.aux_load = s.load;
+  s.aux_load.assign(stats.begin(), stats.begin() + E);
   s.aux_scale = c.moe_aux_coeff * static_cast<double>(E) / (static_cast<double>(K) * Nd * Nd);
   if (c.moe_aux_coeff > 0 && per_rank.empty()) {
-    s.aux = switch_loss(s.load.data(), &stats[E], Nd);
+    s.aux = switch_loss(s.aux_load.data(), &stats[E], Nd);
   } else if (c.moe_aux_coeff > 0) {
     const int per = world / static_cast<int>(G);
     const double Ng = Nd / static_cast<double>(G);
     for (std::int64_t g = 0; g < G; ++g) {
-      std::vector<double> sums(static_cast<std::size_t>(2 * E), 0.0);  // the group's load, Σp
+      std::vector<double> sums(static_cast<std::size_t>(2 * E), 0.0);  // the group's loads, Σp
       for (int q = static_cast<int>(g) * per; q < static_cast<int>(g + 1) * per; ++q)
         for (std::int64_t j = 0; j < 2 * E; ++j) sums[j] += per_rank[static_cast<std::size_t>(q * W + j)];
       s.aux += switch_loss(sums.data(), &sums[E], Ng) / static_cast<double>(G);
@@ -408,23 +453,6 @@ double MoeLayer::forward(Tensor& out, const Tensor& xin, bool record) {
                   (static_cast<double>(K) * Ng * Ng * static_cast<double>(G));
   }
   s.zloss = c.moe_z_coeff > 0 ? c.moe_z_coeff * stats[2 * E] / Nd : 0.0;
-
-  // ---- capacity over the global batch: every rank ranks every pair the same way ----
-  const std::int64_t cap = c.moe_capacity(s.N);
-  if (c.moe_capacity_factor > 0) {
-    std::vector<double> mine(static_cast<std::size_t>(2 * n * K));
-    for (std::int64_t i = 0; i < n * K; ++i) {
-      mine[2 * i] = static_cast<double>(s.expert[i]);
-      mine[2 * i + 1] = s.gate[i];
-    }
-    Tensor& in = s.ws.pairs;
-    Tensor& all = s.ws.pairs_all;
-    s.be.from_host(in, mine.data());
-    s.comm.set_label(s.prefix + "moe.capacity");
-    s.comm.all_gather(in, all);
-    const std::vector<double> every = s.be.to_host(all);  // [world·n·K, 2], global pair order
-    s.kept = moe_capacity_kept(every, E, cap, s.tok0 * K, n * K);
-  }
 
   // ---- the dispatch plan: rows to each ETP rank of the expert's EP rank, in this block ----
   s.send_counts.assign(static_cast<std::size_t>(world), 0);
@@ -736,8 +764,8 @@ void MoeLayer::backward(Tensor& dx, const Tensor& dout, bool record) {
 void MoeLayer::update_expert_bias() {
   State& s = *s_;
   if (!s.c.moe_expert_bias) return;
-  // The fault: this rank's own loads, not the global batch's.
-  const std::vector<double>& load = s.fault == Fault::MoeExpertBiasLocalLoads ? s.load_local : s.load;
+  // The loads after dropping, the global batch's; the fault: this rank's own.
+  const std::vector<double>& load = s.fault == Fault::MoeExpertBiasLocalLoads ? s.kept_local : s.kept_load;
   double total = 0;
   for (double l : load) total += l;
   for (std::int64_t e = 0; e < s.E; ++e) {
@@ -745,6 +773,18 @@ void MoeLayer::update_expert_bias() {
     s.bias[e] += s.c.moe_bias_rate * static_cast<double>((d > 0) - (d < 0));
   }
 }
+
+const std::vector<double>& MoeLayer::expert_bias() const { return s_->bias; }
+
+void MoeLayer::set_expert_bias(const std::vector<double>& bias) {
+  if (static_cast<std::int64_t>(bias.size()) != s_->E)
+    throw Error("MoE layer " + s_->prefix + ": an expert bias of " + std::to_string(bias.size()) +
+                " values for " + std::to_string(s_->E) + " experts");
+  s_->bias = bias;
+}
+
+double MoeLayer::aux_loss() const { return s_->aux; }
+double MoeLayer::z_loss() const { return s_->zloss; }
 
 std::vector<Observation> MoeLayer::observe_forward() const {
   const State& s = *s_;

@@ -52,12 +52,13 @@ bool is_expert_param(const std::string& name, std::int64_t* expert = nullptr);
 // step's routing, so that no layout rule (gpt_point_shard) can name them in advance.
 bool is_expert_point(const std::string& name);
 
-// The capacity rule over the global batch, as each rank applies it: `every` [P,2] holds
-// every pair's (expert, gate) in global pair order (token-major, rank 0's tokens first:
-// rank w routes tokens [w·n, (w+1)·n)); expert e keeps the `cap` pairs of largest gate,
-// equal gates in that order. Returns the kept flags of pairs [first, first + count), this
-// rank's. Every rank decides from the same list, so a tie between two ranks' tokens falls
-// the same way at every folding, and the same way as the reference (token order).
+// The capacity rule: `every` [P,2] holds the pairs' (expert, gate) in pair order
+// (token-major): a rank's own (Megatron-core's capacity, per rank), or with global capacity
+// every rank's in global order (rank 0's tokens first: rank w routes tokens [w·n, (w+1)·n));
+// expert e keeps the `cap` pairs of largest gate, equal gates in that order. Returns the
+// kept flags of pairs [first, first + count), this rank's. Under global capacity every rank
+// decides from the same list, so a tie between two ranks' tokens falls the same way at
+// every folding; in either case the same way as the reference (token order).
 std::vector<char> moe_capacity_kept(const std::vector<double>& every, std::int64_t E,
                                     std::int64_t cap, std::int64_t first, std::int64_t count);
 
@@ -68,10 +69,11 @@ std::vector<char> moe_capacity_kept(const std::vector<double>& every, std::int64
 // Fel = F/etp their width and P = ep·etp the ranks of its expert-DP block:
 //   S = n·K·etp                       rows it can send: each of its n·K pairs to every ETP
 //                                     rank of the expert's EP rank
-//   R = P·n·min(K,El), or with capacity at most El·cap
+//   R = P·n·min(K,El), or with capacity at most P·El·cap(n) (El·cap(N) when global)
 //                                     rows it can receive: from each of P sources at most
 //                                     min(K,El) pairs per token for its experts, and no more
-//                                     than cap per expert over the global batch
+//                                     than cap per expert of each source's tokens (of the
+//                                     global batch's)
 struct MoeWorkspace {
   MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64_t tokens, Backend& be,
                DType dtype);
@@ -90,10 +92,12 @@ struct MoeWorkspace {
   Tensor rows;                // [R,H]     the experts' outputs; in backward their gradients
   Tensor act_grad;            // [R,Fel]
   Tensor gate_up_grad;        // [R,2Fel]
-  Tensor stats;               // [2E+1] f64  loads, Σ probabilities, Σ lse², summed over the world
-  Tensor stats_all;           // [world·(2E+1)] f64  every rank's, for a per-micro-batch aux loss
+  // [4E+1] f64, summed over the world: the aux loss's loads (each token's own top k,
+  // without the bias), Σ probabilities, Σ lse², the routed loads, the loads after dropping
+  Tensor stats;
+  Tensor stats_all;           // [world·(4E+1)] f64  every rank's, for a per-micro-batch aux loss
   Tensor counts, counts_in;   // [P·El,1] f64  rows per (destination, its local expert), and back
-  Tensor pairs, pairs_all;    // [2nK], [world·2nK] f64  every pair's (expert, gate): capacity only
+  Tensor pairs, pairs_all;    // [2nK], [world·2nK] f64  every pair's (expert, gate): global capacity only
   Tensor grad_copies, grad_peers;  // [edp·2Fel·H] compute dtype: an expert gradient's sum
                                    // over the expert-DP group (edp > 1 only)
 };
@@ -127,8 +131,14 @@ class MoeLayer {
   // `record` keeps each expert's output gradient and each pair's input gradient for
   // observe_backward.
   void backward(Tensor& dx, const Tensor& dout, bool record = false);
-  // After the optimizer step: the expert bias moves towards the mean load.
+  // After the optimizer step: the expert bias moves towards the mean load (after dropping).
   void update_expert_bias();
+  // The expert bias [E] (zeros without), the state a checkpoint carries beside the weights.
+  const std::vector<double>& expert_bias() const;
+  void set_expert_bias(const std::vector<double>& bias);
+  // The last forward's aux and z losses (each 0 without its coefficient).
+  double aux_loss() const;
+  double z_loss() const;
   // The layer's observation points of the last forward and backward ("act/h.0.mlp.router.
   // logits", ...), when recording.
   std::vector<Observation> observe_forward() const;

@@ -79,6 +79,16 @@ class ShardedModel {
   // (docs/dump-format.md) where the model has them. Off by default: the transient ones
   // cost a host copy each step, which training without verification does not need.
   virtual void record_activation_points(bool /*on*/) {}
+  // The state beside the parameters that a checkpoint carries (MoE's expert bias, by
+  // gpt_buffer_specs' names), full and the same on every rank; none by default.
+  virtual std::map<std::string, std::vector<double>> buffers() const { return {}; }
+  virtual void load_buffers(const std::map<std::string, std::vector<double>>& /*full*/) {}
+  // Each MoE layer's aux and z losses of the last forward (each 0 without its coefficient).
+  struct RouterLosses {
+    std::int64_t layer;
+    double aux, z;
+  };
+  virtual std::vector<RouterLosses> router_losses() const { return {}; }
 
   // Parameter gradients in backward order (reverse of forward order).
   std::vector<Observation> observe_param_grads();

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "cli_runner.h"
+#include "moe_layer_fixture.h"
 #include "core/dtype.h"
 #include "io/safetensors.h"
 #include "model/config.h"
@@ -19,41 +20,6 @@
 
 using namespace tpsim;
 using namespace tpsim::testing;
-
-namespace {
-
-// A layer of E experts over H = 8, with a router whose rows `tied` equal row 0 (every
-// token's scores for those experts tie exactly).
-GptConfig small_moe(std::int64_t E, std::int64_t K) {
-  GptConfig c;
-  apply_gpt_family(c, "llama");
-  c.hidden = 8;
-  c.heads = 2;
-  c.num_experts = E;
-  c.moe_topk = K;
-  c.moe_ffn_hidden = 4;
-  return c;
-}
-
-ref::ParamSet<double> moe_params(const GptConfig& c, std::uint64_t seed) {
-  ref::ParamSet<double> p;
-  for (const ParamSpec& s : gpt_param_specs(c))
-    if (s.name.starts_with("h.0.mlp.router") || s.name.starts_with("h.0.mlp.experts")) {
-      const auto [r, k] = ref::stored_shape(s);
-      ref::Matrix<double> m(r, k);
-      init_block<double>(m.data(), seed, s.name, s.init, s.shape, -1, 0, 0);
-      p[s.name] = m;
-    }
-  return p;
-}
-
-ref::Matrix<double> tokens(std::int64_t n, std::int64_t h, std::uint64_t seed) {
-  ref::Matrix<double> x(n, h);
-  init_block<double>(x.data(), seed, "x", InitSpec::normal(1.0), {n, h}, -1, 0, 0);
-  return x;
-}
-
-}  // namespace
 
 TEST_CASE("MoE families and flags are GptConfig choices", "[moe][config]") {
   GptConfig m;

@@ -65,7 +65,8 @@ class BreakingComm final : public Communicator {
 };
 
 // DeepSeek-MoE, the sweep's small GPT, at tp 2 as ep 2 with every MoE collective on:
-// the aux loss's statistics, the capacity's pairs, and (recording) the kept counts.
+// the aux loss's statistics, the capacity's pairs (gathered under the global capacity),
+// and (recording) the kept counts.
 RunOptions moe_run() {
   RunOptions o;
   o.model = ModelKind::Gpt;
@@ -75,6 +76,7 @@ RunOptions moe_run() {
   o.gpt.moe_aux_coeff = 0.01;
   o.gpt.moe_z_coeff = 0.001;
   o.gpt.moe_capacity_factor = 1.0;
+  o.gpt.moe_global_capacity = true;
   o.batch_size = kSmallGptBatch;
   o.seq_len = kSmallGptSeqLen;
   o.batch = BatchKind::Boundary;
@@ -132,8 +134,9 @@ TEST_CASE("each collective's error names its own label, and the MoE layer's say 
       moe.push_back(c.label + " " + collective_name(c.kind));
   std::vector<std::string> expect;
   for (const char* l : {"h.0.", "h.1."})
-    for (const char* what : {"moe.router all_reduce",     // the aux and z losses' statistics
-                             "moe.capacity all_gather",   // every rank's (expert, gate) pairs
+    for (const char* what : {"moe.capacity all_gather",   // every rank's (expert, gate) pairs
+                             "moe.router all_reduce",     // the losses' and the bias's statistics
+                                                          // (its loads after dropping)
                              "moe.dispatch all_to_all",   // rows per expert, to each rank
                              "moe.kept_counts all_gather",  // recording: each expert's rows
                              "moe.dispatch all_to_all",   // the rows themselves

@@ -27,8 +27,9 @@ std::int64_t GptConfig::ffn() const {
 
 std::int64_t GptConfig::moe_capacity(std::int64_t n) const {
   if (moe_capacity_factor <= 0) return n;
+  // Megatron's order of operations, each rounded: (n·K / E) first, then the factor.
   const double cap =
-      std::ceil(moe_capacity_factor * static_cast<double>(n * moe_topk) / static_cast<double>(num_experts));
+      std::ceil(static_cast<double>(n * moe_topk) / static_cast<double>(num_experts) * moe_capacity_factor);
   return cap >= static_cast<double>(n) ? n : static_cast<std::int64_t>(cap);  // (no more than all)
 }
 
@@ -157,6 +158,7 @@ std::string describe_architecture(const GptConfig& c) {
       std::ostringstream f;
       f << c.moe_capacity_factor;
       s += ", capacity " + f.str();
+      if (c.moe_global_capacity) s += " global";
     }
   }
   if (c.dropout > 0) {
@@ -207,6 +209,18 @@ void check_gpt_architecture(const GptConfig& c) {
     if (!(v >= 0.0 && std::isfinite(v)))
       throw UsageError("--moe-aux-loss-coeff, --moe-z-loss-coeff, --moe-router-bias-update-rate "
                        "and --moe-expert-capacity-factor must be finite and >= 0");
+}
+
+std::string moe_bias_name(std::int64_t layer) {
+  return "h." + std::to_string(layer) + ".mlp.router.expert_bias";
+}
+
+std::vector<ParamSpec> gpt_buffer_specs(const GptConfig& c) {
+  std::vector<ParamSpec> out;
+  if (!c.moe() || !c.moe_expert_bias) return out;
+  for (std::int64_t l = 0; l < c.layers; ++l)
+    if (c.moe_layer(l)) out.push_back(ParamSpec{moe_bias_name(l), {c.num_experts}, InitSpec::constant(0.0)});
+  return out;
 }
 
 std::vector<ParamSpec> gpt_param_specs(const GptConfig& c) {

@@ -120,6 +120,12 @@ struct GptConfig {
   bool moe_expert_bias = false;       // DeepSeek-V3's loss-free balancing
   double moe_bias_rate = 1e-3;        // its update per step
   double moe_capacity_factor = 0.0;   // 0: no capacity, no token dropped
+  // Over which tokens the capacity holds: by default, as Megatron-core, each rank's own (the
+  // N/moe_routing_ranks consecutive tokens it routes); with moe_global_capacity, tpsim's
+  // own rule, the global batch's, so that every folding drops the same tokens.
+  bool moe_global_capacity = false;
+  // The ranks that route the global batch, dp·tp (set from the run; a run setting, no flag).
+  std::int64_t moe_routing_ranks = 1;
 
   std::int64_t head_dim() const { return hidden / heads; }
   std::int64_t ffn() const;
@@ -131,9 +137,15 @@ struct GptConfig {
   std::int64_t moe_ffn() const { return moe_ffn_hidden > 0 ? moe_ffn_hidden : ffn(); }
   // Layer l's dense MLP width: ffn(), or in an MoE layer the shared expert's (0: none).
   std::int64_t mlp_ffn(std::int64_t l) const { return moe_layer(l) ? moe_shared_ffn : ffn(); }
-  // Tokens an expert keeps of a global batch of n tokens: ceil(factor·n·K/E), at most n;
-  // n without a capacity factor.
+  // Tokens an expert keeps of n routed together, as Megatron-core's get_capacity evaluates
+  // it in floating point: ceil((n·K/E)·factor), so ceil(0.54·100/6) is 10, not 9; n where
+  // that is more than n (nothing dropped), and without a capacity factor.
   std::int64_t moe_capacity(std::int64_t n) const;
+  // How many tokens of a global batch of N the capacity holds over: N/moe_routing_ranks,
+  // or N with moe_global_capacity.
+  std::int64_t moe_capacity_tokens(std::int64_t N) const {
+    return moe_global_capacity || moe_routing_ranks < 1 ? N : N / moe_routing_ranks;
+  }
   // The MLP's parameter names, up to ".weight"/".bias": {in, out} for GELU, {gate, up,
   // down} for SwiGLU.
   std::vector<std::string> mlp_linears() const;
@@ -265,6 +277,11 @@ std::vector<ParamSpec> mlp_param_specs(const MlpConfig& c);
 // Linear's weight and bias (wte, when tied to the LM head, is one), standard normal for
 // wpe and an untied wte (nn.Embedding), 1 for norm weights and 0 for norm biases.
 std::vector<ParamSpec> gpt_param_specs(const GptConfig& c);
+// The state beside the parameters that a checkpoint carries: each MoE layer's expert bias
+// "h.<l>.mlp.router.expert_bias" [E] (Megatron-core's router buffer of that name), where
+// the config has one; a run starts it at 0.
+std::vector<ParamSpec> gpt_buffer_specs(const GptConfig& c);
+std::string moe_bias_name(std::int64_t layer);
 
 // The MLP's batch: x [batch,in] and target [batch,out], standard normal, seeded.
 struct MlpBatch {

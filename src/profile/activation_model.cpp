@@ -136,7 +136,9 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     moe.P = static_cast<std::int64_t>(q.ep) * q.etp;
     moe.S = moe.n * c.moe_topk * q.etp;
     moe.R = moe.P * moe.n * std::min(c.moe_topk, El);
-    if (c.moe_capacity_factor > 0) moe.R = std::min(moe.R, El * c.moe_capacity(N * q.dp));
+    if (c.moe_capacity_factor > 0)  // cap of each source's n tokens, or of the global batch's
+      moe.R = std::min(moe.R, c.moe_global_capacity ? El * c.moe_capacity(N * q.dp)
+                                                    : moe.P * El * c.moe_capacity(moe.n));
   }
 
   // ---- activations saved for backward ----
@@ -257,12 +259,13 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     add(Tm, "moe.experts.rows", {moe.R, H}, -1);
     add(Tm, "moe.experts.act.grad", {moe.R, moe.Fel}, -1);
     add(Tm, "moe.experts.gate_up.grad", {moe.R, 2 * moe.Fel}, -1);
-    add(Cm, "moe.stats", {2 * E + 1}, -1, 8);
+    // the aux loss's loads, Σ p, Σ lse², the routed loads and the loads after dropping
+    add(Cm, "moe.stats", {4 * E + 1}, -1, 8);
     if (c.moe_aux_coeff > 0 && c.moe_aux_scope == MoeAuxScope::MicroBatch && c.moe_micro_batches > 1)
-      add(Cm, "moe.stats.all", {moe.world * (2 * E + 1)}, -1, 8);  // every rank's, per micro-batch
+      add(Cm, "moe.stats.all", {moe.world * (4 * E + 1)}, -1, 8);  // every rank's, per micro-batch
     add(Cm, "moe.counts", {moe.P * El, 1}, -1, 8);
     add(Cm, "moe.counts.in", {moe.P * El, 1}, -1, 8);
-    if (c.moe_capacity_factor > 0) {
+    if (c.moe_capacity_factor > 0 && c.moe_global_capacity) {
       add(Cm, "moe.pairs", {2 * moe.n * K}, -1, 8);
       add(Cm, "moe.pairs.all", {moe.world * 2 * moe.n * K}, -1, 8);
     }

@@ -6,13 +6,16 @@ with tpsim's settings; `tpsim train --load DIR` reads the same directory. Every 
 and every final weight at TP 1, 2, 4 (Mixtral: EP 1, 2, 2, expert TP 1, 1, 2) must agree
 within 1e-9.
 
-Usage: hf_peer.py TPSIM_BINARY FAMILY [--twin]
+Usage: hf_peer.py TPSIM_BINARY FAMILY [--twin] [--adamw]
   FAMILY: gpt2, llama (GQA, untied head), llama-tied (MHA, tied head) or mixtral (4 experts,
           top 2, GQA)
   --twin: the Hugging Face side is built with one semantic changed (gpt2: the exact GELU for
           GPT-2's tanh one; llama and mixtral: RMSNorm's eps 1e-6 for 1e-5, the model's own field), to
           show that this comparison fails when the models differ: it then exits 0 only if
           every degree disagrees.
+  --adamw: both sides train with AdamW, weight decay 0.1 decoupled (torch.optim.AdamW, tpsim
+          --optimizer adamw), as Hugging Face's Trainer, torchtitan and Megatron-core do,
+          instead of Adam with L2 decay.
 Exit 0 as expected, 1 not, 77 skip (no torch or transformers)."""
 import copy
 import os
@@ -145,6 +148,7 @@ def main():
         return 2
     tpsim, family = sys.argv[1], sys.argv[2]
     twin = "--twin" in sys.argv[3:]
+    adamw = "--adamw" in sys.argv[3:]
     config = config_of(family)
     if family != "gpt2":
         in_float64(config)  # before any model is built: RoPE's frequencies are made at init
@@ -161,9 +165,10 @@ def main():
         model = build(twin_of(family, config) if twin else config)
         model.load_state_dict(saved.state_dict())
         # 5 steps of Adam with tpsim's defaults (lr 0.01, betas 0.9/0.95, eps 1e-8, L2 weight
-        # decay 0.1 on every parameter); the loss is the mean over the labels that count.
-        opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8,
-                               weight_decay=0.1)
+        # decay 0.1 on every parameter), or of AdamW with the same decay decoupled; the loss
+        # is the mean over the labels that count.
+        opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(
+            model.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         losses = []
         for _ in range(STEPS):
             logits = model(input_ids=ids).logits[:, :-1]
@@ -186,7 +191,8 @@ def main():
                 [tpsim, "train", "--model", {"llama-tied": "llama"}.get(family, family), *ep,
                  "--load", hf_dir, "--data", batch, "--steps", str(STEPS), "--dtype", "f64",
                  "--tp", str(tp), "--seq-len", str(T), "--batch-size", str(B),
-                 "--save-final", out], capture_output=True, text=True)
+                 "--save-final", out, *(["--optimizer", "adamw"] if adamw else [])],
+                capture_output=True, text=True)
             if r.returncode != 0:
                 print(f"FAIL tp {tp}: tpsim train exited {r.returncode}: {r.stdout[-400:]}{r.stderr[-400:]}")
                 failed = True
@@ -206,7 +212,7 @@ def main():
                         worst, where = e, n
             ok = loss_err <= TOL and worst <= TOL and not missing
             failed |= ok if twin else not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {family} tp {tp}: largest loss difference "
+            print(f"{'ok  ' if ok else 'FAIL'} {family}{' adamw' if adamw else ''} tp {tp}: largest loss difference "
                   f"{loss_err:.2e}, largest final-weight relative error {worst:.2e} ({where})"
                   + (f", names on one side only: {missing[:4]}" if missing else ""))
     print(f"hf_peer: transformers {transformers.__version__}, torch {torch.__version__}, "

@@ -74,7 +74,7 @@ const char* kSingleRunFlags[] = {"--tp", "--vocab-size", "--block-size", "--hidd
                                  "--moe-z-loss-coeff", "--moe-router-enable-expert-bias",
                                  "--no-moe-router-enable-expert-bias",
                                  "--moe-router-bias-update-rate", "--moe-expert-capacity-factor",
-                                 "--moe-layer-freq", "--ep", "--etp"};
+                                 "--moe-global-capacity", "--moe-layer-freq", "--ep", "--etp"};
 
 // --preset small: the sweep's small GPT, for the fields the user did not set.
 void apply_preset(const CLI::App& cmd, RunOptions& o, const RawFlags& raw) {
@@ -202,13 +202,18 @@ void add_model_flags(CLI::App& cmd, RunOptions& o, RawFlags& raw, bool tp_list) 
   cmd.add_option("--moe-z-loss-coeff", o.gpt.moe_z_coeff, "MoE: router z-loss (0: none)");
   cmd.add_flag("--moe-router-enable-expert-bias", raw.moe_bias,
                "MoE: DeepSeek-V3's expert bias, added to the scores to choose the experts and "
-               "moved after each step towards the mean load of the global batch");
+               "moved after each step towards the mean load of the global batch, counted after "
+               "capacity dropping (Megatron-core's); train --save-final writes it, --load reads it");
   cmd.add_flag("--no-moe-router-enable-expert-bias", raw.no_moe_bias, "MoE: no expert bias");
   cmd.add_option("--moe-router-bias-update-rate", o.gpt.moe_bias_rate,
                  "MoE: the expert bias's step (default 1e-3)");
   cmd.add_option("--moe-expert-capacity-factor", o.gpt.moe_capacity_factor,
-                 "MoE: each expert keeps ceil(factor x tokens x K / E) tokens of the global "
-                 "batch, the highest gates first, then the lowest token index (0: no dropping)");
+                 "MoE: each expert keeps ceil((tokens x K / E) x factor) (Megatron-core's "
+                 "get_capacity, in floating point) of the tokens each rank routes, the highest "
+                 "gates first, then the lowest token index (0: no dropping)");
+  cmd.add_flag("--moe-global-capacity", o.gpt.moe_global_capacity,
+               "MoE: tpsim's own capacity, over the global batch's tokens instead of each "
+               "rank's, so that every folding drops the same tokens (Megatron-core: per rank)");
   cmd.add_option("--moe-layer-freq", o.gpt.moe_layer_freq,
                  "MoE: layer l is an MoE layer when l % freq == 0 (default 1: every layer)");
   cmd.add_option("--ep,--expert-model-parallel-size", o.ep,
@@ -348,6 +353,7 @@ void apply_hf_checkpoint(const CLI::App& cmd, RunOptions& o, const RawFlags& raw
     o.gpt.moe_aux_scope = run.moe_aux_scope;
     o.gpt.moe_z_coeff = run.moe_z_coeff;
     o.gpt.moe_capacity_factor = run.moe_capacity_factor;
+    o.gpt.moe_global_capacity = run.moe_global_capacity;
     o.gpt.moe_expert_bias = run.moe_expert_bias;
     o.gpt.moe_bias_rate = run.moe_bias_rate;
   }
@@ -434,6 +440,8 @@ void finish_options(const CLI::App& cmd, RunOptions& o, const RawFlags& raw, DTy
   // reassociation only and runs free.
   if (verify && o.dtype != DType::F64 && !raw.free_running) o.resync = true;
   o.gpt.moe_micro_batches = o.dp;  // a replica's batch is a micro-batch
+  // Every rank routes its own tokens (verify sets this per degree, when it runs several)
+  o.gpt.moe_routing_ranks = o.dp * (o.tp.size() == 1 ? o.tp[0] : 1);
   try {
     validate_run_options(o);
   } catch (const UsageError& e) {

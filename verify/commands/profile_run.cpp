@@ -49,6 +49,7 @@ void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
     auto model = make_sharded_model(o, in, be, comm,
                                     o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr);
     if (!in.loaded.empty()) model->load_params(in.loaded);
+    model->load_buffers(in.loaded_buffers);
     RankProfile& rp = run.ranks[static_cast<std::size_t>(rank)];
     rp.rank = rank;
     for (int step = 1; step <= o.steps; ++step) {

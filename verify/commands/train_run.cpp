@@ -78,6 +78,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     auto model = make_sharded_model(o, in, be, comm,
                                     o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr);
     if (!in.loaded.empty()) model->load_params(in.loaded);
+    model->load_buffers(in.loaded_buffers);
     RankDump rank_dump(o.dump_dir, at.tp_rank, o.dtype, o.steps, dump_per_file);
     if (dump) {
       // What `check --load/--data` start from: the full initial weights and the batch.
@@ -119,7 +120,10 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
            << in.gpt_batch.T << "]\n        num padding tokens: " << in.gpt_batch.num_ignored()
            << "\n        loss: " << loss_str(loss, o.dtype) << "\n";
       }
-      if (rank == 0) result.losses.push_back(loss);
+      if (rank == 0) {
+        result.losses.push_back(loss);
+        result.router_losses.push_back(model->router_losses());
+      }
       model->optimizer_step();
       comm.barrier();
       if (rank == 0)
@@ -135,9 +139,14 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     }
     if (!o.save_final.empty()) {
       auto full = model->gather_params(comm, &dp_comm);
+      // and the state beside the weights (MoE's expert bias), so that --load resumes the run
+      auto specs = param_specs(o);
+      const auto buffers = buffer_specs(o);
+      specs.insert(specs.end(), buffers.begin(), buffers.end());
+      full.merge(model->buffers());
       // bf16 values are exact in f32, which safetensors readers all take
       const DType as = o.dtype == DType::BF16 ? DType::F32 : o.dtype;
-      if (rank == 0) save_weights(o.save_final, param_specs(o), full, as);
+      if (rank == 0) save_weights(o.save_final, specs, full, as);
     }
   });
 
@@ -152,6 +161,24 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
     nlohmann::json j = {{"tool", "tpsim"}, {"command", "train"},   {"model", describe_model(o)->name()},
                         {"tp", tp},         {"dtype", dtype_name(o.dtype)}, {"seed", o.seed},
                         {"losses", result.losses}, {"step_seconds", result.step_seconds}};
+    // MoE: each step's aux and z losses of each MoE layer (as added to the loss: with
+    // their coefficients), the layers in "moe_layers"' order
+    if (!result.router_losses.empty() && !result.router_losses[0].empty()) {
+      nlohmann::json layers = nlohmann::json::array(), aux = nlohmann::json::array(), z = nlohmann::json::array();
+      for (const auto& r : result.router_losses[0]) layers.push_back(r.layer);
+      for (const auto& step : result.router_losses) {
+        nlohmann::json a = nlohmann::json::array(), b = nlohmann::json::array();
+        for (const auto& r : step) {
+          a.push_back(r.aux);
+          b.push_back(r.z);
+        }
+        aux.push_back(std::move(a));
+        z.push_back(std::move(b));
+      }
+      j["moe_layers"] = std::move(layers);
+      j["aux_losses"] = std::move(aux);
+      j["z_losses"] = std::move(z);
+    }
     write_file_atomically(o.json_path, j.dump(2) + "\n", "--json");
   }
   return result;

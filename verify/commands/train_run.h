@@ -14,6 +14,8 @@ namespace tpsim {
 struct TrainResult {
   std::vector<double> losses;        // [steps], rank 0's
   std::vector<double> step_seconds;  // [steps], rank 0's wall time of each step, printing included
+  // [steps] each MoE layer's aux and z losses (none for a dense model)
+  std::vector<std::vector<ShardedModel::RouterLosses>> router_losses;
 };
 
 TrainResult run_train(const RunOptions& o, std::ostream& os);

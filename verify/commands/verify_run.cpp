@@ -353,6 +353,7 @@ class RankRun final : public StepSource {
     model_ = make_sharded_model(o, in, here.be, here.tp, dpc);
     model_->record_activation_points(true);
     if (!in.loaded.empty()) model_->load_params(in.loaded);
+    model_->load_buffers(in.loaded_buffers);
     if (o.recompute != RecomputeKind::None) {
       RunOptions plain = o;
       plain.recompute = RecomputeKind::None;
@@ -360,6 +361,7 @@ class RankRun final : public StepSource {
       baseline_ = make_sharded_model(plain, in, here.be, here.tp, dpc);
       baseline_->record_activation_points(true);
       if (!in.loaded.empty()) baseline_->load_params(in.loaded);
+      baseline_->load_buffers(in.loaded_buffers);
     }
   }
 
@@ -730,7 +732,10 @@ VerifyReport run_verify(const RunOptions& o) {
                                      routing_tolerance(o, *bounds, o.tp[waves[w][0]], step)};
             };
           }
-          run_reference(o, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
+          // MoE's capacity holds over each routing rank's tokens: the wave's one degree's
+          RunOptions ro = o;
+          if (moe) ro.gpt.moe_routing_ranks = o.tp[waves[w][0]] * o.dp;
+          run_reference(ro, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
                         [&](int step) { ref.publish(step); }, {}, follow);
         } catch (const ReferenceFeed::Deserted&) {
           // every rank stopped reading: their own errors, if any, are the report

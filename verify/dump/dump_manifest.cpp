@@ -240,6 +240,9 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
     c.moe_expert_bias = cfg.boolean_or("moe_expert_bias", false);
     c.moe_bias_rate = cfg.number_or("moe_bias_rate", c.moe_bias_rate, 0.0, 1e6);
     c.moe_capacity_factor = cfg.number_or("moe_capacity_factor", 0.0, 0.0, 1e6);
+    // Megatron-core's capacity, over each rank's tokens, unless the producer said global
+    c.moe_global_capacity = cfg.boolean_or("moe_global_capacity", false);
+    c.moe_routing_ranks = m.world_size;
   }
   cfg.no_others();
   if (m.config.hidden % m.config.heads != 0)
@@ -363,6 +366,7 @@ nlohmann::json manifest_json(const DumpManifest& m) {
     k["moe_expert_bias"] = c.moe_expert_bias;
     k["moe_bias_rate"] = c.moe_bias_rate;
     k["moe_capacity_factor"] = c.moe_capacity_factor;
+    k["moe_global_capacity"] = c.moe_global_capacity;
     j["parallel"]["ep"] = m.parallel.ep;
     j["parallel"]["etp"] = m.parallel.etp;
   }

@@ -234,7 +234,8 @@ std::string describe_tie(std::int64_t layer, const ref::RoutingTie& t) {
   if (t.capacity)
     return where + ": expert " + std::to_string(t.expert) + " kept tokens " + set(t.sharded) +
            " (sharded) for " + set(t.reference) + gap;
-  return where + ": experts " + set(t.sharded) + " (sharded) for " + set(t.reference) + gap;
+  return where + ": " + (t.aux ? "the aux loss's experts " : "experts ") + set(t.sharded) +
+         " (sharded) for " + set(t.reference) + gap;
 }
 
 template <class Model, class Batch, class Update>
@@ -333,6 +334,7 @@ void run_reference(const RunOptions& o, const RunInputs& in, RefStorage storage,
           storage, slot, published, rebase, follow);
   } else {
     ref::Gpt<double> g(o.gpt, std::move(params), o.seed);
+    g.load_buffers(in.loaded_buffers);
     g.record_points(true);
     trace(o, g, in.gpt_batch, o.steps, "act/logits", [&](auto& gg) { gg.optimizer_step(o.adam); },
           bounds, storage, slot, published, rebase, follow);

@@ -16,6 +16,32 @@ std::vector<ParamSpec> param_specs(const RunOptions& o) {
   return describe_model(o)->param_specs();
 }
 
+std::vector<ParamSpec> buffer_specs(const RunOptions& o) {
+  return o.model == ModelKind::Gpt ? gpt_buffer_specs(o.gpt) : std::vector<ParamSpec>{};
+}
+
+namespace {
+
+// --load FILE: the weights, and the buffers where the file holds any of them (then all of
+// them, checked as the weights are); a file of weights alone starts the buffers at 0.
+void load_checkpoint(RunInputs& in, const RunOptions& o) {
+  const st::StFile file = st::read_safetensors(o.load_path);
+  auto specs = param_specs(o);
+  const auto buffers = buffer_specs(o);
+  const bool with_buffers = std::any_of(buffers.begin(), buffers.end(), [&](const ParamSpec& b) {
+    return file.tensors.count(b.name) > 0;
+  });
+  if (with_buffers) specs.insert(specs.end(), buffers.begin(), buffers.end());
+  in.loaded = weights_from_st(file, specs, o.load_path);
+  if (!with_buffers) return;
+  for (const ParamSpec& b : buffers) {
+    in.loaded_buffers[b.name] = std::move(in.loaded.at(b.name));
+    in.loaded.erase(b.name);
+  }
+}
+
+}  // namespace
+
 std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o) {
   const std::int64_t V = o.gpt.vocab_size;
   std::set<std::int64_t> ids{0, V - 1};
@@ -50,9 +76,12 @@ RunInputs prepare_inputs(const RunOptions& o) {
     throw UsageError("--dp " + std::to_string(o.dp) + ": a batch of " +
                      std::to_string(in.gpt_batch.B) + " rows does not split evenly over the "
                      "replicas (choose --batch-size)");
-  if (!o.load_path.empty())
-    in.loaded = is_hf_model_dir(o.load_path) ? load_hf_weights(o.load_path, o.gpt, param_specs(o))
-                                             : load_weights(o.load_path, param_specs(o));
+  if (!o.load_path.empty()) {
+    if (is_hf_model_dir(o.load_path))
+      in.loaded = load_hf_weights(o.load_path, o.gpt, param_specs(o));
+    else
+      load_checkpoint(in, o);
+  }
   return in;
 }
 

@@ -17,12 +17,17 @@ struct RunInputs {
   MlpBatch mlp_batch;
   GptBatch gpt_batch;
   std::map<std::string, std::vector<double>> loaded;  // empty: seeded init
+  // With --load of a file that `train --save-final` wrote: the state beside the weights
+  // (MoE's expert bias, buffer_specs); empty: none in the file, the run starts it at 0.
+  std::map<std::string, std::vector<double>> loaded_buffers;
 };
 
 // Builds the batch (seeded or --data) and loads --load weights, checked against the config.
 RunInputs prepare_inputs(const RunOptions& o);
 
 std::vector<ParamSpec> param_specs(const RunOptions& o);
+// The state a checkpoint carries beside the parameters (gpt_buffer_specs; none for the MLP).
+std::vector<ParamSpec> buffer_specs(const RunOptions& o);
 
 // The ids a boundary batch must hold for this run: 0, V-1, and the first and last real id
 // of every vocabulary shard at every TP degree of the run (as loss parallel pads and
