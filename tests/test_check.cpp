@@ -301,6 +301,25 @@ TEST_CASE("check reads GPT-2 and Llama dumps: the manifest carries the architect
   CHECK(m["config"]["positions"] == "rope");
   CHECK(m["config"]["kv_heads"] == 2);
   CHECK(m["config"]["tied_embeddings"] == false);
+  // The manifest and the report name the family (issue 48), not "gpt"; a dump of before,
+  // which named every family "gpt", still checks; a family the config does not describe
+  // is refused.
+  CHECK(m["model"] == "llama");
+  {
+    const auto named = check(dir, "--json " + dir + "/named.json");
+    INFO(named.out);
+    CHECK(named.exit_code == 0);
+    CHECK(named.out.find(": model llama, ") != std::string::npos);
+    CHECK(read_json(dir + "/named.json")["model"] == "llama");
+    auto old = m;
+    old["model"] = "gpt";
+    write_manifest_json(dir, old);
+    CHECK(check(dir).exit_code == 0);
+    old["model"] = "mixtral";
+    write_manifest_json(dir, old);
+    expect_bad_dump(dir, "model", "expected \"llama\" (what the config describes) or \"gpt\"");
+    write_manifest_json(dir, m);
+  }
   // A manifest that misdescribes the run fails where the difference first shows: the
   // other RoPE convention moves q at its first layer.
   auto wrong = m;
