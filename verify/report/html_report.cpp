@@ -89,7 +89,7 @@ struct Series {
 };
 
 // Entry i of a series is step 1 + i·stride (VerifyReport::series_stride); the axis labels
-// at most about a dozen of them.
+// each of up to 40 entries, about 20 of more (label_every).
 std::string line_chart(const std::string& title, const std::vector<Series>& series, bool log_y,
                        int stride) {
   const double W = 520, H = 230, L = 70, R = 120, T = 28, B = 34;
@@ -252,7 +252,7 @@ std::string heatmaps(const VerifyReport& r, const Scale& sc) {
         o << "<rect class=\"cell\" x=\"" << x0 + cw * s << "\" y=\"" << top + ch * i
           << "\" width=\"" << cw - 1 << "\" height=\"" << ch - 1 << "\" fill=\"" << cell_colour(v, sc)
           << "\"><title>TP " << t.tp << " " << html_escape(rows[i]) << " " << columns(s) << ": "
-          << (width > 1 && !std::isnan(v) ? "worst " : "") << ratio_str(v) << "</title></rect>";
+          << (width > 1 && std::isfinite(v) ? "worst " : "") << ratio_str(v) << "</title></rect>";
       }
     if (ff && ff->tp == t.tp && row_of.count(ff->tensor))
       o << "<rect x=\"" << x0 + cw * static_cast<double>((ff->step - 1) / static_cast<int>(width)) - 1.5
