@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include "io/checkpoint.h"
+#include "io/hf_checkpoint.h"
+#include "model/foreign_names.h"
 
 using namespace tpsim;
 
@@ -206,6 +208,35 @@ TEST_CASE("checkpoint: load_weights refuses a header that does not fit the confi
     CHECK_THROWS_WITH(load_weights(path, specs), Catch::Contains("tensor 'ln.weight': missing"));
   }
   // Reading the file would have held its 1.6 GB (or 3.3 GB): the refusal holds its header.
+  CHECK(peak_rss_kb() - before < 200 * 1024);
+}
+
+TEST_CASE("checkpoint: a Hugging Face checkpoint's header is held to the config before a tensor "
+          "is read",
+          "[io][hostile]") {
+  // Issue 51, 4: a Llama checkpoint of Hugging Face's names (1.6 GB of embeddings
+  // declared, a hole on disk), one tensor of another shape: refused from the header.
+  GptConfig c;
+  apply_gpt_family(c, "llama");
+  c.vocab_size = 200000;
+  c.hidden = 1024;
+  c.heads = 8;
+  c.layers = 1;
+  const auto specs = gpt_param_specs(c);
+  std::map<std::string, Shape> shape_of;
+  for (const auto& p : specs) shape_of[p.name] = p.shape;
+  TempDir dir;
+  std::vector<std::pair<std::string, Shape>> entries;
+  for (const auto& [hf, tpsim] : convention_names(NameConvention::HfLlama, c).to_tpsim)
+    if (shape_of.count(tpsim))
+      entries.emplace_back(hf, tpsim == "h.0.mlp.down_proj.weight" ? Shape{c.hidden, c.ffn() + 1}
+                                                                  : shape_of[tpsim]);
+  REQUIRE(entries.size() == specs.size());
+  write_sparse_weights(dir.file("model.safetensors"), entries);
+  const long before = peak_rss_kb();
+  CHECK_THROWS_WITH(load_hf_weights(dir.path.string(), c, specs),
+                    Catch::Contains("tensor 'h.0.mlp.down_proj.weight': shape [1024," +
+                                    std::to_string(c.ffn() + 1) + "] but the config needs"));
   CHECK(peak_rss_kb() - before < 200 * 1024);
 }
 
