@@ -301,6 +301,25 @@ TEST_CASE("check reads GPT-2 and Llama dumps: the manifest carries the architect
   CHECK(m["config"]["positions"] == "rope");
   CHECK(m["config"]["kv_heads"] == 2);
   CHECK(m["config"]["tied_embeddings"] == false);
+  // The manifest and the report name the family (issue 48), not "gpt"; a dump of before,
+  // which named every family "gpt", still checks; a family the config does not describe
+  // is refused.
+  CHECK(m["model"] == "llama");
+  {
+    const auto named = check(dir, "--json " + dir + "/named.json");
+    INFO(named.out);
+    CHECK(named.exit_code == 0);
+    CHECK(named.out.find(": model llama, ") != std::string::npos);
+    CHECK(read_json(dir + "/named.json")["model"] == "llama");
+    auto old = m;
+    old["model"] = "gpt";
+    write_manifest_json(dir, old);
+    CHECK(check(dir).exit_code == 0);
+    old["model"] = "mixtral";
+    write_manifest_json(dir, old);
+    expect_bad_dump(dir, "model", "expected \"llama\" (what the config describes) or \"gpt\"");
+    write_manifest_json(dir, m);
+  }
   // A manifest that misdescribes the run fails where the difference first shows: the
   // other RoPE convention moves q at its first layer.
   auto wrong = m;
@@ -1223,6 +1242,40 @@ TEST_CASE("check passes 1000 steps of a tiny model in f64 and f32 where the back
     });
     expect_first_failure(dir, "act/h.0.attn.k.grad", 1, 500);
   }
+}
+
+TEST_CASE("check keeps a bounded record of a long run: series every k-th step, heatmap columns",
+          "[check][cli][html]") {
+  // Issue 51, 9: past 1,024 steps the per-step lists hold every k-th step and the heatmap
+  // at most 256 columns (kept only for --html), so that check's memory does not grow with
+  // the steps; the drift's last and largest values and the verdict cover every step.
+  const std::string dir = temp_path("tiny-1100");
+  std::filesystem::remove_all(dir);
+  REQUIRE(run_tpsim("train --model gpt --vocab-size 101 --hidden 8 --heads 2 --layers 1 "
+                    "--block-size 16 --seq-len 16 --batch-size 2 --tp 2 --steps 1100 --dtype f64 "
+                    "--dump " + dir)
+              .exit_code == 0);
+  auto r = check(dir, "--json " + dir + "/r.json --html " + dir + "/r.html");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  const auto j = read_json(dir + "/r.json");
+  CHECK(j["series_stride"] == 2);
+  CHECK(j["reference"]["losses"].size() == 550);  // steps 1, 3, ..., 1099
+  CHECK(j["tp"][0]["losses"].size() == 550);
+  CHECK(j["reference"]["free_running_drift"].size() == 550);
+  const auto& d = j["reference"]["free_running_drift_summary"];
+  CHECK(d["step"] == 1100);
+  CHECK(d["largest"].get<double>() >= d["last"].get<double>());
+  CHECK(r.out.find("k = 2, at most 1024") != std::string::npos);
+  CHECK(r.out.find("after step 1100") != std::string::npos);
+  const std::string page = read_text(dir + "/r.html");
+  CHECK(page.find("steps 1-5: ") != std::string::npos);  // 1100 steps in columns of 5
+  CHECK(page.find("steps 1096-1100: ") != std::string::npos);
+  CHECK(page.find("steps 1101-") == std::string::npos);
+  CHECK(page.find(" step 1099: ") != std::string::npos);  // the loss chart's last point
+  // A failure at a step the lists leave out is still found, at its own step.
+  edit_values(dir, 1, "step1000/h.0.mlp.ffn1.weight", [](std::vector<double>& v) { v[0] += 1e-3; });
+  expect_first_failure(dir, "h.0.mlp.ffn1.weight", 1, 1000);
 }
 
 TEST_CASE("train --dump streams a long run into step-range files that check reads as one",

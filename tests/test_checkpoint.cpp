@@ -6,9 +6,13 @@
 #include <filesystem>
 #include <limits>
 #include <string>
+#include <fstream>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "io/checkpoint.h"
+#include "io/hf_checkpoint.h"
+#include "model/foreign_names.h"
 
 using namespace tpsim;
 
@@ -139,6 +143,101 @@ TEST_CASE("checkpoint: load_weights refuses files that do not fit the config", "
     CHECK_THAT(usage_error([&] { load_weights(path, small_specs()); }, path),
                Catch::Contains("no such file"));
   }
+}
+
+namespace {
+
+// A safetensors file that declares `entries` (name, shape; F64, contiguous in that order)
+// and holds no data: its bytes past the header are a hole, so that it costs nothing on
+// disk and its declared size only if it is read.
+void write_sparse_weights(const std::string& path,
+                          const std::vector<std::pair<std::string, Shape>>& entries) {
+  std::string header = "{";
+  std::uint64_t offset = 0;
+  for (const auto& [name, shape] : entries) {
+    std::string dims;
+    for (std::int64_t d : shape) dims += (dims.empty() ? "" : ",") + std::to_string(d);
+    const std::uint64_t end = offset + 8 * static_cast<std::uint64_t>(shape_numel(shape));
+    header += (offset == 0 && header.size() == 1 ? "\"" : ",\"") + name + "\":{\"dtype\":\"F64\"," +
+              "\"shape\":[" + dims + "],\"data_offsets\":[" + std::to_string(offset) + "," +
+              std::to_string(end) + "]}";
+    offset = end;
+  }
+  header += "}";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::ofstream f(path, std::ios::binary);
+  const std::uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) f.put(static_cast<char>((n >> (8 * i)) & 0xff));
+  f << header;
+  f.close();
+  std::filesystem::resize_file(path, 8 + n + offset);
+}
+
+long peak_rss_kb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss;
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: load_weights refuses a header that does not fit the config before reading "
+          "a tensor",
+          "[io][hostile]") {
+  // Issue 51, 4: sparse weights of the config's names, one of another shape (or declaring
+  // twice the rows), 1.6 GB and more declared: refused from the header, holding none of it.
+  TempDir dir;
+  const Shape wte{50304, 4096};
+  const std::vector<ParamSpec> specs = {{"ln.weight", {4096}, InitSpec::constant(1.0)},
+                                        {"wte.weight", wte, InitSpec::normal(0.02)}};
+  const std::string path = dir.file("w.safetensors");
+  const long before = peak_rss_kb();
+  SECTION("a small tensor of the wrong shape beside a large right one") {
+    write_sparse_weights(path, {{"ln.weight", {4097}}, {"wte.weight", wte}});
+    CHECK_THROWS_WITH(load_weights(path, specs),
+                      Catch::Contains("tensor 'ln.weight': shape [4097] but the config needs [4096]"));
+  }
+  SECTION("a large tensor declaring twice its rows") {
+    write_sparse_weights(path, {{"ln.weight", {4096}}, {"wte.weight", {2 * 50304, 4096}}});
+    CHECK_THROWS_WITH(load_weights(path, specs),
+                      Catch::Contains("tensor 'wte.weight': shape [100608,4096] but the config "
+                                      "needs [50304,4096]"));
+  }
+  SECTION("a missing tensor, the other declared") {
+    write_sparse_weights(path, {{"wte.weight", wte}});
+    CHECK_THROWS_WITH(load_weights(path, specs), Catch::Contains("tensor 'ln.weight': missing"));
+  }
+  // Reading the file would have held its 1.6 GB (or 3.3 GB): the refusal holds its header.
+  CHECK(peak_rss_kb() - before < 200 * 1024);
+}
+
+TEST_CASE("checkpoint: a Hugging Face checkpoint's header is held to the config before a tensor "
+          "is read",
+          "[io][hostile]") {
+  // Issue 51, 4: a Llama checkpoint of Hugging Face's names (1.6 GB of embeddings
+  // declared, a hole on disk), one tensor of another shape: refused from the header.
+  GptConfig c;
+  apply_gpt_family(c, "llama");
+  c.vocab_size = 200000;
+  c.hidden = 1024;
+  c.heads = 8;
+  c.layers = 1;
+  const auto specs = gpt_param_specs(c);
+  std::map<std::string, Shape> shape_of;
+  for (const auto& p : specs) shape_of[p.name] = p.shape;
+  TempDir dir;
+  std::vector<std::pair<std::string, Shape>> entries;
+  for (const auto& [hf, tpsim] : convention_names(NameConvention::HfLlama, c).to_tpsim)
+    if (shape_of.count(tpsim))
+      entries.emplace_back(hf, tpsim == "h.0.mlp.down_proj.weight" ? Shape{c.hidden, c.ffn() + 1}
+                                                                  : shape_of[tpsim]);
+  REQUIRE(entries.size() == specs.size());
+  write_sparse_weights(dir.file("model.safetensors"), entries);
+  const long before = peak_rss_kb();
+  CHECK_THROWS_WITH(load_hf_weights(dir.path.string(), c, specs),
+                    Catch::Contains("tensor 'h.0.mlp.down_proj.weight': shape [1024," +
+                                    std::to_string(c.ffn() + 1) + "] but the config needs"));
+  CHECK(peak_rss_kb() - before < 200 * 1024);
 }
 
 TEST_CASE("checkpoint: save_weights refuses values that load_weights would refuse", "[io]") {

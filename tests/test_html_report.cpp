@@ -109,6 +109,36 @@ TEST_CASE("the folder keeps each tensor's worst error per step and the first fai
   for (const auto& c : r.first_failure_shards) CHECK(c.tensor == "b");
 }
 
+TEST_CASE("the folder keeps a bounded heatmap: a column is the worst of its steps, or no rows",
+          "[verify][html]") {
+  // Issue 51, 9: a long run's rows are columns of several steps each (check --html), or
+  // not kept (check without --html); what is judged still covers every step.
+  const double tol = 1e-10;
+  TpResult r;
+  StepFolder folder(1, r);
+  folder.keep_per_step(2);
+  for (int step = 1; step <= 5; ++step)
+    folder.hand_in(step, {comparison("a", step, 0, 0, step == 2 ? 3e-10 : 1e-11, tol)});
+  CHECK(r.steps_per_column == 2);
+  REQUIRE(r.per_step.size() == 1);
+  REQUIRE(r.per_step[0].err_over_tol.size() == 3);  // steps 1-2, 3-4, 5
+  CHECK(r.per_step[0].err_over_tol[0] == Approx(3));  // step 2's, the worst of the two
+  CHECK(r.per_step[0].err_over_tol[1] == Approx(0.1));
+  CHECK(r.per_step[0].err_over_tol[2] == Approx(0.1));
+  CHECK(r.failures.size() == 1);
+  CHECK(r.failures[0].step == 2);
+  TpResult none;
+  StepFolder no_rows(1, none);
+  no_rows.keep_per_step(0);
+  for (int step = 1; step <= 3; ++step)
+    no_rows.hand_in(step, {comparison("a", step, 0, 0, step == 3 ? 3e-10 : 1e-11, tol)});
+  CHECK(none.per_step.empty());
+  CHECK(none.comparisons == 3);
+  CHECK_FALSE(none.pass);
+  CHECK(none.worst.at(0).step == 3);
+  CHECK(none.max_err_over_tol == Approx(3));
+}
+
 TEST_CASE("the page draws one cell per tensor, step and TP degree and fetches nothing",
           "[verify][html]") {
   VerifyReport rep;

@@ -67,14 +67,30 @@ def write_weights(path, weights, names="tpsim", config=None, te_norms=False):
     safetensors.save(path, conventions.to_convention(weights, names, config, 1, "", te_norms))
 
 
+def family_of(config):
+    """The family a manifest's config is named by (tpsim's verify/setup/model_family.cpp, the
+    same rule): experts with sigmoid scores or a shared expert "deepseek-moe", other experts
+    "mixtral", SwiGLU "llama", tanh GELU or biases on the Linears "gpt2", else "gpt"."""
+    if config.get("num_experts", 0) > 0:
+        sigmoid = config.get("moe_score", "softmax") == "sigmoid"
+        return "deepseek-moe" if sigmoid or config.get("moe_shared_ffn", 0) > 0 else "mixtral"
+    if config.get("mlp", "gelu") == "swiglu":
+        return "llama"
+    if config.get("mlp", "gelu") == "gelu-tanh" or config.get("linear_bias", False):
+        return "gpt2"
+    return "gpt"
+
+
 def write_manifest(out, world_size, steps, config, dtype, optimizer, parallel=None, names="tpsim",
-                   layouts=None, model="gpt"):
+                   layouts=None, model=None):
     """manifest.json in `out`. optimizer: Adam's lr, beta1, beta2, eps, weight_decay (L2),
     or with "name": "adamw" (decoupled decay) or "sgd" (and "momentum"), and "lr_schedule"
     or "lr_per_step" for a learning rate that changes (docs/dump-format.md);
     parallel: loss_parallel, sequence_parallel, make_vocab_divisible_by; layouts: {tpsim
     name: "replicated" or {"split_dim": d, "padded": P}} for tensors whose layout is not
-    Megatron's default (renamed into `names`; a fused tensor's layout is its convention's)."""
+    Megatron's default (renamed into `names`; a fused tensor's layout is its convention's);
+    model: the family, by default family_of(config) (tpsim also reads "gpt", as every dump
+    named its model before)."""
     lay = {}
     for n, l in (layouts or {}).items():
         foreign = conventions.layout_name(n, names)
@@ -84,7 +100,7 @@ def write_manifest(out, world_size, steps, config, dtype, optimizer, parallel=No
             l = {**l, "split_dim": 1 - l["split_dim"]}  # stored [in, out]
         lay[foreign] = l
     manifest = {"format": "tpsim-dump", "version": 1, "world_size": world_size, "steps": steps,
-                "model": model, "config": config, "dtype": dtype,
+                "model": model or family_of(config), "config": config, "dtype": dtype,
                 "optimizer": {"name": "adam", **optimizer}, "parallel": parallel or {},
                 "names": names}
     if lay:

@@ -33,22 +33,22 @@ std::string value_str(double v) {
 // Weights.
 
 // Names in the file that no spec has, in name order.
-std::vector<std::string> unknown_names(const StFile& file, const std::vector<ParamSpec>& specs) {
+std::vector<std::string> unknown_names(const WeightsHeader& file, const std::vector<ParamSpec>& specs) {
   std::set<std::string> wanted;
   for (const auto& s : specs) wanted.insert(s.name);
   std::vector<std::string> out;
-  for (const auto& [name, t] : file.tensors)
+  for (const auto& [name, t] : file)
     if (!wanted.count(name)) out.push_back(name);
   return out;
 }
 
 // Missing tensors first, in spec order: with a renamed tensor, the name the config wants
 // is the more useful one to print, and the unknown name in the file is the hint.
-void check_weight_names(const StFile& file, const std::vector<ParamSpec>& specs,
+void check_weight_names(const WeightsHeader& file, const std::vector<ParamSpec>& specs,
                         const std::string& source) {
   const auto extra = unknown_names(file, specs);
   for (const auto& spec : specs) {
-    if (file.tensors.count(spec.name)) continue;
+    if (file.count(spec.name)) continue;
     std::string hint = extra.empty() ? std::string()
                                      : "; the file has " + plural(extra.size(), "tensor") +
                                            " the config does not know, e.g. " + quote_name(extra[0]);
@@ -62,14 +62,18 @@ void check_weight_names(const StFile& file, const std::vector<ParamSpec>& specs,
                     plural(extra.size(), "tensor") + " too many)");
 }
 
-std::vector<double> checked_weight(const StTensor& t, const ParamSpec& spec,
-                                   const std::string& source) {
+void check_declared_weight(const DeclaredTensor& t, const ParamSpec& spec, const std::string& source) {
   if (t.dtype != DType::F32 && t.dtype != DType::F64 && t.dtype != DType::BF16)
     fail_tensor(source, spec.name, std::string("dtype ") + st::st_dtype_name(t.dtype) +
                                        ", but weights must be F32, F64 or BF16");
   if (t.shape != spec.shape)
-    fail_tensor(source, spec.name, "shape " + shape_str(t.shape) + " but the config needs " +
-                                       shape_str(spec.shape));
+    fail_tensor(source, spec.name, "shape " + shape_str(t.shape) +
+                                       " but the config needs " + shape_str(spec.shape));
+}
+
+std::vector<double> checked_weight(const StTensor& t, const ParamSpec& spec,
+                                   const std::string& source) {
+  check_declared_weight({t.dtype, t.shape}, spec, source);
   std::vector<double> v = t.to_f64();
   for (std::size_t i = 0; i < v.size(); ++i)
     if (!std::isfinite(v[i]))
@@ -119,10 +123,24 @@ const StTensor& batch_tensor(const StFile& file, const char* name, const std::st
 
 }  // namespace
 
+void check_weights_header(const WeightsHeader& header, const std::vector<ParamSpec>& specs,
+                          const std::string& source) {
+  check_weight_names(header, specs, source);
+  for (const auto& spec : specs) check_declared_weight(header.at(spec.name), spec, source);
+}
+
+WeightsHeader header_of(const std::vector<st::StEntry>& entries) {
+  WeightsHeader h;
+  for (const auto& e : entries) h[e.name] = {e.dtype, e.shape};
+  return h;
+}
+
 std::map<std::string, std::vector<double>> weights_from_st(const StFile& file,
                                                            const std::vector<ParamSpec>& specs,
                                                            const std::string& source) {
-  check_weight_names(file, specs, source);
+  WeightsHeader header;
+  for (const auto& [name, t] : file.tensors) header[name] = {t.dtype, t.shape};
+  check_weights_header(header, specs, source);
   std::map<std::string, std::vector<double>> out;
   for (const auto& spec : specs)
     out[spec.name] = checked_weight(file.tensors.at(spec.name), spec, source);
@@ -131,7 +149,13 @@ std::map<std::string, std::vector<double>> weights_from_st(const StFile& file,
 
 std::map<std::string, std::vector<double>> load_weights(const std::string& path,
                                                         const std::vector<ParamSpec>& specs) {
-  return weights_from_st(st::read_safetensors(path), specs, path);
+  // The header against the config before a tensor is read: a file that declares another
+  // shape (sparse, of any size) costs its header, not its declared bytes (issue 51, 4).
+  st::StReader file(path);
+  check_weights_header(header_of(file.entries()), specs, path);
+  StFile w;
+  for (const auto& e : file.entries()) w.tensors[e.name] = file.read(e);
+  return weights_from_st(w, specs, path);
 }
 
 StFile weights_to_st(const std::vector<ParamSpec>& specs,

@@ -17,8 +17,22 @@
 
 namespace tpsim {
 
+// A weights file's tensors as its header declares them, by name: what can be checked
+// against a config before a byte of a tensor is read.
+struct DeclaredTensor {
+  DType dtype;
+  Shape shape;
+};
+using WeightsHeader = std::map<std::string, DeclaredTensor>;
+WeightsHeader header_of(const std::vector<st::StEntry>& entries);
+// UsageError, naming `source` and the tensor, unless `header` declares exactly the names of
+// `specs`, each F32, F64 or BF16 of its spec's shape.
+void check_weights_header(const WeightsHeader& header, const std::vector<ParamSpec>& specs,
+                          const std::string& source);
+
 // Weights for a model: exactly the names and shapes of `specs`, each F32, F64 or BF16, every
 // value finite. Returns full (unsharded) row-major values by name, widened to double.
+// load_weights checks the file's header (check_weights_header) before it reads a tensor.
 std::map<std::string, std::vector<double>> load_weights(const std::string& path,
                                                         const std::vector<ParamSpec>& specs);
 // The same checks on a file already parsed; `source` names it in messages.

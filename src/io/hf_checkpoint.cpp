@@ -4,6 +4,7 @@
 #include <array>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -324,6 +325,71 @@ std::map<std::string, std::set<std::string>> hf_index_shards(const std::string& 
   return files;
 }
 
+namespace {
+
+// What one tensor of a checkpoint becomes in tpsim's names, from its name and declared
+// shape alone, so that the whole checkpoint's header can be held to the config before a
+// tensor is read: nothing (a derived buffer, the tied head), one tensor, or a fused
+// tensor's parts.
+struct HfTarget {
+  bool skip = false;
+  bool transposed = false;                  // a Conv1D weight, stored [in, out]
+  std::vector<std::string> names;           // tpsim's: one, or a fused tensor's parts
+  std::vector<std::vector<RowRun>> runs;    // a fused tensor: each part's rows
+};
+
+class HfNames {
+ public:
+  explicit HfNames(const GptConfig& config)
+      : config_(config),
+        gpt2_(config.mlp != MlpKind::SwiGLU),
+        convention_(gpt2_ ? NameConvention::HfGpt2
+                          : config.moe() ? NameConvention::HfMixtral : NameConvention::HfLlama),
+        names_(convention_names(convention_, config)) {}
+
+  // `shape` as the file declares it; UsageError naming `source` for a name the config's
+  // model has not, or a fused tensor that is not q, k and v stacked.
+  HfTarget target(const std::string& name, const Shape& shape, const std::string& source) const {
+    HfTarget t;
+    // GPT2Model's own save has no "transformer." prefix.
+    const std::string n = gpt2_ && !name.starts_with("transformer.") && name != "lm_head.weight"
+                              ? "transformer." + name
+                              : name;
+    // Derived buffers: RoPE's inverse frequencies, GPT-2's causal mask; a tied head.
+    t.skip = n.ends_with("rotary_emb.inv_freq") || n.ends_with(".attn.bias") ||
+             n.ends_with(".attn.masked_bias") || n == names_.tied_head;
+    if (t.skip) return t;
+    t.transposed = names_.transposed.count(n) && shape.size() == 2;
+    if (const auto f = names_.fused.find(n); f != names_.fused.end()) {
+      const Shape turned = t.transposed ? Shape{shape[1], shape[0]} : shape;
+      if (turned.empty() || turned[0] != 3 * config_.hidden)
+        throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": shape " +
+                         shape_str(turned) + " is not q, k and v stacked");
+      t.names = fused_part_names(f->second);
+      t.runs = fused_part_rows(convention_, f->second.kind, config_.heads, config_.kv(),
+                               config_.head_dim(), config_.ffn());
+      return t;
+    }
+    const auto it = names_.to_tpsim.find(n);
+    if (it == names_.to_tpsim.end())
+      throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": not a parameter of the " +
+                       model() + " config.json describes");
+    t.names = {it->second};
+    return t;
+  }
+
+ private:
+  const char* model() const {
+    return gpt2_ ? "GPT2LMHeadModel" : config_.moe() ? "MixtralForCausalLM" : "LlamaForCausalLM";
+  }
+  const GptConfig& config_;
+  bool gpt2_;
+  NameConvention convention_;
+  ConventionNames names_;
+};
+
+}  // namespace
+
 std::map<std::string, std::vector<double>> load_hf_weights(const std::string& dir,
                                                            const GptConfig& config,
                                                            const std::vector<ParamSpec>& specs) {
@@ -332,7 +398,12 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
   // tensor): nothing is read that could not be a weight of this model.
   std::uintmax_t cap = 1 << 20, taken = 0;
   for (const auto& p : specs) cap += 8 * static_cast<std::uintmax_t>(shape_numel(p.shape)) + 1024;
-  const auto read_capped = [&](const std::string& path) {
+  struct Shard {
+    std::unique_ptr<st::StReader> file;
+    const std::set<std::string>* names = nullptr;  // what the index maps here; null: one file
+  };
+  std::vector<Shard> shards;
+  const auto open_capped = [&](const std::string& path, const std::set<std::string>* names) {
     std::error_code e;
     const std::uintmax_t size = fs::is_regular_file(path, e) ? fs::file_size(path, e) : 0;
     if (size > cap - taken)
@@ -340,73 +411,68 @@ std::map<std::string, std::vector<double>> load_hf_weights(const std::string& di
                        (taken > 0 ? " after " + std::to_string(taken) + " in other shards" : "") +
                        ", more than this model's weights can take (" + std::to_string(cap) + ")");
     taken += size;
-    return st::read_safetensors(path);
+    shards.push_back({std::make_unique<st::StReader>(path), names});
   };
-  st::StFile all;
   std::string source = in_dir(dir, "model.safetensors");
   std::error_code ec;
+  std::map<std::string, std::set<std::string>> index;  // shard file -> the names it holds
   if (fs::exists(source, ec)) {
-    all = read_capped(source);
+    open_capped(source, nullptr);
   } else {
+    index = hf_index_shards(dir);
     source = in_dir(dir, "model.safetensors.index.json");
-    for (const auto& [file, names] : hf_index_shards(dir)) {
-      st::StFile shard = read_capped(in_dir(dir, file));
-      for (auto& [name, t] : shard.tensors) {
-        if (!names.count(name))
-          throw UsageError(quote_text(in_dir(dir, file)) + ": " + st::quote_name(name) +
-                           ": the index does not map it to this shard");
-        all.tensors[name] = std::move(t);
-      }
-      for (const auto& name : names)
-        if (!all.tensors.count(name))
-          throw UsageError(quote_text(in_dir(dir, file)) + ": " + st::quote_name(name) +
-                           ": missing, though the index maps it here");
-    }
+    for (const auto& [file, names] : index) open_capped(in_dir(dir, file), &names);
   }
-  // The framework's names to tpsim's: GPT2LMHeadModel's (Conv1D weights stored [in, out],
-  // q, k, v fused in c_attn) or LlamaForCausalLM's.
-  const bool gpt2 = config.mlp != MlpKind::SwiGLU;
-  const NameConvention convention = gpt2           ? NameConvention::HfGpt2
-                                    : config.moe() ? NameConvention::HfMixtral
-                                                   : NameConvention::HfLlama;
-  const ConventionNames names = convention_names(convention, config);
-  const std::string model = gpt2           ? "GPT2LMHeadModel"
-                            : config.moe() ? "MixtralForCausalLM"
-                                           : "LlamaForCausalLM";
-  st::StFile renamed;
+  // Every header against the index and the config before a tensor is read (issue 51, 4).
+  const HfNames names(config);
+  WeightsHeader header;
   std::map<std::string, std::string> origin;  // tpsim name -> the checkpoint's
-  const auto put = [&](const std::string& to, const std::string& from, st::StTensor&& t) {
-    if (auto [it, fresh] = origin.emplace(to, from); !fresh)
-      throw UsageError(quote_text(source) + ": " + st::quote_name(from) + " and " +
-                       st::quote_name(it->second) + " are both " + st::quote_name(to) +
-                       "; two sources for one tensor, refused");
-    renamed.tensors[to] = std::move(t);
-  };
-  for (auto& [name, t] : all.tensors) {
-    const std::string n = gpt2 && !name.starts_with("transformer.") && name != "lm_head.weight"
-                              ? "transformer." + name  // GPT2Model's own save has no prefix
-                              : name;
-    // Derived buffers: RoPE's inverse frequencies, GPT-2's causal mask; a tied head.
-    if (n.ends_with("rotary_emb.inv_freq") || n.ends_with(".attn.bias") ||
-        n.ends_with(".attn.masked_bias") || n == names.tied_head)
-      continue;
-    if (names.transposed.count(n) && t.shape.size() == 2) t = st::transposed(t);
-    if (const auto f = names.fused.find(n); f != names.fused.end()) {
-      if (t.shape.empty() || t.shape[0] != 3 * config.hidden)
-        throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": shape " +
-                         shape_str(t.shape) + " is not q, k and v stacked");
-      const auto parts = fused_part_names(f->second);
-      const auto runs = fused_part_rows(convention, f->second.kind, config.heads, config.kv(),
-                                        config.head_dim(), config.ffn());
-      for (std::size_t i = 0; i < parts.size(); ++i) put(parts[i], name, st::gather_rows(t, runs[i]));
-      continue;
+  for (const Shard& sh : shards) {
+    std::set<std::string> seen;
+    for (const st::StEntry& e : sh.file->entries()) {
+      if (sh.names && !sh.names->count(e.name))
+        throw UsageError(quote_text(sh.file->path()) + ": " + st::quote_name(e.name) +
+                         ": the index does not map it to this shard");
+      seen.insert(e.name);
+      const HfTarget t = names.target(e.name, e.shape, source);
+      Shape shape = e.shape;
+      if (t.transposed) std::swap(shape[0], shape[1]);
+      for (std::size_t i = 0; i < t.names.size(); ++i) {
+        if (auto [it, fresh] = origin.emplace(t.names[i], e.name); !fresh)
+          throw UsageError(quote_text(source) + ": " + st::quote_name(e.name) + " and " +
+                           st::quote_name(it->second) + " are both " + st::quote_name(t.names[i]) +
+                           "; two sources for one tensor, refused");
+        Shape part = shape;
+        if (!t.runs.empty()) {
+          part[0] = 0;
+          for (const RowRun& r : t.runs[i]) part[0] += r.count;
+        }
+        header[t.names[i]] = {e.dtype, part};
+      }
     }
-    const auto it = names.to_tpsim.find(n);
-    if (it == names.to_tpsim.end())
-      throw UsageError(quote_text(source) + ": " + st::quote_name(name) + ": not a parameter of the " +
-                       model + " config.json describes");
-    put(it->second, name, std::move(t));
+    if (sh.names)
+      for (const auto& name : *sh.names)
+        if (!seen.count(name))
+          throw UsageError(quote_text(sh.file->path()) + ": " + st::quote_name(name) +
+                           ": missing, though the index maps it here");
   }
+  check_weights_header(header, specs, source);
+  // Then the tensors, in tpsim's names and layout: Conv1D weights turned to [out, in], a
+  // fused q/k/v split into its parts.
+  st::StFile renamed;
+  for (Shard& sh : shards)
+    for (const st::StEntry& e : sh.file->entries()) {
+      const HfTarget t = names.target(e.name, e.shape, source);
+      if (t.skip) continue;
+      st::StTensor v = sh.file->read(e);
+      if (t.transposed) v = st::transposed(v);
+      if (t.runs.empty()) {
+        renamed.tensors[t.names[0]] = std::move(v);
+        continue;
+      }
+      for (std::size_t i = 0; i < t.names.size(); ++i)
+        renamed.tensors[t.names[i]] = st::gather_rows(v, t.runs[i]);
+    }
   return weights_from_st(renamed, specs, source);
 }
 

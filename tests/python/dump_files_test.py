@@ -133,6 +133,19 @@ dump.write_rank(out, 0, {})
 raw = open(os.path.join(out, "rank0.safetensors"), "rb").read()
 case("a written rank file is whole", len(raw) == 16 and raw[8:].strip() == b"{}", raw)
 
+# The manifest names the family its config describes (issue 48), by tpsim's rule
+# (verify/setup/model_family.cpp); a name given is written as given.
+fam = {"gpt": CONFIG, "gpt2": {**CONFIG, "mlp": "gelu-tanh", "linear_bias": True},
+       "llama": {**CONFIG, "mlp": "swiglu", "norm": "rmsnorm"},
+       "mixtral": {**CONFIG, "mlp": "swiglu", "num_experts": 4, "moe_topk": 2},
+       "deepseek-moe": {**CONFIG, "mlp": "swiglu", "num_experts": 4, "moe_topk": 2,
+                        "moe_score": "sigmoid"}}
+for want, config in fam.items():
+    got = manifest(os.path.join(work, "family-" + want), config=config)["model"]
+    case(f"a {want} config's manifest names it {want}", got == want, got)
+got = manifest(os.path.join(work, "family-given"), model="gpt")["model"]
+case("a family given is written as given", got == "gpt", got)
+
 if failures:
     print(f"dump_files_test: {len(failures)} case(s) failed: " + "; ".join(failures))
     sys.exit(1)

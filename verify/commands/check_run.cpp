@@ -154,13 +154,26 @@ CheckResult run_check(const CheckOptions& c) {
       m, c, batch_shape(c.data, m.config.block_size, static_cast<std::int64_t>(kMaxSequences)));
   DumpReader dump(c.dumps, m, o.batch_size * o.seq_len);
   check_memory(o, "check");
+  // The weights file's header against the config, in tpsim's names, before a tensor of it
+  // or of the batch is read (issue 51, 4).
+  std::optional<st::StReader> weights;
+  if (!hf_dir) {
+    weights.emplace(c.load);
+    check_weights_header(weights_header_in_tpsim_names(weights->entries(), m, c.load),
+                         param_specs(o), c.load);
+  }
 
   // The inputs as verify reads them; the weights renamed from the dump's convention first.
   RunInputs in = prepare_inputs(o);
   if (hf_dir) {
     in.loaded = load_hf_weights(c.load, m.config, param_specs(o));
   } else {
-    st::StFile w = st::read_safetensors(c.load);
+    st::StReader& file = *weights;  // only the tensors that become parameters
+    st::StFile w;
+    const std::string tied = dropped_tied_head(m);
+    for (const st::StEntry& e : file.entries())
+      if (e.name != tied) w.tensors[e.name] = file.read(e);
+    weights.reset();
     weights_to_tpsim_names(w, m, c.load);
     in.loaded = weights_from_st(w, param_specs(o), c.load);
   }
@@ -175,6 +188,11 @@ CheckResult run_check(const CheckOptions& c) {
   TpResult tpr;
   tpr.tp = world;
   StepFolder folder(world, tpr);
+  // What the report keeps of each step is bounded (result.h): the heatmap's rows only for
+  // --html, which draws them; the series every stride-th step.
+  folder.keep_per_step(c.html.empty() ? 0 : steps_per_column(o.steps));
+  rep.series_stride = series_stride(o.steps);
+  const auto sampled = [&](int step) { return (step - 1) % rep.series_stride == 0; };
   const auto order = gpt_tensor_order(o.gpt, o.clip_grad > 0);
   RefStep ref;
   TensorMap producer;  // the producer's weights after the last step checked
@@ -214,7 +232,7 @@ CheckResult run_check(const CheckOptions& c) {
       o, in, RefStorage::InPlace, [&](int) -> RefStep& { return ref; },
       [&](int step) {
         ref_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - ref_t0).count();
-        rep.reference_losses.push_back(ref.loss);
+        if (sampled(step)) rep.reference_losses.push_back(ref.loss);
         read_ranks(step);
         for (const auto& t : ref.ties) tpr.ties.push_back("step " + std::to_string(step) + ", " + t);
         for (int r = 0; r < world; ++r) {
@@ -227,7 +245,7 @@ CheckResult run_check(const CheckOptions& c) {
           sort_in_tensor_order(rs.update, order);
           if (r == 0)
             for (const auto& ob : rs.forward)
-              if (ob.name == "loss") tpr.losses.push_back(ob.values[0]);
+              if (ob.name == "loss" && sampled(step)) tpr.losses.push_back(ob.values[0]);
           check.check(rs.forward, Phase::Forward);
           check.check(rs.backward, Phase::Backward);
           check.check(rs.update, Phase::Update);
@@ -236,7 +254,9 @@ CheckResult run_check(const CheckOptions& c) {
         }
         if (free) {
           producer = producer_params(ranks);
-          rep.free_running_drift.push_back(free->step_and_distance(producer));
+          const double drift = free->step_and_distance(producer);
+          rep.drift.add(step, drift);
+          if (sampled(step)) rep.free_running_drift.push_back(drift);
         }
         ref_t0 = std::chrono::steady_clock::now();
       },

@@ -7,6 +7,7 @@
 #include "io/strict_json.h"
 #include "io/untrusted_text.h"
 #include "verify/dump/dump_files.h"
+#include "verify/setup/model_family.h"
 
 namespace tpsim {
 
@@ -197,8 +198,7 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   DumpManifest m;
   m.world_size = static_cast<int>(top.integer("world_size", 1, 64));
   m.steps = top.integer("steps", 1, 1'000'000);
-  if (top.string("model") != "gpt")
-    top.fail("model", "expected \"gpt\", got " + describe(top.need("model")));
+  const std::string family = top.string("model");  // checked once the config is read
 
   Fields cfg(top.need("config"), "config", source);
   m.config.vocab_size = cfg.integer("vocab_size", 1, kMaxSize);
@@ -248,6 +248,10 @@ DumpManifest parse_manifest(const std::string& text, const std::string& source) 
   if (m.config.hidden % m.config.heads != 0)
     cfg.fail("config.heads", std::to_string(m.config.heads) + " does not divide hidden " +
                                  std::to_string(m.config.hidden));
+  // The family is a name for the config's architecture, never a second source of it.
+  if (!names_gpt_family(family, m.config))
+    top.fail("model", "expected \"" + std::string(gpt_family_of(m.config)) +
+                          "\" (what the config describes) or \"gpt\", got " + quote_text(family));
 
   const std::string dtype = top.string("dtype");
   if (dtype != "f32" && dtype != "f64") top.fail("dtype", "expected \"f32\" or \"f64\", got " +
@@ -315,7 +319,7 @@ nlohmann::json manifest_json(const DumpManifest& m) {
       {"version", kDumpFormatVersion},
       {"world_size", m.world_size},
       {"steps", m.steps},
-      {"model", "gpt"},
+      {"model", gpt_family_of(c)},
       {"config", {{"vocab_size", c.vocab_size}, {"block_size", c.block_size},
                   {"hidden", c.hidden}, {"heads", c.heads}, {"layers", c.layers},
                   {"ln_eps", c.ln_eps},

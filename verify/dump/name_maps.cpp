@@ -116,6 +116,32 @@ void weights_to_tpsim_names(st::StFile& weights, const DumpManifest& m, const st
   rename_all(weights, names, source);
 }
 
+std::string dropped_tied_head(const DumpManifest& m) {
+  return m.names == NameConvention::Tpsim ? std::string() : convention_names(m.names, m.config).tied_head;
+}
+
+WeightsHeader weights_header_in_tpsim_names(const std::vector<st::StEntry>& entries,
+                                            const DumpManifest& m, const std::string& source) {
+  WeightsHeader out;
+  const NameResolver names(m, 1, false, source, "the full");
+  const std::string tied = dropped_tied_head(m);
+  std::map<std::string, std::string> origin;  // as rename_all: one source per tensor
+  for (const st::StEntry& e : entries) {
+    if (!tied.empty() && e.name == tied) continue;
+    const NameResolver::Target t = names.resolve(e.name);
+    names.check_fused(e.name, t, e.shape);
+    Shape shape = e.shape;
+    if (t.transposed && shape.size() == 2) std::swap(shape[0], shape[1]);
+    for (std::size_t i = 0; i < t.names.size(); ++i) {
+      if (auto [it, fresh] = origin.emplace(t.names[i], e.name); !fresh)
+        throw UsageError(source + ": " + st::quote_name(e.name) + " and " + st::quote_name(it->second) +
+                         " are both " + st::quote_name(t.names[i]) + "; two sources for one tensor, refused");
+      out[t.names[i]] = {e.dtype, t.fused ? t.parts[i] : shape};
+    }
+  }
+  return out;
+}
+
 std::map<std::string, DumpLayout> layouts_in_tpsim_names(const DumpManifest& m) {
   const ConventionNames t = convention_names(m.names, m.config);
   const auto order = gpt_tensor_order(m.config);

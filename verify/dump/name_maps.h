@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "verify/dump/dump_manifest.h"
 
@@ -61,6 +62,15 @@ void to_tpsim_names(st::StFile& rank_file, const DumpManifest& m, int rank,
 // The same for a full (unsharded) weights file; the tied "lm_head.weight" (nanoGPT) or
 // "output_layer.weight" (Megatron), if present, is dropped.
 void weights_to_tpsim_names(st::StFile& weights, const DumpManifest& m, const std::string& source);
+
+// A full weights file in the dump's convention (`entries`: its header) as tpsim's names
+// and layout would declare it: a fused tensor as its parts, a Conv1D weight turned; the
+// tied head, which weights_to_tpsim_names drops, left out. For check_weights_header
+// (io/checkpoint.h), before a tensor is read.
+WeightsHeader weights_header_in_tpsim_names(const std::vector<st::StEntry>& entries,
+                                            const DumpManifest& m, const std::string& source);
+// The name of the tied head that weights_to_tpsim_names drops, or "" (tpsim's names).
+std::string dropped_tied_head(const DumpManifest& m);
 
 // The manifest's layouts keyed by tpsim's names. UsageError for a layout of a fused tensor
 // (its convention fixes its layout).

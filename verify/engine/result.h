@@ -3,6 +3,8 @@
 // fills a TpResult as the ranks hand their comparisons in; the reports render them.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,7 +25,34 @@ struct CollectiveTotals {
 // not compared at that step.
 struct TensorSteps {
   std::string tensor;
-  std::vector<float> err_over_tol;  // [steps], step s at s-1
+  std::vector<float> err_over_tol;  // [columns], step s in column (s-1) / steps_per_column
+};
+
+// What a report keeps of a run's steps is bounded, so that checking a long run holds no
+// more than a short one (issue 51, 9): the per-step series (losses, grad norms, drift) hold
+// at most kSeriesEntries steps, every series_stride(steps)-th from step 1; the heatmap at
+// most kHeatmapColumns columns, each the worst of steps_per_column(steps) steps. Runs of
+// up to that many steps keep every step. What is judged is never sampled: the verdict,
+// the failures, the worst comparison per tensor and the largest errors cover every step.
+inline constexpr int kSeriesEntries = 1024;
+inline constexpr int kHeatmapColumns = 256;
+inline int steps_per_entry(std::int64_t steps, int entries) {
+  return static_cast<int>(std::max<std::int64_t>(1, (steps + entries - 1) / entries));
+}
+inline int series_stride(std::int64_t steps) { return steps_per_entry(steps, kSeriesEntries); }
+inline int steps_per_column(std::int64_t steps) { return steps_per_entry(steps, kHeatmapColumns); }
+
+// check's free-running drift over every step, though its series is sampled.
+struct DriftSummary {
+  int steps = 0;          // steps measured; 0: none (--free-running, or verify)
+  double last = 0.0;      // after the last step
+  double largest = 0.0;
+  int largest_step = 0;
+  void add(int step, double drift) {
+    steps = step;
+    last = drift;
+    if (largest_step == 0 || drift > largest) largest = drift, largest_step = step;
+  }
 };
 
 struct TpResult {
@@ -40,11 +69,12 @@ struct TpResult {
   std::vector<Comparison> failures; // every failing comparison, in (step, order, rank) order
   std::vector<Comparison> worst;    // per tensor, the worst comparison over steps and shards
   std::vector<TensorSteps> per_step;  // per tensor in the order first checked (step 1's order)
+  int steps_per_column = 1;           // of per_step (StepFolder::keep_per_step)
   // Every check of the first failing tensor at the step it first fails, each rank's shard
   // and its other checks, in (order, rank) order: the HTML report draws them side by side.
   std::vector<Comparison> first_failure_shards;
-  std::vector<double> losses;       // per step, rank 0's
-  std::vector<double> grad_norms;   // --clip-grad: per step, rank 0's norm before clipping
+  std::vector<double> losses;       // per step (VerifyReport::series_stride), rank 0's
+  std::vector<double> grad_norms;   // --clip-grad: likewise, rank 0's norm before clipping
   // MoE: the routing decisions the reference followed at ties ("step 2, layer 0, token
   // 17: experts {1,4} (sharded) for {1,6}, gap 3.1e-04 <= 4.2e-04"), not failures.
   std::vector<std::string> ties;
@@ -75,12 +105,16 @@ struct VerifyReport {
         first = t.first_no_check_step;
     return first;
   }
+  // The per-step series here and in each TpResult hold steps 1, 1 + k, 1 + 2k, ... for
+  // k = series_stride (check: series_stride(steps); verify keeps every step).
+  int series_stride = 1;
   std::vector<double> reference_losses;
   std::vector<double> reference_grad_norms;  // --clip-grad
   // check, judging each step from the producer's weights: after each step, how far the
   // producer's weights are from the reference's own free-running trajectory (relative, all
   // parameters together). Information, not a check: correct code drifts too.
   std::vector<double> free_running_drift;
+  DriftSummary drift;  // the same over every step
   double reference_seconds = 0.0;
   std::vector<TpResult> results;
   bool pass = true;

@@ -301,10 +301,11 @@ void StepFolder::hand_in(int step, std::vector<Comparison>&& cs) {
 }
 
 void StepFolder::fold_per_step(const Comparison& c) {
+  if (width_ == 0) return;
   auto [it, added] = row_.try_emplace(c.tensor, r_.per_step.size());
   if (added) r_.per_step.push_back({c.tensor, {}});
   std::vector<float>& row = r_.per_step[it->second].err_over_tol;
-  const auto s = static_cast<std::size_t>(c.step - 1);
+  const auto s = static_cast<std::size_t>((c.step - 1) / width_);
   if (row.size() <= s) row.resize(s + 1, NAN);
   // A replica check has no tolerance to measure by: it marks the cell off the scale only
   // where the reference checks pass (see finish_replicas), so that a shard far from the
@@ -322,7 +323,8 @@ void StepFolder::fold_per_step(const Comparison& c) {
 }
 
 void StepFolder::finish_replicas(int step) {
-  const auto s = static_cast<std::size_t>(step - 1);
+  if (width_ == 0) return;
+  const auto s = static_cast<std::size_t>((step - 1) / width_);
   for (std::size_t i : replica_failed_) {
     float& v = r_.per_step[i].err_over_tol[s];
     if (!(v > 1)) v = INFINITY;

@@ -3,6 +3,7 @@
 // by someone else's TP code (check).
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -110,13 +111,21 @@ class StepChecker {
 // Folds a TP group's comparisons into its TpResult one step at a time, as the step's last
 // rank hands its comparisons in, so that only what the report needs is kept: the largest
 // error, the failures, the worst comparison per tensor, each tensor's worst error per step
-// (a float per tensor and step), and every check of the first failing tensor at its step. Within a step, comparisons
+// or per column of steps (keep_per_step), and every check of the first failing tensor at
+// its step. Within a step, comparisons
 // are taken in (order, rank) order; steps complete in order (a rank hands in step s+1
 // only after step s), so the result is that of folding every comparison of the run in
 // (step, order, rank) order. Thread-safe: every rank of the group hands in.
 class StepFolder {
  public:
   StepFolder(int tp, TpResult& r) : tp_(tp), r_(r) {}
+  // The heatmap's rows (r.per_step): each cell the worst of `steps_per_column` consecutive
+  // steps (1, the default: a cell per step); 0: no rows (a report that draws no heatmap).
+  // Before the first hand_in.
+  void keep_per_step(int steps_per_column) {
+    width_ = steps_per_column;
+    r_.steps_per_column = std::max(1, steps_per_column);
+  }
   void hand_in(int step, std::vector<Comparison>&& cs);
 
  private:
@@ -133,6 +142,7 @@ class StepFolder {
   std::map<int, Pending> pending_;  // steps not yet handed in by every rank
   std::map<std::string, std::size_t> row_;  // tensor -> its row in r_.per_step
   std::vector<std::size_t> replica_failed_;  // rows whose replicas differ, in the step folding
+  int width_ = 1;  // keep_per_step
 };
 
 }  // namespace tpsim

@@ -43,6 +43,9 @@ Scale scale_of(const VerifyReport& r) {
   return s;
 }
 
+// Of `n` steps or columns on an axis, label every this many: each up to 40, else about 20.
+std::size_t label_every(std::size_t n) { return n <= 40 ? 1 : (n + 19) / 20; }
+
 // Decades to label on an axis of `span` decades: about six labels.
 int decade_step(double span) { return std::max(1, static_cast<int>(std::ceil(span / 6))); }
 const char* kMissing = "#c8c8c8";
@@ -85,7 +88,10 @@ struct Series {
   bool dashed;
 };
 
-std::string line_chart(const std::string& title, const std::vector<Series>& series, bool log_y) {
+// Entry i of a series is step 1 + i·stride (VerifyReport::series_stride); the axis labels
+// each of up to 40 entries, about 20 of more (label_every).
+std::string line_chart(const std::string& title, const std::vector<Series>& series, bool log_y,
+                       int stride) {
   const double W = 520, H = 230, L = 70, R = 120, T = 28, B = 34;
   double lo = INFINITY, hi = -INFINITY;
   std::size_t steps = 0;
@@ -122,9 +128,10 @@ std::string line_chart(const std::string& title, const std::vector<Series>& seri
       << "\" text-anchor=\"end\">" << (log_y ? "1e" + fmt("%.0f", v) : fmt("%.5g", v))
       << "</text>";
   }
-  for (std::size_t i = 0; i < steps; ++i)
+  const auto step_of = [&](std::size_t i) { return 1 + i * static_cast<std::size_t>(stride); };
+  for (std::size_t i = 0; i < steps; i += label_every(steps))
     o << "<text x=\"" << X(i) << "\" y=\"" << T + ph + 16 << "\" text-anchor=\"middle\">"
-      << i + 1 << "</text>";
+      << step_of(i) << "</text>";
   o << "<text x=\"" << L + pw / 2 << "\" y=\"" << H - 4 << "\" text-anchor=\"middle\">step</text>";
   for (std::size_t k = 0; k < series.size(); ++k) {
     const Series& s = series[k];
@@ -136,7 +143,7 @@ std::string line_chart(const std::string& title, const std::vector<Series>& seri
     for (std::size_t i = 0; i < s.y.size(); ++i)
       if (usable(s.y[i]))
         o << "<circle cx=\"" << X(i) << "\" cy=\"" << Y(s.y[i]) << "\" r=\"3\" fill=\""
-          << s.colour << "\"><title>" << html_escape(s.name) << " step " << i + 1 << ": "
+          << s.colour << "\"><title>" << html_escape(s.name) << " step " << step_of(i) << ": "
           << fmt("%.10g", s.y[i]) << "</title></circle>";
     const double ly = T + 12 + 16.0 * static_cast<double>(k);
     o << "<line x1=\"" << L + pw + 10 << "\" x2=\"" << L + pw + 34 << "\" y1=\"" << ly
@@ -160,8 +167,9 @@ std::string loss_charts(const VerifyReport& r) {
       d.push_back(std::fabs(t.losses[s] - r.reference_losses[s]));
     dist.push_back({name, line_colour(i), d, 1.8, false});
   }
-  return "<div class=\"row\">" + line_chart("loss per step", losses, false) +
-         line_chart("|loss - reference loss| (log; 0 not drawn)", dist, true) + "</div>";
+  return "<div class=\"row\">" + line_chart("loss per step", losses, false, r.series_stride) +
+         line_chart("|loss - reference loss| (log; 0 not drawn)", dist, true, r.series_stride) +
+         "</div>";
 }
 
 std::string legend(const Scale& sc) {
@@ -198,12 +206,22 @@ std::string legend(const Scale& sc) {
 std::string heatmaps(const VerifyReport& r, const Scale& sc) {
   std::vector<std::string> rows;
   std::map<std::string, std::size_t> row_of;
-  std::size_t steps = r.reference_losses.size();
+  // Columns of `width` steps each (StepFolder::keep_per_step), up to the last step run.
+  const std::size_t width = r.results.empty() ? 1 : static_cast<std::size_t>(r.results[0].steps_per_column);
+  const std::size_t last_step =
+      r.reference_losses.empty()
+          ? 0
+          : 1 + (r.reference_losses.size() - 1) * static_cast<std::size_t>(r.series_stride);
+  std::size_t steps = (last_step + width - 1) / width;  // columns
   for (const auto& t : r.results)
     for (const auto& ts : t.per_step) {
       steps = std::max(steps, ts.err_over_tol.size());
       if (row_of.emplace(ts.tensor, rows.size()).second) rows.push_back(ts.tensor);
     }
+  const auto columns = [&](std::size_t s) {  // "step 3", or "steps 257-512"
+    return width == 1 ? "step " + std::to_string(s + 1)
+                      : "steps " + std::to_string(s * width + 1) + "-" + std::to_string((s + 1) * width);
+  };
   std::size_t label_chars = 8;
   for (const auto& n : rows) label_chars = std::max(label_chars, n.size());
   const double lw = 6.2 * static_cast<double>(label_chars) + 10, ch = 10, top = 40;
@@ -223,9 +241,9 @@ std::string heatmaps(const VerifyReport& r, const Scale& sc) {
     const double x0 = lw + (block + gap) * static_cast<double>(b);
     o << "<text class=\"ht\" x=\"" << x0 + block / 2 << "\" y=\"14\" text-anchor=\"middle\">TP "
       << t.tp << (t.pass ? " PASS" : " FAIL") << "</text>";
-    for (std::size_t s = 0; s < steps; ++s)
+    for (std::size_t s = 0; s < steps; s += label_every(steps))
       o << "<text x=\"" << x0 + cw * s + cw / 2 << "\" y=\"" << top - 6
-        << "\" text-anchor=\"middle\" class=\"sl\">" << s + 1 << "</text>";
+        << "\" text-anchor=\"middle\" class=\"sl\">" << s * width + 1 << "</text>";
     std::vector<const std::vector<float>*> mine(rows.size(), nullptr);
     for (const auto& ts : t.per_step) mine[row_of[ts.tensor]] = &ts.err_over_tol;
     for (std::size_t i = 0; i < rows.size(); ++i)
@@ -233,11 +251,12 @@ std::string heatmaps(const VerifyReport& r, const Scale& sc) {
         const double v = mine[i] && s < mine[i]->size() ? (*mine[i])[s] : NAN;
         o << "<rect class=\"cell\" x=\"" << x0 + cw * s << "\" y=\"" << top + ch * i
           << "\" width=\"" << cw - 1 << "\" height=\"" << ch - 1 << "\" fill=\"" << cell_colour(v, sc)
-          << "\"><title>TP " << t.tp << " " << html_escape(rows[i]) << " step " << s + 1 << ": "
-          << ratio_str(v) << "</title></rect>";
+          << "\"><title>TP " << t.tp << " " << html_escape(rows[i]) << " " << columns(s) << ": "
+          << (width > 1 && std::isfinite(v) ? "worst " : "") << ratio_str(v) << "</title></rect>";
       }
     if (ff && ff->tp == t.tp && row_of.count(ff->tensor))
-      o << "<rect x=\"" << x0 + cw * (ff->step - 1) - 1.5 << "\" y=\""
+      o << "<rect x=\"" << x0 + cw * static_cast<double>((ff->step - 1) / static_cast<int>(width)) - 1.5
+        << "\" y=\""
         << top + ch * row_of[ff->tensor] - 1.5 << "\" width=\"" << cw + 2 << "\" height=\""
         << ch + 2 << "\" fill=\"none\" stroke=\"#000\" stroke-width=\"2.5\">"
         << "<title>the first failure</title></rect>";
@@ -342,7 +361,12 @@ std::string html_report(const HtmlReportHeader& h, const VerifyReport& r) {
   const Scale sc = scale_of(r);
   o << "<div class=\"row\"><div><h2>Error / tolerance per tensor and step</h2><p>Rows: "
     << "tensors in the order checked. A cell: the worst shard's<br>rel err / tolerance at "
-    << "that step. The first failure is outlined.</p>" << legend(sc) << "<div>" << heatmaps(r, sc)
+    << "that step"
+    << (r.results.empty() || r.results[0].steps_per_column == 1
+            ? std::string()
+            : " (the worst of its " + std::to_string(r.results[0].steps_per_column) + " steps: at most " +
+                  std::to_string(kHeatmapColumns) + " columns)")
+    << ". The first failure is outlined.</p>" << legend(sc) << "<div>" << heatmaps(r, sc)
     << "</div></div>\n<div class=\"ff\"><h2>First failure</h2>" << first_failure_section(r, sc)
     << "</div></div>\n";
   o << "</body></html>\n";

@@ -216,14 +216,14 @@ void print_tolerance_and_reference(std::ostream& os, const VerifyReport& r) {
   os << "reference losses:";
   for (double l : r.reference_losses) os << " " << fmt("%.10g", l);
   os << "  (" << fmt("%.2f", r.reference_seconds) << " s)\n";
-  if (!r.free_running_drift.empty()) {
-    const auto& d = r.free_running_drift;
-    const auto worst = std::max_element(d.begin(), d.end());
+  if (r.series_stride > 1)
+    os << "(per-step lists: steps 1, 1+k, 1+2k, ... for k = " << r.series_stride << ", at most "
+       << kSeriesEntries << " of them; every step is checked)\n";
+  if (const DriftSummary& d = r.drift; d.steps > 0)
     os << "free-running drift (information, not a check): the producer's weights are "
-       << fmt("%.2e", d.back()) << " from the reference's own trajectory after step " << d.size()
-       << " (largest " << fmt("%.2e", *worst) << ", step " << (worst - d.begin() + 1)
+       << fmt("%.2e", d.last) << " from the reference's own trajectory after step " << d.steps
+       << " (largest " << fmt("%.2e", d.largest) << ", step " << d.largest_step
        << "); each step is judged from the producer's weights of the step before\n";
-  }
   if (!r.reference_grad_norms.empty()) {
     os << "reference grad norms (before clipping):";
     for (double n : r.reference_grad_norms) os << " " << fmt("%.10g", n);
@@ -328,9 +328,13 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
   j["checks"] = r.checks();
   j["real_checks"] = r.real_checks();
   j["pass"] = r.pass;
+  j["series_stride"] = r.series_stride;
   j["reference"] = {{"losses", r.reference_losses}, {"seconds", r.reference_seconds}};
   if (!r.reference_grad_norms.empty()) j["reference"]["grad_norms"] = r.reference_grad_norms;
   if (!r.free_running_drift.empty()) j["reference"]["free_running_drift"] = r.free_running_drift;
+  if (const DriftSummary& d = r.drift; d.steps > 0)
+    j["reference"]["free_running_drift_summary"] = {
+        {"last", d.last}, {"step", d.steps}, {"largest", d.largest}, {"largest_step", d.largest_step}};
   j["tp"] = nlohmann::json::array();
   for (const auto& t : r.results) {
     nlohmann::json jt;

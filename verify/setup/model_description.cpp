@@ -8,6 +8,7 @@
 #include "profile/activation_model.h"
 #include "sharded/gpt.h"
 #include "verify/setup/memory_check.h"
+#include "verify/setup/model_family.h"
 #include "verify/setup/tensor_order.h"
 
 namespace tpsim {
@@ -101,7 +102,7 @@ class MlpDescription final : public ModelDescription {
 class GptDescription final : public ModelDescription {
  public:
   using ModelDescription::ModelDescription;
-  const char* name() const override { return "gpt"; }
+  const char* name() const override { return gpt_family_of(o_.gpt); }
   std::string shape() const override {
     const auto& g = o_.gpt;
     return "V " + std::to_string(g.vocab_size) + ", H " + std::to_string(g.hidden) + ", A " +

@@ -31,7 +31,7 @@ class ModelDescription {
   explicit ModelDescription(RunOptions o) : o_(std::move(o)) {}
   virtual ~ModelDescription() = default;
 
-  virtual const char* name() const = 0;  // "mlp", "gpt"
+  virtual const char* name() const = 0;  // "mlp", or the GPT's family (model_family.h)
   // A case's shape in the sweep's table: "V 101, H 32, A 4, L 2, 2x16"; "H 64, batch 8".
   virtual std::string shape() const = 0;
   // The profile report's heading after the model and dtype: ", H 32, A 4, ..." or "".
