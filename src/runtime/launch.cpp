@@ -2,7 +2,7 @@
 
 #include <cstdlib>
 
-#include "comm/rank_runner.h"
+#include "runtime/mesh_builder.h"
 #include "runtime/launch_cuda.h"
 #include "runtime/launch_mpi.h"
 

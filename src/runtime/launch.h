@@ -11,7 +11,7 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
-#include "comm/rank_runner.h"
+#include "comm/mesh.h"
 
 namespace tpsim {
 
@@ -78,7 +78,7 @@ using RankMain = std::function<void(int rank, Backend& be, Communicator& comm)>;
 void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
 
 // Tensor parallelism inside data parallelism: dp·tp ranks in Megatron's order (comm/
-// rank_runner.h, MeshRank), each with a communicator on its TP group and one on its DP
+// mesh.h, MeshRank), each with a communicator on its TP group and one on its DP
 // group, of the kind launch_ranks would give (threads; NCCL or SimComm on CUDA).
 using MeshMain =
     std::function<void(const MeshRank& at, Backend& be, Communicator& tp, Communicator& dp)>;

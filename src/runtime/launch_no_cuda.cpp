@@ -14,7 +14,7 @@ void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double, const Me
 
 std::unique_ptr<ProcessDevices> cuda_ranks_across_processes(const DeviceOptions& dev,
                                                             const ProcessLayout& layout, double) {
-  check_cuda_launch(dev, layout.dp * layout.tp, layout.dp);
+  check_cuda_launch(dev, layout.mesh.world(), layout.mesh.size(MeshAxis::Dp));
   return nullptr;
 }
 
