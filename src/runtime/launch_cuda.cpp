@@ -61,7 +61,7 @@ void run_device_rank(const DeviceOptions& dev, int device, double timeout_s,
                                     }});
     }
     try {
-      fn(at, *be, mesh.group(MeshAxis::Tp), mesh.group(MeshAxis::Dp));
+      fn(mesh, *be);
       device_backend.synchronize();
     } catch (...) {
       device_backend.set_host_wait(plain);
@@ -74,8 +74,8 @@ void run_device_rank(const DeviceOptions& dev, int device, double timeout_s,
   }
 }
 
-void launch(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn) {
-  const MeshLayout layout = MeshLayout::dense(dp, tp);
+void launch(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+            const MeshMain& fn) {
   const CudaPlan plan = plan_for(dev, layout.world());
   // The device groups (and a SimCommGroup's events) outlive every rank.
   std::unique_ptr<CommTransport> transport;
@@ -139,9 +139,9 @@ extern "C" [[gnu::visibility("default")]] const CudaLauncher* tpsim_cuda_launche
 #else
 void check_cuda_launch(const DeviceOptions& dev, int world, int dp) { check(dev, world, dp); }
 
-void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+void launch_cuda_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                       const MeshMain& fn) {
-  launch(dev, dp, tp, timeout_s, fn);
+  launch(dev, layout, timeout_s, fn);
 }
 
 std::unique_ptr<ProcessDevices> cuda_ranks_across_processes(const DeviceOptions& dev,

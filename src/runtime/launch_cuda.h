@@ -15,7 +15,7 @@ namespace tpsim {
 // Defined by launch_cuda.cpp where it is linked in (the emulator), by launch_cuda_module.cpp
 // where it is a module loaded on demand (TPSIM_CUDA), by launch_no_cuda.cpp otherwise.
 void check_cuda_launch(const DeviceOptions& dev, int world, int dp);
-void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+void launch_cuda_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                       const MeshMain& fn);
 // What --backend cuda runs on in this build: "cuda", "cuda (EMULATED on the CPU)", or
 // "cuda (not built)".
@@ -57,7 +57,8 @@ std::unique_ptr<ProcessDevices> cuda_ranks_across_processes(const DeviceOptions&
 // kCudaLauncherSymbol (a function returning a pointer to this table).
 struct CudaLauncher {
   void (*check)(const DeviceOptions& dev, int world, int dp);
-  void (*launch)(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
+  void (*launch)(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+                 const MeshMain& fn);
   std::unique_ptr<ProcessDevices> (*across_processes)(const DeviceOptions& dev,
                                                       const ProcessLayout& layout, double timeout_s);
 };

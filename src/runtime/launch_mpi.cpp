@@ -63,9 +63,10 @@ class MeshChannel final : public RankChannel {
 // A run's ranks over the processes of an MPI job: the MPI groups of its mesh, made by every
 // process at the same point (collective), and this process's share of them.
 struct MpiRun {
-  MpiRun(const DeviceOptions& dev, int dp, int tp, double timeout_s)
-      : layout(MeshLayout::dense(dp, tp)),
-        transport(*dev.processes, MpiTransport::ranks_per_process(*dev.processes, dp * tp), timeout_s),
+  MpiRun(const DeviceOptions& dev, const MeshLayout& mesh, double timeout_s)
+      : layout(mesh),
+        transport(*dev.processes, MpiTransport::ranks_per_process(*dev.processes, mesh.world()),
+                  timeout_s),
         groups(layout, kDenseAxes, transport),
         mine(transport.local_ranks(layout.world())) {}
   MeshLayout layout;
@@ -99,7 +100,7 @@ class RankModels {
     if (devices_) return devices_->run_rank(host, fn);
     std::unique_ptr<Backend> be = make_cpu_backend();
     if (dev_.wrap) be = dev_.wrap(host.rank(), std::move(be));
-    fn(host.at(), *be, host.group(MeshAxis::Tp), host.group(MeshAxis::Dp));
+    fn(host, *be);
   }
 
  private:
@@ -109,10 +110,10 @@ class RankModels {
 
 }  // namespace
 
-void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+void launch_mpi_checked_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                              const CheckerMain& checker, const RemoteRankMain& remote) {
-  check_launch(dev, dp * tp, dp);
-  MpiRun run(dev, dp, tp, timeout_s);
+  check_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
+  MpiRun run(dev, layout, timeout_s);
   MpiChannels channels(
       run.transport, run.layout.world(), timeout_s, [&] { return run.groups.failure(); },
       [&](const std::string& why) { run.groups.abort(why); });
@@ -140,14 +141,16 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
     // for each other twice as long as a rank waits for its peers or its channel, so that a
     // stalled or dead rank is named by the wait that sees it, with its process.
     try {
-      run_mesh(
-          dp, tp, std::min(2 * timeout_s, 1e6),
-          [&](const MeshRank& at, Communicator& check_tp, Communicator& check_dp) {
+      run_thread_mesh(
+          layout, kDenseAxes, std::min(2 * timeout_s, 1e6),
+          [&](ParallelMesh& checks) {
+            const MeshRank at = checks.at();
+            Communicator& check_tp = checks.group(MeshAxis::Tp);
+            Communicator& check_dp = checks.group(MeshAxis::Dp);
             if (std::find(run.mine.begin(), run.mine.end(), at.rank) != run.mine.end()) {
               ParallelMesh host = run.groups.join(at.rank);
-              models.run(host, [&](const MeshRank&, Backend& be, Communicator& tp_model,
-                                   Communicator& dp_model) {
-                LocalRank here{be, tp_model, dp_model};
+              models.run(host, [&](ParallelMesh& model, Backend& be) {
+                LocalRank here{be, model};
                 checker(at, check_tp, check_dp, &here, nullptr);
               });
             } else {
@@ -167,19 +170,19 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
   run_mesh_ranks(
       run.groups, run.mine,
       [&](ParallelMesh& host) {
-        models.run(host, [&](const MeshRank& at, Backend& be, Communicator& tp_model,
-                             Communicator& dp_model) {
-          LocalRank here{be, tp_model, dp_model};
-          MeshChannel channel(channels, at.rank, false);
-          remote(at, here, channel);
+        models.run(host, [&](ParallelMesh& model, Backend& be) {
+          LocalRank here{be, model};
+          MeshChannel channel(channels, model.rank(), false);
+          remote(model.at(), here, channel);
         });
       },
       [&](const std::string& why) { channels.abort(why); });
 }
 
-void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn) {
-  check_launch(dev, dp * tp, dp);
-  MpiRun run(dev, dp, tp, timeout_s);
+void launch_mpi_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+                     const MeshMain& fn) {
+  check_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
+  MpiRun run(dev, layout, timeout_s);
   RankModels models(dev, run, timeout_s);
   run_mesh_ranks(run.groups, run.mine, [&](ParallelMesh& host) { models.run(host, fn); });
 }

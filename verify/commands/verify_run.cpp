@@ -209,15 +209,14 @@ class RankRun final : public StepSource {
   RankRun(const RunOptions& o, const RunInputs& in, LocalRank& here,
           const std::vector<std::string>& order)
       : o_(o), here_(here), order_(order) {
-    Communicator* dpc = o.dp > 1 || o.clip_grad > 0 ? &here.dp : nullptr;
-    model_ = make_sharded_model(o, in, here.be, here.tp, dpc);
+    model_ = make_sharded_model(o, in, here.be, here.mesh);
     model_->record_activation_points(true);
     if (!in.loaded.empty()) model_->load_params(in.loaded);
     if (o.recompute != RecomputeKind::None) {
       RunOptions plain = o;
       plain.recompute = RecomputeKind::None;
       plain.recompute_layers = 1;
-      baseline_ = make_sharded_model(plain, in, here.be, here.tp, dpc);
+      baseline_ = make_sharded_model(plain, in, here.be, here.mesh);
       baseline_->record_activation_points(true);
       if (!in.loaded.empty()) baseline_->load_params(in.loaded);
     }
@@ -234,11 +233,11 @@ class RankRun final : public StepSource {
       out.base_fwd = baseline_->observe_forward();
       out.base_grads = observe_gradients(*baseline_);
     }
-    here_.tp.clear_records();
-    here_.dp.clear_records();
+    tp().clear_records();
+    dp().clear_records();
     out.loss = model_->forward_backward();
-    out.comm = totals(here_.tp.records());
-    out.dp_comm = totals(here_.dp.records());
+    out.comm = totals(tp().records());
+    out.dp_comm = totals(dp().records());
     model_->recycle(std::move(used));
     out.fwd = model_->observe_forward();
     out.grads = observe_gradients(*model_);
@@ -268,7 +267,7 @@ class RankRun final : public StepSource {
       if (p.spec.replicated())
         if (const double* h = here_.be.host_view_f64(t))
           return ObservedValues::view(h, static_cast<std::size_t>(t.numel()));
-      return gather_full(here_.be, here_.tp, p.spec, t, o_.fault, &here_.dp);
+      return gather_full(here_.be, tp(), p.spec, t, o_.fault, &dp());
     };
     for (const Parameter& p : model_->params()) {
       auto grad = full_of(p, p.grad);
@@ -279,6 +278,8 @@ class RankRun final : public StepSource {
 
  private:
   const RunOptions& o_;
+  Communicator& tp() { return here_.mesh.group(MeshAxis::Tp); }
+  Communicator& dp() { return here_.mesh.group(MeshAxis::Dp); }
   LocalRank& here_;
   const std::vector<std::string>& order_;
   std::unique_ptr<ShardedModel> model_, baseline_;
@@ -354,7 +355,8 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   // op that diverged.
   const std::vector<std::string> order = describe_model(o)->tensor_order(o.clip_grad > 0);
 
-  launch_checked_mesh(o.device, dp, tp, o.timeout_s, [&](const MeshRank& at, Communicator& comm,
+  const MeshLayout layout = run_layout(o, tp);
+  launch_checked_mesh(o.device, layout, o.timeout_s, [&](const MeshRank& at, Communicator& comm,
                                                          Communicator& dp_comm, LocalRank* local,
                                                          RankChannel* remote) {
     const int rank = at.tp_rank;
