@@ -1,7 +1,7 @@
 // Tensor parallelism inside data parallelism, as Megatron's DDP wraps a TP model, and
 // gradient clipping by the global norm.
 //
-// dp·t ranks form a 2-D mesh (comm/rank_runner.h, MeshRank): each DP replica is one TP
+// dp·t ranks form a 2-D mesh (comm/mesh.h, MeshRank): each DP replica is one TP
 // group that runs the model on its rows of the global batch. Its loss is its tokens' share
 // of the global mean, Σ_replica ℓ / N_global over the global batch's N_global non-ignored
 // labels (token-weighted, as Megatron and torchtitan compute it), so that the replicas'

@@ -12,6 +12,7 @@
 #include "backend/cpu_backend.h"
 #include "cli_runner.h"
 #include "comm/rank_runner.h"
+#include "runtime/mesh_builder.h"
 #include "core/errors.h"
 #include "reference/optim.h"
 #include "sharded/data_parallel.h"

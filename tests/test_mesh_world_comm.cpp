@@ -8,7 +8,7 @@
 
 #include "backend/cpu_backend.h"
 #include "comm/mesh_world_comm.h"
-#include "comm/rank_runner.h"
+#include "runtime/mesh_builder.h"
 #include "core/errors.h"
 
 using namespace tpsim;

@@ -290,7 +290,7 @@ MpiCommGroup::MpiCommGroup(const MpiProcesses& procs, std::vector<int> members,
   st->per_process = ranks_per_process;
   st->my_process = procs.index();
   st->timeout_s = timeout_s;
-  st->abort_tag = st->n() * st->n() + 3 * st->n();  // above the pair tags and MpiMesh's channels
+  st->abort_tag = st->n() * st->n() + 3 * st->n();  // above the pair tags and MpiChannels's
   int* tag_ub = nullptr;
   int has_ub = 0;
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &has_ub);
@@ -334,6 +334,10 @@ bool MpiCommGroup::failed() const {
   return state_->failed;
 }
 std::string MpiCommGroup::failure() const { return state_->failed_reason(); }
+std::string MpiCommGroup::take_failure() {
+  state_->poll_aborts();
+  return state_->failed_reason();
+}
 
 // ---- one rank ----------------------------------------------------------------------
 
@@ -528,50 +532,66 @@ void MpiComm::abort(const std::string& reason) {
   group_.state_->fail("rank " + std::to_string(rank_) + " called abort: " + reason);
 }
 
-// ---- a mesh, and each rank's channel to the first process ----------------------------
+// ---- the mesh builder's transport --------------------------------------------------
 
-MpiMesh::MpiMesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, std::size_t piece_bytes)
-    : procs_(procs), dp_(dp), tp_(tp), timeout_s_(timeout_s), piece_bytes_(piece_bytes) {
-  if (piece_bytes < 1 || piece_bytes > static_cast<std::size_t>(INT_MAX))
-    throw UsageError("MpiMesh: a piece must be 1 byte to 2 GiB, got " + std::to_string(piece_bytes));
-  if (dp < 1 || tp < 1)
-    throw UsageError("MpiMesh: the mesh must be at least 1 x 1, got dp " + std::to_string(dp) +
-                     " x tp " + std::to_string(tp));
-  const int world = dp * tp;
-  per_ = (world + procs.count() - 1) / procs.count();
-  // Every process builds every group, in this order (the constructor is collective).
-  for (int d = 0; d < dp; ++d)
-    tp_groups_.push_back(std::make_unique<MpiCommGroup>(procs, rank_range(d * tp, (d + 1) * tp),
-                                                        per_, timeout_s));
-  for (int t = 0; t < tp; ++t) {
-    std::vector<int> members;
-    for (int d = 0; d < dp; ++d) members.push_back(d * tp + t);
-    dp_groups_.push_back(std::make_unique<MpiCommGroup>(procs, std::move(members), per_, timeout_s));
+namespace {
+
+class MpiGroup final : public CommGroup {
+ public:
+  MpiGroup(const MpiProcesses& procs, const std::vector<int>& ranks, int per, double timeout_s)
+      : group_(procs, ranks, per, timeout_s) {}
+  std::unique_ptr<Communicator> join(const GroupMember& m) override {
+    return std::make_unique<MpiComm>(group_, m.rank);
   }
-  channels_ = std::make_unique<MpiCommGroup>(procs, rank_range(0, world), per_, timeout_s);
-}
+  void abort(const std::string& reason) override { group_.abort(reason); }
+  std::string failure() override { return group_.take_failure(); }
 
-MpiMesh::~MpiMesh() = default;
+ private:
+  MpiCommGroup group_;
+};
 
-std::vector<int> MpiMesh::local_ranks() const {
+}  // namespace
+
+std::vector<int> MpiTransport::local_ranks(int world) const {
   const int first = procs_.index() * per_;
-  return rank_range(std::min(first, dp_ * tp_), std::min(first + per_, dp_ * tp_));
+  std::vector<int> r;
+  for (int i = std::min(first, world); i < std::min(first + per_, world); ++i) r.push_back(i);
+  return r;
 }
 
-void MpiMesh::abort(const std::string& reason) {
-  for (auto& g : tp_groups_) g->abort(reason);
-  for (auto& g : dp_groups_) g->abort(reason);
+std::unique_ptr<CommGroup> MpiTransport::make_group(const std::vector<int>& ranks) {
+  return std::make_unique<MpiGroup>(procs_, ranks, per_, timeout_s_);
+}
+
+// ---- each rank's channel to the first process --------------------------------------
+
+MpiChannels::MpiChannels(const MpiTransport& transport, int world, double timeout_s,
+                         std::function<std::string()> others_failure,
+                         std::function<void(const std::string&)> abort_others,
+                         std::size_t piece_bytes)
+    : transport_(transport), world_(world), timeout_s_(timeout_s),
+      others_failure_(std::move(others_failure)), abort_others_(std::move(abort_others)),
+      piece_bytes_(piece_bytes) {
+  if (piece_bytes < 1 || piece_bytes > static_cast<std::size_t>(INT_MAX))
+    throw UsageError("MpiChannels: a piece must be 1 byte to 2 GiB, got " + std::to_string(piece_bytes));
+  if (world < 1) throw UsageError("MpiChannels: no ranks (world " + std::to_string(world) + ")");
+  std::vector<int> all;
+  for (int r = 0; r < world; ++r) all.push_back(r);
+  channels_ = std::make_unique<MpiCommGroup>(transport.procs(), all, transport.ranks_per_process(),
+                                             timeout_s);
+}
+
+MpiChannels::~MpiChannels() = default;
+
+void MpiChannels::abort(const std::string& reason) {
+  if (abort_others_) abort_others_(reason);
   channels_->abort(reason);
 }
 
-std::string MpiMesh::failure() {
-  for (auto* groups : {&tp_groups_, &dp_groups_})
-    for (auto& g : *groups) {
-      g->state_->poll_aborts();
-      if (std::string f = g->state_->failed_reason(); !f.empty()) return f;
-    }
-  channels_->state_->poll_aborts();
-  return channels_->state_->failed_reason();
+std::string MpiChannels::failure() {
+  if (others_failure_)
+    if (std::string f = others_failure_(); !f.empty()) return f;
+  return channels_->take_failure();
 }
 
 // Channel tags: 3r carries rank r's messages to the first process, 3r+1 its checker's back,
@@ -582,9 +602,9 @@ int to_rank_tag(int rank) { return 3 * rank + 1; }
 int heartbeat_tag(int rank) { return 3 * rank + 2; }
 }  // namespace
 
-void MpiMesh::beat() {
+void MpiChannels::beat() {
   static const char kBeat = 1;  // static: the sends below may outlive this call
-  for (int r = 0; r < dp_ * tp_; ++r) {
+  for (int r = 0; r < world_; ++r) {
     if (process_of(r) == 0) continue;
     MPI_Request req = MPI_REQUEST_NULL;
     if (MPI_Isend(&kBeat, 1, MPI_CHAR, process_of(r), heartbeat_tag(r), channels_->state_->comm,
@@ -598,9 +618,9 @@ void MpiMesh::beat() {
 // one process wait for the reference, without a deadline of its own (the reference and the
 // checks take what they take), for as long as the first process is alive: each heartbeat
 // moves the deadline a timeout further.
-class MpiMesh::Wait {
+class MpiChannels::Wait {
  public:
-  Wait(MpiMesh& mesh, int rank, bool rank_end)
+  Wait(MpiChannels& mesh, int rank, bool rank_end)
       : mesh_(mesh), rank_(rank), rank_end_(rank_end), deadline_(later()) {}
   // Throws once the mesh failed or the deadline passed (failing the mesh with `who`).
   void check(const std::string& who) {
@@ -632,7 +652,7 @@ class MpiMesh::Wait {
       deadline_ = later();
     }
   }
-  MpiMesh& mesh_;
+  MpiChannels& mesh_;
   int rank_;
   bool rank_end_;
   Clock::time_point deadline_;
@@ -645,7 +665,7 @@ class MpiMesh::Wait {
 // synchronous send on the channel's tag, so pieces arrive in order and at most one is in
 // flight; each piece gets the whole timeout (a large message over a slow link is progress,
 // not a stall).
-void MpiMesh::send(int rank, bool to_first, std::vector<std::byte> msg) {
+void MpiChannels::send(int rank, bool to_first, std::vector<std::byte> msg) {
   MpiCommGroup::State& st = *channels_->state_;
   const std::string who = to_first ? "rank " + std::to_string(rank) + ", sending its step to its checker in process 0"
                                    : "the checker of rank " + std::to_string(rank) + ", sending to process " +
@@ -680,7 +700,7 @@ void MpiMesh::send(int rank, bool to_first, std::vector<std::byte> msg) {
     piece(msg.data() + at, std::min(piece_bytes_, msg.size() - at));
 }
 
-std::vector<std::byte> MpiMesh::receive(int rank, bool to_first) {
+std::vector<std::byte> MpiChannels::receive(int rank, bool to_first) {
   MpiCommGroup::State& st = *channels_->state_;
   const std::string who = to_first ? "the checker of rank " + std::to_string(rank) +
                                          ", waiting for its message from process " +
@@ -731,26 +751,6 @@ std::vector<std::byte> MpiMesh::receive(int rank, bool to_first) {
     got += n;
   }
   return buf;
-}
-
-void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn) {
-  if (!fn) throw UsageError("run_mpi_mesh: no rank function given");
-  MpiMesh mesh(procs, dp, tp, timeout_s);
-  run_local_ranks(mesh, fn);
-}
-
-void run_local_ranks(MpiMesh& mesh, const MeshFn& fn) {
-  RankErrors errors([&](const std::string& why) { mesh.abort(why); });
-  run_rank_threads(mesh.local_ranks(), errors, [&](int rank) {
-    const MeshRank at{rank, rank / mesh.tp(), rank % mesh.tp()};
-    MpiComm tp_comm(mesh.tp_group(at.dp_rank), at.tp_rank);
-    MpiComm dp_comm(mesh.dp_group(at.tp_rank), at.dp_rank);
-    try {
-      fn(at, tp_comm, dp_comm);
-    } catch (...) {
-      errors.record("rank " + std::to_string(rank), std::current_exception());
-    }
-  });
 }
 
 }  // namespace tpsim

@@ -24,13 +24,14 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "comm/collective_call.h"
 #include "comm/communicator.h"
-#include "comm/rank_runner.h"
+#include "comm/mesh.h"
 
 namespace tpsim {
 
@@ -89,12 +90,14 @@ class MpiCommGroup {
   void abort(const std::string& reason);
   bool failed() const;
   std::string failure() const;
+  // The same, once any abort message a peer process sent the group has been taken.
+  std::string take_failure();
 
   struct State;  // in mpi_comm.cpp
 
  private:
   friend class MpiComm;
-  friend class MpiMesh;
+  friend class MpiChannels;
   std::unique_ptr<State> state_;
 };
 
@@ -125,35 +128,54 @@ class MpiComm final : public PostingCommunicator {
   std::int64_t seq_ = 0;
 };
 
-// The groups of a dp × tp mesh over the processes of an MPI job, and a byte channel
-// between each rank and the first process (where verify checks every rank). Ranks are
-// placed in blocks of k = ceil(dp·tp / processes), rank r in process r / k (the last
-// processes may hold none). Constructed by every process at the same point of its
-// program, from one thread (collective over MPI_COMM_WORLD).
-class MpiMesh {
+// The mesh builder's view of MPI: ranks placed `ranks_per_process` to a process in world
+// order (rank r in process r / ranks_per_process), every group made by every process.
+class MpiTransport final : public CommTransport {
+ public:
+  MpiTransport(const MpiProcesses& procs, int ranks_per_process, double timeout_s)
+      : procs_(procs), per_(ranks_per_process), timeout_s_(timeout_s) {}
+  // Blocks of k = ceil(world / processes) ranks: the last processes may hold none.
+  static int ranks_per_process(const MpiProcesses& procs, int world) {
+    return (world + procs.count() - 1) / procs.count();
+  }
+  const MpiProcesses& procs() const { return procs_; }
+  int ranks_per_process() const { return per_; }
+  int process_of(int rank) const { return rank / per_; }
+  // This process's ranks of a world of `world`, in order.
+  std::vector<int> local_ranks(int world) const;
+  std::unique_ptr<CommGroup> make_group(const std::vector<int>& ranks) override;
+
+ private:
+  const MpiProcesses& procs_;
+  int per_;
+  double timeout_s_;
+};
+
+// A byte channel between each of a run's ranks and the first process (where verify checks
+// every rank), ranks placed as MpiTransport places them. Constructed by every process at
+// the same point of its program, from one thread (collective over MPI_COMM_WORLD). A
+// channel's wait also ends when the run's other groups fail (`others_failure`), and a
+// channel that fails fails them too (`abort_others`).
+class MpiChannels {
  public:
   // Channel messages travel in pieces of at most `piece_bytes` (MPI counts are ints);
   // tests pass small pieces.
-  MpiMesh(const MpiProcesses& procs, int dp, int tp, double timeout_s,
-          std::size_t piece_bytes = std::size_t{1} << 30);
-  ~MpiMesh();
-  MpiMesh(const MpiMesh&) = delete;
-  MpiMesh& operator=(const MpiMesh&) = delete;
+  MpiChannels(const MpiTransport& transport, int world, double timeout_s,
+              std::function<std::string()> others_failure = {},
+              std::function<void(const std::string&)> abort_others = {},
+              std::size_t piece_bytes = std::size_t{1} << 30);
+  ~MpiChannels();
+  MpiChannels(const MpiChannels&) = delete;
+  MpiChannels& operator=(const MpiChannels&) = delete;
 
-  int ranks_per_process() const { return per_; }
-  int dp() const { return dp_; }
-  int tp() const { return tp_; }
-  int process_of(int rank) const { return rank / per_; }
-  std::vector<int> local_ranks() const;  // this process's, in order
-  MpiCommGroup& tp_group(int dp_rank) { return *tp_groups_[static_cast<std::size_t>(dp_rank)]; }
-  MpiCommGroup& dp_group(int tp_rank) { return *dp_groups_[static_cast<std::size_t>(tp_rank)]; }
-  // Fails every group in every process.
+  int process_of(int rank) const { return transport_.process_of(rank); }
+  // Fails every channel, and the other groups, in every process.
   void abort(const std::string& reason);
 
   // Rank `rank`'s channel: messages of any size from the rank's process to the first process
   // (`to_first`) or back. One thread per end. A send returns once the message is taken, a
-  // receive once it came; both throw CommError once the mesh failed, or once their wait
-  // passed the timeout (failing the mesh). The first process's end waits the timeout for
+  // receive once it came; both throw CommError once the run failed, or once their wait
+  // passed the timeout (failing the run). The first process's end waits the timeout for
   // the rank; the rank's end waits for its checker as long as the first process beats.
   void send(int rank, bool to_first, std::vector<std::byte> msg);
   std::vector<std::byte> receive(int rank, bool to_first);
@@ -165,22 +187,13 @@ class MpiMesh {
   class Wait;
   std::string failure();  // of any group, "" while healthy; takes peers' aborts first
 
-  const MpiProcesses& procs_;
-  int dp_, tp_, per_;
+  const MpiTransport& transport_;
+  int world_;
   double timeout_s_;
+  std::function<std::string()> others_failure_;
+  std::function<void(const std::string&)> abort_others_;
   std::size_t piece_bytes_;
-  std::vector<std::unique_ptr<MpiCommGroup>> tp_groups_, dp_groups_;
   std::unique_ptr<MpiCommGroup> channels_;  // the channels' own communicator (group of all ranks)
 };
-
-// run_mesh (comm/rank_runner.h) over the processes of an MPI job: the dp·tp ranks in
-// Megatron's order, placed as MpiMesh places them, each on a thread with an MpiComm on its
-// TP group and one on its DP group. Every process must call it with the same arguments at
-// the same point of its program. A rank that throws fails every group in every process;
-// the root cause is rethrown in the process where it happened, and the CommError it caused
-// in the others.
-void run_mpi_mesh(const MpiProcesses& procs, int dp, int tp, double timeout_s, const MeshFn& fn);
-// The same on a mesh the caller built (to use its channels too): this process's ranks.
-void run_local_ranks(MpiMesh& mesh, const MeshFn& fn);
 
 }  // namespace tpsim

@@ -465,4 +465,56 @@ void NcclComm::abort(const std::string& reason) {
   group_.abort_all();
 }
 
+// ---- the mesh builder's transport --------------------------------------------------
+
+namespace {
+
+// A group's NCCL communicators here; none where this process holds no rank of it.
+class NcclMeshGroup final : public CommGroup {
+ public:
+  explicit NcclMeshGroup(std::unique_ptr<NcclGroup> group) : group_(std::move(group)) {}
+  std::unique_ptr<Communicator> join(const GroupMember& m) override {
+    if (!group_ || !m.host || !m.device)
+      throw Error("NcclTransport: rank " + std::to_string(m.rank) +
+                  " joins a group without its host communicator, its backend, or a share here");
+    return std::make_unique<NcclComm>(*group_, *m.host, *m.device);
+  }
+  void abort(const std::string&) override {
+    if (group_) group_->abort_all();
+  }
+  std::string failure() override {
+    return group_ && group_->aborted() ? "the NCCL communicators were aborted" : "";
+  }
+
+ private:
+  std::unique_ptr<NcclGroup> group_;
+};
+
+}  // namespace
+
+NcclTransport::NcclTransport(std::vector<int> device_of, double timeout_s)
+    : device_of_(std::move(device_of)), timeout_s_(timeout_s) {}
+
+NcclTransport::NcclTransport(std::vector<int> device_of, double timeout_s, int process,
+                             std::function<int(int rank)> process_of, CarryId carry)
+    : device_of_(std::move(device_of)), timeout_s_(timeout_s), process_(process),
+      process_of_(std::move(process_of)), carry_(std::move(carry)) {}
+
+std::unique_ptr<CommGroup> NcclTransport::make_group(const std::vector<int>& ranks) {
+  std::vector<int> devices;
+  bool held = false;
+  for (int r : ranks) {
+    devices.push_back(device_of_.at(static_cast<std::size_t>(r)));
+    held = held || devices.back() >= 0;
+  }
+  if (!process_of_) return std::make_unique<NcclMeshGroup>(std::make_unique<NcclGroup>(devices, timeout_s_));
+  NcclGroup::Id id{};
+  const int root = process_of_(ranks.front());
+  if (process_ == root) id = NcclGroup::new_id();
+  carry_(id, root);
+  return std::make_unique<NcclMeshGroup>(
+      held ? std::make_unique<NcclGroup>(static_cast<int>(ranks.size()), devices, id, timeout_s_)
+           : nullptr);
+}
+
 }  // namespace tpsim

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,6 +31,7 @@
 
 #include "comm/communicator.h"
 #include "comm/device_comm.h"
+#include "comm/mesh.h"
 
 namespace tpsim {
 
@@ -107,6 +109,29 @@ class NcclComm final : public Communicator {
   DeviceRendezvous rz_;
   CudaBackend& backend_;
   std::int64_t seq_ = 0;
+};
+
+// The mesh builder's view of NCCL: a group's ranks joined by NCCL communicators, each over
+// the rank's host communicator of the same group (GroupMember::host) on its CudaBackend.
+class NcclTransport final : public CommTransport {
+ public:
+  // Carries a group's id from process `root` to every process (collective).
+  using CarryId = std::function<void(NcclGroup::Id& id, int root)>;
+  // Every rank in this process: device_of[r] is world rank r's GPU.
+  NcclTransport(std::vector<int> device_of, double timeout_s);
+  // A process's share of ranks spread over several: device_of[r] is world rank r's GPU
+  // where this process holds r, -1 where another does. Each group's id comes from the
+  // process of its first rank; a process makes its share of the groups it holds ranks of.
+  NcclTransport(std::vector<int> device_of, double timeout_s, int process,
+                std::function<int(int rank)> process_of, CarryId carry);
+  std::unique_ptr<CommGroup> make_group(const std::vector<int>& ranks) override;
+
+ private:
+  std::vector<int> device_of_;
+  double timeout_s_;
+  int process_ = 0;
+  std::function<int(int rank)> process_of_;  // null: every rank here
+  CarryId carry_;
 };
 
 }  // namespace tpsim

@@ -2,7 +2,6 @@
 
 #include <exception>
 #include <functional>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -86,32 +85,6 @@ void run_ranks(int world_size, double timeout_s, const RankFn& fn) {
                      std::to_string(world_size));
   ThreadCommGroup group(world_size, timeout_s);
   run_ranks(group, fn);
-}
-
-void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn,
-              const std::function<void(const std::string&)>& also_abort) {
-  if (!fn) throw UsageError("run_mesh: no rank function given");
-  if (dp < 1 || tp < 1)
-    throw UsageError("run_mesh: the mesh must be at least 1 x 1, got dp " + std::to_string(dp) +
-                     " x tp " + std::to_string(tp));
-  std::vector<std::unique_ptr<ThreadCommGroup>> tp_groups, dp_groups;
-  for (int d = 0; d < dp; ++d) tp_groups.push_back(std::make_unique<ThreadCommGroup>(tp, timeout_s));
-  for (int r = 0; r < tp; ++r) dp_groups.push_back(std::make_unique<ThreadCommGroup>(dp, timeout_s));
-  RankErrors errors([&](const std::string& why) {
-    for (auto& g : tp_groups) g->abort(why);
-    for (auto& g : dp_groups) g->abort(why);
-    if (also_abort) also_abort(why);
-  });
-  run_rank_threads(rank_range(0, dp * tp), errors, [&](int rank) {
-    const MeshRank at{rank, rank / tp, rank % tp};
-    ThreadComm tp_comm(*tp_groups[static_cast<std::size_t>(at.dp_rank)], at.tp_rank);
-    ThreadComm dp_comm(*dp_groups[static_cast<std::size_t>(at.tp_rank)], at.dp_rank);
-    try {
-      fn(at, tp_comm, dp_comm);
-    } catch (...) {
-      errors.record("rank " + std::to_string(rank), std::current_exception());
-    }
-  });
 }
 
 }  // namespace tpsim

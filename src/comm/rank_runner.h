@@ -30,24 +30,9 @@ void run_ranks(int world_size, double timeout_s, const RankFn& fn);
 // failure afterwards. A group serves one run: each rank may attach only once.
 void run_ranks(ThreadCommGroup& group, const RankFn& fn);
 
-// A rank's place in a dp × tp mesh, in Megatron's order (TP fastest): world rank
-// rank = dp_rank·tp + tp_rank. Its TP group is the tp ranks of its data-parallel replica
-// dp_rank; its DP group the dp ranks that hold the same TP rank.
-struct MeshRank {
-  int rank = 0, dp_rank = 0, tp_rank = 0;
-};
-using MeshFn = std::function<void(const MeshRank& at, Communicator& tp, Communicator& dp)>;
+// Meshes of several groups (dp × tp, and the other axes): runtime/mesh_builder.h.
 
-// Runs fn on dp·tp rank threads, each with a communicator on its TP group and one on its
-// DP group (each group its own ThreadCommGroup: a collective issued on the wrong group
-// meets the wrong peers, as it would under NCCL). A rank that throws aborts every group,
-// so no rank waits on any group for the timeout; the root cause is rethrown as run_ranks
-// does. `also_abort`, if given, is called with the same reason when the groups are aborted
-// (a launcher's other groups: MPI's). Throws UsageError unless dp, tp >= 1.
-void run_mesh(int dp, int tp, double timeout_s, const MeshFn& fn,
-              const std::function<void(const std::string&)>& also_abort = {});
-
-// ---- for launchers of other communicators (MpiComm) --------------------------------
+// ---- for launchers of other communicators (runtime/mesh_builder.h) -----------------
 
 // The first error of a run's ranks, the root cause: recorded before the abort of every
 // group that it triggers, so the CommErrors that abort causes on the peers come after it.

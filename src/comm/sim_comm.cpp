@@ -208,4 +208,28 @@ void SimComm::abort(const std::string& reason) {
   rz_.host().abort("rank " + std::to_string(rank()) + " called abort: " + reason);
 }
 
+namespace {
+
+class SimMeshGroup final : public CommGroup {
+ public:
+  SimMeshGroup(int size, int device) : group_(size, device) {}
+  std::unique_ptr<Communicator> join(const GroupMember& m) override {
+    if (!m.host || !m.device)
+      throw Error("SimTransport: rank " + std::to_string(m.rank) +
+                  " joins a group without its host communicator or its backend");
+    return std::make_unique<SimComm>(group_, *m.host, *m.device);
+  }
+  void abort(const std::string&) override {}  // the host group's abort ends every wait
+  std::string failure() override { return ""; }
+
+ private:
+  SimCommGroup group_;
+};
+
+}  // namespace
+
+std::unique_ptr<CommGroup> SimTransport::make_group(const std::vector<int>& ranks) {
+  return std::make_unique<SimMeshGroup>(static_cast<int>(ranks.size()), device_);
+}
+
 }  // namespace tpsim

@@ -25,6 +25,7 @@
 
 #include "comm/communicator.h"
 #include "comm/device_comm.h"
+#include "comm/mesh.h"
 
 namespace tpsim {
 
@@ -82,6 +83,19 @@ class SimComm final : public Communicator {
   CudaBackend& backend_;
   SimCommGroup::Events& events_;  // this rank's, owned by the group
   std::int64_t seq_ = 0;
+};
+
+// The mesh builder's view of SimComm: every group on one device, each rank's SimComm over
+// its host communicator of the same group (GroupMember::host) on its CudaBackend. The
+// groups' events outlive every rank, as SimCommGroup asks, for they live as long as the
+// builder's groups. Aborts are the host groups'.
+class SimTransport final : public CommTransport {
+ public:
+  explicit SimTransport(int device) : device_(device) {}
+  std::unique_ptr<CommGroup> make_group(const std::vector<int>& ranks) override;
+
+ private:
+  int device_;
 };
 
 }  // namespace tpsim

@@ -351,4 +351,25 @@ void ThreadComm::abort(const std::string& reason) {
   group_.abort("rank " + std::to_string(rank_) + " called abort: " + reason);
 }
 
+namespace {
+
+class ThreadGroup final : public CommGroup {
+ public:
+  ThreadGroup(int size, double timeout_s) : group_(size, timeout_s) {}
+  std::unique_ptr<Communicator> join(const GroupMember& m) override {
+    return std::make_unique<ThreadComm>(group_, m.rank);
+  }
+  void abort(const std::string& reason) override { group_.abort(reason); }
+  std::string failure() override { return group_.failure(); }
+
+ private:
+  ThreadCommGroup group_;
+};
+
+}  // namespace
+
+std::unique_ptr<CommGroup> ThreadTransport::make_group(const std::vector<int>& ranks) {
+  return std::make_unique<ThreadGroup>(static_cast<int>(ranks.size()), timeout_s_);
+}
+
 }  // namespace tpsim

@@ -31,6 +31,7 @@
 
 #include "comm/collective_call.h"
 #include "comm/communicator.h"
+#include "comm/mesh.h"
 
 namespace tpsim {
 
@@ -90,6 +91,16 @@ class ThreadComm final : public PostingCommunicator {
   ThreadCommGroup& group_;
   int rank_;
   std::int64_t seq_ = 0;
+};
+
+// The mesh builder's view of threads: a fresh ThreadCommGroup per group.
+class ThreadTransport final : public CommTransport {
+ public:
+  explicit ThreadTransport(double timeout_s) : timeout_s_(timeout_s) {}
+  std::unique_ptr<CommGroup> make_group(const std::vector<int>& ranks) override;
+
+ private:
+  double timeout_s_;
 };
 
 }  // namespace tpsim

@@ -2,7 +2,7 @@
 
 #include <cstdlib>
 
-#include "comm/rank_runner.h"
+#include "runtime/mesh_builder.h"
 #include "runtime/launch_cuda.h"
 #include "runtime/launch_mpi.h"
 
@@ -53,40 +53,39 @@ bool groups_may_run_concurrently(const DeviceOptions& dev) {
 }
 
 void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn) {
-  launch_mesh(dev, 1, world, timeout_s,
-              [&](const MeshRank& at, Backend& be, Communicator& tp, Communicator&) {
-                fn(at.rank, be, tp);
-              });
-}
-
-void launch_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn) {
-  if (dev.processes) {
-    launch_mpi_mesh(dev, dp, tp, timeout_s, fn);
-    return;
-  }
-  if (dev.backend == BackendKind::Cuda) {
-    launch_cuda_mesh(dev, dp, tp, timeout_s, fn);
-    return;
-  }
-  check_launch(dev, dp * tp, dp);
-  run_mesh(dp, tp, timeout_s, [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
-    std::unique_ptr<Backend> be = make_cpu_backend();
-    if (dev.wrap) be = dev.wrap(at.rank, std::move(be));
-    fn(at, *be, tp_comm, dp_comm);
+  launch_mesh(dev, MeshLayout::dense(1, world), timeout_s, [&](ParallelMesh& mesh, Backend& be) {
+    fn(mesh.rank(), be, mesh.group(MeshAxis::Tp));
   });
 }
 
-void launch_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
-                         const CheckerMain& checker, const RemoteRankMain& remote) {
+void launch_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+                 const MeshMain& fn) {
   if (dev.processes) {
-    launch_mpi_checked_mesh(dev, dp, tp, timeout_s, checker, remote);
+    launch_mpi_mesh(dev, layout, timeout_s, fn);
     return;
   }
-  launch_mesh(dev, dp, tp, timeout_s,
-              [&](const MeshRank& at, Backend& be, Communicator& tp_comm, Communicator& dp_comm) {
-                LocalRank here{be, tp_comm, dp_comm};
-                checker(at, tp_comm, dp_comm, &here, nullptr);
-              });
+  if (dev.backend == BackendKind::Cuda) {
+    launch_cuda_mesh(dev, layout, timeout_s, fn);
+    return;
+  }
+  check_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
+  run_thread_mesh(layout, kDenseAxes, timeout_s, [&](ParallelMesh& mesh) {
+    std::unique_ptr<Backend> be = make_cpu_backend();
+    if (dev.wrap) be = dev.wrap(mesh.rank(), std::move(be));
+    fn(mesh, *be);
+  });
+}
+
+void launch_checked_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+                         const CheckerMain& checker, const RemoteRankMain& remote) {
+  if (dev.processes) {
+    launch_mpi_checked_mesh(dev, layout, timeout_s, checker, remote);
+    return;
+  }
+  launch_mesh(dev, layout, timeout_s, [&](ParallelMesh& mesh, Backend& be) {
+    LocalRank here{be, mesh};
+    checker(mesh.at(), mesh.group(MeshAxis::Tp), mesh.group(MeshAxis::Dp), &here, nullptr);
+  });
 }
 
 }  // namespace tpsim

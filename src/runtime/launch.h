@@ -11,7 +11,7 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
-#include "comm/rank_runner.h"
+#include "comm/mesh.h"
 
 namespace tpsim {
 
@@ -77,12 +77,12 @@ using RankMain = std::function<void(int rank, Backend& be, Communicator& comm)>;
 // request that cannot be met (e.g. --backend cuda without a GPU).
 void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
 
-// Tensor parallelism inside data parallelism: dp·tp ranks in Megatron's order (comm/
-// rank_runner.h, MeshRank), each with a communicator on its TP group and one on its DP
-// group, of the kind launch_ranks would give (threads; NCCL or SimComm on CUDA).
-using MeshMain =
-    std::function<void(const MeshRank& at, Backend& be, Communicator& tp, Communicator& dp)>;
-void launch_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
+// The ranks of `layout` in Megatron's order (comm/mesh.h), each with its ParallelMesh: its
+// communicator on each group the launcher makes (tp and dp: runtime/mesh_builder.h,
+// kDenseAxes), of the kind launch_ranks would give (threads; NCCL or SimComm on CUDA).
+using MeshMain = std::function<void(ParallelMesh& mesh, Backend& be)>;
+void launch_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+                 const MeshMain& fn);
 
 }  // namespace tpsim
 
@@ -93,8 +93,7 @@ namespace tpsim {
 // A rank's model, where it runs: its backend and its communicators.
 struct LocalRank {
   Backend& be;
-  Communicator& tp;
-  Communicator& dp;
+  ParallelMesh& mesh;
 };
 
 // A byte pipe between a rank's model, in another process, and its checker in the first
@@ -121,7 +120,7 @@ using RemoteRankMain = std::function<void(const MeshRank& at, LocalRank& model, 
 // joined by ThreadComms, each with `local` for the ranks placed in it and `remote` for
 // the others, whose processes run `remote` for them. A failure anywhere ends every rank in
 // every process; the root cause is rethrown where it happened.
-void launch_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+void launch_checked_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                          const CheckerMain& checker, const RemoteRankMain& remote);
 
 }  // namespace tpsim

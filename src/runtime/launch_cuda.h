@@ -15,7 +15,7 @@ namespace tpsim {
 // Defined by launch_cuda.cpp where it is linked in (the emulator), by launch_cuda_module.cpp
 // where it is a module loaded on demand (TPSIM_CUDA), by launch_no_cuda.cpp otherwise.
 void check_cuda_launch(const DeviceOptions& dev, int world, int dp);
-void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+void launch_cuda_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                       const MeshMain& fn);
 // What --backend cuda runs on in this build: "cuda", "cuda (EMULATED on the CPU)", or
 // "cuda (not built)".
@@ -25,7 +25,7 @@ std::string cuda_backend_description();
 // launch_mpi.cpp holds MPI and the host communicators; this half holds CUDA and NCCL, and
 // learns of the processes only through this layout.
 struct ProcessLayout {
-  int dp = 1, tp = 1;
+  MeshLayout mesh = MeshLayout::dense(1, 1);
   int process = 0;               // this process's index in the job
   std::vector<int> local_ranks;  // the world ranks this process holds, in order
   // The ranks held by this node's processes before this one (its first rank's GPU, counted
@@ -43,10 +43,9 @@ struct ProcessLayout {
 class ProcessDevices {
  public:
   virtual ~ProcessDevices() = default;
-  // Runs `fn` for rank `at`, held here, on its GPU, with NCCL communicators over the
-  // rank's host communicators of its TP and DP groups (which validate every call first).
-  virtual void run_rank(const MeshRank& at, Communicator& tp_host, Communicator& dp_host,
-                        const MeshMain& fn) = 0;
+  // Runs `fn` for rank host.rank(), held here, on its GPU, with NCCL communicators over
+  // the rank's host communicators of its groups (which validate every call first).
+  virtual void run_rank(const ParallelMesh& host, const MeshMain& fn) = 0;
 };
 // Throws UsageError when the ranks cannot be placed (too few GPUs on this node, --comm sim
 // or threads), RuntimeFailure when NCCL cannot set the groups up.
@@ -58,7 +57,8 @@ std::unique_ptr<ProcessDevices> cuda_ranks_across_processes(const DeviceOptions&
 // kCudaLauncherSymbol (a function returning a pointer to this table).
 struct CudaLauncher {
   void (*check)(const DeviceOptions& dev, int world, int dp);
-  void (*launch)(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
+  void (*launch)(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+                 const MeshMain& fn);
   std::unique_ptr<ProcessDevices> (*across_processes)(const DeviceOptions& dev,
                                                       const ProcessLayout& layout, double timeout_s);
 };

@@ -51,9 +51,9 @@ void check_cuda_launch(const DeviceOptions& dev, int world, int dp) {
   launcher().check(dev, world, dp);
 }
 
-void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+void launch_cuda_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                       const MeshMain& fn) {
-  launcher().launch(dev, dp, tp, timeout_s, fn);
+  launcher().launch(dev, layout, timeout_s, fn);
 }
 
 std::unique_ptr<ProcessDevices> cuda_ranks_across_processes(const DeviceOptions& dev,

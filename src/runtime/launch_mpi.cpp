@@ -10,6 +10,7 @@
 #include "core/errors.h"
 #include "runtime/launch_cuda.h"
 #include "runtime/launch_mpi.h"
+#include "runtime/mesh_builder.h"
 
 namespace tpsim {
 
@@ -48,44 +49,58 @@ namespace {
 // One end of rank `rank`'s channel: the first process's (the checker's), or the rank's own.
 class MeshChannel final : public RankChannel {
  public:
-  MeshChannel(MpiMesh& mesh, int rank, bool checker_end)
-      : mesh_(mesh), rank_(rank), checker_end_(checker_end) {}
-  void send(std::vector<std::byte> msg) override { mesh_.send(rank_, !checker_end_, std::move(msg)); }
-  std::vector<std::byte> receive() override { return mesh_.receive(rank_, checker_end_); }
+  MeshChannel(MpiChannels& channels, int rank, bool checker_end)
+      : channels_(channels), rank_(rank), checker_end_(checker_end) {}
+  void send(std::vector<std::byte> msg) override { channels_.send(rank_, !checker_end_, std::move(msg)); }
+  std::vector<std::byte> receive() override { return channels_.receive(rank_, checker_end_); }
 
  private:
-  MpiMesh& mesh_;
+  MpiChannels& channels_;
   int rank_;
   bool checker_end_;
+};
+
+// A run's ranks over the processes of an MPI job: the MPI groups of its mesh, made by every
+// process at the same point (collective), and this process's share of them.
+struct MpiRun {
+  MpiRun(const DeviceOptions& dev, const MeshLayout& mesh, double timeout_s)
+      : layout(mesh),
+        transport(*dev.processes, MpiTransport::ranks_per_process(*dev.processes, mesh.world()),
+                  timeout_s),
+        groups(layout, kDenseAxes, transport),
+        mine(transport.local_ranks(layout.world())) {}
+  MeshLayout layout;
+  MpiTransport transport;
+  MeshGroups groups;
+  std::vector<int> mine;  // this process's ranks
 };
 
 // This process's ranks' models: CPU backends over the MPI communicators, or GPUs with NCCL
 // groups across the processes (set up when made: every process makes one at the same point).
 class RankModels {
  public:
-  RankModels(const DeviceOptions& dev, const MpiMesh& mesh, double timeout_s) : dev_(dev) {
+  RankModels(const DeviceOptions& dev, const MpiRun& run, double timeout_s) : dev_(dev) {
     if (dev.backend != BackendKind::Cuda) return;
     const MpiProcesses& procs = *dev.processes;
     ProcessLayout layout;
-    layout.dp = mesh.dp();
-    layout.tp = mesh.tp();
+    layout.mesh = run.layout;
     layout.process = procs.index();
-    layout.local_ranks = mesh.local_ranks();
+    layout.local_ranks = run.mine;
     layout.node_offset = procs.sum_before_on_node(static_cast<int>(layout.local_ranks.size()));
     layout.host = procs.host();
-    layout.process_of = [&mesh](int rank) { return mesh.process_of(rank); };
+    layout.process_of = [&run](int rank) { return run.transport.process_of(rank); };
     layout.broadcast = [&procs](std::array<char, 128>& id, int root) {
       procs.broadcast(reinterpret_cast<std::byte*>(id.data()), id.size(), root);
     };
     devices_ = cuda_ranks_across_processes(dev, layout, timeout_s);
   }
 
-  // Rank `at`'s model, held here, over its MPI communicators.
-  void run(const MeshRank& at, Communicator& tp, Communicator& dp, const MeshMain& fn) {
-    if (devices_) return devices_->run_rank(at, tp, dp, fn);
+  // The rank's model, held here, over its MPI communicators.
+  void run(ParallelMesh& host, const MeshMain& fn) {
+    if (devices_) return devices_->run_rank(host, fn);
     std::unique_ptr<Backend> be = make_cpu_backend();
-    if (dev_.wrap) be = dev_.wrap(at.rank, std::move(be));
-    fn(at, *be, tp, dp);
+    if (dev_.wrap) be = dev_.wrap(host.rank(), std::move(be));
+    fn(host, *be);
   }
 
  private:
@@ -95,12 +110,14 @@ class RankModels {
 
 }  // namespace
 
-void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+void launch_mpi_checked_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                              const CheckerMain& checker, const RemoteRankMain& remote) {
-  check_launch(dev, dp * tp, dp);
-  MpiMesh mesh(*dev.processes, dp, tp, timeout_s);
-  RankModels models(dev, mesh, timeout_s);
-  const std::vector<int> mine = mesh.local_ranks();
+  check_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
+  MpiRun run(dev, layout, timeout_s);
+  MpiChannels channels(
+      run.transport, run.layout.world(), timeout_s, [&] { return run.groups.failure(); },
+      [&](const std::string& why) { run.groups.abort(why); });
+  RankModels models(dev, run, timeout_s);
   if (dev.processes->index() == 0) {
     // The heartbeat that tells the other processes' ranks, waiting for their checkers here,
     // that this process lives however long the reference and the checks take.
@@ -109,7 +126,7 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
     bool done = false;
     std::thread heart([&] {
       std::unique_lock lk(mu);
-      do mesh.beat();
+      do channels.beat();
       while (!cv.wait_for(lk, std::chrono::duration<double>(timeout_s / 4), [&] { return done; }));
     });
     auto stop_heart = [&] {
@@ -124,24 +141,25 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
     // for each other twice as long as a rank waits for its peers or its channel, so that a
     // stalled or dead rank is named by the wait that sees it, with its process.
     try {
-      run_mesh(
-          dp, tp, std::min(2 * timeout_s, 1e6),
-          [&](const MeshRank& at, Communicator& check_tp, Communicator& check_dp) {
-            if (std::find(mine.begin(), mine.end(), at.rank) != mine.end()) {
-              MpiComm tp_comm(mesh.tp_group(at.dp_rank), at.tp_rank);
-              MpiComm dp_comm(mesh.dp_group(at.tp_rank), at.dp_rank);
-              models.run(at, tp_comm, dp_comm,
-                         [&](const MeshRank&, Backend& be, Communicator& tp_model, Communicator& dp_model) {
-                           LocalRank here{be, tp_model, dp_model};
-                           checker(at, check_tp, check_dp, &here, nullptr);
-                         });
+      run_thread_mesh(
+          layout, kDenseAxes, std::min(2 * timeout_s, 1e6),
+          [&](ParallelMesh& checks) {
+            const MeshRank at = checks.at();
+            Communicator& check_tp = checks.group(MeshAxis::Tp);
+            Communicator& check_dp = checks.group(MeshAxis::Dp);
+            if (std::find(run.mine.begin(), run.mine.end(), at.rank) != run.mine.end()) {
+              ParallelMesh host = run.groups.join(at.rank);
+              models.run(host, [&](ParallelMesh& model, Backend& be) {
+                LocalRank here{be, model};
+                checker(at, check_tp, check_dp, &here, nullptr);
+              });
             } else {
-              MeshChannel channel(mesh, at.rank, true);
+              MeshChannel channel(channels, at.rank, true);
               checker(at, check_tp, check_dp, nullptr, &channel);
             }
           },
           // A checker's failure stops the other processes' ranks too.
-          [&](const std::string& why) { mesh.abort(why); });
+          [&](const std::string& why) { channels.abort(why); });
     } catch (...) {
       stop_heart();
       throw;
@@ -149,23 +167,24 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double ti
     stop_heart();
     return;
   }
-  run_local_ranks(mesh, [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
-    models.run(at, tp_comm, dp_comm,
-               [&](const MeshRank&, Backend& be, Communicator& tp_model, Communicator& dp_model) {
-                 LocalRank here{be, tp_model, dp_model};
-                 MeshChannel channel(mesh, at.rank, false);
-                 remote(at, here, channel);
-               });
-  });
+  run_mesh_ranks(
+      run.groups, run.mine,
+      [&](ParallelMesh& host) {
+        models.run(host, [&](ParallelMesh& model, Backend& be) {
+          LocalRank here{be, model};
+          MeshChannel channel(channels, model.rank(), false);
+          remote(model.at(), here, channel);
+        });
+      },
+      [&](const std::string& why) { channels.abort(why); });
 }
 
-void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn) {
-  check_launch(dev, dp * tp, dp);
-  MpiMesh mesh(*dev.processes, dp, tp, timeout_s);
-  RankModels models(dev, mesh, timeout_s);
-  run_local_ranks(mesh, [&](const MeshRank& at, Communicator& tp_comm, Communicator& dp_comm) {
-    models.run(at, tp_comm, dp_comm, fn);
-  });
+void launch_mpi_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+                     const MeshMain& fn) {
+  check_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
+  MpiRun run(dev, layout, timeout_s);
+  RankModels models(dev, run, timeout_s);
+  run_mesh_ranks(run.groups, run.mine, [&](ParallelMesh& host) { models.run(host, fn); });
 }
 
 }  // namespace tpsim

@@ -15,10 +15,11 @@ void check_mpi_launch(const DeviceOptions& dev, int world, int dp);
 // launch_mesh over the processes in dev.processes: ranks in blocks of k = ceil(world / P),
 // rank r in process r / k, each with an MpiComm on its TP group and its DP group (CPU
 // ranks), or a GPU and NCCL communicators over those (CUDA ranks: launch_cuda.h).
-void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s, const MeshMain& fn);
+void launch_mpi_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
+                     const MeshMain& fn);
 
 // launch_checked_mesh (launch.h) across the processes in dev.processes.
-void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double timeout_s,
+void launch_mpi_checked_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                              const CheckerMain& checker, const RemoteRankMain& remote);
 
 }  // namespace tpsim

@@ -8,13 +8,13 @@ void check_cuda_launch(const DeviceOptions&, int, int) {
   throw UsageError("--backend cuda: this tpsim was built without the CUDA toolkit");
 }
 
-void launch_cuda_mesh(const DeviceOptions& dev, int dp, int tp, double, const MeshMain&) {
-  check_cuda_launch(dev, dp * tp, dp);
+void launch_cuda_mesh(const DeviceOptions& dev, const MeshLayout& layout, double, const MeshMain&) {
+  check_cuda_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
 }
 
 std::unique_ptr<ProcessDevices> cuda_ranks_across_processes(const DeviceOptions& dev,
                                                             const ProcessLayout& layout, double) {
-  check_cuda_launch(dev, layout.dp * layout.tp, layout.dp);
+  check_cuda_launch(dev, layout.mesh.world(), layout.mesh.size(MeshAxis::Dp));
   return nullptr;
 }
 

@@ -24,13 +24,13 @@ void check_mpi_launch(const DeviceOptions&, int, int) {
   throw UsageError("this tpsim was built without MPI");
 }
 
-void launch_mpi_mesh(const DeviceOptions& dev, int dp, int tp, double, const MeshMain&) {
-  check_mpi_launch(dev, dp * tp, dp);
+void launch_mpi_mesh(const DeviceOptions& dev, const MeshLayout& layout, double, const MeshMain&) {
+  check_mpi_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
 }
 
-void launch_mpi_checked_mesh(const DeviceOptions& dev, int dp, int tp, double, const CheckerMain&,
-                             const RemoteRankMain&) {
-  check_mpi_launch(dev, dp * tp, dp);
+void launch_mpi_checked_mesh(const DeviceOptions& dev, const MeshLayout& layout, double,
+                             const CheckerMain&, const RemoteRankMain&) {
+  check_mpi_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
 }
 
 }  // namespace tpsim

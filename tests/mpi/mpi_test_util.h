@@ -5,11 +5,23 @@
 #include <vector>
 
 #include "comm/mpi_comm.h"
+#include "runtime/mesh_builder.h"
 
 namespace tpsim::mpi_test {
 
 inline const MpiProcesses* processes = nullptr;  // set by main() for the whole run
 inline const MpiProcesses& procs() { return *processes; }
+
+// The dp × tp mesh over the job's processes, as the launcher builds it (runtime/
+// launch_mpi.cpp): MPI groups made by every process, this process's block of ranks run.
+inline void run_mpi_mesh(const MpiProcesses& p, int dp, int tp, double timeout_s, const MeshFn& fn) {
+  const MeshLayout layout = MeshLayout::dense(dp, tp);
+  MpiTransport mpi(p, MpiTransport::ranks_per_process(p, layout.world()), timeout_s);
+  MeshGroups groups(layout, kDenseAxes, mpi);
+  run_mesh_ranks(groups, mpi.local_ranks(layout.world()), [&](ParallelMesh& mesh) {
+    fn(mesh.at(), mesh.group(MeshAxis::Tp), mesh.group(MeshAxis::Dp));
+  });
+}
 
 // all_to_all's rows for rank r of n: rank a sends rank b (a + 2b) % 3 rows, some none.
 struct AllToAllCounts {

@@ -16,7 +16,6 @@
 #include <thread>
 #include <vector>
 
-#include "comm/rank_runner.h"
 #include "core/errors.h"
 #include "core/tensor.h"
 #include "mpi_test_util.h"
@@ -250,12 +249,13 @@ TEST_CASE("run_mpi_mesh places any world: blocks of ceil(world / processes), som
   }
 }
 
-TEST_CASE("MpiMesh's channels carry messages of any size, in pieces, both ways", "[mpi]") {
+TEST_CASE("MpiChannels carry messages of any size, in pieces, both ways", "[mpi]") {
   const int p = procs().count();
   const int world = 2 * p;
   // Pieces of 7 bytes: messages below, at and above a piece, and of many pieces (a real
   // run's pieces are 1 GiB, for messages over MPI's 2 GiB count).
-  MpiMesh mesh(procs(), 1, world, 30.0, 7);
+  const MpiTransport mpi(procs(), MpiTransport::ranks_per_process(procs(), world), 30.0);
+  MpiChannels mesh(mpi, world, 30.0, {}, {}, 7);
   const std::vector<std::size_t> sizes{0, 1, 6, 7, 8, 50, 1000};
   auto message = [](int seed, std::size_t n) {
     std::vector<std::byte> m(n);

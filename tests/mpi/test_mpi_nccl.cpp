@@ -74,13 +74,14 @@ TEST_CASE("NcclComm across processes (EMULATED) gives one process's results bit 
       INFO("dp " << dp << " x tp " << tp << " over " << p << " processes");
       std::vector<Results> many(static_cast<std::size_t>(dp * tp)), one(many.size());
       auto body = [](std::vector<Results>& out) {
-        return [&out](const MeshRank& at, Backend& be, Communicator& t, Communicator& d) {
-          exercise("tp", be, t, out[static_cast<std::size_t>(at.rank)]);
-          exercise("dp", be, d, out[static_cast<std::size_t>(at.rank)]);
+        return [&out](ParallelMesh& mesh, Backend& be) {
+          exercise("tp", be, mesh.group(MeshAxis::Tp), out[static_cast<std::size_t>(mesh.rank())]);
+          exercise("dp", be, mesh.group(MeshAxis::Dp), out[static_cast<std::size_t>(mesh.rank())]);
         };
       };
-      launch_mesh({BackendKind::Cuda, CommKind::Nccl, {}, shared}, dp, tp, 30.0, body(many));
-      launch_mesh({BackendKind::Cuda, CommKind::Nccl, {}, nullptr}, dp, tp, 30.0, body(one));
+      const MeshLayout layout = MeshLayout::dense(dp, tp);
+      launch_mesh({BackendKind::Cuda, CommKind::Nccl, {}, shared}, layout, 30.0, body(many));
+      launch_mesh({BackendKind::Cuda, CommKind::Nccl, {}, nullptr}, layout, 30.0, body(one));
       const int first = procs().index() * per;
       for (int r = first; r < first + per; ++r) {
         INFO("rank " << r);

@@ -39,15 +39,13 @@ void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
     timing[static_cast<std::size_t>(rank)] = tb.get();
     return std::unique_ptr<Backend>(std::move(tb));
   };
-  launch_mesh(dev, o.dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be, Communicator& comm,
-                                             Communicator& dp_comm) {
-    const int rank = at.rank;
+  launch_mesh(dev, run_layout(o, tp), o.timeout_s, [&](ParallelMesh& mesh, Backend& be) {
+    const int rank = mesh.rank();
     TimingBackend& tb = *timing[static_cast<std::size_t>(rank)];
     MemoryLedger& ledger = be.allocator().ledger();
     ledger.set_timeline(true);
     tb.set_phase("construct");
-    auto model = make_sharded_model(o, in, be, comm,
-                                    o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr);
+    auto model = make_sharded_model(o, in, be, mesh);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     model->load_buffers(in.loaded_buffers);
     RankProfile& rp = run.ranks[static_cast<std::size_t>(rank)];
@@ -63,8 +61,8 @@ void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
     tb.set_phase("");
     rp.ops = tb.records();
     // The TP group's collectives, then the DP group's (labelled dp.*), in time order.
-    rp.collectives = comm.records();
-    for (const auto& c : dp_comm.records()) rp.collectives.push_back(c);
+    rp.collectives = mesh.group(MeshAxis::Tp).records();
+    for (const auto& c : mesh.group(MeshAxis::Dp).records()) rp.collectives.push_back(c);
     std::stable_sort(rp.collectives.begin(), rp.collectives.end(),
                      [](const CollectiveRecord& a, const CollectiveRecord& b) {
                        return a.t_begin_ns < b.t_begin_ns;

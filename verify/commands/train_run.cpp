@@ -71,12 +71,13 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
      << dtype_name(o.dtype) << ", " << o.steps << " steps, seed " << o.seed << "\n";
   for (int r = 0; r < tp * o.dp; ++r) print << "rank: " << r << ", world size: " << tp * o.dp << "\n";
 
-  launch_mesh(o.device, o.dp, tp, o.timeout_s, [&](const MeshRank& at, Backend& be,
-                                                   Communicator& comm, Communicator& dp_comm) {
+  launch_mesh(o.device, run_layout(o, tp), o.timeout_s, [&](ParallelMesh& mesh, Backend& be) {
+    const MeshRank at = mesh.at();
+    Communicator& comm = mesh.group(MeshAxis::Tp);
+    Communicator& dp_comm = mesh.group(MeshAxis::Dp);
     // `rank`: the TP rank; only the first replica's rank 0 reports and writes.
     const int rank = at.rank == 0 ? 0 : std::max(1, at.tp_rank);
-    auto model = make_sharded_model(o, in, be, comm,
-                                    o.dp > 1 || o.clip_grad > 0 ? &dp_comm : nullptr);
+    auto model = make_sharded_model(o, in, be, mesh);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     model->load_buffers(in.loaded_buffers);
     RankDump rank_dump(o.dump_dir, at.tp_rank, o.dtype, o.steps, dump_per_file);

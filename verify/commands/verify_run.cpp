@@ -3,9 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <exception>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -16,8 +14,8 @@
 #include "verify/engine/divergence.h"
 #include "verify/setup/memory_check.h"
 #include "verify/setup/model_description.h"
-#include "verify/engine/step_barrier.h"
 #include "verify/engine/step_checks.h"
+#include "verify/engine/step_feed.h"
 #include "verify/setup/tensor_order.h"
 #include "verify/engine/tolerance.h"
 
@@ -35,95 +33,40 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 // p once every rank has finished step p-1, alongside the ranks' own step p, so nothing is
 // copied. With --resync (whose ranks load step s-1's parameters at step s) it runs at most
 // one step ahead of the slowest rank in a ring of three slots of copies, filling step p
-// once every rank has finished step p-2. Either way memory does not grow with steps.
-class ReferenceFeed {
+// once every rank has finished step p-2. Either way memory does not grow with steps. Once
+// no rank reads any more (they failed, or the run ended), slot() throws FeedDeserted: the
+// steps it would make from then on serve nobody, and a failed run of many steps must not
+// wait for them.
+class ReferenceFeed : public StepFeed<RefStep> {
  public:
   ReferenceFeed(int consumers, bool resync)
-      : storage_(resync ? RefStorage::Copies : RefStorage::InPlace),
-        lag_(resync ? 2 : 1),
-        slots_(resync ? 3 : 1),
-        readers_(consumers),
+      : StepFeed({consumers, resync ? 2 : 1, resync ? 3 : 1, true,
+                  "verify: the reference run failed before step", ""}),
+        storage_(resync ? RefStorage::Copies : RefStorage::InPlace),
         consumers_(consumers) {}
 
   RefStorage storage() const { return storage_; }
 
-  // Thrown to the producer once no rank reads any more (they failed, or the run ended):
-  // the steps it would make from then on serve nobody, and a failed run of many steps
-  // must not wait for them.
-  struct Deserted {};
-
-  // Producer: the slot for `step`, once the step that used it before has been let go.
+  // Producer: the slot for `step`; the wait for slower ranks is not the reference's time.
   RefStep& slot(int step) {
     const auto t0 = std::chrono::steady_clock::now();
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return readers_.passed(step - lag_); });
+    RefStep& s = fill(step);
     waited_s_ += seconds_since(t0);
-    if (readers_.deserted()) throw Deserted{};
-    return at(step);
+    return s;
   }
   void publish(int step) {
-    std::lock_guard lock(mu_);
-    published_ = step;
-    losses_.push_back(at(step).loss);
-    if (const auto it = at(step).tensors.find("grad_norm"); it != at(step).tensors.end())
-      grad_norms_.push_back(it->second[0]);
-    cv_.notify_all();
-  }
-  void fail(std::exception_ptr e) {
-    std::lock_guard lock(mu_);
-    error_ = e;
-    cv_.notify_all();
+    StepFeed::publish(step, [&](RefStep& s) {
+      losses_.push_back(s.loss);
+      if (const auto it = s.tensors.find("grad_norm"); it != s.tensors.end())
+        grad_norms_.push_back(it->second[0]);
+    });
   }
 
-  // Consumer: blocks until `step` is published; throws if the reference failed first. The
-  // step stays valid until this rank calls done(step) (done(step + 1) with --resync) or
-  // retire(): in place, the reference model itself waits for that.
-  const RefStep& wait(int step) {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return published_ >= step || error_; });
-    if (published_ < step) throw RuntimeFailure("verify: the reference run failed before step " +
-                                                std::to_string(step));
-    return at(step);
-  }
-  // This rank has finished `step` (ranks finish their steps in order).
-  void done(int step) {
-    std::lock_guard lock(mu_);
-    readers_.done(step);
-    cv_.notify_all();
-  }
-  // This rank reads no more (finished or failed): the reference no longer waits for it.
-  void retire(int last_done) {
-    std::lock_guard lock(mu_);
-    readers_.retire(last_done);
-    ++gone_;
-    cv_.notify_all();
-  }
-
-  // No rank reads any more: the reference need not wait for anyone (ranks of a group
-  // whose launch failed never retire themselves).
-  void close() {
-    std::lock_guard lock(mu_);
-    readers_.close();
-    cv_.notify_all();
-  }
-
-  std::exception_ptr error() {
-    std::lock_guard lock(mu_);
-    return error_;
-  }
-  // Seconds the producer spent waiting for slower ranks: not the reference's own time.
-  double producer_waited_s() {
-    std::lock_guard lock(mu_);
-    return waited_s_;
-  }
-  std::vector<double> losses() {
-    std::lock_guard lock(mu_);
-    return losses_;
-  }
-  std::vector<double> grad_norms() {
-    std::lock_guard lock(mu_);
-    return grad_norms_;
-  }
+  // After the producer has stopped: seconds it spent waiting for slower ranks, and the
+  // losses (and, with --clip-grad, gradient norms) of its published steps.
+  double producer_waited_s() const { return waited_s_; }
+  const std::vector<double>& losses() const { return losses_; }
+  const std::vector<double>& grad_norms() const { return grad_norms_; }
 
   // MoE: the sharded run's routing, which the reference follows at ties (docs/moe.md). A
   // rank posts its step's decisions (its tokens' rows) once it has run the step; the
@@ -133,53 +76,45 @@ class ReferenceFeed {
   // With --dp, a rank's rows are of its replica's tokens, which are rows [replica·n,
   // (replica+1)·n) of the reference's (the global batch's).
   void post_routing(int step, const std::vector<Observation>& fwd, int replica, int replicas) {
-    std::lock_guard lock(mu_);
-    if (routing_step_ != step) {
-      routing_step_ = step;
-      posted_ = 0;
-    }
-    for (const auto& ob : fwd) {
-      if (!routing_point(ob.name)) continue;
-      const auto n = static_cast<std::size_t>(shape_numel(ob.spec.full_shape));
-      std::vector<double>& full = routing_[ob.name];
-      full.resize(n * static_cast<std::size_t>(replicas));
-      for (std::size_t k = 0; k < ob.values.size(); ++k) {
-        const std::int64_t f = full_index(ob.spec, static_cast<std::int64_t>(k));
-        if (f >= 0) full[n * static_cast<std::size_t>(replica) + static_cast<std::size_t>(f)] = ob.values[k];
+    update([&] {
+      if (routing_step_ != step) {
+        routing_step_ = step;
+        posted_ = 0;
       }
-    }
-    ++posted_;
-    cv_.notify_all();
+      for (const auto& ob : fwd) {
+        if (!routing_point(ob.name)) continue;
+        const auto n = static_cast<std::size_t>(shape_numel(ob.spec.full_shape));
+        std::vector<double>& full = routing_[ob.name];
+        full.resize(n * static_cast<std::size_t>(replicas));
+        for (std::size_t k = 0; k < ob.values.size(); ++k) {
+          const std::int64_t f = full_index(ob.spec, static_cast<std::int64_t>(k));
+          if (f >= 0) full[n * static_cast<std::size_t>(replica) + static_cast<std::size_t>(f)] = ob.values[k];
+        }
+      }
+      ++posted_;
+    });
   }
   // Producer: step `step`'s routing, once every rank has posted it or stopped (a rank
   // that failed never posts: the reference goes on, so that no rank waits for it, and the
   // run fails with that rank's own error).
   const TensorMap& routing(int step) {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] {
-      return (routing_step_ == step && posted_ + gone_ >= consumers_) || readers_.deserted();
+    bool gone = false;
+    wait_until([&] {
+      gone = deserted();
+      return (routing_step_ == step && posted_ + retired() >= consumers_) || gone;
     });
-    if (readers_.deserted()) throw Deserted{};
+    if (gone) throw FeedDeserted{};
     return routing_;
   }
 
  private:
-  RefStep& at(int step) { return slots_[static_cast<std::size_t>(step - 1) % slots_.size()]; }
   const RefStorage storage_;
-  const int lag_;                      // step p waits for every rank to finish step p-lag_
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<RefStep> slots_;         // step s lives in slots_[(s-1) % size]
-  StepBarrier readers_;                // the ranks' finished steps, under mu_
-  int published_ = 0;
-  std::vector<double> losses_;         // per published step
-  std::vector<double> grad_norms_;     // per published step, with --clip-grad
   const int consumers_;
-  int gone_ = 0;                       // ranks retired
-  TensorMap routing_;                  // MoE: the step's routing, posted by the ranks
-  int routing_step_ = 0, posted_ = 0;
-  double waited_s_ = 0;                // in slot(), producer thread only
-  std::exception_ptr error_;
+  std::vector<double> losses_;      // per published step (under the feed's lock)
+  std::vector<double> grad_norms_;  // per published step, with --clip-grad
+  TensorMap routing_;               // MoE: the step's routing, posted by the ranks
+  int routing_step_ = 0, posted_ = 0;  // under the feed's lock
+  double waited_s_ = 0;             // in slot(), producer thread only
 };
 
 // What one rank found: its comparisons of the step in progress (handed to the TP group's
@@ -201,45 +136,27 @@ CollectiveTotals totals(const std::vector<CollectiveRecord>& records) {
   return t;
 }
 
-// Lets go of the reference feed when a rank stops reading, however it stops.
-class FeedReader {
- public:
-  explicit FeedReader(ReferenceFeed& feed) : feed_(feed) {}
-  FeedReader(const FeedReader&) = delete;
-  FeedReader& operator=(const FeedReader&) = delete;
-  ~FeedReader() { feed_.retire(last_done_); }
-  void done(int step) {
-    feed_.done(step);
-    last_done_ = step;
-  }
-
- private:
-  ReferenceFeed& feed_;
-  int last_done_ = 0;
-};
-
 // --tp-invariant: tp 1's observations of one step, as full tensors, for the other degrees
 // of the same wave, which run alongside tp 1 in lockstep with it: tp 1 fills step s once
 // every reader has let go of step s-1, and publishes it once the step (its update
 // included) is recorded. One step of full tensors lives at a time, whatever the steps.
 // The first failure, tp 1's own or a group's, stops everyone, and is the one reported.
-class Tp1Feed {
+class Tp1Feed : public StepFeed<TensorMap> {
  public:
-  explicit Tp1Feed(int readers) : readers_(readers) {}
+  explicit Tp1Feed(int readers)
+      : StepFeed({readers, 1, 1, false, "verify --tp-invariant: tp 1 failed before step",
+                  "verify --tp-invariant: a tp group failed before tp 1 recorded step"}) {}
 
   // Producer (tp 1's one rank). The first call of a step waits for the readers of the
   // last; the step's later calls add to it. The vectors are overwritten in place (the same
   // names and sizes every step): no allocation after step 1.
   void record(int step, const std::vector<Observation>& obs) {
     if (step != filling_) {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return error_ || readers_.passed(step - 1); });
-      if (error_) throw RuntimeFailure("verify --tp-invariant: a tp group failed before tp 1 "
-                                       "recorded step " + std::to_string(step));
+      slot_ = &fill(step);
       filling_ = step;
     }
     for (const auto& ob : obs) {
-      std::vector<double>& full = slot_[ob.name];  // [full_shape numel]
+      std::vector<double>& full = (*slot_)[ob.name];  // [full_shape numel]
       full.assign(static_cast<std::size_t>(shape_numel(ob.spec.full_shape)), 0.0);
       for (std::size_t k = 0; k < ob.values.size(); ++k) {
         const std::int64_t f = full_index(ob.spec, static_cast<std::int64_t>(k));
@@ -248,76 +165,19 @@ class Tp1Feed {
     }
   }
   void publish(int step) {
-    std::lock_guard lock(mu_);
-    published_ = step;
-    double b = 0;
-    for (const auto& [name, v] : slot_) b += static_cast<double>(v.capacity() * sizeof(double));
-    peak_bytes_ = std::max(peak_bytes_, b);
-    cv_.notify_all();
+    StepFeed::publish(step, [&](TensorMap& slot) {
+      double b = 0;
+      for (const auto& [name, v] : slot) b += static_cast<double>(v.capacity() * sizeof(double));
+      peak_bytes_ = std::max(peak_bytes_, b);
+    });
   }
-  void fail(std::exception_ptr e) {
-    std::lock_guard lock(mu_);
-    if (!error_) error_ = e;
-    cv_.notify_all();
-  }
-
-  // Reader: tp 1's step `step`, valid until this rank calls done(step) or retire().
-  const TensorMap& wait(int step) {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return published_ >= step || error_; });
-    if (published_ < step)
-      throw RuntimeFailure("verify --tp-invariant: tp 1 failed before step " + std::to_string(step));
-    return slot_;
-  }
-  void done(int step) {
-    std::lock_guard lock(mu_);
-    readers_.done(step);
-    cv_.notify_all();
-  }
-  void retire(int last_done) {
-    std::lock_guard lock(mu_);
-    readers_.retire(last_done);
-    cv_.notify_all();
-  }
-
-  std::exception_ptr error() {
-    std::lock_guard lock(mu_);
-    return error_;
-  }
-  double peak_bytes() {
-    std::lock_guard lock(mu_);
-    return peak_bytes_;
-  }
+  // After the run: the most bytes a step's full tensors held.
+  double peak_bytes() const { return peak_bytes_; }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  TensorMap slot_;                 // the step being filled or read
-  int filling_ = 0;                // producer thread only
-  StepBarrier readers_;            // the reading ranks' finished steps, under mu_
-  int published_ = 0;
-  double peak_bytes_ = 0;
-  std::exception_ptr error_;
-};
-
-// Lets go of tp 1's feed when a reading rank stops, however it stops.
-class Tp1Reader {
- public:
-  explicit Tp1Reader(Tp1Feed* feed) : feed_(feed) {}
-  Tp1Reader(const Tp1Reader&) = delete;
-  Tp1Reader& operator=(const Tp1Reader&) = delete;
-  ~Tp1Reader() {
-    if (feed_) feed_->retire(last_done_);
-  }
-  void done(int step) {
-    if (!feed_) return;
-    feed_->done(step);
-    last_done_ = step;
-  }
-
- private:
-  Tp1Feed* feed_;
-  int last_done_ = 0;
+  TensorMap* slot_ = nullptr;  // the step being filled; producer thread only
+  int filling_ = 0;            // producer thread only
+  double peak_bytes_ = 0;      // under the feed's lock
 };
 
 // A step's backward observations: the parameter gradients, then the activation gradients.
@@ -349,8 +209,7 @@ class RankRun final : public StepSource {
   RankRun(const RunOptions& o, const RunInputs& in, LocalRank& here,
           const std::vector<std::string>& order)
       : o_(o), here_(here), order_(order) {
-    Communicator* dpc = o.dp > 1 || o.clip_grad > 0 ? &here.dp : nullptr;
-    model_ = make_sharded_model(o, in, here.be, here.tp, dpc);
+    model_ = make_sharded_model(o, in, here.be, here.mesh);
     model_->record_activation_points(true);
     if (!in.loaded.empty()) model_->load_params(in.loaded);
     model_->load_buffers(in.loaded_buffers);
@@ -358,7 +217,7 @@ class RankRun final : public StepSource {
       RunOptions plain = o;
       plain.recompute = RecomputeKind::None;
       plain.recompute_layers = 1;
-      baseline_ = make_sharded_model(plain, in, here.be, here.tp, dpc);
+      baseline_ = make_sharded_model(plain, in, here.be, here.mesh);
       baseline_->record_activation_points(true);
       if (!in.loaded.empty()) baseline_->load_params(in.loaded);
       baseline_->load_buffers(in.loaded_buffers);
@@ -376,11 +235,11 @@ class RankRun final : public StepSource {
       out.base_fwd = baseline_->observe_forward();
       out.base_grads = observe_gradients(*baseline_);
     }
-    here_.tp.clear_records();
-    here_.dp.clear_records();
+    tp().clear_records();
+    dp().clear_records();
     out.loss = model_->forward_backward();
-    out.comm = totals(here_.tp.records());
-    out.dp_comm = totals(here_.dp.records());
+    out.comm = totals(tp().records());
+    out.dp_comm = totals(dp().records());
     model_->recycle(std::move(used));
     out.fwd = model_->observe_forward();
     out.grads = observe_gradients(*model_);
@@ -410,7 +269,7 @@ class RankRun final : public StepSource {
       if (p.spec.replicated())
         if (const double* h = here_.be.host_view_f64(t))
           return ObservedValues::view(h, static_cast<std::size_t>(t.numel()));
-      return gather_full(here_.be, here_.tp, p.spec, t, o_.fault, &here_.dp);
+      return gather_full(here_.be, tp(), p.spec, t, o_.fault, &dp());
     };
     for (const Parameter& p : model_->params()) {
       auto grad = full_of(p, p.grad);
@@ -421,6 +280,8 @@ class RankRun final : public StepSource {
 
  private:
   const RunOptions& o_;
+  Communicator& tp() { return here_.mesh.group(MeshAxis::Tp); }
+  Communicator& dp() { return here_.mesh.group(MeshAxis::Dp); }
   LocalRank& here_;
   const std::vector<std::string>& order_;
   std::unique_ptr<ShardedModel> model_, baseline_;
@@ -496,16 +357,17 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   // op that diverged.
   const std::vector<std::string> order = describe_model(o)->tensor_order(o.clip_grad > 0);
 
-  launch_checked_mesh(o.device, dp, tp, o.timeout_s, [&](const MeshRank& at, Communicator& comm,
+  const MeshLayout layout = run_layout(o, tp);
+  launch_checked_mesh(o.device, layout, o.timeout_s, [&](const MeshRank& at, Communicator& comm,
                                                          Communicator& dp_comm, LocalRank* local,
                                                          RankChannel* remote) {
     const int rank = at.tp_rank;
     const auto me = static_cast<std::size_t>(at.rank);
     const auto tp0 = static_cast<std::size_t>(at.dp_rank * tp);  // rank 0 of my TP group
     const auto dp0 = static_cast<std::size_t>(at.tp_rank);       // my TP rank on replica 0
-    FeedReader reader(ref);
+    ReferenceFeed::Reader reader(&ref);
     const bool record_tp1 = tp1 && tp == 1, against_tp1 = tp1 && tp != 1;
-    Tp1Reader tp1_reader(against_tp1 ? tp1 : nullptr);
+    Tp1Feed::Reader tp1_reader(against_tp1 ? tp1 : nullptr);
     std::unique_ptr<StepSource> source;
     if (local)
       source = std::make_unique<RankRun>(o, in, *local, order);
@@ -737,7 +599,7 @@ VerifyReport run_verify(const RunOptions& o) {
           if (moe) ro.gpt.moe_routing_ranks = o.tp[waves[w][0]] * o.dp;
           run_reference(ro, in, ref.storage(), [&](int step) -> RefStep& { return ref.slot(step); },
                         [&](int step) { ref.publish(step); }, {}, follow);
-        } catch (const ReferenceFeed::Deserted&) {
+        } catch (const FeedDeserted&) {
           // every rank stopped reading: their own errors, if any, are the report
         } catch (...) {
           ref.fail(std::current_exception());

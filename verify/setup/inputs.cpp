@@ -98,9 +98,11 @@ GptBatch replica_batch(const GptBatch& global, int d, int dp) {
   return b;
 }
 
-std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
-                                                 Backend& be, Communicator& comm,
-                                                 Communicator* dp) {
+namespace {
+
+// `ep` × `etp`: the experts' degrees.
+std::unique_ptr<ShardedModel> make_model(const RunOptions& o, const RunInputs& in, Backend& be,
+                                         Communicator& comm, Communicator* dp, int ep, int etp) {
   if (o.model == ModelKind::Mlp)
     return std::make_unique<ShardedMlp>(o.mlp, in.mlp_batch, be, comm, o.dtype, o.seed, o.lr,
                                         o.fault);
@@ -111,8 +113,8 @@ std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunI
   par.tp_invariant = o.tp_invariant;
   par.recompute = o.recompute;
   par.recompute_layers = o.recompute_layers;
-  par.ep = o.ep;
-  par.etp = o.etp;
+  par.ep = ep;
+  par.etp = etp;
   if (o.dp == 1 && o.clip_grad == 0)
     return std::make_unique<ShardedGpt>(o.gpt, in.gpt_batch, o.adam, par, be, comm, o.dtype,
                                         o.seed, o.fault);
@@ -137,6 +139,32 @@ std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunI
                                         o.fault, dp);
   };
   return std::make_unique<DataParallelModel>(make, be, comm, *dp, opt, o.fault);
+}
+
+}  // namespace
+
+std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
+                                                 Backend& be, Communicator& comm,
+                                                 Communicator* dp) {
+  return make_model(o, in, be, comm, dp, o.ep, o.etp);
+}
+
+MeshLayout run_layout(const RunOptions& o, int tp) {
+  MeshDegrees d;
+  d.tp = tp;
+  d.dp = o.dp;
+  if (o.model == ModelKind::Gpt && o.gpt.moe()) {
+    d.ep = o.ep;
+    d.etp = o.etp;
+  }
+  return MeshLayout(d);
+}
+
+std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
+                                                 Backend& be, ParallelMesh& mesh) {
+  Communicator* dp = o.dp > 1 || o.clip_grad > 0 ? &mesh.group(MeshAxis::Dp) : nullptr;
+  return make_model(o, in, be, mesh.group(MeshAxis::Tp), dp, mesh.size(MeshAxis::Ep),
+                    mesh.size(MeshAxis::Etp));
 }
 
 }  // namespace tpsim

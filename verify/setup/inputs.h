@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/mesh.h"
 #include "sharded/sharded_model.h"
 #include "verify/setup/run_options.h"
 
@@ -40,6 +41,14 @@ std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o);
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
                                                  Backend& be, Communicator& comm,
                                                  Communicator* dp = nullptr);
+
+// The run's mesh at TP degree `tp`: --dp, and --ep/--etp for experts, in one place (the
+// layout checks them once; validate.cpp names the flags first).
+MeshLayout run_layout(const RunOptions& o, int tp);
+// make_sharded_model for the rank of `mesh`: on its TP group, its DP group where the run
+// has one, the experts' degrees the mesh's.
+std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
+                                                 Backend& be, ParallelMesh& mesh);
 
 // Replica d's rows of the global batch (d of `dp` replicas; B must divide by dp).
 GptBatch replica_batch(const GptBatch& global, int d, int dp);
