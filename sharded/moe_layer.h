@@ -27,7 +27,7 @@
 
 #include "comm/communicator.h"
 #include "model/config.h"
-#include "sharded/faults/faults.h"
+#include "sharded/faults.h"
 #include "sharded/sharded_model.h"
 
 namespace tpsim {
