@@ -9,6 +9,7 @@
 
 #include "backend/backend.h"
 #include "sharded/parameter.h"
+#include "sharded/tp_invariant.h"
 
 namespace tpsim {
 
@@ -30,6 +31,25 @@ struct ColumnParallelLinear {
     be.gemm(weight->grad, dout, true, inp, false);
     if (bias) be.bias_backward(bias->grad, dout);
     be.gemm(dinp, dout, false, weight->value, false, 1.0, accumulate ? 1.0 : 0.0);
+  }
+
+  // The same under a reduction policy (sharded/tp_invariant.h). Canonical: the output in
+  // tiles of `tile` columns; dW in tiles of `tile` rows, and the input gradient's share as
+  // one partial per canonical chunk of `tile` outputs (chunk j of this rank's from output
+  // tile tile0 + j: not 0 for a kv head the rank shares with others), in the policy's
+  // workspace. `halves`: SwiGLU's fused [G_r | U_r], whose chunk j is gate chunk j's
+  // product plus up chunk j's, in that order, at every degree.
+  void forward(Reduction& red, Tensor& out, const Tensor& inp, std::int64_t tile) const {
+    red.gemm(out, inp, false, weight->value, true, {0, tile});
+    if (bias) red.backend().add_bias(out, bias->value);
+  }
+  void backward(Reduction& red, Tensor& dinp, const Tensor& dout, const Tensor& inp,
+                std::int64_t tile, bool accumulate, bool halves = false, int tile0 = 0) const {
+    red.gemm(weight->grad, dout, true, inp, false, {tile, 0});
+    // (each column summed over every token in row order: the same at any degree)
+    if (bias) red.backend().bias_backward(bias->grad, dout);
+    red.split_product(dinp, dout, false, weight->value, false, tile, tile0,
+                      accumulate ? 1.0 : 0.0, halves ? dout.dim(1) / 2 : -1);
   }
 };
 

@@ -15,18 +15,25 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
-#include "sharded/faults.h"
+#include "sharded/faults/faults.h"
 #include "sharded/sharded_model.h"
 
 namespace tpsim {
 
 struct MoeWorkspace;  // sharded/moe_layer.h
+class MoeLayer;
+struct TransformerContext;  // sharded/transformer/
+class TpRegion;
+class Embedding;
+class BlockStack;
+class LmHead;
 
 struct GptParallelism {
   bool loss_parallel = false;
@@ -93,152 +100,47 @@ class ShardedGpt final : public ShardedModel {
   std::vector<Observation> observe_forward() override;
   std::vector<Observation> observe_activation_grads() override;
   std::vector<Parameter>& params() override { return params_; }
-  void record_activation_points(bool on) override { record_ = on; }
+  void record_activation_points(bool on) override;
   std::map<std::string, std::vector<double>> buffers() const override;
   void load_buffers(const std::map<std::string, std::vector<double>>& full) override;
   std::vector<RouterLosses> router_losses() const override;
 
  private:
-  struct Block;
-  void forward();
-  void backward();
-  // Block l's forward from its input x_in [Nl,H]; again in backward when rerun_ is set
-  // (full recomputation), when it records no points and labels its collectives
-  // "h.N.recompute".
-  void block_forward(std::size_t l, const Tensor& x_in);
-  // Block l's input: the embeddings, the previous block's output, or (full recompute, at a
-  // chunk's first block) the chunk's kept input.
-  const Tensor& block_input(std::size_t l) const;
-  // Full recompute: the blocks of the chunk that ends at block `last`, forward again.
-  void rerun_chunk(std::size_t last);
-  // Blocks per recompute chunk (full recompute), else 1.
-  std::size_t chunk_layers() const;
-  // A forward activation point whose buffer full recomputation shares between layers:
-  // snapshotted where it is produced (when recording, in the first pass only).
-  void forward_point(const std::string& name, const Tensor& t);
-  // The training step the dropout masks are drawn for: this one, on a rerun too (the
-  // fault draws a rerun's afresh, from the next step's).
-  std::int64_t mask_step() const;
-  double softmax_scale() const;
-  // gather_from_sp_region's forward (also re-gathers in backward), with its chunk-order fault.
-  void gather_tokens(Tensor& full, const Tensor& local);
-  // g without sequence parallel, with its rank-dependent-sum-order fault.
-  void reduce_partials(Tensor& y);
-  // TP-invariant mode: out = the canonical sum of the partials in the invariant workspace
-  // (rows [row0, row0 + out rows) of each), as f's backward or g would sum the ranks' shares.
-  void combine(Tensor& out, std::int64_t row0, bool own_only = false, bool from_own_rank = false);
-  // The norm's backward (LayerNorm or RMSNorm) but its bias; under the TP-invariant mode
-  // with sequence parallel, its weight gradient (a sum over this rank's tokens) as
-  // canonical token-chunk partials, combined.
-  void norm_weight_backward(Tensor& dinp, Parameter& p, const Tensor& dout, const Tensor& inp,
-                            const Tensor& mean, const Tensor& rstd);
-  // A replicated bias's gradient, dout [Nl,H] summed over this rank's tokens (+=); in the
-  // TP-invariant mode under SP as canonical token-chunk partials, combined in chunk order
-  // (own_only: the not-summed fault's own chunks).
-  void token_bias_backward(Parameter& bias, const Tensor& dout, bool own_only = false);
-  // The TP-invariant mode under SP: grad [H] = the canonical sum over the token chunks of
-  // the partials that add(partial [H], first row, rows) makes of this rank's chunks.
-  void token_chunk_sum(Tensor& grad, bool own_only,
-                       const std::function<void(Tensor&, std::int64_t, std::int64_t)>& add);
-  // The architecture's norm (LayerNorm, with its bias if any, or RMSNorm: `mean` unused).
-  void norm_forward(Tensor& out, Tensor& mean, Tensor& rstd, const Tensor& inp,
-                    const Parameter& w, const Parameter* b);
-  void norm_backward(Tensor& dinp, Parameter& w, Parameter* b, const Tensor& dout,
-                     const Tensor& inp, const Tensor& mean, const Tensor& rstd);
-  // "<module>.bias", or null when the architecture has none.
-  Parameter* bias_of(const std::string& module);
-  bool rope_interleaved() const;
-  // GQA: the local kv head that local query head j attends with.
-  std::int64_t kv_head_of(std::int64_t j) const;
-  // heads [N,Hl] = each local query head's kv head from kv [N,KVl] (a no-op when they
-  // alias); its backward sums each kv head's query-head gradients into dkv.
-  void expand_kv(Tensor& heads, const Tensor& kv);
-  void sum_kv_groups(Tensor& dkv, const Tensor& dheads);
-  // GQA with tp > kv heads: sums a k/v gradient over the ranks that share its kv head.
-  void sum_over_kv_replicas(Tensor& grad);
-  // The same under --tp-invariant, one step earlier: every query head's share of this
-  // rank's kv head, gathered from the replicas and summed in query-head order as TP 1 does.
-  void sum_kv_heads_over_replicas(Tensor& dkv, const Tensor& dheads);
-  // A row-parallel bias's gradient from the residual stream's gradient dres [Nl,H].
-  void row_bias_backward(Parameter* bias, const Tensor& dres);
-  // Dropout masks (backend/dropout_mask.h), drawn for this step by global index: over
-  // this rank's [Nl,H] tokens of the residual stream at `site` ("dropout/embedding",
-  // "dropout/h.0.attn.residual"), and over layer l's [B,A/t,T,T] attention probabilities.
-  // Inactive without dropout.
-  DropoutMask tokens_mask(const std::string& site) const;
-  DropoutMask probs_mask(std::size_t l) const;
-  // A residual branch's output gradient from the residual's, dres [Nl,H]: through its
-  // dropout (into the workspace), or dres itself without dropout.
-  const Tensor& branch_grad(const Tensor& dres, const std::string& site);
-  // Snapshots of the two column halves of t (SwiGLU's [gate | up]) as two points.
-  struct Snapshots;
-  void snapshot_halves(Snapshots& into, const std::string& left, const std::string& right,
-                       const Tensor& t);
-  // Index of a parameter by name in params_.
+  // The parameters, by the shard map: SwiGLU's gate and up (and their biases) live in one
+  // fused tensor per block (fused_), rank r's [G_r; U_r], so that one column-parallel GEMM
+  // makes both halves of the MLP's input.
+  void make_params(std::uint64_t seed,
+                   const std::function<void(Parameter&, const ParamSpec&)>& initialise);
+  // An MoE layer's routed experts for block l (sharded/moe_layer.h); null for a dense block.
+  std::unique_ptr<MoeLayer> make_moe(std::size_t l, Communicator& comm, Communicator* dp,
+                                     Fault fault);
+  // After backward: the gradient sums over ranks that saw part of the data (replicated kv
+  // heads, the MoE router, SP's replicated parameters).
+  void sync_grads();
   Parameter& param(const std::string& name);
-  // The LM head's weight: wte when tied, lm_head when not.
-  Parameter& lm_head();
-  // This rank's layout of an activation point, by gpt_point_shard: the rule a dump's
-  // reader applies too.
-  ShardSpec point(const std::string& name) const;
-  // Host copy of a point whose buffer is reused before observe_* runs (a workspace
-  // tensor), taken where it is produced; a no-op unless recording.
-  void snapshot(Snapshots& into, const std::string& name, const ShardSpec& spec, const Tensor& t);
-  // MoE without SP: this rank's routed tokens, rows [r·N/t, (r+1)·N/t) of a replicated [N,H].
-  Tensor routed_rows(const Tensor& t) const;
-  // An observation made elsewhere (an MoE layer's), kept in production order.
-  void keep(Snapshots& into, Observation o);
+  std::vector<std::pair<std::int64_t, MoeLayer*>> moe_layers() const;
 
   GptConfig cfg_;
   AdamConfig adam_;
   GptParallelism par_;
-  Communicator& comm_;
+  DType dtype_;
   std::unique_ptr<Communicator> mesh_;  // MoE with --dp: the whole dp × tp mesh
   std::unique_ptr<MoeWorkspace> moe_ws_;  // the routed experts' scratch, shared by their layers
   int dp_ = 1;                          // data-parallel replicas
-  DType dtype_;
-  std::uint64_t seed_;  // the run's seed: weights, and the dropout masks' streams
-  std::int64_t step_ = 0;
   double loss_ = 0.0;
   double moe_loss_ = 0.0;  // the MoE layers' aux and z losses, part of loss_
 
-  int rank_, world_;
-  std::int64_t B_, T_, N_;   // batch, sequence, tokens = B·T
-  std::int64_t Nl_;          // tokens in this rank's residual stream: N, or N/t under SP
-  std::int64_t tok0_;        // first token of this rank's residual stream
-  std::int64_t Vp_;          // padded vocabulary
-  std::int64_t n_valid_;     // non-ignored labels in the batch
-
   std::vector<Parameter> params_;  // forward order, as gpt_param_specs
+  std::map<std::string, Parameter> fused_;  // "h.0.mlp.gate_up.weight": [G_r; U_r], no spec
   std::vector<Parameter*> summed_grads_;  // zeroed before each backward; the rest are written
-  std::vector<std::unique_ptr<Block>> blocks_;
-
+  std::unique_ptr<TransformerContext> ctx_;
+  std::vector<std::unique_ptr<TpRegion>> regions_;  // the TP region, and any decorated
   Tensor ids_;        // [Nl] i64   token ids of the residual stream's tokens
   Tensor ids_all_;    // [N] i64    every token (the vocab-parallel lookup sees all)
   Tensor pos_;        // [Nl] i64   their positions (learned position embeddings)
-  Tensor rope_pos_;   // [N] i64    every token's position (RoPE, in the TP region)
-  Tensor targets_;    // [Nce] i64  label per logits row; -100 at each row's last position
-  Tensor x0_;         // [Nl,H]     embedding output
-  Tensor h_gathered_; // [N,H]      SP: an LN output gathered over tokens for the column-
-                      //            parallel layers; shared by every block and gathered
-                      //            again in backward, so that no layer saves N·H of it
-  Tensor emb_full_;   // [N,H]      vocab-parallel lookup before its reduce (loss parallel)
-  Tensor xf_;         // [Nl,H]     residual stream after the last block
-  Tensor hf_;         // [Nl,H]     ln_f output
-  Tensor lnf_mean_, lnf_rstd_;  // [Nl]
-  Tensor hf_full_;    // [N,H]      ln_f output gathered over tokens (SP with loss parallel)
-  Tensor logits_;     // [Nce, Vl]  rows: N (or Nl under SP without loss parallel)
-  std::int64_t logits_col0_ = 0, logits_valid_ = 0;
-  struct CrossEntropyState;
-  std::unique_ptr<CrossEntropyState> ce_;
-  struct Invariant;  // the TP-invariant mode's chunking, tiles and partials; null when off
-  std::unique_ptr<Invariant> inv_;
-  struct Workspace;  // temporaries, allocated once: big ones would page-fault every step
-  std::unique_ptr<Workspace> ws_;
-  bool record_ = false;  // activation points: snapshot the transient ones each step
-  bool rerun_ = false;   // a recomputation is running: no points, masks as the first pass
-  std::vector<Tensor> chunk_in_;  // full recompute: [Nl,H] input of each chunk but the first
-  std::unique_ptr<Snapshots> fwd_snaps_, bwd_snaps_;
+  std::unique_ptr<Embedding> embedding_;
+  std::unique_ptr<BlockStack> blocks_;
+  std::unique_ptr<LmHead> head_;
 };
 
 }  // namespace tpsim

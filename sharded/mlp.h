@@ -8,7 +8,7 @@
 
 #include "model/config.h"
 #include "sharded/column_parallel_linear.h"
-#include "sharded/faults.h"
+#include "sharded/faults/faults.h"
 #include "sharded/row_parallel_linear.h"
 #include "sharded/sharded_model.h"
 

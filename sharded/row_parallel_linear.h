@@ -7,6 +7,7 @@
 
 #include "backend/backend.h"
 #include "sharded/parameter.h"
+#include "sharded/tp_invariant.h"
 
 namespace tpsim {
 
@@ -23,6 +24,18 @@ struct RowParallelLinear {
   void backward(Backend& be, Tensor& dinp, const Tensor& dout, const Tensor& inp) const {
     be.gemm(weight->grad, dout, true, inp, false);
     be.gemm(dinp, dout, false, weight->value, false);
+  }
+
+  // The same under a reduction policy (sharded/tp_invariant.h). Canonical: the partial
+  // sum as one partial per canonical chunk of `tile` inputs, in the policy's workspace
+  // (`partial` untouched); backward's two products in tiles of `tile` input columns.
+  void forward(Reduction& red, Tensor& partial, const Tensor& inp, std::int64_t tile) const {
+    red.split_product(partial, inp, false, weight->value, true, tile);
+  }
+  void backward(Reduction& red, Tensor& dinp, const Tensor& dout, const Tensor& inp,
+                std::int64_t tile) const {
+    red.gemm(weight->grad, dout, true, inp, false, {0, tile});
+    red.gemm(dinp, dout, false, weight->value, false, {0, tile});
   }
 };
 

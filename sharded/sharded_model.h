@@ -10,7 +10,7 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
-#include "sharded/faults.h"
+#include "sharded/faults/faults.h"
 #include "sharded/parameter.h"
 
 namespace tpsim {

@@ -16,7 +16,7 @@
 #include "backend/backend.h"
 #include "backend/canonical_gemm.h"
 #include "comm/communicator.h"
-#include "sharded/faults.h"
+#include "sharded/faults/faults.h"
 #include "sharded/tp_invariant.h"
 
 namespace tpsim {

@@ -8,7 +8,7 @@
 #include "core/dtype.h"
 #include "model/config.h"
 #include "runtime/launch.h"
-#include "sharded/faults.h"
+#include "sharded/faults/faults.h"
 
 namespace tpsim {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "sharded/faults.h"
+#include "sharded/faults/faults.h"
 #include "verify/setup/run_options.h"
 
 namespace tpsim {

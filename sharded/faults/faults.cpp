@@ -1,4 +1,4 @@
-#include "sharded/faults.h"
+#include "sharded/faults/faults.h"
 
 #include "core/errors.h"
 
