@@ -23,68 +23,32 @@ class Scalar {
   Tensor t_;
 };
 
-// Whether the DP sync of Fault::DpNormGradSyncSkipped leaves this gradient out: a norm's
-// weight, replicated over TP ("h.0.ln1.weight", "ln_f.weight").
-bool is_norm_weight(const ShardSpec& s) {
-  return s.replicated() && s.name.ends_with(".weight") &&
-         (s.name.starts_with("ln_f.") || s.name.find(".ln") != std::string::npos);
-}
-
 }  // namespace
 
-// Fault::TpAllReduceOnDpGroup: the model's TP communicator, except that the first
-// all-reduce of each step goes to the DP group (a collective issued on the wrong process
-// group: every rank misroutes the same call, so it meets its DP peers and sums their
-// partials instead of its TP group's).
-class DataParallelModel::Misrouted final : public Communicator {
- public:
-  Misrouted(Communicator& tp, Communicator& dp) : tp_(tp), dp_(dp) {}
-  void new_step() { misrouted_ = false; }
-  int rank() const override { return tp_.rank(); }
-  int world_size() const override { return tp_.world_size(); }
-  void all_reduce(Tensor& t, ReduceOp op) override {
-    Communicator& to = misrouted_ ? tp_ : dp_;
-    misrouted_ = true;
-    to.set_label(label_);
-    to.all_reduce(t, op);
-  }
-  void all_gather(const Tensor& in, Tensor& out) override {
-    tp_.set_label(label_);
-    tp_.all_gather(in, out);
-  }
-  void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override {
-    tp_.set_label(label_);
-    tp_.reduce_scatter(in, out, op);
-  }
-  void broadcast(Tensor& t, int root) override {
-    tp_.set_label(label_);
-    tp_.broadcast(t, root);
-  }
-  void barrier() override {
-    tp_.set_label(label_);
-    tp_.barrier();
-  }
-  void all_to_all(const Tensor& in, Tensor& out, const std::vector<std::int64_t>& send_counts,
-                  const std::vector<std::int64_t>& recv_counts) override {
-    tp_.set_label(label_);
-    tp_.all_to_all(in, out, send_counts, recv_counts);
-  }
-  void abort(const std::string& reason) override { tp_.abort(reason); }
+double GradNorm::sum_over(Backend& be, Communicator& tp, double v) {
+  Scalar total(be);
+  Tensor& t = total.set(v);
+  tp.set_label("clip.grad_norm");
+  tp.all_reduce(t, ReduceOp::Sum);
+  return total.get();
+}
 
- private:
-  Communicator& tp_;
-  Communicator& dp_;
-  bool misrouted_ = false;
-};
+double GradNorm::from_rank0(Backend& be, Communicator& tp, double v) {
+  Scalar total(be);
+  Tensor& t = total.set(v);
+  tp.set_label("clip.grad_norm");
+  tp.broadcast(t, 0);
+  return total.get();
+}
 
-double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& params,
-                      double max_norm, Fault fault, Communicator* dp) {
+double GradNorm::clip(Backend& be, Communicator& tp, std::vector<Parameter>& params,
+                      double max_norm, Communicator* dp) const {
   const int r = tp.rank();
   // Σ g² of this rank's TP shards; of replicated ones; of its experts' blocks (which the
   // DP replicas do not share: each block is counted by its one primary holder in the mesh)
   double split = 0.0, replicated = 0.0, experts = 0.0;
   for (const Parameter& p : params) {
-    if (p.spec.expert && fault == Fault::MoeClipNormMissingExperts) continue;
+    if (!counts(p.spec)) continue;
     const double s = be.sum_squares(p.grad);
     if (p.spec.replicated())
       replicated += s;
@@ -100,36 +64,27 @@ double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& par
     dp->all_reduce(et, ReduceOp::Sum);
     experts = e.get();  // then over TP with the split shards
   }
-  split += experts;
-  if (fault == Fault::ClipNormReplicatedTimesT) split += replicated;  // summed t times below
-  Scalar total(be);
-  Tensor& t = total.set(split);
-  tp.set_label("clip.grad_norm");
-  if (fault == Fault::ClipNormRank0ShardsOnly)
-    tp.broadcast(t, 0);
-  else
-    tp.all_reduce(t, ReduceOp::Sum);
-  double sq = total.get();
-  if (fault != Fault::ClipNormReplicatedTimesT) sq += replicated;
-  const double norm = std::sqrt(sq);
+  const double norm = std::sqrt(total(be, tp, split + experts, replicated));
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0)
     for (Parameter& p : params) be.scale_inplace(p.grad, coef);
   return norm;
 }
 
+double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& params,
+                      double max_norm, Communicator* dp) {
+  return GradNorm{}.clip(be, tp, params, max_norm, dp);
+}
+
 DataParallelModel::DataParallelModel(const MakeModel& make, Backend& be, Communicator& tp,
                                      Communicator& dp, const DataParallelOptions& opt,
-                                     Fault fault)
-    : ShardedModel(be, fault), tp_(tp), dp_(dp), opt_(opt) {
-  if (fault == Fault::TpAllReduceOnDpGroup) misrouted_ = std::make_unique<Misrouted>(tp, dp);
-  inner_ = make(misrouted_ ? static_cast<Communicator&>(*misrouted_) : tp);
-}
+                                     std::unique_ptr<GradNorm> norm, Communicator& replica_tp)
+    : ShardedModel(be), tp_(tp), dp_(dp), opt_(opt), norm_(std::move(norm)),
+      inner_(make(replica_tp)) {}
 
 DataParallelModel::~DataParallelModel() = default;
 
 double DataParallelModel::forward_backward() {
-  if (misrouted_) misrouted_->new_step();
   double loss = inner_->forward_backward();
   if (dp_.world_size() > 1) {
     Scalar s(be_);
@@ -140,7 +95,7 @@ double DataParallelModel::forward_backward() {
     sync_gradients();
   }
   if (opt_.clip_grad > 0)
-    grad_norm_ = clip_grad_norm(be_, tp_, inner_->params(), opt_.clip_grad, fault_, &dp_);
+    grad_norm_ = norm_->clip(be_, tp_, inner_->params(), opt_.clip_grad, &dp_);
   loss_ = loss;
   return loss;
 }
@@ -153,13 +108,9 @@ std::vector<Observation> DataParallelModel::observe_forward() {
 }
 
 void DataParallelModel::sync_gradients() {
-  const int dp = dp_.world_size();
-  double scale = 1.0;
-  if (fault_ == Fault::DpGradAveraged) scale /= dp;
-  if (fault_ == Fault::DpGradOverWorld) scale /= dp * tp_.world_size();
+  const double scale = sync_scale();
   for (Parameter& p : inner_->params()) {
-    if (fault_ == Fault::DpNormGradSyncSkipped && is_norm_weight(p.spec)) continue;
-    if (p.spec.expert) continue;  // summed over the expert-DP group by its MoE layer
+    if (!syncs(p.spec)) continue;
     dp_.set_label("dp.grad_sync " + p.spec.name);
     dp_.all_reduce(p.grad, ReduceOp::Sum);
     if (scale != 1.0) be_.scale_inplace(p.grad, scale);

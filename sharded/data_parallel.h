@@ -38,18 +38,45 @@ struct DataParallelOptions {
 };
 
 // The global L2 norm of every parameter's gradient over the TP group (see above), and the
-// clipping it implies: returns the norm; scales the gradients when max_norm/(norm + 1e-6)
-// is below 1. Collective over the TP group.
-double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& params,
-                      double max_norm, Fault fault = Fault::None, Communicator* dp = nullptr);
-
-class DataParallelModel final : public ShardedModel {
+// clipping it implies. (A planted fault substitutes one whose hooks differ:
+// sharded/faults/dp_faults.h.)
+class GradNorm {
  public:
-  // `make` builds the replica's model on the TP communicator it is given (under
-  // Fault::TpAllReduceOnDpGroup, one that misroutes an all-reduce to the DP group).
+  virtual ~GradNorm() = default;
+  // Returns the norm; scales the gradients when max_norm/(norm + 1e-6) is below 1.
+  // Collective over the TP group (and `dp`, for MoE's experts).
+  double clip(Backend& be, Communicator& tp, std::vector<Parameter>& params, double max_norm,
+              Communicator* dp) const;
+
+ protected:
+  // Whether a parameter's gradient counts in the norm: every one does.
+  virtual bool counts(const ShardSpec& /*spec*/) const { return true; }
+  // Σ g² over the TP group from this rank's sums: `split` over the blocks it counts (the
+  // ranks' shares, summed), `replicated` over the TP-replicated ones (the same on every
+  // rank, counted once).
+  virtual double total(Backend& be, Communicator& tp, double split, double replicated) const {
+    return sum_over(be, tp, split) + replicated;
+  }
+  // v summed over the TP group; rank 0's v on every rank.
+  static double sum_over(Backend& be, Communicator& tp, double v);
+  static double from_rank0(Backend& be, Communicator& tp, double v);
+};
+
+// GradNorm's clip: the norm, the gradients scaled.
+double clip_grad_norm(Backend& be, Communicator& tp, std::vector<Parameter>& params,
+                      double max_norm, Communicator* dp = nullptr);
+
+// (A planted fault substitutes a subclass whose sync or TP communicator differs:
+// sharded/faults/dp_faults.h.)
+class DataParallelModel : public ShardedModel {
+ public:
+  // `make` builds the replica's model on the TP communicator it is given; `norm` is the
+  // clipping's.
   using MakeModel = std::function<std::unique_ptr<ShardedModel>(Communicator& tp)>;
   DataParallelModel(const MakeModel& make, Backend& be, Communicator& tp, Communicator& dp,
-                    const DataParallelOptions& opt, Fault fault);
+                    const DataParallelOptions& opt,
+                    std::unique_ptr<GradNorm> norm = std::make_unique<GradNorm>())
+      : DataParallelModel(make, be, tp, dp, opt, std::move(norm), tp) {}
   ~DataParallelModel() override;
 
   // The replica's forward and backward, then the DP sync and clipping; the global loss.
@@ -67,15 +94,27 @@ class DataParallelModel final : public ShardedModel {
   }
   std::vector<RouterLosses> router_losses() const override { return inner_->router_losses(); }
 
- private:
-  class Misrouted;
-  void sync_gradients();
-  std::unique_ptr<Misrouted> misrouted_;  // the fault's TP communicator, or null
+ protected:
+  // The same, but the replica's model is built on `replica_tp` (a decorated TP group).
+  DataParallelModel(const MakeModel& make, Backend& be, Communicator& tp, Communicator& dp,
+                    const DataParallelOptions& opt, std::unique_ptr<GradNorm> norm,
+                    Communicator& replica_tp);
+  // Whether the DP sync sums a parameter's gradient: all but the experts' (which their
+  // MoE layer sums over the expert-DP group).
+  virtual bool syncs(const ShardSpec& spec) const { return !spec.expert; }
+  // What the synced gradients are multiplied by: 1, the token-weighted loss making their
+  // sum the global batch's gradient.
+  virtual double sync_scale() const { return 1.0; }
+
   Communicator& tp_;
   Communicator& dp_;
   DataParallelOptions opt_;
+  std::unique_ptr<GradNorm> norm_;
   std::unique_ptr<ShardedModel> inner_;
   double loss_ = 0.0, grad_norm_ = 0.0;
+
+ private:
+  void sync_gradients();
 };
 
 }  // namespace tpsim

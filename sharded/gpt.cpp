@@ -21,7 +21,7 @@ Parameter& ShardedGpt::param(const std::string& name) { return param_named(param
 ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
                        const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
                        std::uint64_t seed, Fault fault, Communicator* dp)
-    : ShardedModel(be, fault), cfg_(cfg), adam_(adam), par_(par), dtype_(dtype),
+    : ShardedModel(be), cfg_(cfg), adam_(gpt_optimizer(fault, adam)), par_(par), dtype_(dtype),
       dp_(dp ? dp->world_size() : 1) {
   const int t = comm.world_size();
   const std::int64_t H = cfg.hidden;
@@ -262,7 +262,7 @@ void ShardedGpt::sync_grads() {
 }
 
 void ShardedGpt::optimizer_step() {
-  tpsim::optimizer_step(be_, params_, adam_, ++ctx_->step, fault_);
+  tpsim::optimizer_step(be_, params_, adam_, ++ctx_->step);
   for (auto& b : blocks_->blocks())
     if (b->mlp().moe()) b->mlp().moe()->update_expert_bias();
 }

@@ -92,7 +92,7 @@ class ShardedGpt final : public ShardedModel {
   // MoE's experts fold onto too; null without data parallelism.
   ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
              const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
-             std::uint64_t seed, Fault fault = Fault::None, Communicator* dp = nullptr);
+             std::uint64_t seed, Fault fault, Communicator* dp = nullptr);
   ~ShardedGpt() override;
 
   double forward_backward() override;

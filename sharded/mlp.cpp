@@ -1,25 +1,14 @@
 #include "sharded/mlp.h"
 
-#include "sharded/mappings.h"
-
 namespace tpsim {
 
 ShardedMlp::ShardedMlp(const MlpConfig& cfg, const MlpBatch& batch, Backend& be,
-                       Communicator& comm, DType dtype, std::uint64_t seed, double lr,
-                       Fault fault)
-    : ShardedModel(be, fault), cfg_(cfg), comm_(comm), lr_(lr) {
+                       Communicator& comm, DType dtype, std::uint64_t seed, double lr)
+    : ShardedModel(be), cfg_(cfg), comm_(comm), lr_(lr) {
   const int r = comm.rank(), t = comm.world_size();
   const auto specs = mlp_param_specs(cfg);
   params_.push_back(make_parameter(be, split(specs[0], 0, r, t), dtype, seed));
   params_.push_back(make_parameter(be, split(specs[1], 1, r, t), dtype, seed));
-  if (fault == Fault::MlpFc2SplitRows) {
-    // The bug: take fc2's block of rows and use it as if it were the block of columns.
-    ShardSpec rows = split(specs[1], 0, r, t);
-    std::vector<double> wrong(static_cast<std::size_t>(shape_numel(rows.local_shape())));
-    init_block<double>(wrong.data(), seed, rows.name, rows.init, rows.full_shape, 0,
-                       rows.offset, rows.length);
-    set_values(be, params_[1], wrong.data());
-  }
   fc1_.weight = &params_[0];
   fc2_.weight = &params_[1];
 
@@ -45,11 +34,7 @@ double ShardedMlp::forward_backward() {
   be_.relu_forward(a_, h_);
   fc2_.forward(be_, y_, a_);
   comm_.set_label("fc2 g");
-  reduce_from_tp_region_forward(comm_, y_);  // g
-  // The faults: a sum off by a relative 1e-9 (or 5e-11, a control) on every rank alike, as
-  // a reduction that rounds wrongly in one place would be; at tp 1 there is no sum.
-  if (comm_.world_size() > 1 && fault_ == Fault::MlpSumOffBy1e9) be_.scale_inplace(y_, 1.0 + 1e-9);
-  if (comm_.world_size() > 1 && fault_ == Fault::MlpSumOffBy5e11) be_.scale_inplace(y_, 1.0 + 5e-11);
+  reduce_output(y_);  // g
   loss_ = be_.mse_forward(y_, target_);
   // backward
   be_.mse_backward(dy_, y_, target_);
@@ -58,7 +43,7 @@ double ShardedMlp::forward_backward() {
   be_.relu_backward(dh_, da_, h_);
   fc1_.backward(be_, dx_, dh_, x, /*accumulate=*/false);
   comm_.set_label("fc1 f backward");
-  if (fault_ != Fault::MlpDropFBackward) copy_to_tp_region_backward(comm_, dx_);  // f
+  reduce_input_grad(dx_);  // f
   return loss_;
 }
 

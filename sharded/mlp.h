@@ -4,20 +4,22 @@
 //   x ──f──> fc1 (cols) ──relu──> fc2 (rows) ──g──> y
 //
 // x and target are replicated on every rank; the hidden activation is split by columns.
+// (A planted fault substitutes a subclass whose initialiser or mapping differs:
+// sharded/faults/mlp_faults.h.)
 #pragma once
 
 #include "model/config.h"
 #include "sharded/column_parallel_linear.h"
-#include "sharded/faults/faults.h"
+#include "sharded/mappings.h"
 #include "sharded/row_parallel_linear.h"
 #include "sharded/sharded_model.h"
 
 namespace tpsim {
 
-class ShardedMlp final : public ShardedModel {
+class ShardedMlp : public ShardedModel {
  public:
   ShardedMlp(const MlpConfig& cfg, const MlpBatch& batch, Backend& be, Communicator& comm,
-             DType dtype, std::uint64_t seed, double lr, Fault fault = Fault::None);
+             DType dtype, std::uint64_t seed, double lr);
 
   double forward_backward() override;
   void optimizer_step() override { sgd_step(be_, params_, lr_); }
@@ -27,7 +29,12 @@ class ShardedMlp final : public ShardedModel {
 
   const Tensor& output() const { return y_; }
 
- private:
+ protected:
+  // g's forward: y [B,out] summed over the ranks' partials.
+  virtual void reduce_output(Tensor& y) { reduce_from_tp_region_forward(comm_, y); }
+  // f's backward: dx [B,in] summed over the ranks' partials.
+  virtual void reduce_input_grad(Tensor& dx) { copy_to_tp_region_backward(comm_, dx); }
+
   MlpConfig cfg_;
   Communicator& comm_;
   double lr_;

@@ -117,9 +117,9 @@ void sgd_momentum_step(Backend& be, Parameter& p, Tensor& w, const AdamConfig& c
 }  // namespace
 
 void optimizer_step(Backend& be, std::vector<Parameter>& params, const AdamConfig& c,
-                    std::int64_t step, Fault fault) {
+                    std::int64_t step) {
   const double lr = scheduled_lr(c, step);
-  const bool decoupled = c.kind == OptimizerKind::AdamW && fault != Fault::AdamwDecayAsL2;
+  const bool decoupled = c.kind == OptimizerKind::AdamW;
   for (auto& p : params) {
     Tensor& w = updated(p);
     AdamConfig pc = c;

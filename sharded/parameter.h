@@ -11,7 +11,6 @@
 
 #include "backend/backend.h"
 #include "model/config.h"
-#include "sharded/faults/faults.h"
 #include "sharded/shard_map.h"
 
 namespace tpsim {
@@ -43,8 +42,7 @@ void sgd_step(Backend& be, std::vector<Parameter>& params, double lr);
 // The learning rate of `step` (from 1) under c's schedule (config.h, LrSchedule).
 double scheduled_lr(const AdamConfig& c, std::int64_t step);
 // One step (from 1) of c's optimizer, Adam, AdamW or SGD (config.h), at scheduled_lr.
-// `fault`: Fault::AdamwDecayAsL2 plants its bug (sharded/faults/faults.h); any other is none.
 void optimizer_step(Backend& be, std::vector<Parameter>& params, const AdamConfig& c,
-                    std::int64_t step, Fault fault = Fault::None);
+                    std::int64_t step);
 
 }  // namespace tpsim

@@ -44,7 +44,7 @@ void ShardedModel::load_params(const std::map<std::string, std::vector<double>>&
 }
 
 std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec& spec,
-                                const Tensor& t, Fault fault, Communicator* dp) {
+                                const Tensor& t, Communicator* dp, ShardPlacement place) {
   if (spec.replicated()) return be.to_host(t);
   std::vector<double> full(static_cast<std::size_t>(shape_numel(spec.full_shape)), 0.0);
   if (spec.expert) {
@@ -70,7 +70,7 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
   }
   for (int r = 0; r < world; ++r) {
     ShardSpec s = spec;
-    s.rank = fault == Fault::ReassemblyShardOrder ? (r + 1) % world : r;
+    s.rank = place(r, world);
     s.offset = s.length * (s.rank / s.replicas);
     place_shard(full, std::span<const double>(host + r * n, static_cast<std::size_t>(n)), s);
   }
@@ -80,14 +80,14 @@ std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec
 std::map<std::string, std::vector<double>> ShardedModel::gather_params(Communicator& comm,
                                                                        Communicator* dp) {
   std::map<std::string, std::vector<double>> full;
-  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.value, fault_, dp);
+  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.value, dp, place_);
   return full;
 }
 
 std::map<std::string, std::vector<double>> ShardedModel::gather_grads(Communicator& comm,
                                                                       Communicator* dp) {
   std::map<std::string, std::vector<double>> full;
-  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.grad, fault_, dp);
+  for (auto& p : params()) full[p.spec.name] = gather_full(be_, comm, p.spec, p.grad, dp, place_);
   return full;
 }
 

@@ -10,7 +10,6 @@
 
 #include "backend/backend.h"
 #include "comm/communicator.h"
-#include "sharded/faults/faults.h"
 #include "sharded/parameter.h"
 
 namespace tpsim {
@@ -55,14 +54,19 @@ struct Observation {
   ObservedValues values;  // the block, row-major, as f64
 };
 
+// Where reassembly places the block that rank r of `world` holds: at the offset of the
+// rank it returns (its own; a planted fault substitutes another at set-up:
+// sharded/faults/reassembly_faults.h).
+using ShardPlacement = int (*)(int r, int world);
+inline int own_offset(int r, int /*world*/) { return r; }
+
 // The full tensor (unpadded, row-major) from every rank's block `t` of `spec`
 // (collective: every rank calls it; replicated tensors come from this rank's copy).
-// Fault::ReassemblyShardOrder places each shard at the next rank's offset.
 // `dp`: with data parallelism, the DP group, over which MoE's experts (spec.expert) spread
 // too; their blocks are summed over both.
 std::vector<double> gather_full(Backend& be, Communicator& comm, const ShardSpec& spec,
-                                const Tensor& t, Fault fault = Fault::None,
-                                Communicator* dp = nullptr);
+                                const Tensor& t, Communicator* dp = nullptr,
+                                ShardPlacement place = own_offset);
 
 class ShardedModel {
  public:
@@ -104,14 +108,16 @@ class ShardedModel {
                                                            Communicator* dp = nullptr);
   std::map<std::string, std::vector<double>> gather_grads(Communicator& comm,
                                                           Communicator* dp = nullptr);
+  // How gather_params and gather_grads place the shards (chosen at set-up).
+  void set_shard_placement(ShardPlacement place) { place_ = place; }
 
  protected:
-  ShardedModel(Backend& be, Fault fault) : be_(be), fault_(fault) {}
+  explicit ShardedModel(Backend& be) : be_(be) {}
   Observation observe(const std::string& name, const ShardSpec& spec, const Tensor& t);
   Backend& be_;
-  const Fault fault_;  // Fault::None but in `verify --inject-fault`
 
  private:
+  ShardPlacement place_ = own_offset;
   std::map<std::string, std::vector<double>> spare_;  // recycled storage, by tensor name
 };
 

@@ -19,15 +19,10 @@ double VocabParallelCrossEntropy::forward(Backend& be, Communicator& comm, const
     row_loss = be.empty({N}, dt, MemCategory::Temporary, "ce.row_loss");
   }
 
-  // Megatron's variant lets padded columns into the softmax.
-  const std::int64_t cols = fault == Fault::PaddedLogitsInSoftmax ? logits.dim(1) : valid;
+  const std::int64_t cols = softmax_columns(logits);
   be.ce_row_max(rowmax, logits, cols);
   if (split) comm.all_reduce(rowmax, ReduceOp::Max);
-  // The ownership fault: a target on this shard's first column is claimed by no rank, so
-  // its target logit stays 0 (its one-hot is dropped again in backward).
-  const bool unowned = fault == Fault::CeShardFirstIdUnowned;
-  be.ce_target_logit(target_logit, logits, unowned ? unowned_targets : targets, col0, valid);
-  if (split && fault != Fault::DropTargetLogitAllReduce) comm.all_reduce(target_logit, ReduceOp::Sum);
+  find_target_logit(be, comm, logits, targets);
   if (canon && split) {
     // Column chunk j of this rank is canonical chunk first()+j; its valid columns are
     // those of `cols` that fall in it.
@@ -77,7 +72,7 @@ double VocabParallelCrossEntropy::forward(Backend& be, Communicator& comm, const
 void VocabParallelCrossEntropy::backward(Backend& be, Tensor& dlogits, const Tensor& logits,
                                          const Tensor& targets, std::int64_t n_valid) const {
   const double scale = 1.0 / static_cast<double>(n_valid);
-  const std::int64_t cols = fault == Fault::PaddedLogitsInSoftmax ? logits.dim(1) : valid;
+  const std::int64_t cols = softmax_columns(logits);
   if (canon && split) {
     const int Cl = canon->local();
     const std::int64_t Vc = logits.dim(1) / Cl;
@@ -92,11 +87,13 @@ void VocabParallelCrossEntropy::backward(Backend& be, Tensor& dlogits, const Ten
   } else {
     be.ce_backward(dlogits, logits, rowmax, sumexp, targets, col0, cols, scale);
   }
-  if (fault != Fault::CeShardFirstIdUnowned) return;
-  // The ownership fault: no rank subtracts the one-hot of a target on a shard's first id.
-  std::vector<double> d = be.to_host(dlogits);
-  for (const std::int64_t row : unowned_rows) d[static_cast<std::size_t>(row * dlogits.dim(1))] += scale;
-  be.from_host(dlogits, d.data());
+  finish_backward(be, dlogits, scale);
+}
+
+void VocabParallelCrossEntropy::find_target_logit(Backend& be, Communicator& comm,
+                                                  const Tensor& logits, const Tensor& targets) {
+  be.ce_target_logit(target_logit, logits, targets, col0, valid);
+  if (split) comm.all_reduce(target_logit, ReduceOp::Sum);
 }
 
 }  // namespace tpsim

@@ -9,6 +9,7 @@
 //   backward: dlogits = (softmax - onehot) / n_valid on local columns: no communication
 //
 // With world size 1 (or the vocabulary unsplit) the same code runs with no collectives.
+// (A planted fault substitutes one whose hooks below differ: sharded/faults/.)
 #pragma once
 
 #include <vector>
@@ -16,22 +17,18 @@
 #include "backend/backend.h"
 #include "backend/canonical_gemm.h"
 #include "comm/communicator.h"
-#include "sharded/faults/faults.h"
 #include "sharded/tp_invariant.h"
 
 namespace tpsim {
 
 struct VocabParallelCrossEntropy {
+  virtual ~VocabParallelCrossEntropy() = default;
+
   std::int64_t col0 = 0;   // first vocabulary column this rank holds
   std::int64_t valid = 0;  // how many of its columns are real
   bool split = false;      // are the columns split over the ranks (loss parallel)?
-  Fault fault = Fault::None;
 
   Tensor rowmax, sumexp, target_logit, row_loss;  // [N] each; saved for backward
-  // Fault::CeShardFirstIdUnowned only: targets with every `col0` replaced by -100, and
-  // the rows where that happened.
-  Tensor unowned_targets;  // [N] i64
-  std::vector<std::int64_t> unowned_rows;
   // TP-invariant mode, when set: the exp-sum over split vocabulary columns is C partials
   // over column chunks of Vl/(C/t), the loss sum over split rows C partials over row
   // chunks, each combined in chunk order; the backward runs per column chunk, so that each
@@ -49,6 +46,16 @@ struct VocabParallelCrossEntropy {
   // dlogits [N,Vl] = (softmax - onehot(target)) / n_valid; padded columns and ignored rows 0.
   void backward(Backend& be, Tensor& dlogits, const Tensor& logits, const Tensor& targets,
                 std::int64_t n_valid) const;
+
+ protected:
+  // The columns the softmax counts: the real ones, never the padding.
+  virtual std::int64_t softmax_columns(const Tensor& /*logits*/) const { return valid; }
+  // target_logit [N] = each row's target logit, 0 where its target is on no column here,
+  // summed over the vocabulary shards.
+  virtual void find_target_logit(Backend& be, Communicator& comm, const Tensor& logits,
+                                 const Tensor& targets);
+  // Called after backward has written dlogits (scaled by `scale`): nothing to add.
+  virtual void finish_backward(Backend& /*be*/, Tensor& /*dlogits*/, double /*scale*/) const {}
 };
 
 }  // namespace tpsim

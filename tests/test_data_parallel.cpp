@@ -16,6 +16,7 @@
 #include "core/errors.h"
 #include "reference/optim.h"
 #include "sharded/data_parallel.h"
+#include "sharded/faults/dp_faults.h"
 #include "verify/engine/compare.h"
 #include "verify/engine/step_checks.h"
 #include "verify/setup/inputs.h"
@@ -98,7 +99,7 @@ ClipRun clip_on_two_ranks(double max_norm, Fault fault) {
     kv.world = 2;
     kv.replicas = 2;
     add(kv, {5});
-    const double n = clip_grad_norm(*be, comm, ps, max_norm, fault);
+    const double n = make_grad_norm(fault)->clip(*be, comm, ps, max_norm, nullptr);
     if (r != 0) return;
     std::lock_guard lock(mu);
     out.norm = n;

@@ -18,7 +18,7 @@ namespace {
 // A model that is only its parameters: two replicated [2,3] tensors, "a" then "w".
 class ParamsOnly final : public ShardedModel {
  public:
-  ParamsOnly(Backend& be, DType dt) : ShardedModel(be, Fault::None) {
+  ParamsOnly(Backend& be, DType dt) : ShardedModel(be) {
     for (const char* n : {"a", "w"})
       ps_.push_back(make_parameter(be, replicate(ParamSpec{n, {2, 3}, InitSpec::constant(0.5)}, 0, 1),
                                    dt, 1));

@@ -1,5 +1,7 @@
 #include "sharded/faults/module_faults.h"
 
+#include "sharded/faults/loss_faults.h"
+
 namespace tpsim {
 
 namespace {
@@ -73,8 +75,9 @@ std::unique_ptr<LmHead> make_lm_head(Fault fault, TransformerContext& c, TpRegio
                                      std::int64_t n_valid) {
   if (fault == Fault::GptUntiedEmbeddingGrad)
     return std::make_unique<UntiedHeadGrad>(c, region, ln_f, ln_f_bias, weight, wte, targets,
-                                            n_valid);
-  return std::make_unique<LmHead>(c, region, ln_f, ln_f_bias, weight, wte, targets, n_valid);
+                                            n_valid, make_cross_entropy(fault));
+  return std::make_unique<LmHead>(c, region, ln_f, ln_f_bias, weight, wte, targets, n_valid,
+                                  make_cross_entropy(fault));
 }
 
 }  // namespace tpsim

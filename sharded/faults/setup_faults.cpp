@@ -45,4 +45,10 @@ GptSetup gpt_setup(Fault fault, Backend& be, const GptConfig& cfg, const GptPara
   return s;
 }
 
+AdamConfig gpt_optimizer(Fault fault, AdamConfig asked) {
+  if (fault == Fault::AdamwDecayAsL2 && asked.kind == OptimizerKind::AdamW)
+    asked.kind = OptimizerKind::Adam;
+  return asked;
+}
+
 }  // namespace tpsim

@@ -6,8 +6,8 @@ namespace tpsim {
 
 LmHead::LmHead(TransformerContext& c, TpRegion& region, Parameter& ln_f, Parameter* ln_f_bias,
                Parameter& weight, Parameter& wte, const std::vector<std::int64_t>& targets,
-               std::int64_t n_valid)
-    : c_(c), region_(region), weight_(weight), wte_(wte), n_valid_(n_valid) {
+               std::int64_t n_valid, std::unique_ptr<VocabParallelCrossEntropy> ce)
+    : c_(c), region_(region), weight_(weight), wte_(wte), n_valid_(n_valid), ce_(std::move(ce)) {
   const bool lp = c.par.loss_parallel;
   // Logits rows: every token with loss parallel; this rank's tokens under SP without it.
   const bool rows_local = c.sp && !lp;
@@ -20,24 +20,13 @@ LmHead::LmHead(TransformerContext& c, TpRegion& region, Parameter& ln_f, Paramet
   if (lp && c.sp) hf_full_ = c.act({c.N, c.cfg.hidden}, "ln_f.out.gathered");
   else hf_full_ = ln_f_.out;
   logits_ = c.act({Nce, weight.value.dim(0)}, "logits");
-  ce_.col0 = lp ? weight.spec.offset : 0;
-  ce_.valid = lp ? weight.spec.valid_length() : c.cfg.vocab_size;
-  ce_.split = lp;
-  ce_.fault = c.fault;
-  if (c.fault == Fault::CeShardFirstIdUnowned) {
-    std::vector<std::int64_t> unowned(targets.begin() + row0, targets.begin() + row0 + Nce);
-    for (std::size_t i = 0; i < unowned.size(); ++i)
-      if (unowned[i] == ce_.col0) {
-        unowned[i] = kIgnoreIndex;
-        ce_.unowned_rows.push_back(static_cast<std::int64_t>(i));
-      }
-    ce_.unowned_targets = c.be.empty({Nce}, DType::I64, MemCategory::Temporary, "fault.targets");
-    c.be.from_host_i64(ce_.unowned_targets, unowned.data());
-  }
+  ce_->col0 = lp ? weight.spec.offset : 0;
+  ce_->valid = lp ? weight.spec.valid_length() : c.cfg.vocab_size;
+  ce_->split = lp;
   dlogits_ = c.tmp(logits_.shape(), "logits.grad");
   if (c.red->canonical()) {
-    ce_.canon = &c.red->chunks();
-    ce_.tiles = &c.red->tiles();
+    ce_->canon = &c.red->chunks();
+    ce_->tiles = &c.red->tiles();
   }
 }
 
@@ -53,7 +42,7 @@ double LmHead::forward(const Tensor& x) {
   const Reduction::Sizes& z = c_.red->sizes();
   c_.red->gemm(logits_, hf_full_, false, weight_.value, true, {sp && !lp ? z.Nc : 0, lp ? z.Vc : 0});
   c_.comm.set_label("cross_entropy");
-  return ce_.forward(c_.be, c_.comm, logits_, targets_, n_valid_, /*rows_split=*/sp && !lp);
+  return ce_->forward(c_.be, c_.comm, logits_, targets_, n_valid_, /*rows_split=*/sp && !lp);
 }
 
 void LmHead::backward(Tensor& dx, const Tensor& x, bool wte_chunked) {
@@ -62,7 +51,7 @@ void LmHead::backward(Tensor& dx, const Tensor& x, bool wte_chunked) {
   Reduction& red = *c_.red;
   const Reduction::Sizes& z = red.sizes();
   c_.comm.set_label("head");
-  ce_.backward(be, dlogits_, logits_, targets_, n_valid_);
+  ce_->backward(be, dlogits_, logits_, targets_, n_valid_);
   if (wte_chunked) {
     const std::int64_t V = wte_.value.dim(0), n = z.Nc;
     for (int j = 0; j < red.chunks().local(); ++j) {

@@ -2,7 +2,7 @@
 // cross-entropy. With loss parallel W is split by vocabulary rows: ln_f's output enters
 // the TP region (f), the logits stay split and the cross-entropy never gathers them.
 // Without it the logits rows are every token, or this rank's under SP. (A planted fault
-// may substitute its weight's gradient: sharded/faults/.)
+// may substitute its weight's gradient or its cross-entropy: sharded/faults/.)
 #pragma once
 
 #include <memory>
@@ -16,10 +16,11 @@ namespace tpsim {
 class LmHead {
  public:
   // `targets` [N]: the label of every token's logits row (-100 at a sequence's last);
-  // `n_valid` the non-ignored labels the loss is the mean over.
+  // `n_valid` the non-ignored labels the loss is the mean over; `ce` the cross-entropy
+  // (its columns and policy are set here).
   LmHead(TransformerContext& c, TpRegion& region, Parameter& ln_f, Parameter* ln_f_bias,
          Parameter& weight, Parameter& wte, const std::vector<std::int64_t>& targets,
-         std::int64_t n_valid);
+         std::int64_t n_valid, std::unique_ptr<VocabParallelCrossEntropy> ce);
   virtual ~LmHead() = default;
 
   // The mean cross-entropy from the last block's output x [Nl,H].
@@ -58,7 +59,7 @@ class LmHead {
   Tensor hf_full_;    // [N,H]      ln_f output gathered over tokens (SP with loss parallel)
   Tensor logits_;     // [Nce,Vl]   rows: N (or Nl under SP without loss parallel)
   Tensor dlogits_;    // [Nce,Vl]
-  VocabParallelCrossEntropy ce_;
+  std::unique_ptr<VocabParallelCrossEntropy> ce_;
 };
 
 }  // namespace tpsim

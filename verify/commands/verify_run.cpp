@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "runtime/launch.h"
+#include "sharded/faults/reassembly_faults.h"
 #include "verify/engine/step_stream.h"
 #include "verify/setup/inputs.h"
 #include "verify/engine/divergence.h"
@@ -269,7 +270,7 @@ class RankRun final : public StepSource {
       if (p.spec.replicated())
         if (const double* h = here_.be.host_view_f64(t))
           return ObservedValues::view(h, static_cast<std::size_t>(t.numel()));
-      return gather_full(here_.be, tp(), p.spec, t, o_.fault, &dp());
+      return gather_full(here_.be, tp(), p.spec, t, &dp(), shard_placement(o_.fault));
     };
     for (const Parameter& p : model_->params()) {
       auto grad = full_of(p, p.grad);

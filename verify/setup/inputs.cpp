@@ -5,9 +5,10 @@
 
 #include "io/checkpoint.h"
 #include "io/hf_checkpoint.h"
-#include "sharded/data_parallel.h"
+#include "sharded/faults/dp_faults.h"
 #include "sharded/gpt.h"
-#include "sharded/mlp.h"
+#include "sharded/faults/mlp_faults.h"
+#include "sharded/faults/reassembly_faults.h"
 #include "verify/setup/model_description.h"
 
 namespace tpsim {
@@ -104,8 +105,7 @@ namespace {
 std::unique_ptr<ShardedModel> make_model(const RunOptions& o, const RunInputs& in, Backend& be,
                                          Communicator& comm, Communicator* dp, int ep, int etp) {
   if (o.model == ModelKind::Mlp)
-    return std::make_unique<ShardedMlp>(o.mlp, in.mlp_batch, be, comm, o.dtype, o.seed, o.lr,
-                                        o.fault);
+    return make_mlp(o.fault, o.mlp, in.mlp_batch, be, comm, o.dtype, o.seed, o.lr);
   GptParallelism par;
   par.loss_parallel = o.loss_parallel;
   par.sequence_parallel = o.sequence_parallel;
@@ -138,7 +138,7 @@ std::unique_ptr<ShardedModel> make_model(const RunOptions& o, const RunInputs& i
     return std::make_unique<ShardedGpt>(o.gpt, batch, o.adam, par, be, tp, o.dtype, o.seed,
                                         o.fault, dp);
   };
-  return std::make_unique<DataParallelModel>(make, be, comm, *dp, opt, o.fault);
+  return make_data_parallel(o.fault, make, be, comm, *dp, opt);
 }
 
 }  // namespace
@@ -146,7 +146,9 @@ std::unique_ptr<ShardedModel> make_model(const RunOptions& o, const RunInputs& i
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
                                                  Backend& be, Communicator& comm,
                                                  Communicator* dp) {
-  return make_model(o, in, be, comm, dp, o.ep, o.etp);
+  auto model = make_model(o, in, be, comm, dp, o.ep, o.etp);
+  model->set_shard_placement(shard_placement(o.fault));  // (a planted fault's, if any)
+  return model;
 }
 
 MeshLayout run_layout(const RunOptions& o, int tp) {
@@ -163,8 +165,10 @@ MeshLayout run_layout(const RunOptions& o, int tp) {
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
                                                  Backend& be, ParallelMesh& mesh) {
   Communicator* dp = o.dp > 1 || o.clip_grad > 0 ? &mesh.group(MeshAxis::Dp) : nullptr;
-  return make_model(o, in, be, mesh.group(MeshAxis::Tp), dp, mesh.size(MeshAxis::Ep),
-                    mesh.size(MeshAxis::Etp));
+  auto model = make_model(o, in, be, mesh.group(MeshAxis::Tp), dp, mesh.size(MeshAxis::Ep),
+                          mesh.size(MeshAxis::Etp));
+  model->set_shard_placement(shard_placement(o.fault));  // (a planted fault's, if any)
+  return model;
 }
 
 }  // namespace tpsim
