@@ -9,7 +9,7 @@
 #include "sharded/faults/module_faults.h"
 #include "sharded/faults/setup_faults.h"
 #include "sharded/faults/tp_region_faults.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 #include "sharded/transformer/block_stack.h"
 #include "sharded/transformer/embedding.h"
 #include "sharded/transformer/lm_head.h"
