@@ -7,7 +7,7 @@
 
 namespace tpsim {
 
-MoeTokenDispatcher::MoeTokenDispatcher(const MoeContext& m, Fault fault) : m_(m), fault_(fault) {
+MoeTokenDispatcher::MoeTokenDispatcher(const MoeContext& m) : m_(m) {
   // The plan's permutations, for the worst routing (MoeWorkspace's R).
   auto act = [&](const char* tag) {
     return m.be.empty({m.ws.R}, DType::I64, MemCategory::Activation, m.prefix + tag);
@@ -33,28 +33,20 @@ void MoeTokenDispatcher::plan(MoeRouting& rt, bool record) {
       return rt.expert[a] < rt.expert[b];  // by expert, then token
     });
     std::vector<std::int64_t> local_of(static_cast<std::size_t>(n * K), 0);  // [n·K] as sent
-    bool misrouted = false;
+    std::size_t nth = 0;  // kept pairs so far
     for (std::int64_t i : pairs) {
       if (!rt.kept[i]) continue;
       const std::int64_t e = rt.expert[i];
-      std::int64_t j = e / El;
-      // The fault: world rank 0's first pair sent to the next EP rank, to the expert of the
-      // same local index there, with counts that say so (a destination off by one).
-      if (fault_ == Fault::MoeDispatchWrongRank && m_.x.rank == 0 && !misrouted && m_.x.ep > 1) {
-        j = (j + 1) % m_.x.ep;
-        misrouted = true;
-      }
-      // The fault: the global expert id used as the destination's local index. Only EP
-      // rank 0's are in range; the others' pairs fall off, silently.
-      const std::int64_t le = fault_ == Fault::MoeGlobalExpertIdAsLocal ? e : e % El;
-      if (le >= El) {
+      const int j = destination(e, nth++);
+      const std::int64_t le = local_index(e);
+      if (le >= El) {  // (a fault's index out of range: the pair falls off)
         rt.kept[i] = 0;
         continue;
       }
       to_ep[static_cast<std::size_t>(j)].push_back(i);
       local_of[i] = le;
       for (int t = 0; t < m_.x.etp; ++t)
-        meta[static_cast<std::size_t>((m_.x.at(m_.x.edp_rank(), static_cast<int>(j), t) - b0) * El + le)] += 1;
+        meta[static_cast<std::size_t>((m_.x.at(m_.x.edp_rank(), j, t) - b0) * El + le)] += 1;
     }
     // Each destination's rows by its local expert, as its counts say (a misrouted pair
     // joins another EP rank's list out of expert order)
@@ -123,12 +115,10 @@ void MoeTokenDispatcher::plan(MoeRouting& rt, bool record) {
 }
 
 void MoeTokenDispatcher::dispatch(Tensor& xe, const Tensor& xin) {
-  const std::int64_t n = m_.n, K = m_.K;
+  const std::int64_t K = m_.K;
   const std::int64_t S = static_cast<std::int64_t>(sent_.size());
   std::vector<std::int64_t> token_of(sent_.size());
-  for (std::size_t i = 0; i < sent_.size(); ++i) token_of[i] = sent_[i] / K;
-  if (fault_ == Fault::MoeDispatchWrongRow && m_.x.rank == 0 && S > 0 && n > 1)
-    token_of[0] = (token_of[0] + 1) % n;  // the bug: one row from the next token
+  for (std::size_t i = 0; i < sent_.size(); ++i) token_of[i] = source_token(i, sent_[i] / K);
   Tensor send = m_.ws.send.narrow0(0, S);  // [S,H]
   m_.gather_rows(send, xin, m_.ids(m_.ws.token_ids, token_of));
   Tensor recv = m_.ws.recv.narrow0(0, R_);  // [R,H]
@@ -139,7 +129,7 @@ void MoeTokenDispatcher::dispatch(Tensor& xe, const Tensor& xin) {
 }
 
 void MoeTokenDispatcher::combine(Tensor& out, const Tensor& o, const MoeRouting& rt) {
-  const std::int64_t n = m_.n, K = m_.K;
+  const std::int64_t K = m_.K;
   const std::int64_t S = static_cast<std::int64_t>(sent_.size());
   Tensor recv = m_.ws.recv.narrow0(0, R_);  // [R,H]
   Tensor send = m_.ws.send.narrow0(0, S);  // [S,H]
@@ -154,10 +144,7 @@ void MoeTokenDispatcher::combine(Tensor& out, const Tensor& o, const MoeRouting&
   std::vector<std::int64_t> row_of(sent_.size());  // [S] the token each row joins
   std::vector<double> weight(sent_.size());        // [S] its pair's gate
   for (std::int64_t r = 0; r < S; ++r) {
-    std::int64_t row = sent_[r] / K;
-    if (fault_ == Fault::MoeCombineRowInSequence && m_.obs.seq > 0)  // the bug: the position
-      row = (m_.tok0 + row) % m_.obs.seq % n;                           // in its sequence
-    row_of[r] = row;
+    row_of[r] = combine_token(sent_[r] / K);
     weight[r] = rt.gate[sent_[r]];
   }
   Tensor w = ws.combine_weights.narrow0(0, S);  // [S] f64
@@ -208,6 +195,10 @@ void MoeTokenDispatcher::dispatch_backward(Tensor& dx, const Tensor& dh, Tensor&
   Tensor ones = m_.ws.combine_weights.narrow0(0, S);  // [S] f64
   m_.be.fill(ones, 1.0);
   m_.be.moe_combine(dx, back, m_.ids(m_.ws.combine_tokens, token_of), ones);
+}
+
+int MoeTokenDispatcher::destination(std::int64_t e, std::size_t) const {
+  return static_cast<int>(e / m_.El);
 }
 
 std::vector<std::int64_t> MoeTokenDispatcher::groups() const {

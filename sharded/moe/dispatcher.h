@@ -9,7 +9,6 @@
 #include <functional>
 #include <vector>
 
-#include "sharded/faults/faults.h"
 #include "sharded/moe/context.h"
 #include "sharded/moe/router.h"
 
@@ -19,7 +18,7 @@ namespace tpsim {
 // the ranks of its expert-DP block.
 class MoeTokenDispatcher {
  public:
-  MoeTokenDispatcher(const MoeContext& m, Fault fault);
+  explicit MoeTokenDispatcher(const MoeContext& m);
   virtual ~MoeTokenDispatcher() = default;
 
   // The plan for the routing `r` (which it may drop pairs of: a fault's): each destination's
@@ -56,6 +55,17 @@ class MoeTokenDispatcher {
   const std::vector<double>& pair_out() const { return pair_out_; }
   const std::vector<double>& pair_in_grad() const { return pair_in_grad_; }
 
+ protected:
+  // The EP rank expert e's pair goes to, the nth pair kept (in the plan's order), and its
+  // local index there.
+  virtual int destination(std::int64_t e, std::size_t nth) const;
+  virtual std::int64_t local_index(std::int64_t e) const { return e % m_.El; }
+  // The token whose row the dispatch sends as sent row `row` of pair token `token`, and
+  // the output row the combine adds token `token`'s pairs to.
+  virtual std::int64_t source_token(std::size_t, std::int64_t token) const { return token; }
+  virtual std::int64_t combine_token(std::int64_t token) const { return token; }
+  const MoeContext& m_;
+
  private:
   // The all_to_all of the plan (back = the combine's direction).
   void exchange(const Tensor& in, Tensor& out, bool back);
@@ -69,8 +79,6 @@ class MoeTokenDispatcher {
   Observation expert_rows(const std::string& name, std::int64_t e, std::int64_t offset,
                           std::int64_t length, std::vector<double> v) const;
 
-  const MoeContext& m_;
-  Fault fault_;
   std::vector<std::int64_t> sent_;  // [S] the pair index of each row sent, destinations in rank order
   std::vector<std::int64_t> send_counts_, recv_counts_;  // [world]
   std::vector<std::int64_t> off_, m_rows_;  // [El] each local expert's rows in the expert-major buffer

@@ -43,8 +43,8 @@ ShardSpec expert_param_shard(const ParamSpec& p, const GptConfig& c, const Exper
 }
 
 MoeExperts::MoeExperts(const MoeContext& m, std::vector<Parameter>& params,
-                       const std::vector<Parameter*>& fused_gate_up, Fault fault)
-    : m_(m), fault_(fault) {
+                       const std::vector<Parameter*>& fused_gate_up)
+    : m_(m) {
   if (static_cast<std::int64_t>(fused_gate_up.size()) != m.El)
     throw Error("MoE layer: " + std::to_string(fused_gate_up.size()) + " fused experts for " +
                 std::to_string(m.El) + " local ones");
@@ -107,13 +107,18 @@ void MoeExperts::backward(Tensor& dx, const Tensor& dout, const std::vector<std:
   m_.be.grouped_gemm(dx, dgu, weights(&Local::gate_up), false, groups);  // ETP shares
 }
 
-void MoeExperts::sum_grads() {
+std::vector<int> MoeExperts::grad_group() const {
   std::vector<int> peers;
-  if (fault_ == Fault::MoeExpertGradOverEp) {  // the bug: over the EP group, other experts
-    for (int j = 0; j < m_.x.ep; ++j) peers.push_back(m_.x.at(m_.x.edp_rank(), j, m_.x.etp_rank()));
-  } else {
-    for (int d = 0; d < m_.x.edp(); ++d) peers.push_back(m_.x.at(d, m_.x.ep_rank(), m_.x.etp_rank()));
-  }
+  for (int d = 0; d < m_.x.edp(); ++d) peers.push_back(m_.x.at(d, m_.x.ep_rank(), m_.x.etp_rank()));
+  return peers;
+}
+
+MoeExperts::GradScratch MoeExperts::grad_scratch(std::int64_t, DType) const {
+  return {m_.ws.grad_copies, m_.ws.grad_peers};
+}
+
+void MoeExperts::sum_grads() {
+  const std::vector<int> peers = grad_group();
   m_.comm.set_label(m_.prefix + "moe.expert_grad_sync");
   for (auto& l : local_) {
     sum_over(l.gate_up->grad, peers);
@@ -130,11 +135,7 @@ void MoeExperts::sum_over(Tensor& grad, const std::vector<int>& peers) {
   Shape all_shape = grad.shape();
   all_shape[0] *= static_cast<std::int64_t>(peers.size());
   const std::int64_t numel = grad.numel() * static_cast<std::int64_t>(peers.size());
-  Tensor copies_buf = m_.ws.grad_copies, peers_buf = m_.ws.grad_peers;
-  if (fault_ == Fault::MoeExpertGradOverEp) {  // the wrong group: buffers of its own size
-    copies_buf = m_.be.empty({numel}, grad.dtype(), MemCategory::CommBuffer, "fault.moe.grad.copies");
-    peers_buf = m_.be.empty({numel}, grad.dtype(), MemCategory::CommBuffer, "fault.moe.grad.peers");
-  }
+  const auto [copies_buf, peers_buf] = grad_scratch(numel, grad.dtype());
   if (!copies_buf.defined() || numel > copies_buf.numel())
     throw Error("MoE layer " + m_.prefix + ": an expert gradient's sum over " +
                 std::to_string(peers.size()) + " ranks exceeds the workspace");

@@ -7,7 +7,6 @@
 #include <string>
 #include <vector>
 
-#include "sharded/faults/faults.h"
 #include "sharded/moe/context.h"
 
 namespace tpsim {
@@ -30,7 +29,7 @@ class MoeExperts {
   // The local experts' fused "…gate_up.weight" (`fused_gate_up`, [El]) and their
   // "…down_proj.weight" found in `params`.
   MoeExperts(const MoeContext& m, std::vector<Parameter>& params,
-             const std::vector<Parameter*>& fused_gate_up, Fault fault);
+             const std::vector<Parameter*>& fused_gate_up);
   virtual ~MoeExperts() = default;
 
   // The input rows [R,H] of the next forward (expert-major), kept until backward.
@@ -50,6 +49,16 @@ class MoeExperts {
     return dout_host_[static_cast<std::size_t>(le)];
   }
 
+ protected:
+  // The ranks the weight gradients are summed over, in rank order: the expert-DP group.
+  virtual std::vector<int> grad_group() const;
+  // The sum's scratch for `numel` elements: a copy to each peer, and theirs.
+  struct GradScratch {
+    Tensor copies, peers;
+  };
+  virtual GradScratch grad_scratch(std::int64_t numel, DType dtype) const;
+  const MoeContext& m_;
+
  private:
   struct Local {
     Parameter* gate_up;  // [2Fel,H] fused [gate_r; up_r]
@@ -62,8 +71,6 @@ class MoeExperts {
   // ends with the same sum.
   void sum_over(Tensor& grad, const std::vector<int>& peers);
 
-  const MoeContext& m_;
-  Fault fault_;
   std::vector<Local> local_;                     // [El]
   Tensor xe_buf_, gu_buf_, a_buf_;               // [Rmax,H], [Rmax,2Fel], [Rmax,Fel] expert-major
   Tensor xe_, gu_, a_;                           // [R,*] their rows of the last forward

@@ -5,15 +5,13 @@
 
 namespace tpsim {
 
-MoeLayer::MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
-                   Communicator& world, std::vector<Parameter>& params,
-                   const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, Rows rows,
-                   MoeWorkspace& ws, DType dtype, Fault fault)
-    : m_(std::make_unique<MoeContext>(c, layer, x, be, world, tokens, rows, ws, dtype)) {
-  router_ = std::make_unique<MoeRouter>(*m_, m_->param(params, m_->prefix + "mlp.router.weight"), fault);
-  dispatcher_ = std::make_unique<MoeTokenDispatcher>(*m_, fault);
-  experts_ = std::make_unique<MoeExperts>(*m_, params, fused_gate_up, fault);
-}
+MoeLayer::MoeLayer(std::unique_ptr<MoeContext> m, std::unique_ptr<MoeRouter> router,
+                   std::unique_ptr<MoeTokenDispatcher> dispatcher,
+                   std::unique_ptr<MoeExperts> experts)
+    : m_(std::move(m)),
+      router_(std::move(router)),
+      dispatcher_(std::move(dispatcher)),
+      experts_(std::move(experts)) {}
 
 MoeLayer::~MoeLayer() = default;
 

@@ -19,7 +19,6 @@
 #include <memory>
 #include <vector>
 
-#include "sharded/faults/faults.h"
 #include "sharded/moe/context.h"
 #include "sharded/moe/dispatcher.h"
 #include "sharded/moe/experts.h"
@@ -29,15 +28,10 @@ namespace tpsim {
 
 class MoeLayer {
  public:
-  using Rows = MoeRows;
-  // The layer's parameters are found in `params` by name ("h.<layer>.mlp.router.weight",
-  // each local expert's fused "…gate_up.weight" and "…down_proj.weight"). `tokens` is
-  // the global batch's N; this rank routes n = tokens / world of them; `rows` how the
-  // observation points' rows are laid out.
-  MoeLayer(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
-           Communicator& world, std::vector<Parameter>& params,
-           const std::vector<Parameter*>& fused_gate_up, std::int64_t tokens, Rows rows,
-           MoeWorkspace& ws, DType dtype, Fault fault);
+  // The layer of modules made on `m` (set-up makes them: sharded/faults/moe_faults.h,
+  // the real ones or a planted bug's substitute).
+  MoeLayer(std::unique_ptr<MoeContext> m, std::unique_ptr<MoeRouter> router,
+           std::unique_ptr<MoeTokenDispatcher> dispatcher, std::unique_ptr<MoeExperts> experts);
   ~MoeLayer();
 
   // out [n,H] = Σ_k g_nk · expert_{e_nk}(x_n) for this rank's tokens x [n,H]; returns the

@@ -8,8 +8,8 @@
 
 namespace tpsim {
 
-MoeRouter::MoeRouter(const MoeContext& m, Parameter& weight, Fault fault)
-    : m_(m), weight_(weight), fault_(fault), bias_(static_cast<std::size_t>(m.E), 0.0) {}
+MoeRouter::MoeRouter(const MoeContext& m, Parameter& weight)
+    : m_(m), weight_(weight), bias_(static_cast<std::size_t>(m.E), 0.0) {}
 
 std::vector<char> moe_capacity_kept(const std::vector<double>& every, std::int64_t E,
                                     std::int64_t cap, std::int64_t first, std::int64_t count) {
@@ -173,8 +173,7 @@ void MoeRouter::backward(Tensor& dx, const std::vector<double>& dgate) {
   }
   const double Nd = static_cast<double>(m_.N);
   if (c.moe_aux_coeff > 0) {
-    double scale = r_.aux_scale;
-    if (fault_ == Fault::MoeAuxLossGradOverDp) scale /= m_.x.world / m_.obs.world;  // the bug: 1/dp
+    const double scale = aux_grad_scale();
     for (std::int64_t t = 0; t < n; ++t) {
       const double* sr = &r_.s[static_cast<std::size_t>(t * E)];
       double* dr = &ds[static_cast<std::size_t>(t * E)];
@@ -214,8 +213,7 @@ void MoeRouter::backward(Tensor& dx, const std::vector<double>& dgate) {
 
 void MoeRouter::update_expert_bias() {
   if (!m_.c.moe_expert_bias) return;
-  // The loads after dropping, the global batch's; the fault: this rank's own.
-  const std::vector<double>& load = fault_ == Fault::MoeExpertBiasLocalLoads ? r_.kept_local : r_.kept_load;
+  const std::vector<double>& load = bias_loads();
   double total = 0;
   for (double l : load) total += l;
   for (std::int64_t e = 0; e < m_.E; ++e) {

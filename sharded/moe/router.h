@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "sharded/faults/faults.h"
 #include "sharded/moe/context.h"
 
 namespace tpsim {
@@ -41,7 +40,7 @@ struct MoeRouting {
 
 class MoeRouter {
  public:
-  MoeRouter(const MoeContext& m, Parameter& weight, Fault fault);
+  MoeRouter(const MoeContext& m, Parameter& weight);
   virtual ~MoeRouter() = default;
 
   // The routing of this rank's tokens x [n,H] (kept until backward): the top k with the
@@ -59,10 +58,15 @@ class MoeRouter {
   const MoeRouting& routing() const { return r_; }
   Parameter& weight() { return weight_; }
 
- private:
+ protected:
+  // The scale of the aux loss's gradient: the global batch's, or its micro-batch's.
+  virtual double aux_grad_scale() const { return r_.aux_scale; }
+  // The loads the expert bias follows: the global batch's after dropping.
+  virtual const std::vector<double>& bias_loads() const { return r_.kept_load; }
   const MoeContext& m_;
+
+ private:
   Parameter& weight_;  // [E,H] replicated
-  Fault fault_;
   std::vector<double> bias_;  // [E]
   MoeRouting r_;
   Tensor xin_;  // [n,H] the caller's input (kept by the caller)
