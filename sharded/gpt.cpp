@@ -7,9 +7,10 @@
 #include "core/text.h"
 #include "sharded/faults/context_faults.h"
 #include "sharded/faults/module_faults.h"
+#include "sharded/faults/moe_faults.h"
 #include "sharded/faults/setup_faults.h"
 #include "sharded/faults/tp_region_faults.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 #include "sharded/transformer/block_stack.h"
 #include "sharded/transformer/embedding.h"
 #include "sharded/transformer/lm_head.h"
@@ -198,9 +199,8 @@ std::unique_ptr<MoeLayer> ShardedGpt::make_moe(std::size_t l, Communicator& comm
     local.push_back(&fused_.at(p + "mlp.experts." + std::to_string(x.ep_rank() * El + le) +
                                ".gate_up.weight"));
   if (!moe_ws_) moe_ws_ = std::make_unique<MoeWorkspace>(cfg_, x, c.N * dp_, be_, dtype_);
-  return std::make_unique<MoeLayer>(cfg_, layer, x, be_, world, params_, local, c.N * dp_,
-                                    MoeLayer::Rows{c.N, c.rank, c.world, c.T}, *moe_ws_, dtype_,
-                                    fault);
+  return make_moe_layer(fault, cfg_, layer, x, be_, world, params_, local, c.N * dp_,
+                        MoeRows{c.N, c.rank, c.world, c.T}, *moe_ws_, dtype_);
 }
 
 ShardedGpt::~ShardedGpt() = default;

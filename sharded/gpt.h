@@ -27,7 +27,7 @@
 
 namespace tpsim {
 
-struct MoeWorkspace;  // sharded/moe_layer.h
+struct MoeWorkspace;  // sharded/moe/layer.h
 class MoeLayer;
 struct TransformerContext;  // sharded/transformer/
 class TpRegion;
@@ -51,7 +51,7 @@ struct GptParallelism {
   // batch's count, the mean over its own tokens).
   std::int64_t batch_row0 = 0;
   std::int64_t loss_tokens = 0;
-  // Mixture-of-Experts (sharded/moe_layer.h): the experts' EP and ETP degrees over the
+  // Mixture-of-Experts (sharded/moe/layer.h): the experts' EP and ETP degrees over the
   // ranks (ep·etp divides them; the rest is expert-DP).
   int ep = 1, etp = 1;
   // The data-parallel replicas around this TP group and this one's index (set from the DP
@@ -111,7 +111,7 @@ class ShardedGpt final : public ShardedModel {
   // makes both halves of the MLP's input.
   void make_params(std::uint64_t seed,
                    const std::function<void(Parameter&, const ParamSpec&)>& initialise);
-  // An MoE layer's routed experts for block l (sharded/moe_layer.h); null for a dense block.
+  // An MoE layer's routed experts for block l (sharded/moe/layer.h); null for a dense block.
   std::unique_ptr<MoeLayer> make_moe(std::size_t l, Communicator& comm, Communicator* dp,
                                      Fault fault);
   // After backward: the gradient sums over ranks that saw part of the data (replicated kv

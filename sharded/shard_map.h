@@ -24,7 +24,7 @@ struct ShardSpec {
   // Consecutive ranks that hold the same block: rank r holds block r / replicas (GQA with
   // fewer kv heads than ranks: each kv head on t/kv_heads ranks). 1 for a plain split.
   int replicas = 1;
-  // An expert's parameter (sharded/moe_layer.h): only the ranks of its expert-parallel
+  // An expert's parameter (sharded/moe/layer.h): only the ranks of its expert-parallel
   // rank hold a block (the others an empty one), each expert-DP replica the same block;
   // `primary` marks the copy that counts once where blocks are summed (norms, reassembly).
   bool expert = false;

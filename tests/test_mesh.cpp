@@ -13,7 +13,7 @@
 #include "comm/thread_comm.h"
 #include "core/errors.h"
 #include "runtime/mesh_builder.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 
 using namespace tpsim;
 
@@ -75,7 +75,7 @@ TEST_CASE("mesh: the MoE folding's etp x ep x edp over the same ranks", "[mesh]"
   CHECK(m.groups(MeshAxis::Etp) == Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}});
   CHECK(m.groups(MeshAxis::Ep) == Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}});
   CHECK(m.groups(MeshAxis::Edp) == Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}});
-  // The same coordinates as the MoE layer's own layout rule (sharded/moe_layer.h).
+  // The same coordinates as the MoE layer's own layout rule (sharded/moe/layer.h).
   for (int r = 0; r < m.world(); ++r) {
     const ExpertLayout x{m.world(), r, 2, 2};
     CHECK(m.coord(r, MeshAxis::Etp) == x.etp_rank());

@@ -407,7 +407,7 @@ TEST_CASE("verify passes Mixtral and DeepSeek-MoE at every folding and mode in f
 }
 
 TEST_CASE("profile: an MoE rank's memory equals the model byte for byte, whatever the routing", "[cli][moe][profile]") {
-  // The routed experts' buffers are sized for the worst routing (sharded/moe_layer.h's
+  // The routed experts' buffers are sized for the worst routing (sharded/moe/context.h's
   // MoeWorkspace). A router of zeros scores every expert alike, so every token of every
   // rank goes to experts 0..K-1, all on EP rank 0: the worst case itself.
   GptConfig c = small_gpt_config();

@@ -1,4 +1,4 @@
-// The capacity rule at exact ties (sharded/moe_layer.h, moe_capacity_kept): bit-equal
+// The capacity rule at exact ties (sharded/moe/layer.h, moe_capacity_kept): bit-equal
 // gates on two ranks' tokens, as two sequences that start with the same token give in the
 // first layer under RoPE (position 0 is no rotation, and causal attention at position 0
 // sees only that token: the router's inputs are bit-identical). Whatever the number of
@@ -12,7 +12,7 @@
 #include "cli_runner.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 
 using namespace tpsim;
 using tpsim::testing::read_json;

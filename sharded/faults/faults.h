@@ -60,7 +60,7 @@ enum class Fault {
   DpNormGradSyncSkipped,   // the DP all-reduce of replicated norm weight gradients skipped
   ClipNormReplicatedTimesT,  // the clip norm counts a TP-replicated parameter t times
   ClipNormRank0ShardsOnly,   // the clip norm from rank 0's shards only (broadcast, not summed)
-  // Mixture-of-Experts (sharded/moe_layer.h)
+  // Mixture-of-Experts (sharded/moe/layer.h)
   MoeRouterGradNotReduced,   // the router weight's gradient not all-reduced over the ranks
                              // that routed different tokens: its replicas drift
   MoeExpertGradOverEp,       // expert gradients summed over the EP group (other experts'),

@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "init/init.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 
 namespace tpsim {
 

@@ -5,7 +5,7 @@
 
 #include "core/text.h"
 #include "sharded/gpt.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 #include "sharded/tp_invariant.h"
 
 namespace tpsim {
@@ -96,7 +96,7 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
       (layer.size() > 1 && layer[0] == '0') || std::stoll(layer) >= c.layers)
     return std::nullopt;
   const std::string rest = point.substr(dot + 1);
-  if (c.moe_layer(std::stoll(layer))) {  // sharded/moe_layer.h: every rank its own tokens
+  if (c.moe_layer(std::stoll(layer))) {  // sharded/moe/layer.h: every rank its own tokens
     const auto routed = [&](std::int64_t width) {
       return split(ParamSpec{name, {tokens, width}, {}}, 0, r, t);
     };
@@ -110,7 +110,7 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
                   (rest == "mlp.router.z_loss" && c.moe_z_coeff > 0)))
       return replicate(ParamSpec{name, {1}, {}}, r, t);
     // Each expert's rows ("mlp.experts.3.in", ".out") are placed by the step's routing: no
-    // rule here (sharded/moe_layer.h, is_expert_point).
+    // rule here (sharded/moe/layer.h, is_expert_point).
   }
   for (const char* p : {"attn.q", "attn.out"})
     if (rest == p) return columns(H);

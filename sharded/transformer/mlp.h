@@ -1,6 +1,6 @@
 // The MLP branch of a block: a dense MLP (ffn1 ─ GELU ─ ffn2, or SwiGLU's fused
 // [gate_r; up_r] ─ swiglu ─ down_proj), column- then row-parallel between f and g; or an
-// MoE layer's routed experts (sharded/moe_layer.h) on this rank's tokens, joined to its
+// MoE layer's routed experts (sharded/moe/layer.h) on this rank's tokens, joined to its
 // shared expert (the dense MLP) when it has one.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "sharded/column_parallel_linear.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 #include "sharded/row_parallel_linear.h"
 #include "sharded/transformer/tp_region.h"
 

@@ -1,6 +1,6 @@
 // MeshWorldComm: the whole dp × tp mesh as one communicator, made of a rank's TP and DP
 // communicators (world rank dp_rank·tp + tp_rank, Megatron's order). MoE's experts fold
-// onto every rank of the mesh (sharded/moe_layer.h), so their dispatch, combine and
+// onto every rank of the mesh (sharded/moe/layer.h), so their dispatch, combine and
 // gradient sums span both groups; no launcher has to make a third group for them.
 //
 // Each collective is one or two collectives of the groups, so each keeps its groups'

@@ -36,7 +36,7 @@
 //
 // An MoE layer (cfg.moe_layer(l)) keeps its shared expert's MLP activations at the shared
 // width (none without one) and, for the routed experts, buffers sized for the worst
-// routing, so that no routing changes what a rank holds (sharded/moe_layer.h's MoeWorkspace):
+// routing, so that no routing changes what a rank holds (sharded/moe/context.h's MoeWorkspace):
 // with n = N/t tokens routed per rank, El = E/ep local experts, Fel = F_moe/etp, P = ep·etp,
 //   R = P·n·min(K,El), capped at El·cap with a capacity factor (cap over the global batch)
 // rows an expert rank may receive, the layer keeps the expert-major input [R,h], gate and
@@ -87,7 +87,7 @@ struct GptMemoryQuery {
   RecomputeKind recompute = RecomputeKind::None;
   std::int64_t recompute_layers = 1;
   // Mixture-of-Experts (cfg.moe()): the experts fold onto the dp·t mesh as ETP × EP ×
-  // expert-DP (sharded/moe_layer.h); `rank` is this rank's place in that mesh (dp_rank·t + r),
+  // expert-DP (sharded/moe/layer.h); `rank` is this rank's place in that mesh (dp_rank·t + r),
   // which decides the experts it holds. Sizes are the same on every rank; only the experts'
   // names differ.
   int dp = 1, ep = 1, etp = 1, rank = 0;

@@ -7,7 +7,7 @@
 #include "io/untrusted_text.h"
 #include "verify/dump/dump_files.h"
 #include "verify/dump/dump_reader.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 
 namespace tpsim {
 

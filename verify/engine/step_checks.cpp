@@ -6,7 +6,7 @@
 #include <tuple>
 
 #include "core/finite.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 
 namespace tpsim {
 

@@ -10,7 +10,7 @@
 
 #include "core/errors.h"
 #include "sharded/gpt.h"
-#include "sharded/moe_layer.h"
+#include "sharded/moe/layer.h"
 #include "sharded/tp_invariant.h"
 #include "verify/setup/tensor_order.h"
 #include "verify/setup/model_description.h"
