@@ -20,7 +20,8 @@
 // (op_checks.h) and, on a backend that runs bf16 through f32 kernels, swaps the bf16
 // tensors for f32 shadows (bf16_widen.h); then it calls the backend's protected do_ op, its
 // kernel. Adding an op: its entry and do_ declaration here, its check in op_checks, its
-// kernel in each backend, its test.
+// kernel in each backend, its test. The entry also tells the backend's OpObserver (the
+// profiler's timer) where the op begins and ends, so that nothing wraps a backend op by op.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,24 @@ namespace tpsim {
 
 class Bf16Convert;  // backend/bf16_widen.h
 
+// The ops' classes, as profile's time table groups them.
+enum class OpClass { Gemm, Attention, LayerNorm, Activation, Embedding, CrossEntropy, Optimizer,
+                     Memory };
+inline constexpr int kNumOpClasses = 8;
+const char* op_class_name(OpClass c);  // "gemm", "attention", ...
+
+// Watches a backend's ops (profile/op_timer.h): told as each op entered through an entry
+// begins and ends, the outermost only (an op whose kernel calls another entry, as the
+// default grouped_gemm calls gemm, is one op), on the rank's thread.
+class OpObserver {
+ public:
+  virtual ~OpObserver() = default;
+  // `name` is the entry's ("gemm", "attention_backward"); flops are 2·M·N·K for a GEMM,
+  // attention's two batched products, and 0 for the ops the FLOP count ignores.
+  virtual void op_begin(const char* name, OpClass cls, double flops) = 0;
+  virtual void op_end() noexcept = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -43,6 +62,9 @@ class Backend {
   // Returns once every op enqueued so far has finished. A backend whose ops are complete
   // when they return (the CPU's) has nothing to wait for; a stream-ordered one (CUDA) waits.
   virtual void synchronize() {}
+
+  // Every op from now on is told to `o` (null: to none). `o` must outlive its use here.
+  void set_observer(OpObserver* o) { observer_ = o; }
 
   Tensor empty(const Shape& s, DType dt, MemCategory c, std::string tag) {
     return Tensor::empty(s, dt, allocator(), c, std::move(tag));
@@ -338,6 +360,10 @@ class Backend {
 
  private:
   Device device() { return allocator().device(); }
+  // The observer's bracket around one entry (backend.cpp).
+  class Watch;
+  OpObserver* observer_ = nullptr;
+  int depth_ = 0;  // entries in progress on this backend: only the outermost is watched
   // kernel(args...), each tensor argument given its part (In, Out: backend.cpp) so that a
   // widening backend's bf16 tensors can be swapped for their shadows.
   template <class R, class... P, class... A>

@@ -89,4 +89,9 @@ void MemoryLedger::set_op(std::string op) {
   op_ = std::move(op);
 }
 
+std::string MemoryLedger::current_op() const {
+  std::lock_guard lock(mu_);
+  return op_;
+}
+
 }  // namespace tpsim

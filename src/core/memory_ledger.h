@@ -66,6 +66,7 @@ class MemoryLedger {
   // The label stamped on the following timeline events (e.g. "forward: layernorm_forward");
   // a profiler sets it around each op, so every change names its cause.
   void set_op(std::string op);
+  std::string current_op() const;
   // The steady-clock time (ns since the clock's epoch) that timeline times count from,
   // so a trace can put every rank's events and collectives on one axis.
   std::int64_t t0_ns() const { return t0_ns_; }

@@ -12,7 +12,7 @@
 
 #include "comm/communicator.h"
 #include "core/memory_ledger.h"
-#include "profile/timing_backend.h"
+#include "profile/op_timer.h"
 
 namespace tpsim {
 

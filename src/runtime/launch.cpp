@@ -71,7 +71,6 @@ void launch_mesh(const DeviceOptions& dev, const MeshLayout& layout, double time
   check_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
   run_thread_mesh(layout, kDenseAxes, timeout_s, [&](ParallelMesh& mesh) {
     std::unique_ptr<Backend> be = make_cpu_backend();
-    if (dev.wrap) be = dev.wrap(mesh.rank(), std::move(be));
     fn(mesh, *be);
   });
 }

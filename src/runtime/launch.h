@@ -26,8 +26,6 @@ class MpiProcesses;  // comm/mpi_comm.h, in builds with MPI
 struct DeviceOptions {
   BackendKind backend = BackendKind::Cpu;
   CommKind comm = CommKind::Auto;  // cpu: threads; cuda: nccl with >= t GPUs, else sim
-  // Wraps each rank's backend (profiling times every op); identity when empty.
-  std::function<std::unique_ptr<Backend>(int rank, std::unique_ptr<Backend>)> wrap;
   // Set when the run spans the processes of an MPI job (start_processes): each process
   // runs its block of the ranks, and every process must make the same launches in the same
   // order. Null for a run in one process.

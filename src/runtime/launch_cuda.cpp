@@ -40,7 +40,6 @@ void run_device_rank(const DeviceOptions& dev, int device, double timeout_s,
   auto cuda = std::make_unique<CudaBackend>(device);
   CudaBackend& device_backend = *cuda;
   std::unique_ptr<Backend> be = std::move(cuda);
-  if (dev.wrap) be = dev.wrap(at.rank, std::move(be));
   // Host waits for the device end (with NCCL, also at an asynchronous error of this rank's
   // communicators, while they live), never hang. Their deadline is a backstop, three
   // times the run's timeout: later than the waits that can name a stalled peer and its

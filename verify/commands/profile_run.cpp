@@ -6,6 +6,7 @@
 
 #include "core/clock.h"
 #include "io/atomic_file.h"
+#include "profile/op_timer.h"
 #include "runtime/launch.h"
 #include "verify/setup/inputs.h"
 #include "verify/setup/memory_check.h"
@@ -30,21 +31,12 @@ namespace {
 void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
   const int tp = run.tp, world = tp * o.dp;
   run.ranks.assign(static_cast<std::size_t>(world), RankProfile{});
-  std::vector<TimingBackend*> timing(static_cast<std::size_t>(world), nullptr);
-  DeviceOptions dev = o.device;
-  auto inner_wrap = dev.wrap;
-  dev.wrap = [&timing, inner_wrap](int rank, std::unique_ptr<Backend> be) {
-    if (inner_wrap) be = inner_wrap(rank, std::move(be));
-    auto tb = std::make_unique<TimingBackend>(std::move(be));
-    timing[static_cast<std::size_t>(rank)] = tb.get();
-    return std::unique_ptr<Backend>(std::move(tb));
-  };
-  launch_mesh(dev, run_layout(o, tp), o.timeout_s, [&](ParallelMesh& mesh, Backend& be) {
+  launch_mesh(o.device, run_layout(o, tp), o.timeout_s, [&](ParallelMesh& mesh, Backend& be) {
     const int rank = mesh.rank();
-    TimingBackend& tb = *timing[static_cast<std::size_t>(rank)];
+    OpTimer timer(be);
     MemoryLedger& ledger = be.allocator().ledger();
     ledger.set_timeline(true);
-    tb.set_phase("construct");
+    timer.set_phase("construct");
     auto model = make_sharded_model(o, in, be, mesh);
     if (!in.loaded.empty()) model->load_params(in.loaded);
     model->load_buffers(in.loaded_buffers);
@@ -52,14 +44,14 @@ void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
     rp.rank = rank;
     for (int step = 1; step <= o.steps; ++step) {
       const std::int64_t t0 = steady_now_ns();
-      tb.set_phase("step " + std::to_string(step) + " forward/backward");
+      timer.set_phase("step " + std::to_string(step) + " forward/backward");
       model->forward_backward();
-      tb.set_phase("step " + std::to_string(step) + " optimizer");
+      timer.set_phase("step " + std::to_string(step) + " optimizer");
       model->optimizer_step();
       rp.steps.push_back({t0, steady_now_ns()});
     }
-    tb.set_phase("");
-    rp.ops = tb.records();
+    timer.set_phase("");
+    rp.ops = timer.records();
     // The TP group's collectives, then the DP group's (labelled dp.*), in time order.
     rp.collectives = mesh.group(MeshAxis::Tp).records();
     for (const auto& c : mesh.group(MeshAxis::Dp).records()) rp.collectives.push_back(c);
