@@ -83,8 +83,8 @@ void launch(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s
     transport = std::make_unique<NcclTransport>(plan.devices, timeout_s);
   else
     transport = std::make_unique<SimTransport>(plan.devices.front());
-  MeshGroups device_groups(layout, kDenseAxes, *transport);
-  run_thread_mesh(layout, kDenseAxes, timeout_s, [&](ParallelMesh& host) {
+  MeshGroups device_groups(layout, mesh_axes(layout), *transport);
+  run_thread_mesh(layout, mesh_axes(layout), timeout_s, [&](ParallelMesh& host) {
     run_device_rank(dev, plan.devices[static_cast<std::size_t>(host.rank())], timeout_s, host,
                     device_groups, plan.comm == CommKind::Nccl, fn);
   });
@@ -108,7 +108,7 @@ class NcclProcess final : public ProcessDevices {
       device_of_[static_cast<std::size_t>(layout.local_ranks[i])] = plan.devices[i];
     transport_ = std::make_unique<NcclTransport>(device_of_, timeout_s, layout.process,
                                                  layout.process_of, layout.broadcast);
-    groups_ = std::make_unique<MeshGroups>(layout.mesh, kDenseAxes, *transport_);
+    groups_ = std::make_unique<MeshGroups>(layout.mesh, mesh_axes(layout.mesh), *transport_);
   }
 
   void run_rank(const ParallelMesh& host, const MeshMain& fn) override {
