@@ -21,7 +21,7 @@ Parameter& ShardedGpt::param(const std::string& name) { return param_named(param
 
 ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
                        const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
-                       std::uint64_t seed, Fault fault, Communicator* dp)
+                       std::uint64_t seed, Fault fault, Communicator* dp, Communicator* edp)
     : ShardedModel(be), cfg_(cfg), adam_(gpt_optimizer(fault, adam)), par_(par), dtype_(dtype),
       dp_(dp ? dp->world_size() : 1) {
   const int t = comm.world_size();
@@ -90,7 +90,7 @@ ShardedGpt::ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamCo
                               ids_all_, pos_, regions.main->partial());
   blocks_ = make_block_stack(
       fault, c, regions, params_, fused_,
-      [&](std::size_t l) { return make_moe(l, comm, dp, fault); });
+      [&](std::size_t l) { return make_moe(l, comm, dp, edp, fault); });
   if (!par.tp_invariant) {
     c.red = Reduction::plain(be, comm);
   } else {
@@ -184,7 +184,8 @@ void ShardedGpt::make_params(std::uint64_t seed,
 }
 
 std::unique_ptr<MoeLayer> ShardedGpt::make_moe(std::size_t l, Communicator& comm,
-                                               Communicator* dp, Fault fault) {
+                                               Communicator* dp, Communicator* edp,
+                                               Fault fault) {
   const std::int64_t layer = static_cast<std::int64_t>(l);
   if (!cfg_.moe_layer(layer)) return nullptr;
   const TransformerContext& c = *ctx_;
@@ -199,7 +200,7 @@ std::unique_ptr<MoeLayer> ShardedGpt::make_moe(std::size_t l, Communicator& comm
     local.push_back(&fused_.at(p + "mlp.experts." + std::to_string(x.ep_rank() * El + le) +
                                ".gate_up.weight"));
   if (!moe_ws_) moe_ws_ = std::make_unique<MoeWorkspace>(cfg_, x, c.N * dp_, be_, dtype_);
-  return make_moe_layer(fault, cfg_, layer, x, be_, world, params_, local, c.N * dp_,
+  return make_moe_layer(fault, cfg_, layer, x, be_, world, edp, params_, local, c.N * dp_,
                         MoeRows{c.N, c.rank, c.world, c.T}, *moe_ws_, dtype_);
 }
 

@@ -89,10 +89,13 @@ std::optional<ShardSpec> gpt_point_shard(const std::string& name, const GptConfi
 class ShardedGpt final : public ShardedModel {
  public:
   // `dp`: the data-parallel group around this TP group (sharded/data_parallel.h), which
-  // MoE's experts fold onto too; null without data parallelism.
+  // MoE's experts fold onto too; null without data parallelism. `edp`: MoE's expert-DP
+  // group (comm/mesh.h), over which the experts' gradients are summed; may be null only
+  // where that group is this rank alone.
   ShardedGpt(const GptConfig& cfg, const GptBatch& batch, const AdamConfig& adam,
              const GptParallelism& par, Backend& be, Communicator& comm, DType dtype,
-             std::uint64_t seed, Fault fault, Communicator* dp = nullptr);
+             std::uint64_t seed, Fault fault, Communicator* dp = nullptr,
+             Communicator* edp = nullptr);
   ~ShardedGpt() override;
 
   double forward_backward() override;
@@ -113,7 +116,7 @@ class ShardedGpt final : public ShardedModel {
                    const std::function<void(Parameter&, const ParamSpec&)>& initialise);
   // An MoE layer's routed experts for block l (sharded/moe/layer.h); null for a dense block.
   std::unique_ptr<MoeLayer> make_moe(std::size_t l, Communicator& comm, Communicator* dp,
-                                     Fault fault);
+                                     Communicator* edp, Fault fault);
   // After backward: the gradient sums over ranks that saw part of the data (replicated kv
   // heads, the MoE router, SP's replicated parameters).
   void sync_grads();

@@ -12,6 +12,7 @@
 #include "comm/mesh.h"
 #include "comm/thread_comm.h"
 #include "core/errors.h"
+#include "runtime/launch.h"
 #include "runtime/mesh_builder.h"
 #include "sharded/moe/layer.h"
 
@@ -124,6 +125,28 @@ TEST_CASE("mesh: every rank's communicator on each axis meets exactly that axis'
       INFO(axis_name(a) << " group of rank " << r);
       CHECK(got.at({static_cast<int>(a), r}) == want);
     }
+}
+
+TEST_CASE("mesh: a run with experts gets its expert-DP group; a dense run makes none", "[mesh][comm]") {
+  MeshDegrees d;
+  d.tp = 2;
+  d.dp = 2;
+  CHECK(mesh_axes(MeshLayout(d)) == std::vector<MeshAxis>{MeshAxis::Tp, MeshAxis::Dp});
+  d.experts = true;  // ep = etp = 1: every rank holds every expert, edp 4
+  CHECK(mesh_axes(MeshLayout(d)) ==
+        std::vector<MeshAxis>{MeshAxis::Tp, MeshAxis::Dp, MeshAxis::Edp});
+  for (bool experts : {false, true}) {
+    d.experts = experts;
+    std::mutex mu;
+    int with_edp = 0;
+    launch_mesh(DeviceOptions{}, MeshLayout(d), 10.0, [&](ParallelMesh& mesh, Backend&) {
+      if (!mesh.has_group(MeshAxis::Edp)) return;
+      CHECK(mesh.group(MeshAxis::Edp).world_size() == 4);
+      std::lock_guard lock(mu);
+      ++with_edp;
+    });
+    CHECK(with_edp == (experts ? 4 : 0));
+  }
 }
 
 TEST_CASE("mesh: a communicator that is not the rank's on its axis is refused", "[mesh][comm]") {

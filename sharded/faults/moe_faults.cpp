@@ -74,20 +74,38 @@ class CombineRowInSequence final : public MoeTokenDispatcher {
 };
 
 // Fault::MoeExpertGradOverEp: the experts' gradients summed over the EP group (other
-// experts'), not the expert-DP group, in buffers of that group's size.
+// experts'), not the expert-DP group. The mesh builds no EP group, so the sum runs over the
+// whole expert mesh: an all_to_all that sends a copy to each EP peer only, then their
+// copies added in rank order.
 class ExpertGradOverEp final : public MoeExperts {
  public:
   using MoeExperts::MoeExperts;
 
  private:
-  std::vector<int> grad_group() const override {
-    std::vector<int> peers;
+  void sum_grad(Tensor& grad) override {
+    std::vector<int> peers;  // in rank order, this rank among them
     for (int j = 0; j < m_.x.ep; ++j) peers.push_back(m_.x.at(m_.x.edp_rank(), j, m_.x.etp_rank()));
-    return peers;
-  }
-  GradScratch grad_scratch(std::int64_t numel, DType dtype) const override {
-    return {m_.be.empty({numel}, dtype, MemCategory::CommBuffer, "fault.moe.grad.copies"),
-            m_.be.empty({numel}, dtype, MemCategory::CommBuffer, "fault.moe.grad.peers")};
+    m_.comm.set_label(m_.prefix + "moe.expert_grad_sync");
+    if (peers.size() < 2) return;
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(m_.x.world), 0);
+    const std::int64_t rows_n = grad.dim(0);
+    for (int q : peers) counts[static_cast<std::size_t>(q)] = rows_n;
+    Shape all_shape = grad.shape();
+    all_shape[0] *= static_cast<std::int64_t>(peers.size());
+    const std::int64_t numel = grad.numel() * static_cast<std::int64_t>(peers.size());
+    const DType dt = grad.dtype();
+    Tensor copies = m_.be.empty({numel}, dt, MemCategory::CommBuffer, "fault.moe.grad.copies")
+                        .reshape(all_shape);
+    Tensor all = m_.be.empty({numel}, dt, MemCategory::CommBuffer, "fault.moe.grad.peers")
+                     .reshape(all_shape);
+    for (std::size_t j = 0; j < peers.size(); ++j) {
+      Tensor copy = copies.narrow0(static_cast<std::int64_t>(j) * rows_n, rows_n);
+      m_.be.copy(copy, grad);
+    }
+    m_.comm.all_to_all(copies, all, counts, counts);
+    m_.be.copy(grad, all.narrow0(0, rows_n));
+    for (std::size_t j = 1; j < peers.size(); ++j)
+      m_.be.add_inplace(grad, all.narrow0(static_cast<std::int64_t>(j) * rows_n, rows_n));
   }
 };
 
@@ -95,11 +113,11 @@ class ExpertGradOverEp final : public MoeExperts {
 
 std::unique_ptr<MoeLayer> make_moe_layer(Fault fault, const GptConfig& c, std::int64_t layer,
                                          const ExpertLayout& x, Backend& be, Communicator& world,
-                                         std::vector<Parameter>& params,
+                                         Communicator* edp, std::vector<Parameter>& params,
                                          const std::vector<Parameter*>& fused_gate_up,
                                          std::int64_t tokens, MoeRows rows, MoeWorkspace& ws,
                                          DType dtype) {
-  auto m = std::make_unique<MoeContext>(c, layer, x, be, world, tokens, rows, ws, dtype);
+  auto m = std::make_unique<MoeContext>(c, layer, x, be, world, edp, tokens, rows, ws, dtype);
   Parameter& router = m->param(params, m->prefix + "mlp.router.weight");
   std::unique_ptr<MoeRouter> r;
   if (fault == Fault::MoeAuxLossGradOverDp)

@@ -15,7 +15,7 @@ namespace tpsim {
 // unless the fault is one of theirs.
 std::unique_ptr<MoeLayer> make_moe_layer(Fault fault, const GptConfig& c, std::int64_t layer,
                                          const ExpertLayout& x, Backend& be, Communicator& world,
-                                         std::vector<Parameter>& params,
+                                         Communicator* edp, std::vector<Parameter>& params,
                                          const std::vector<Parameter*>& fused_gate_up,
                                          std::int64_t tokens, MoeRows rows, MoeWorkspace& ws,
                                          DType dtype);

@@ -41,17 +41,12 @@ MoeWorkspace::MoeWorkspace(const GptConfig& c, const ExpertLayout& x, std::int64
     pairs = buf({2 * n * K}, DType::F64, Cm, "moe.pairs");
     pairs_all = buf({x.world * 2 * n * K}, DType::F64, Cm, "moe.pairs.all");
   }
-  if (x.edp() > 1) {
-    const std::int64_t g = x.edp() * 2 * Fel * H;
-    grad_copies = buf({g}, compute_dtype(dtype), Cm, "moe.grad.copies");
-    grad_peers = buf({g}, compute_dtype(dtype), Cm, "moe.grad.peers");
-  }
 }
 
 MoeContext::MoeContext(const GptConfig& cfg, std::int64_t layer, const ExpertLayout& layout,
-                       Backend& b, Communicator& world, std::int64_t tokens, MoeRows rows,
-                       MoeWorkspace& w, DType dt)
-    : c(cfg), x(layout), be(b), comm(world), ws(w), dtype(dt), obs(rows) {
+                       Backend& b, Communicator& world, Communicator* edp_group,
+                       std::int64_t tokens, MoeRows rows, MoeWorkspace& w, DType dt)
+    : c(cfg), x(layout), be(b), comm(world), edp(edp_group), ws(w), dtype(dt), obs(rows) {
   prefix = "h." + std::to_string(layer) + ".";
   pt = "act/" + prefix;
   N = tokens;
@@ -63,6 +58,14 @@ MoeContext::MoeContext(const GptConfig& cfg, std::int64_t layer, const ExpertLay
     throw UsageError("MoE layer: " + std::to_string(tokens) + " tokens over " +
                      std::to_string(x.world) + " ranks with ep " + std::to_string(x.ep) +
                      " x etp " + std::to_string(x.etp) + " does not fold");
+  // The experts' gradients are summed over this group: a wrong one sums other experts'.
+  if (edp ? edp->world_size() != x.edp() || edp->rank() != x.edp_rank() : x.edp() > 1)
+    throw Error("MoE layer " + prefix + ": rank " + std::to_string(x.rank) + " is expert-DP rank " +
+                std::to_string(x.edp_rank()) + " of " + std::to_string(x.edp()) + ", but " +
+                (edp ? "its expert-DP communicator is rank " + std::to_string(edp->rank()) +
+                           " of " + std::to_string(edp->world_size())
+                     : std::string("it was given no expert-DP communicator")) +
+                " (the launcher makes it: runtime/mesh_builder.h)");
   n = tokens / x.world;
   tok0 = n * x.rank;
   if (c.moe_micro_batches != x.world / rows.world)  // the reference splits the batch so too

@@ -1,6 +1,6 @@
 // What the modules of one MoE layer share (sharded/moe/layer.h): the expert mesh's
-// layout, the layer's sizes, the communicator over the expert mesh, and the routed
-// experts' scratch (one for every MoE layer of a rank).
+// layout, the layer's sizes, the communicators over the expert mesh and its expert-DP
+// group, and the routed experts' scratch (one for every MoE layer of a rank).
 #pragma once
 
 #include <cstdint>
@@ -69,23 +69,23 @@ struct MoeWorkspace {
   Tensor stats_all;           // [world·(4E+1)] f64  every rank's, for a per-micro-batch aux loss
   Tensor counts, counts_in;   // [P·El,1] f64  rows per (destination, its local expert), and back
   Tensor pairs, pairs_all;    // [2nK], [world·2nK] f64  every pair's (expert, gate): global capacity only
-  Tensor grad_copies, grad_peers;  // [edp·2Fel·H] compute dtype: an expert gradient's sum
-                                   // over the expert-DP group (edp > 1 only)
 };
 
 // One layer's setting. N the global batch's tokens, n = N/world this rank's (tokens
 // [tok0, tok0+n)), E experts, K per token, El = E/ep local experts, H the hidden size.
 struct MoeContext {
-  // Checks that the tokens and experts fold onto the mesh, and that the config's
-  // micro-batches are the run's data-parallel replicas.
+  // Checks that the tokens and experts fold onto the mesh, that the config's
+  // micro-batches are the run's data-parallel replicas, and that `edp` is x's expert-DP
+  // group (null only where that group is this rank alone).
   MoeContext(const GptConfig& c, std::int64_t layer, const ExpertLayout& x, Backend& be,
-             Communicator& world, std::int64_t tokens, MoeRows rows, MoeWorkspace& ws,
-             DType dtype);
+             Communicator& world, Communicator* edp, std::int64_t tokens, MoeRows rows,
+             MoeWorkspace& ws, DType dtype);
   GptConfig c;
   std::string prefix, pt;  // "h.0.", "act/h.0."
   ExpertLayout x;
   Backend& be;
   Communicator& comm;  // over the whole expert mesh
+  Communicator* edp;   // over this rank's expert-DP group (null: this rank alone)
   MoeWorkspace& ws;
   DType dtype;
   std::int64_t N = 0, n = 0, tok0 = 0, E = 0, K = 0, El = 0, H = 0;

@@ -107,49 +107,17 @@ void MoeExperts::backward(Tensor& dx, const Tensor& dout, const std::vector<std:
   m_.be.grouped_gemm(dx, dgu, weights(&Local::gate_up), false, groups);  // ETP shares
 }
 
-std::vector<int> MoeExperts::grad_group() const {
-  std::vector<int> peers;
-  for (int d = 0; d < m_.x.edp(); ++d) peers.push_back(m_.x.at(d, m_.x.ep_rank(), m_.x.etp_rank()));
-  return peers;
-}
-
-MoeExperts::GradScratch MoeExperts::grad_scratch(std::int64_t, DType) const {
-  return {m_.ws.grad_copies, m_.ws.grad_peers};
-}
-
 void MoeExperts::sum_grads() {
-  const std::vector<int> peers = grad_group();
-  m_.comm.set_label(m_.prefix + "moe.expert_grad_sync");
   for (auto& l : local_) {
-    sum_over(l.gate_up->grad, peers);
-    sum_over(l.down->grad, peers);
+    sum_grad(l.gate_up->grad);
+    sum_grad(l.down->grad);
   }
 }
 
-void MoeExperts::sum_over(Tensor& grad, const std::vector<int>& peers) {
-  if (peers.size() < 2) return;
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(m_.x.world), 0);
-  const std::int64_t rows_n = grad.dim(0);
-  for (int q : peers) counts[q] = rows_n;
-  // all_to_all over the world, with rows for the peers only: a copy of the gradient to each.
-  Shape all_shape = grad.shape();
-  all_shape[0] *= static_cast<std::int64_t>(peers.size());
-  const std::int64_t numel = grad.numel() * static_cast<std::int64_t>(peers.size());
-  const auto [copies_buf, peers_buf] = grad_scratch(numel, grad.dtype());
-  if (!copies_buf.defined() || numel > copies_buf.numel())
-    throw Error("MoE layer " + m_.prefix + ": an expert gradient's sum over " +
-                std::to_string(peers.size()) + " ranks exceeds the workspace");
-  Tensor copies = copies_buf.narrow0(0, numel).reshape(all_shape);
-  for (std::size_t j = 0; j < peers.size(); ++j) {
-    Tensor copy = copies.narrow0(static_cast<std::int64_t>(j) * rows_n, rows_n);
-    m_.be.copy(copy, grad);
-  }
-  Tensor all = peers_buf.narrow0(0, numel).reshape(all_shape);
-  m_.comm.all_to_all(copies, all, counts, counts);
-  // In rank order, the same on every peer (peers are listed in rank order).
-  m_.be.copy(grad, all.narrow0(0, rows_n));
-  for (std::size_t j = 1; j < peers.size(); ++j)
-    m_.be.add_inplace(grad, all.narrow0(static_cast<std::int64_t>(j) * rows_n, rows_n));
+void MoeExperts::sum_grad(Tensor& grad) {
+  if (!m_.edp || m_.edp->world_size() < 2) return;
+  m_.edp->set_label(m_.prefix + "moe.expert_grad_sync");
+  m_.edp->all_reduce(grad, ReduceOp::Sum);
 }
 
 }  // namespace tpsim

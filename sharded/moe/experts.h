@@ -50,13 +50,9 @@ class MoeExperts {
   }
 
  protected:
-  // The ranks the weight gradients are summed over, in rank order: the expert-DP group.
-  virtual std::vector<int> grad_group() const;
-  // The sum's scratch for `numel` elements: a copy to each peer, and theirs.
-  struct GradScratch {
-    Tensor copies, peers;
-  };
-  virtual GradScratch grad_scratch(std::int64_t numel, DType dtype) const;
+  // One weight gradient summed over the expert-DP group (its all_reduce, in rank order):
+  // every peer ends with the same sum.
+  virtual void sum_grad(Tensor& grad);
   const MoeContext& m_;
 
  private:
@@ -67,9 +63,6 @@ class MoeExperts {
   // The local experts' weights of one kind (gate_up or down), for a grouped GEMM.
   std::vector<const Tensor*> weights(Parameter* Local::*which) const;
   std::vector<Tensor*> grads(Parameter* Local::*which);
-  // grad summed over the ranks `peers` (in their order, this rank among them): every peer
-  // ends with the same sum.
-  void sum_over(Tensor& grad, const std::vector<int>& peers);
 
   std::vector<Local> local_;                     // [El]
   Tensor xe_buf_, gu_buf_, a_buf_;               // [Rmax,H], [Rmax,2Fel], [Rmax,Fel] expert-major

@@ -33,6 +33,9 @@ const char* axis_name(MeshAxis a);  // "tp", "cp", ...
 struct MeshDegrees {
   int tp = 1, cp = 1, dp = 1, pp = 1;
   int ep = 1, etp = 1;
+  // Whether the run has routed experts. ep = etp = 1 does not say (the experts may fold
+  // onto every rank as expert-DP), and their groups cost a dense run NCCL communicators.
+  bool experts = false;
 };
 
 // Where every rank sits on every axis. Checked once, when made.

@@ -1,7 +1,8 @@
 // MeshWorldComm: the whole dp × tp mesh as one communicator, made of a rank's TP and DP
 // communicators (world rank dp_rank·tp + tp_rank, Megatron's order). MoE's experts fold
 // onto every rank of the mesh (sharded/moe/layer.h), so their dispatch, combine and
-// gradient sums span both groups; no launcher has to make a third group for them.
+// statistics span both groups (their gradient sums run on the expert-DP group that the
+// launcher makes, runtime/mesh_builder.h).
 //
 // Each collective is one or two collectives of the groups, so each keeps its groups'
 // fingerprint checks, timeouts and abort semantics, and lands in their records:

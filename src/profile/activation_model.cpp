@@ -239,7 +239,7 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
   }
   if (c.moe()) {
     const auto Cm = MemCategory::CommBuffer;
-    const std::int64_t E = c.num_experts, K = c.moe_topk, edp = moe.world / moe.P;
+    const std::int64_t E = c.num_experts, K = c.moe_topk;
     // the model's: this rank's tokens of the routed output and its input gradient
     add(Tm, "moe.out", {N / t, H}, -1);
     add(Tm, "moe.in.grad", {N / t, H}, -1);
@@ -268,10 +268,6 @@ GptMemoryPrediction predict_gpt_memory(const GptMemoryQuery& q) {
     if (c.moe_capacity_factor > 0 && c.moe_global_capacity) {
       add(Cm, "moe.pairs", {2 * moe.n * K}, -1, 8);
       add(Cm, "moe.pairs.all", {moe.world * 2 * moe.n * K}, -1, 8);
-    }
-    if (edp > 1) {  // an expert gradient's copies, summed over the expert-DP group
-      add(Cm, "moe.grad.copies", {edp * 2 * moe.Fel * H}, -1, bc);
-      add(Cm, "moe.grad.peers", {edp * 2 * moe.Fel * H}, -1, bc);
     }
   }
   add(Tm, "residual.grad.0", {Nl, H}, -1);

@@ -69,7 +69,7 @@ void launch_mesh(const DeviceOptions& dev, const MeshLayout& layout, double time
     return;
   }
   check_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
-  run_thread_mesh(layout, kDenseAxes, timeout_s, [&](ParallelMesh& mesh) {
+  run_thread_mesh(layout, mesh_axes(layout), timeout_s, [&](ParallelMesh& mesh) {
     std::unique_ptr<Backend> be = make_cpu_backend();
     fn(mesh, *be);
   });

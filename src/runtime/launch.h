@@ -76,8 +76,9 @@ using RankMain = std::function<void(int rank, Backend& be, Communicator& comm)>;
 void launch_ranks(const DeviceOptions& dev, int world, double timeout_s, const RankMain& fn);
 
 // The ranks of `layout` in Megatron's order (comm/mesh.h), each with its ParallelMesh: its
-// communicator on each group the launcher makes (tp and dp: runtime/mesh_builder.h,
-// kDenseAxes), of the kind launch_ranks would give (threads; NCCL or SimComm on CUDA).
+// communicator on each group the launcher makes (tp and dp, and expert-DP in a run with
+// experts: runtime/mesh_builder.h, mesh_axes), of the kind launch_ranks would give
+// (threads; NCCL or SimComm on CUDA).
 using MeshMain = std::function<void(ParallelMesh& mesh, Backend& be)>;
 void launch_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                  const MeshMain& fn);

@@ -38,7 +38,7 @@ struct ProcessLayout {
   std::function<void(std::array<char, 128>& id, int root)> broadcast;
 };
 
-// This process's CUDA ranks: a GPU each, and NCCL groups (TP and DP) spanning the
+// This process's CUDA ranks: a GPU each, and NCCL groups (of mesh_axes) spanning the
 // processes, set up when made (every process makes its own at the same point).
 class ProcessDevices {
  public:

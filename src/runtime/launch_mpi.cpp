@@ -67,7 +67,7 @@ struct MpiRun {
       : layout(mesh),
         transport(*dev.processes, MpiTransport::ranks_per_process(*dev.processes, mesh.world()),
                   timeout_s),
-        groups(layout, kDenseAxes, transport),
+        groups(layout, mesh_axes(layout), transport),
         mine(transport.local_ranks(layout.world())) {}
   MeshLayout layout;
   MpiTransport transport;
@@ -141,7 +141,7 @@ void launch_mpi_checked_mesh(const DeviceOptions& dev, const MeshLayout& layout,
     // stalled or dead rank is named by the wait that sees it, with its process.
     try {
       run_thread_mesh(
-          layout, kDenseAxes, std::min(2 * timeout_s, 1e6),
+          layout, kDenseAxes, std::min(2 * timeout_s, 1e6),  // (checks meet on tp, dp only)
           [&](ParallelMesh& checks) {
             const MeshRank at = checks.at();
             Communicator& check_tp = checks.group(MeshAxis::Tp);

@@ -13,8 +13,8 @@ bool started_by_mpi_launcher();
 // shared within a process) or threads.
 void check_mpi_launch(const DeviceOptions& dev, int world, int dp);
 // launch_mesh over the processes in dev.processes: ranks in blocks of k = ceil(world / P),
-// rank r in process r / k, each with an MpiComm on its TP group and its DP group (CPU
-// ranks), or a GPU and NCCL communicators over those (CUDA ranks: launch_cuda.h).
+// rank r in process r / k, each with an MpiComm on its group of each axis of mesh_axes
+// (CPU ranks), or a GPU and NCCL communicators over those (CUDA ranks: launch_cuda.h).
 void launch_mpi_mesh(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s,
                      const MeshMain& fn);
 

@@ -41,6 +41,12 @@ std::string MeshGroups::failure() {
   return "";
 }
 
+std::vector<MeshAxis> mesh_axes(const MeshLayout& layout) {
+  std::vector<MeshAxis> axes = kDenseAxes;
+  if (layout.degrees().experts) axes.insert(axes.end(), kExpertAxes.begin(), kExpertAxes.end());
+  return axes;
+}
+
 void run_mesh_ranks(MeshGroups& groups, const std::vector<int>& ranks, const MeshRankFn& fn,
                     const std::function<void(const std::string&)>& also_abort) {
   if (!fn) throw UsageError("run_mesh: no rank function given");

@@ -35,9 +35,16 @@ class MeshGroups {
   std::vector<std::vector<std::unique_ptr<CommGroup>>> groups_;  // [axis][group index]
 };
 
-// The dense axes every launcher makes today; MoE's expert axes and cp, pp join this list
-// when a model takes its groups from the mesh.
+// The dense axes every launcher makes today; cp and pp join this list when a model takes
+// its groups from the mesh.
 inline const std::vector<MeshAxis> kDenseAxes = {MeshAxis::Tp, MeshAxis::Dp};
+// The expert axes a run with experts (MeshDegrees::experts) adds: expert-DP, whose group
+// sums the experts' gradients. ep and etp join when the token dispatch takes its groups
+// from the mesh (today it runs over the whole mesh).
+inline const std::vector<MeshAxis> kExpertAxes = {MeshAxis::Edp};
+// The axes whose groups the launchers make for `layout`: kDenseAxes, then kExpertAxes where
+// the run has experts (a dense run pays for no group it does not use).
+std::vector<MeshAxis> mesh_axes(const MeshLayout& layout);
 
 using MeshRankFn = std::function<void(ParallelMesh& mesh)>;
 

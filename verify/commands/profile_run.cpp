@@ -52,9 +52,12 @@ void profile_ranks(const RunOptions& o, const RunInputs& in, TpProfile& run) {
     }
     timer.set_phase("");
     rp.ops = timer.records();
-    // The TP group's collectives, then the DP group's (labelled dp.*), in time order.
+    // The TP group's collectives, then the DP group's (labelled dp.*) and, with experts, the
+    // expert-DP group's (their gradient sums), in time order.
     rp.collectives = mesh.group(MeshAxis::Tp).records();
     for (const auto& c : mesh.group(MeshAxis::Dp).records()) rp.collectives.push_back(c);
+    if (mesh.has_group(MeshAxis::Edp))
+      for (const auto& c : mesh.group(MeshAxis::Edp).records()) rp.collectives.push_back(c);
     std::stable_sort(rp.collectives.begin(), rp.collectives.end(),
                      [](const CollectiveRecord& a, const CollectiveRecord& b) {
                        return a.t_begin_ns < b.t_begin_ns;

@@ -94,8 +94,7 @@ TrainResult run_train(const RunOptions& o, std::ostream& os) {
       // A step's time, as the PyTorch peer (bench/torch_peer.py) takes its own: rank 0's
       // wall clock between a barrier before the step and one after the optimizer's update.
       // (train reads no collective records: kept, they grew its memory by ~2.7 KB a step)
-      comm.clear_records();
-      dp_comm.clear_records();
+      for (MeshAxis a : mesh.axes()) mesh.group(a).clear_records();
       comm.barrier();
       const auto t0 = std::chrono::steady_clock::now();
       const double loss = model->forward_backward();

@@ -125,7 +125,7 @@ struct RankFindings {
   std::vector<double> losses;
   std::vector<double> grad_norms;  // --clip-grad
   std::vector<std::string> ties;   // MoE, rank 0: the reference's followed decisions
-  CollectiveTotals comm_step1, dp_comm_step1;
+  CollectiveTotals comm_step1, dp_comm_step1, edp_comm_step1;
 };
 
 CollectiveTotals totals(const std::vector<CollectiveRecord>& records) {
@@ -236,11 +236,12 @@ class RankRun final : public StepSource {
       out.base_fwd = baseline_->observe_forward();
       out.base_grads = observe_gradients(*baseline_);
     }
-    tp().clear_records();
-    dp().clear_records();
+    for (MeshAxis a : here_.mesh.axes()) here_.mesh.group(a).clear_records();
     out.loss = model_->forward_backward();
     out.comm = totals(tp().records());
     out.dp_comm = totals(dp().records());
+    if (here_.mesh.has_group(MeshAxis::Edp))
+      out.edp_comm = totals(here_.mesh.group(MeshAxis::Edp).records());
     model_->recycle(std::move(used));
     out.fwd = model_->observe_forward();
     out.grads = observe_gradients(*model_);
@@ -350,6 +351,8 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   TpResult r;
   r.tp = tp;
   r.dp = dp;
+  const MeshLayout layout = run_layout(o, tp);
+  if (layout.degrees().experts) r.edp = layout.size(MeshAxis::Edp);
   StepFolder folder(world, r);
   std::vector<RankFindings> found(static_cast<std::size_t>(world));
   // Replicated observations of the current step, one slot per rank of the mesh.
@@ -358,7 +361,6 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   // op that diverged.
   const std::vector<std::string> order = describe_model(o)->tensor_order(o.clip_grad > 0);
 
-  const MeshLayout layout = run_layout(o, tp);
   launch_checked_mesh(o.device, layout, o.timeout_s, [&](const MeshRank& at, Communicator& comm,
                                                          Communicator& dp_comm, LocalRank* local,
                                                          RankChannel* remote) {
@@ -391,6 +393,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
       if (step == 1) {
         mine.comm_step1 = st.comm;
         mine.dp_comm_step1 = st.dp_comm;
+        mine.edp_comm_step1 = st.edp_comm;
       }
       mine.losses.push_back(loss);
 
@@ -496,6 +499,7 @@ TpResult verify_tp(const RunOptions& o, const RunInputs& in, ReferenceFeed& ref,
   r.ties = found[0].ties;
   r.comm_step1 = found[0].comm_step1;
   r.dp_comm_step1 = found[0].dp_comm_step1;
+  r.edp_comm_step1 = found[0].edp_comm_step1;
   r.seconds = seconds_since(t0);
   return r;
 }

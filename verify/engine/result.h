@@ -58,6 +58,7 @@ struct DriftSummary {
 struct TpResult {
   int tp = 1;
   int dp = 1;                       // --dp: the group is dp replicas of this TP degree
+  int edp = 1;                      // MoE: the experts' expert-DP degree over those ranks
   bool pass = true;
   double max_rel_err = 0.0;         // over every reference and reassembled comparison
   double max_err_over_tol = 0.0;    // the same, as a multiple of each one's tolerance
@@ -80,6 +81,7 @@ struct TpResult {
   std::vector<std::string> ties;
   CollectiveTotals comm_step1;      // rank 0's collectives during step 1, on its TP group
   CollectiveTotals dp_comm_step1;   // and on its DP group
+  CollectiveTotals edp_comm_step1;  // and on its expert-DP group (the experts' gradient sums)
   double seconds = 0.0;
 };
 

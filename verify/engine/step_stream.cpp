@@ -89,6 +89,7 @@ std::vector<std::byte> encode(const StepTensors& s) {
   w.put<double>(s.loss);
   put(w, s.comm);
   put(w, s.dp_comm);
+  put(w, s.edp_comm);
   for (const auto* obs : {&s.fwd, &s.grads, &s.base_fwd, &s.base_grads}) put(w, *obs);
   return std::move(w.bytes);
 }
@@ -115,6 +116,7 @@ void decode(const std::vector<std::byte>& msg, StepTensors& out) {
   out.loss = r.get<double>();
   get(r, out.comm);
   get(r, out.dp_comm);
+  get(r, out.edp_comm);
   for (auto* obs : {&out.fwd, &out.grads, &out.base_fwd, &out.base_grads}) get(r, *obs);
   done(r);
 }

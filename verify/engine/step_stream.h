@@ -16,7 +16,8 @@ namespace tpsim {
 // tensor order), and with --recompute the same of the run without recomputation.
 struct StepTensors {
   double loss = 0;
-  CollectiveTotals comm, dp_comm;  // this step's collectives on the TP and DP groups
+  // this step's collectives on the TP and DP groups, and MoE's expert-DP group
+  CollectiveTotals comm, dp_comm, edp_comm;
   std::vector<Observation> fwd, grads, base_fwd, base_grads;
 };
 

@@ -185,8 +185,9 @@ void print_collectives(std::ostream& os, const TpResult& t) {
     if (any) os << "; bus volume " << format_bytes(bus_bytes(c, size));
     os << "\n";
   };
-  group(t.dp > 1 ? ", TP group" : "", t.comm_step1, t.tp);
+  group(t.dp > 1 || t.edp > 1 ? ", TP group" : "", t.comm_step1, t.tp);
   if (t.dp > 1) group(", DP group", t.dp_comm_step1, t.dp);
+  if (t.edp > 1) group(", expert-DP group", t.edp_comm_step1, t.edp);
 }
 
 // --clip-grad: the norm before clipping at every step, and its error against the
@@ -360,6 +361,14 @@ nlohmann::json verify_json(const RunOptions& o, const VerifyReport& r) {
             {"count", t.dp_comm_step1.count[k]}, {"bytes", t.dp_comm_step1.bytes[k]}};
       jt["dp_collectives_step1"] = dpc;
       jt["dp_bus_bytes_step1"] = bus_bytes(t.dp_comm_step1, t.dp);
+    }
+    if (t.edp > 1) {
+      nlohmann::json edpc = nlohmann::json::object();
+      for (int k = 0; k < kNumCollectiveKinds; ++k)
+        edpc[collective_name(static_cast<CollectiveKind>(k))] = {
+            {"count", t.edp_comm_step1.count[k]}, {"bytes", t.edp_comm_step1.bytes[k]}};
+      jt["edp_collectives_step1"] = edpc;
+      jt["edp_bus_bytes_step1"] = bus_bytes(t.edp_comm_step1, t.edp);
     }
     if (!t.grad_norms.empty()) jt["grad_norms"] = t.grad_norms;
     jt["ties"] = t.ties;

@@ -101,9 +101,10 @@ GptBatch replica_batch(const GptBatch& global, int d, int dp) {
 
 namespace {
 
-// `ep` × `etp`: the experts' degrees.
+// `ep` × `etp`: the experts' degrees; `edp` their expert-DP group (null: none given).
 std::unique_ptr<ShardedModel> make_model(const RunOptions& o, const RunInputs& in, Backend& be,
-                                         Communicator& comm, Communicator* dp, int ep, int etp) {
+                                         Communicator& comm, Communicator* dp, int ep, int etp,
+                                         Communicator* edp) {
   if (o.model == ModelKind::Mlp)
     return make_mlp(o.fault, o.mlp, in.mlp_batch, be, comm, o.dtype, o.seed, o.lr);
   GptParallelism par;
@@ -117,7 +118,7 @@ std::unique_ptr<ShardedModel> make_model(const RunOptions& o, const RunInputs& i
   par.etp = etp;
   if (o.dp == 1 && o.clip_grad == 0)
     return std::make_unique<ShardedGpt>(o.gpt, in.gpt_batch, o.adam, par, be, comm, o.dtype,
-                                        o.seed, o.fault);
+                                        o.seed, o.fault, nullptr, edp);
   if (!dp) throw Error("make_sharded_model: --dp or --clip-grad without a DP group");
   const int d = dp->rank(), n = dp->world_size();
   if (n != o.dp)
@@ -136,7 +137,7 @@ std::unique_ptr<ShardedModel> make_model(const RunOptions& o, const RunInputs& i
                               in.gpt_batch.num_ignored();
   auto make = [&](Communicator& tp) -> std::unique_ptr<ShardedModel> {
     return std::make_unique<ShardedGpt>(o.gpt, batch, o.adam, par, be, tp, o.dtype, o.seed,
-                                        o.fault, dp);
+                                        o.fault, dp, edp);
   };
   return make_data_parallel(o.fault, make, be, comm, *dp, opt);
 }
@@ -146,7 +147,7 @@ std::unique_ptr<ShardedModel> make_model(const RunOptions& o, const RunInputs& i
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
                                                  Backend& be, Communicator& comm,
                                                  Communicator* dp) {
-  auto model = make_model(o, in, be, comm, dp, o.ep, o.etp);
+  auto model = make_model(o, in, be, comm, dp, o.ep, o.etp, nullptr);
   model->set_shard_placement(shard_placement(o.fault));  // (a planted fault's, if any)
   return model;
 }
@@ -158,6 +159,7 @@ MeshLayout run_layout(const RunOptions& o, int tp) {
   if (o.model == ModelKind::Gpt && o.gpt.moe()) {
     d.ep = o.ep;
     d.etp = o.etp;
+    d.experts = true;
   }
   return MeshLayout(d);
 }
@@ -165,8 +167,9 @@ MeshLayout run_layout(const RunOptions& o, int tp) {
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
                                                  Backend& be, ParallelMesh& mesh) {
   Communicator* dp = o.dp > 1 || o.clip_grad > 0 ? &mesh.group(MeshAxis::Dp) : nullptr;
+  Communicator* edp = mesh.has_group(MeshAxis::Edp) ? &mesh.group(MeshAxis::Edp) : nullptr;
   auto model = make_model(o, in, be, mesh.group(MeshAxis::Tp), dp, mesh.size(MeshAxis::Ep),
-                          mesh.size(MeshAxis::Etp));
+                          mesh.size(MeshAxis::Etp), edp);
   model->set_shard_placement(shard_placement(o.fault));  // (a planted fault's, if any)
   return model;
 }

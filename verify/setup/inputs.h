@@ -37,7 +37,8 @@ std::vector<std::int64_t> vocab_boundary_ids(const RunOptions& o);
 
 // The sharded model of `o.model` for one rank, on its TP group `comm`; with --dp or
 // --clip-grad, of the DP replica that its DP group `dp` gives (null: the only one),
-// wrapped in the DP sync and clipping (sharded/data_parallel.h).
+// wrapped in the DP sync and clipping (sharded/data_parallel.h). No expert-DP group: MoE
+// only where each expert lives on one rank of the mesh (ep·etp = tp·dp).
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
                                                  Backend& be, Communicator& comm,
                                                  Communicator* dp = nullptr);
@@ -46,7 +47,7 @@ std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunI
 // layout checks them once; validate.cpp names the flags first).
 MeshLayout run_layout(const RunOptions& o, int tp);
 // make_sharded_model for the rank of `mesh`: on its TP group, its DP group where the run
-// has one, the experts' degrees the mesh's.
+// has one, the experts' degrees the mesh's and their expert-DP group.
 std::unique_ptr<ShardedModel> make_sharded_model(const RunOptions& o, const RunInputs& in,
                                                  Backend& be, ParallelMesh& mesh);
 
