@@ -71,6 +71,7 @@ void launch_mesh(const DeviceOptions& dev, const MeshLayout& layout, double time
   check_launch(dev, layout.world(), layout.size(MeshAxis::Dp));
   run_thread_mesh(layout, mesh_axes(layout), timeout_s, [&](ParallelMesh& mesh) {
     std::unique_ptr<Backend> be = make_cpu_backend();
+    if (dev.wrap) be = dev.wrap(mesh.rank(), std::move(be));
     fn(mesh, *be);
   });
 }

@@ -26,6 +26,10 @@ class MpiProcesses;  // comm/mpi_comm.h, in builds with MPI
 struct DeviceOptions {
   BackendKind backend = BackendKind::Cpu;
   CommKind comm = CommKind::Auto;  // cpu: threads; cuda: nccl with >= t GPUs, else sim
+  // Called with each rank's backend as the launcher makes it, on the rank's thread, before
+  // the rank's function (a test holds a rank back there); identity when empty. (Profiling
+  // does not wrap the backend: it watches its ops, profile/op_timer.h.)
+  std::function<std::unique_ptr<Backend>(int rank, std::unique_ptr<Backend>)> wrap;
   // Set when the run spans the processes of an MPI job (start_processes): each process
   // runs its block of the ranks, and every process must make the same launches in the same
   // order. Null for a run in one process.

@@ -33,13 +33,14 @@ void check(const DeviceOptions& dev, int world, int /*dp*/) { (void)plan_for(dev
 // Rank host.rank() on GPU `device`: its backend, its device communicators over `groups`
 // (NCCL's when `nccl`), and `fn`. When the rank fails, `groups` are aborted, which ends the
 // NCCL work its peers may have queued for it.
-void run_device_rank(int device, double timeout_s, const ParallelMesh& host, MeshGroups& groups,
-                     bool nccl, const MeshMain& fn) {
+void run_device_rank(const DeviceOptions& dev, int device, double timeout_s,
+                     const ParallelMesh& host, MeshGroups& groups, bool nccl, const MeshMain& fn) {
   const MeshRank at = host.at();
   TPSIM_CUDA_CHECK(cudaSetDevice(device));  // CUDA's current device is per thread
   auto cuda = std::make_unique<CudaBackend>(device);
   CudaBackend& device_backend = *cuda;
   std::unique_ptr<Backend> be = std::move(cuda);
+  if (dev.wrap) be = dev.wrap(at.rank, std::move(be));
   // Host waits for the device end (with NCCL, also at an asynchronous error of this rank's
   // communicators, while they live), never hang. Their deadline is a backstop, three
   // times the run's timeout: later than the waits that can name a stalled peer and its
@@ -84,7 +85,7 @@ void launch(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s
     transport = std::make_unique<SimTransport>(plan.devices.front());
   MeshGroups device_groups(layout, mesh_axes(layout), *transport);
   run_thread_mesh(layout, mesh_axes(layout), timeout_s, [&](ParallelMesh& host) {
-    run_device_rank(plan.devices[static_cast<std::size_t>(host.rank())], timeout_s, host,
+    run_device_rank(dev, plan.devices[static_cast<std::size_t>(host.rank())], timeout_s, host,
                     device_groups, plan.comm == CommKind::Nccl, fn);
   });
 }
@@ -96,7 +97,7 @@ void launch(const DeviceOptions& dev, const MeshLayout& layout, double timeout_s
 class NcclProcess final : public ProcessDevices {
  public:
   NcclProcess(const DeviceOptions& dev, const ProcessLayout& layout, double timeout_s)
-      : timeout_s_(timeout_s) {
+      : dev_(dev), timeout_s_(timeout_s) {
     std::string why;
     const int gpus = cuda_device_count(&why);
     const CudaPlan plan = plan_cuda_process(
@@ -111,11 +112,12 @@ class NcclProcess final : public ProcessDevices {
   }
 
   void run_rank(const ParallelMesh& host, const MeshMain& fn) override {
-    run_device_rank(device_of_.at(static_cast<std::size_t>(host.rank())), timeout_s_, host,
+    run_device_rank(dev_, device_of_.at(static_cast<std::size_t>(host.rank())), timeout_s_, host,
                     *groups_, true, fn);
   }
 
  private:
+  const DeviceOptions& dev_;
   double timeout_s_;
   std::vector<int> device_of_;  // world rank -> its GPU where held here, else -1
   std::unique_ptr<NcclTransport> transport_;

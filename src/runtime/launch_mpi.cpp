@@ -99,6 +99,7 @@ class RankModels {
   void run(ParallelMesh& host, const MeshMain& fn) {
     if (devices_) return devices_->run_rank(host, fn);
     std::unique_ptr<Backend> be = make_cpu_backend();
+    if (dev_.wrap) be = dev_.wrap(host.rank(), std::move(be));
     fn(host, *be);
   }
 
