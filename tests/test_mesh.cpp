@@ -127,7 +127,7 @@ TEST_CASE("mesh: every rank's communicator on each axis meets exactly that axis'
     }
 }
 
-TEST_CASE("mesh: a run with experts gets its expert-DP group; a dense run makes none", "[mesh][comm]") {
+TEST_CASE("mesh: a run with experts gets its expert-DP group, and a dense run makes none", "[mesh][comm]") {
   MeshDegrees d;
   d.tp = 2;
   d.dp = 2;
